@@ -1,0 +1,30 @@
+#include "common/env.hpp"
+
+#include <cstdlib>
+
+#include "common/check.hpp"
+
+namespace flatep::env {
+
+std::string get(const char* name, const std::string& fallback) {
+    const char* value = std::getenv(name);
+    return (value == nullptr || *value == '\0') ? fallback : std::string(value);
+}
+
+double timeout_seconds() {
+    const std::string text = get("FLATEP_TIMEOUT_S", "100");
+    char* end = nullptr;
+    const double value = std::strtod(text.c_str(), &end);
+    FLATEP_CHECK(end != text.c_str() && *end == '\0' && value > 0, "FLATEP_TIMEOUT_S must be a positive number, got '",
+                 text, "'");
+    return value;
+}
+
+bool debug() { return get("FLATEP_DEBUG", "0") != "0"; }
+
+int log_level() {
+    const std::string text = get("FLATEP_LOG_LEVEL", "1");
+    return std::atoi(text.c_str());
+}
+
+}  // namespace flatep::env

@@ -1,0 +1,18 @@
+// Environment variables. Each FLATEP_* variable is declared here once and listed in the README.
+#pragma once
+
+#include <string>
+
+namespace flatep::env {
+
+// FLATEP_TIMEOUT_S: seconds any cross-rank wait may take before it fails with a timeout error (default 100).
+double timeout_seconds();
+// FLATEP_DEBUG: 1 = check the device status word after every op (reports bad expert ids at once).
+bool debug();
+// FLATEP_LOG_LEVEL: 0 quiet, 1 warnings (default), 2 info, 3 debug.
+int log_level();
+
+// Raw access used by the functions above; exposed for tests. Returns fallback when unset or empty.
+std::string get(const char* name, const std::string& fallback);
+
+}  // namespace flatep::env

@@ -1,0 +1,108 @@
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <sstream>
+
+#include "common/check.hpp"
+#include "flatep/config.hpp"
+#include "layout/layout.hpp"
+
+namespace flatep {
+
+namespace {
+constexpr int kMaxAlign = 4096;
+constexpr double kMaxCapacityFactor = 4.0;
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+int64_t capacity_of(const Config& c) {
+    const int64_t sk = int64_t(c.num_tokens) * c.topk;
+    if (c.capacity_factor == 1.0) return sk;
+    return int64_t(std::ceil(c.capacity_factor * double(sk)));
+}
+
+int64_t recv_rows_of(const Config& c, int64_t capacity) {
+    const int64_t epn = c.num_experts / c.num_ranks;
+    return round_up<int64_t>(capacity + 2 * epn * (c.align - 1), c.align);
+}
+}  // namespace
+
+void Config::validate() const {
+    FLATEP_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks (R) must be in [1, ", kMaxRanks, "], got ",
+                 num_ranks);
+    FLATEP_CHECK(rank >= 0 && rank < num_ranks, "rank must be in [0, num_ranks=", num_ranks, "), got ", rank);
+    FLATEP_CHECK(num_experts >= 1, "num_experts (E) must be positive, got ", num_experts);
+    FLATEP_CHECK(num_experts % num_ranks == 0, "num_experts (E) must be a multiple of num_ranks (R): E=", num_experts,
+                 " R=", num_ranks);
+    FLATEP_CHECK(num_tokens >= 1, "num_tokens (S) must be positive, got ", num_tokens);
+    FLATEP_CHECK(topk >= 1 && topk <= kMaxTopk, "topk (K) must be in [1, ", kMaxTopk, "], got ", topk);
+    FLATEP_CHECK(topk <= num_experts, "topk (K) must not exceed num_experts (E): K=", topk, " E=", num_experts);
+    FLATEP_CHECK(hidden >= 8 && hidden % 8 == 0,
+                 "hidden (H) must be a positive multiple of 8 (16-byte bf16 rows), got ", hidden);
+    FLATEP_CHECK(align >= 1 && align <= kMaxAlign, "align must be in [1, ", kMaxAlign, "], got ", align);
+    FLATEP_CHECK(std::isfinite(capacity_factor) && capacity_factor >= 1.0 && capacity_factor <= kMaxCapacityFactor,
+                 "capacity_factor must be in [1, ", kMaxCapacityFactor, "], got ", capacity_factor);
+    const int64_t sk = int64_t(num_tokens) * topk;
+    FLATEP_CHECK(sk <= kInt32Max, "num_tokens*topk (S*K) must fit int32, got ", sk);
+    const int64_t capacity = capacity_of(*this);
+    FLATEP_CHECK(capacity <= kInt32Max, "capacity C = ceil(capacity_factor*S*K) must fit int32, got ", capacity);
+    const int64_t nvs = recv_rows_of(*this, capacity);
+    FLATEP_CHECK(nvs * num_ranks <= kInt32Max, "num_ranks * receive rows (R*NvS) must fit int32, got ", nvs, "*",
+                 num_ranks);
+    FLATEP_CHECK(nvs * int64_t(hidden) <= (int64_t(1) << 40), "receive buffer NvS*H = ", nvs, "*", hidden,
+                 " elements is too large");
+}
+
+uint64_t Config::hash() const {
+    uint64_t h = kFnvOffset;
+    h = fnv1a_mix(h, uint64_t(num_ranks));
+    h = fnv1a_mix(h, uint64_t(num_experts));
+    h = fnv1a_mix(h, uint64_t(num_tokens));
+    h = fnv1a_mix(h, uint64_t(topk));
+    h = fnv1a_mix(h, uint64_t(hidden));
+    h = fnv1a_mix(h, uint64_t(align));
+    uint64_t bits = 0;
+    static_assert(sizeof(bits) == sizeof(capacity_factor));
+    __builtin_memcpy(&bits, &capacity_factor, sizeof(bits));
+    h = fnv1a_mix(h, bits);
+    return h;
+}
+
+std::string Config::mismatch(const Config& o) const {
+    std::ostringstream os;
+    auto field = [&](const char* name, auto mine, auto theirs) {
+        if (os.tellp() == 0 && mine != theirs) os << name << ": " << mine << " vs " << theirs;
+    };
+    field("num_ranks", num_ranks, o.num_ranks);
+    field("num_experts", num_experts, o.num_experts);
+    field("num_tokens", num_tokens, o.num_tokens);
+    field("topk", topk, o.topk);
+    field("hidden", hidden, o.hidden);
+    field("align", align, o.align);
+    field("capacity_factor", capacity_factor, o.capacity_factor);
+    return os.str();
+}
+
+std::string Config::to_string() const {
+    return detail::concat("Config(R=", num_ranks, ", rank=", rank, ", E=", num_experts, ", S=", num_tokens,
+                          ", K=", topk, ", H=", hidden, ", align=", align, ", capacity_factor=", capacity_factor,
+                          ")");
+}
+
+Layout make_layout(const Config& c) {
+    c.validate();
+    Layout l{};
+    l.num_ranks = c.num_ranks;
+    l.num_experts = c.num_experts;
+    l.experts_per_rank = c.num_experts / c.num_ranks;
+    l.num_tokens = c.num_tokens;
+    l.topk = c.topk;
+    l.hidden = c.hidden;
+    l.align = c.align;
+    const int64_t capacity = capacity_of(c);
+    l.capacity = int(capacity);
+    l.num_recv_rows = int(recv_rows_of(c, capacity));
+    l.exact = c.capacity_factor == 1.0;
+    return l;
+}
+
+}  // namespace flatep

@@ -1,0 +1,78 @@
+// Layout: the one object that derives every size and offset from a Config (design §1, §5). Plain
+// arithmetic, usable from host code and CUDA kernels alike; kernels receive it by value inside their Args.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/macros.hpp"
+#include "common/math.hpp"
+
+namespace flatep {
+
+struct Config;
+
+struct Layout {
+    int num_ranks;          // R
+    int num_experts;        // E
+    int experts_per_rank;   // epn = E / R
+    int num_tokens;         // S
+    int topk;               // K
+    int hidden;             // H
+    int align;              // group padding
+    int capacity;           // C: S*K (exact) or ceil(f*S*K) (slack)
+    int num_recv_rows;      // NvS = round_up(C + 2*epn*(align-1), align)
+    bool exact;             // capacity_factor == 1
+
+    FLATEP_HD int num_groups() const { return 2 * experts_per_rank; }
+    FLATEP_HD int num_entries() const { return num_tokens * topk; }  // S*K: entries one rank routes at most
+    FLATEP_HD int home_rank(int expert_idx) const { return expert_idx / experts_per_rank; }
+    FLATEP_HD int local_expert(int expert_idx) const { return expert_idx % experts_per_rank; }
+    FLATEP_HD int64_t row_bytes() const { return int64_t(hidden) * 2; }  // one bf16 row
+    FLATEP_HD int padded(int rows) const { return round_up(rows, align); }
+};
+
+// Builds the layout of a validated config (calls config.validate()).
+Layout make_layout(const Config& config);
+
+// Offsets (in bytes) of the regions of one rank's symmetric buffer. Every rank's buffer has the same
+// layout, so a peer's region is peer_base + offset. Regions are 256-byte aligned.
+struct SymmetricLayout {
+    static constexpr int64_t kAlignBytes = 256;
+    int64_t barrier_offset;   // uint64_t[kMaxRanks]: barrier epoch written by each peer (see transport/barrier)
+    int64_t status_offset;    // int32_t[4]: device status word (first bad expert id etc.)
+    int64_t tpe_all_offset;   // int32_t[R][E]: all-gathered token counts, row s written by rank s
+    int64_t recv_x_offset;    // bf16[NvS][H]: rows pushed by sources (primary rows of each (source, token))
+    int64_t recv_w_offset;    // float[NvS]: routing weight of every entry row
+    int64_t row_head_offset;  // int32_t[NvS]: staging of the plan's per-row chain heads, written by sources
+    int64_t row_next_offset;  // int32_t[NvS]: staging of the plan's per-row chain links, written by sources
+    int64_t partial_offset;   // bf16[NvS][H]: combine partial sums, pulled by sources
+    int64_t total_bytes;
+
+    FLATEP_HD static int64_t align_up(int64_t x) { return round_up<int64_t>(x, kAlignBytes); }
+};
+
+FLATEP_HD SymmetricLayout make_symmetric_layout(const Layout& l) {
+    SymmetricLayout s{};
+    int64_t at = 0;
+    s.barrier_offset = at;
+    at = SymmetricLayout::align_up(at + int64_t(kMaxRanks) * 8);
+    s.status_offset = at;
+    at = SymmetricLayout::align_up(at + 16);
+    s.tpe_all_offset = at;
+    at = SymmetricLayout::align_up(at + int64_t(l.num_ranks) * l.num_experts * 4);
+    s.recv_x_offset = at;
+    at = SymmetricLayout::align_up(at + int64_t(l.num_recv_rows) * l.row_bytes());
+    s.recv_w_offset = at;
+    at = SymmetricLayout::align_up(at + int64_t(l.num_recv_rows) * 4);
+    s.row_head_offset = at;
+    at = SymmetricLayout::align_up(at + int64_t(l.num_recv_rows) * 4);
+    s.row_next_offset = at;
+    at = SymmetricLayout::align_up(at + int64_t(l.num_recv_rows) * 4);
+    s.partial_offset = at;
+    at = SymmetricLayout::align_up(at + int64_t(l.num_recv_rows) * l.row_bytes());
+    s.total_bytes = at;
+    return s;
+}
+
+}  // namespace flatep

@@ -1,0 +1,172 @@
+// The plan (design §4): what the planner produces from the all-gathered counts tpe_all[R][E], plus the
+// per-rank routing of entries to rows. Every array has a size fixed by the Layout, so a plan lives in one
+// allocation (host memory for the CPU backend, device memory for CUDA) and views of it are plain pointers.
+//
+// Split rule (which rank computes which entry; a documented function of tpe_all and alloc alone):
+//   For expert e, the hosts are the ranks d with alloc[d][e] > 0 (its home and its replicas).
+//   1. Keep: a host d keeps keep[d][e] = min(tpe[d][e], alloc[d][e]) of its own entries (locality).
+//   2. Spill: the other entries of every source form one stream ordered by source rank, each source's entries in
+//      (token, k) order; source s occupies [spill_start[s][e], spill_start[s][e] + tpe[s][e] - keep[s][e]).
+//      Host d takes the stream range [take_start[d][e], take_start[d][e] + alloc[d][e] - keep[d][e]); hosts are
+//      laid along the stream in ascending rank order.
+//   So the j-th entry (in (token, k) order) of source s for expert e goes to s itself when j < keep[s][e], else to
+//   the host d whose take range holds g = spill_start[s][e] + j - keep[s][e].
+//   Row inside e's group on d (rows ordered by (source rank, token, k)):
+//     kept entry:    clamp(spill_start[d][e] - take_start[d][e], 0, take_d) + j            (sources < d spill first)
+//     spilled entry: (d < s ? keep[d][e] : 0) + g - take_start[d][e]
+//   where take_d = alloc[d][e] - keep[d][e]. A source that hosts e never spills to itself (it keeps all it can).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/macros.hpp"
+#include "layout/layout.hpp"
+
+namespace flatep {
+
+enum class PlannerKind : int32_t {
+    kGreedy = 0,    // one-donor greedy (design §4, constraint 3): the reference baseline
+    kBalanced = 1,  // the default: balances donors and receivers jointly to lower the prefetch makespan
+};
+
+const char* planner_name(PlannerKind kind);
+
+// Cheap statistics of a plan (fixed size, so it can live in device memory).
+struct PlanStats {
+    int64_t entries_total;     // N: valid entries this step, all ranks
+    int64_t entries_moved;     // entries computed on a rank other than their source rank
+    int64_t entries_on_source; // entries computed on their source rank (N - entries_moved)
+    int32_t max_load_before;   // max over ranks of the group load G_r (what rank r computes without FlatEP)
+    int32_t max_load_after;    // max over ranks of sum_e alloc[r][e]
+    int32_t min_load_after;
+    int32_t total_replicas;    // number of (rank, slot) pairs holding a replica
+    int32_t makespan;          // P = max over ranks of max(replicas received, replica copies sent)
+    int32_t max_replicas_in;
+    int32_t max_replicas_out;
+    int32_t loads_before[kMaxRanks];
+    int32_t loads_after[kMaxRanks];
+    int32_t replicas_in[kMaxRanks];   // slots used on rank r
+    int32_t replicas_out[kMaxRanks];  // copies of rank r's experts placed elsewhere
+};
+
+// Pointers into one plan allocation. Index conventions: [d*E + e] for per-(rank, expert) arrays;
+// [d*epn + j] for slot_expert; [d*2*epn + g] for cu_seqlens.
+struct PlanView {
+    // Global part: identical on every rank.
+    int32_t* tpe_all;      // [R][E] counts: entries of source s routed to expert e
+    int32_t* alloc;        // [R][E] entries of expert e computed on rank d
+    int32_t* keep;         // [R][E] entries of source d for expert e kept on d (0 unless d hosts e)
+    int32_t* spill_start;  // [R][E] start of source s in e's spill stream
+    int32_t* take_start;   // [R][E] start of host d's take range in e's spill stream
+    int32_t* group_row;    // [R][E] first row of e's group on rank d; -1 when d does not host e
+    int32_t* slot_expert;  // [R][epn] expert held by each slot, -1 if none; slots sorted by expert id
+    int32_t* cu_seqlens;   // [R][2*epn] inclusive padded ends of the groups (grouped-GEMM offs)
+    PlanStats* stats;
+    // Per-rank part: this rank's entries and rows.
+    int32_t* entry_rank;   // [S*K] destination rank of entry (t,k) = t*K+k of this rank; -1 if its id was invalid
+    int32_t* entry_row;    // [S*K] destination row of that entry on entry_rank
+    int32_t* row_head;     // [NvS] rows of this rank: first row of the same (source, token) chain; -1 padding/unused
+    int32_t* row_next;     // [NvS] next row of the same (source, token) on this rank (ascending k); -1 at the end
+    int32_t* header;       // [kPlanHeaderWords]: see PlanHeader
+};
+
+// Small scalar header stored in the plan allocation (int32 words).
+enum PlanHeader : int {
+    kHeaderNumTokens = 0,   // tokens this rank passed to plan() (s <= S)
+    kHeaderGenerationLo,    // generation id, low/high 32 bits (runtime stamps it)
+    kHeaderGenerationHi,
+    kHeaderPlanner,         // PlannerKind used
+    kPlanHeaderWords = 8,
+};
+
+// Sizes and offsets (in int32 words) of every array of a plan allocation.
+struct PlanSizes {
+    int64_t tpe_all, alloc, keep, spill_start, take_start, group_row, slot_expert, cu_seqlens, stats;
+    int64_t entry_rank, entry_row, row_head, row_next, header;
+    int64_t total_words;
+};
+
+FLATEP_HD PlanSizes make_plan_sizes(const Layout& l) {
+    PlanSizes s{};
+    const int64_t re = int64_t(l.num_ranks) * l.num_experts;
+    const int64_t sk = int64_t(l.num_tokens) * l.topk;
+    int64_t at = 0;
+    auto take = [&at](int64_t words) {
+        const int64_t start = at;
+        at += (words + 63) / 64 * 64;  // keep every array 256-byte aligned
+        return start;
+    };
+    s.tpe_all = take(re);
+    s.alloc = take(re);
+    s.keep = take(re);
+    s.spill_start = take(re);
+    s.take_start = take(re);
+    s.group_row = take(re);
+    s.slot_expert = take(int64_t(l.num_ranks) * l.experts_per_rank);
+    s.cu_seqlens = take(int64_t(l.num_ranks) * l.num_groups());
+    s.stats = take(int64_t(sizeof(PlanStats) + 3) / 4);
+    s.entry_rank = take(sk);
+    s.entry_row = take(sk);
+    s.row_head = take(l.num_recv_rows);
+    s.row_next = take(l.num_recv_rows);
+    s.header = take(kPlanHeaderWords);
+    s.total_words = at;
+    return s;
+}
+
+// Views a plan allocation of at least make_plan_sizes(l).total_words int32 words (256-byte aligned base).
+FLATEP_HD PlanView make_plan_view(const Layout& l, int32_t* base) {
+    const PlanSizes s = make_plan_sizes(l);
+    PlanView v{};
+    v.tpe_all = base + s.tpe_all;
+    v.alloc = base + s.alloc;
+    v.keep = base + s.keep;
+    v.spill_start = base + s.spill_start;
+    v.take_start = base + s.take_start;
+    v.group_row = base + s.group_row;
+    v.slot_expert = base + s.slot_expert;
+    v.cu_seqlens = base + s.cu_seqlens;
+    v.stats = reinterpret_cast<PlanStats*>(base + s.stats);
+    v.entry_rank = base + s.entry_rank;
+    v.entry_row = base + s.entry_row;
+    v.row_head = base + s.row_head;
+    v.row_next = base + s.row_next;
+    v.header = base + s.header;
+    return v;
+}
+
+// Where the j-th entry (in (token, k) order) of source `src` for `expert` is computed: rank and row.
+// Pure arithmetic on the global part of the plan; the host and CUDA routing both call it.
+struct EntryPlace {
+    int32_t rank;
+    int32_t row;
+};
+
+FLATEP_HD EntryPlace place_entry(const Layout& l, const PlanView& p, int src, int expert, int j) {
+    const int E = l.num_experts;
+    const int32_t keep_s = p.keep[src * E + expert];
+    if (j < keep_s) {
+        const int32_t take_s = p.alloc[src * E + expert] - keep_s;
+        int64_t before = int64_t(p.spill_start[src * E + expert]) - p.take_start[src * E + expert];
+        before = before < 0 ? 0 : (before > take_s ? take_s : before);
+        return EntryPlace{src, int32_t(p.group_row[src * E + expert] + before + j)};
+    }
+    const int64_t g = int64_t(p.spill_start[src * E + expert]) + (j - keep_s);
+    // Hosts are laid along the stream in ascending rank order: the host of g is the last rank d whose take range
+    // starts at or before g and is non-empty.
+    int dst = -1;
+    for (int d = 0; d < l.num_ranks; ++d) {
+        const int32_t take_d = p.alloc[d * E + expert] - p.keep[d * E + expert];
+        if (take_d > 0 && p.take_start[d * E + expert] <= g && g < int64_t(p.take_start[d * E + expert]) + take_d) {
+            dst = d;
+            break;
+        }
+    }
+    if (dst < 0) return EntryPlace{-1, -1};  // unreachable for a consistent plan
+    const int64_t row = int64_t(p.group_row[dst * E + expert]) + (dst < src ? p.keep[dst * E + expert] : 0) +
+                        (g - p.take_start[dst * E + expert]);
+    return EntryPlace{dst, int32_t(row)};
+}
+
+}  // namespace flatep

@@ -1,0 +1,103 @@
+#include <gtest/gtest.h>
+
+#include "flatep/config.hpp"
+#include "flatep/error.hpp"
+#include "layout/layout.hpp"
+
+namespace flatep {
+namespace {
+
+Config small() {
+    Config c;
+    c.num_ranks = 4;
+    c.num_experts = 16;
+    c.num_tokens = 32;
+    c.topk = 2;
+    c.hidden = 64;
+    c.align = 8;
+    return c;
+}
+
+std::string error_of(const Config& c) {
+    try {
+        c.validate();
+    } catch (const Error& e) {
+        EXPECT_EQ(e.category(), ErrorCategory::kInvalidArgument);
+        return e.message();
+    }
+    return "";
+}
+
+TEST(Config, ValidConfigPasses) { EXPECT_EQ(error_of(small()), ""); }
+
+TEST(Config, EachBadFieldIsNamedWithItsValue) {
+    struct Case {
+        void (*mutate)(Config&);
+        const char* expect;
+    };
+    const Case cases[] = {
+        {[](Config& c) { c.num_ranks = 0; }, "num_ranks (R) must be in [1, 64], got 0"},
+        {[](Config& c) { c.num_ranks = 65; }, "num_ranks (R) must be in [1, 64], got 65"},
+        {[](Config& c) { c.rank = 4; }, "rank must be in [0, num_ranks=4), got 4"},
+        {[](Config& c) { c.rank = -1; }, "rank must be in [0, num_ranks=4), got -1"},
+        {[](Config& c) { c.num_experts = 18; }, "num_experts (E) must be a multiple of num_ranks (R): E=18 R=4"},
+        {[](Config& c) { c.num_experts = 0; }, "num_experts (E) must be positive, got 0"},
+        {[](Config& c) { c.num_tokens = 0; }, "num_tokens (S) must be positive, got 0"},
+        {[](Config& c) { c.topk = 0; }, "topk (K) must be in [1, 32], got 0"},
+        {[](Config& c) { c.topk = 33; }, "topk (K) must be in [1, 32], got 33"},
+        {[](Config& c) { c.topk = 17; }, "topk (K) must not exceed num_experts (E): K=17 E=16"},
+        {[](Config& c) { c.hidden = 12; }, "hidden (H) must be a positive multiple of 8 (16-byte bf16 rows), got 12"},
+        {[](Config& c) { c.align = 0; }, "align must be in [1, 4096], got 0"},
+        {[](Config& c) { c.capacity_factor = 0.9; }, "capacity_factor must be in [1, 4], got 0.9"},
+        {[](Config& c) { c.num_tokens = 1 << 27, c.topk = 16; }, "num_tokens*topk (S*K) must fit int32, got 2147483648"},
+    };
+    for (const Case& cs : cases) {
+        Config c = small();
+        cs.mutate(c);
+        EXPECT_EQ(error_of(c), cs.expect);
+    }
+}
+
+TEST(Config, HashIgnoresRankAndMismatchNamesField) {
+    Config a = small(), b = small();
+    b.rank = 3;
+    EXPECT_EQ(a.hash(), b.hash());
+    EXPECT_EQ(a.mismatch(b), "");
+    b.topk = 3;
+    EXPECT_NE(a.hash(), b.hash());
+    EXPECT_EQ(a.mismatch(b), "topk: 2 vs 3");
+}
+
+TEST(Layout, DerivedSizes) {
+    const Layout l = make_layout(small());
+    EXPECT_EQ(l.experts_per_rank, 4);
+    EXPECT_EQ(l.capacity, 64);
+    // NvS = round_up(C + 2*epn*(align-1), align) = round_up(64 + 8*7, 8) = 120
+    EXPECT_EQ(l.num_recv_rows, 120);
+    EXPECT_TRUE(l.exact);
+    EXPECT_EQ(l.home_rank(13), 3);
+    EXPECT_EQ(l.local_expert(13), 1);
+
+    Config c = small();
+    c.capacity_factor = 1.25;
+    c.align = 128;
+    const Layout s = make_layout(c);
+    EXPECT_EQ(s.capacity, 80);
+    EXPECT_EQ(s.num_recv_rows, 1152);  // round_up(80 + 8*127, 128)
+    EXPECT_FALSE(s.exact);
+}
+
+TEST(Layout, SymmetricRegionsAreAlignedAndDisjoint) {
+    const Layout l = make_layout(small());
+    const SymmetricLayout s = make_symmetric_layout(l);
+    const int64_t offs[] = {s.barrier_offset, s.status_offset, s.tpe_all_offset, s.recv_x_offset,
+                            s.recv_w_offset, s.row_head_offset, s.row_next_offset, s.partial_offset, s.total_bytes};
+    const int64_t sizes[] = {64 * 8, 16, 4 * 16 * 4, 120 * 64 * 2, 120 * 4, 120 * 4, 120 * 4, 120 * 64 * 2};
+    for (int i = 0; i + 1 < int(std::size(offs)); ++i) {
+        EXPECT_EQ(offs[i] % 256, 0) << i;
+        EXPECT_GE(offs[i + 1] - offs[i], sizes[i]) << i;
+    }
+}
+
+}  // namespace
+}  // namespace flatep
