@@ -17,7 +17,7 @@ enum class ErrorCategory {
 const char* category_name(ErrorCategory category);
 
 class Error : public std::runtime_error {
-public:
+  public:
     Error(ErrorCategory category, const char* file, int line, const std::string& message);
 
     ErrorCategory category() const { return category_; }
@@ -25,7 +25,7 @@ public:
     const char* file() const { return file_; }
     int line() const { return line_; }
 
-private:
+  private:
     ErrorCategory category_;
     const char* file_;
     int line_;

@@ -24,20 +24,21 @@ std::string concat(Parts&&... parts) {
 #define FLATEP_THROW(category, ...) \
     ::flatep::detail::throw_error((category), __FILE__, __LINE__, ::flatep::detail::concat(__VA_ARGS__))
 
-#define FLATEP_CHECK(cond, ...)                                                       \
-    do {                                                                              \
+#define FLATEP_CHECK(cond, ...)                                                            \
+    do {                                                                                   \
         if (!(cond)) FLATEP_THROW(::flatep::ErrorCategory::kInvalidArgument, __VA_ARGS__); \
     } while (0)
 
-#define FLATEP_CHECK_RUNTIME(cond, ...)                                       \
-    do {                                                                      \
+#define FLATEP_CHECK_RUNTIME(cond, ...)                                            \
+    do {                                                                           \
         if (!(cond)) FLATEP_THROW(::flatep::ErrorCategory::kRuntime, __VA_ARGS__); \
     } while (0)
 
 // errno-style system calls: FLATEP_SYS_CHECK(close(fd) == 0, "close") appends strerror(errno).
-#define FLATEP_SYS_CHECK(cond, what)                                                                      \
-    do {                                                                                                  \
-        if (!(cond)) FLATEP_THROW(::flatep::ErrorCategory::kRuntime, what, " failed: ", ::flatep::detail::errno_text()); \
+#define FLATEP_SYS_CHECK(cond, what)                                                                            \
+    do {                                                                                                        \
+        if (!(cond))                                                                                            \
+            FLATEP_THROW(::flatep::ErrorCategory::kRuntime, what, " failed: ", ::flatep::detail::errno_text()); \
     } while (0)
 
 namespace flatep::detail {

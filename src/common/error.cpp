@@ -22,8 +22,8 @@ const char* category_name(ErrorCategory category) {
 namespace {
 std::string format_what(ErrorCategory category, const char* file, int line, const std::string& message) {
     const char* base = std::strrchr(file, '/');
-    return detail::concat("flatep ", category_name(category), ": ", message, " [", base ? base + 1 : file, ":",
-                          line, "]");
+    return detail::concat("flatep ", category_name(category), ": ", message, " [", base ? base + 1 : file, ":", line,
+                          "]");
 }
 }  // namespace
 

@@ -9,11 +9,4 @@
 #define FLATEP_DEVICE inline
 #endif
 
-namespace flatep {
-
-// Largest number of EP ranks any data-plane object supports (peer pointer arrays are this long).
-inline constexpr int kMaxRanks = 64;
-// Largest top-k.
-inline constexpr int kMaxTopk = 32;
-
-}  // namespace flatep
+#include "flatep/types.hpp"  // kMaxRanks, kMaxTopk

@@ -84,8 +84,7 @@ std::string Config::mismatch(const Config& o) const {
 
 std::string Config::to_string() const {
     return detail::concat("Config(R=", num_ranks, ", rank=", rank, ", E=", num_experts, ", S=", num_tokens,
-                          ", K=", topk, ", H=", hidden, ", align=", align, ", capacity_factor=", capacity_factor,
-                          ")");
+                          ", K=", topk, ", H=", hidden, ", align=", align, ", capacity_factor=", capacity_factor, ")");
 }
 
 Layout make_layout(const Config& c) {

@@ -13,16 +13,16 @@ namespace flatep {
 struct Config;
 
 struct Layout {
-    int num_ranks;          // R
-    int num_experts;        // E
-    int experts_per_rank;   // epn = E / R
-    int num_tokens;         // S
-    int topk;               // K
-    int hidden;             // H
-    int align;              // group padding
-    int capacity;           // C: S*K (exact) or ceil(f*S*K) (slack)
-    int num_recv_rows;      // NvS = round_up(C + 2*epn*(align-1), align)
-    bool exact;             // capacity_factor == 1
+    int num_ranks;         // R
+    int num_experts;       // E
+    int experts_per_rank;  // epn = E / R
+    int num_tokens;        // S
+    int topk;              // K
+    int hidden;            // H
+    int align;             // group padding
+    int capacity;          // C: S*K (exact) or ceil(f*S*K) (slack)
+    int num_recv_rows;     // NvS = round_up(C + 2*epn*(align-1), align)
+    bool exact;            // capacity_factor == 1
 
     FLATEP_HD int num_groups() const { return 2 * experts_per_rank; }
     FLATEP_HD int num_entries() const { return num_tokens * topk; }  // S*K: entries one rank routes at most

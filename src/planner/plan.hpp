@@ -21,34 +21,10 @@
 #include <cstdint>
 
 #include "common/macros.hpp"
+#include "flatep/types.hpp"
 #include "layout/layout.hpp"
 
 namespace flatep {
-
-enum class PlannerKind : int32_t {
-    kGreedy = 0,    // one-donor greedy (design §4, constraint 3): the reference baseline
-    kBalanced = 1,  // the default: balances donors and receivers jointly to lower the prefetch makespan
-};
-
-const char* planner_name(PlannerKind kind);
-
-// Cheap statistics of a plan (fixed size, so it can live in device memory).
-struct PlanStats {
-    int64_t entries_total;     // N: valid entries this step, all ranks
-    int64_t entries_moved;     // entries computed on a rank other than their source rank
-    int64_t entries_on_source; // entries computed on their source rank (N - entries_moved)
-    int32_t max_load_before;   // max over ranks of the group load G_r (what rank r computes without FlatEP)
-    int32_t max_load_after;    // max over ranks of sum_e alloc[r][e]
-    int32_t min_load_after;
-    int32_t total_replicas;    // number of (rank, slot) pairs holding a replica
-    int32_t makespan;          // P = max over ranks of max(replicas received, replica copies sent)
-    int32_t max_replicas_in;
-    int32_t max_replicas_out;
-    int32_t loads_before[kMaxRanks];
-    int32_t loads_after[kMaxRanks];
-    int32_t replicas_in[kMaxRanks];   // slots used on rank r
-    int32_t replicas_out[kMaxRanks];  // copies of rank r's experts placed elsewhere
-};
 
 // Pointers into one plan allocation. Index conventions: [d*E + e] for per-(rank, expert) arrays;
 // [d*epn + j] for slot_expert; [d*2*epn + g] for cu_seqlens.
@@ -64,19 +40,19 @@ struct PlanView {
     int32_t* cu_seqlens;   // [R][2*epn] inclusive padded ends of the groups (grouped-GEMM offs)
     PlanStats* stats;
     // Per-rank part: this rank's entries and rows.
-    int32_t* entry_rank;   // [S*K] destination rank of entry (t,k) = t*K+k of this rank; -1 if its id was invalid
-    int32_t* entry_row;    // [S*K] destination row of that entry on entry_rank
-    int32_t* row_head;     // [NvS] rows of this rank: first row of the same (source, token) chain; -1 padding/unused
-    int32_t* row_next;     // [NvS] next row of the same (source, token) on this rank (ascending k); -1 at the end
-    int32_t* header;       // [kPlanHeaderWords]: see PlanHeader
+    int32_t* entry_rank;  // [S*K] destination rank of entry (t,k) = t*K+k of this rank; -1 if its id was invalid
+    int32_t* entry_row;   // [S*K] destination row of that entry on entry_rank
+    int32_t* row_head;    // [NvS] rows of this rank: first row of the same (source, token) chain; -1 padding/unused
+    int32_t* row_next;    // [NvS] next row of the same (source, token) on this rank (ascending k); -1 at the end
+    int32_t* header;      // [kPlanHeaderWords]: see PlanHeader
 };
 
 // Small scalar header stored in the plan allocation (int32 words).
 enum PlanHeader : int {
-    kHeaderNumTokens = 0,   // tokens this rank passed to plan() (s <= S)
-    kHeaderGenerationLo,    // generation id, low/high 32 bits (runtime stamps it)
+    kHeaderNumTokens = 0,  // tokens this rank passed to plan() (s <= S)
+    kHeaderGenerationLo,   // generation id, low/high 32 bits (runtime stamps it)
     kHeaderGenerationHi,
-    kHeaderPlanner,         // PlannerKind used
+    kHeaderPlanner,  // PlannerKind used
     kPlanHeaderWords = 8,
 };
 

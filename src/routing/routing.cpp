@@ -120,7 +120,10 @@ double sigma_for_maxvio(double target, int num_ranks, int num_experts, int num_t
         const double mid = 0.5 * (lo + hi);
         const double v = realised(mid);
         if (std::abs(v - target) < best_err) best = mid, best_err = std::abs(v - target);
-        if (v < target) lo = mid; else hi = mid;
+        if (v < target)
+            lo = mid;
+        else
+            hi = mid;
         if (best_err <= 5e-3 * std::max(1.0, target)) break;
     }
     return best;

@@ -21,15 +21,15 @@ struct SyncArgs {
     int32_t* status;             // this rank's status words (see StatusWord); may be null
     int rank;
     int num_ranks;
-    double timeout_s;            // every wait fails after this many seconds
+    double timeout_s;  // every wait fails after this many seconds
 };
 
 // Status words of a rank (int32_t[4] in its symmetric buffer). Written by ops, read by the runtime.
 enum StatusWord : int {
-    kStatusCode = 0,     // 0 ok, otherwise a StatusCode
-    kStatusIndex = 1,    // first offending flat index (e.g. t*K+k of a bad expert id)
-    kStatusValue = 2,    // the offending value
-    kStatusPeer = 3,     // peer involved (timeouts)
+    kStatusCode = 0,   // 0 ok, otherwise a StatusCode
+    kStatusIndex = 1,  // first offending flat index (e.g. t*K+k of a bad expert id)
+    kStatusValue = 2,  // the offending value
+    kStatusPeer = 3,   // peer involved (timeouts)
 };
 
 enum StatusCode : int32_t {

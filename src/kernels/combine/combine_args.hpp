@@ -14,11 +14,11 @@ namespace flatep {
 struct CombineArgs {
     Layout layout;
     int rank;
-    const uint16_t* y;             // [NvS][H] bf16 expert outputs of this rank's rows
-    const float* weights;          // [NvS] fp32 per-row weights for a weighted combine, or null (unweighted)
+    const uint16_t* y;     // [NvS][H] bf16 expert outputs of this rank's rows
+    const float* weights;  // [NvS] fp32 per-row weights for a weighted combine, or null (unweighted)
     PlanView plan;
     uint8_t* peers[kMaxRanks];
-    uint16_t* out;                 // [s][H] bf16 out, one row per token of this rank
+    uint16_t* out;  // [s][H] bf16 out, one row per token of this rank
     SyncArgs sync;
 };
 

@@ -13,12 +13,12 @@ namespace flatep {
 struct DispatchArgs {
     Layout layout;
     int rank;
-    const uint16_t* x;             // [s][H] bf16 token rows of this rank (s = plan header's num_tokens)
-    const float* topk_weights;     // [s][K] fp32 routing weights, or null (every weight 1)
-    PlanView plan;                 // this rank's plan (after plan op)
-    uint8_t* peers[kMaxRanks];     // symmetric buffer bases
-    uint16_t* recv_x;              // [NvS][H] bf16 out: rows grouped by expert; may be this rank's own recv region
-    float* recv_w;                 // [NvS] fp32 out: routing weight per row, 0 on padding; may be null
+    const uint16_t* x;          // [s][H] bf16 token rows of this rank (s = plan header's num_tokens)
+    const float* topk_weights;  // [s][K] fp32 routing weights, or null (every weight 1)
+    PlanView plan;              // this rank's plan (after plan op)
+    uint8_t* peers[kMaxRanks];  // symmetric buffer bases
+    uint16_t* recv_x;           // [NvS][H] bf16 out: rows grouped by expert; may be this rank's own recv region
+    float* recv_w;              // [NvS] fp32 out: routing weight per row, 0 on padding; may be null
     SyncArgs sync;
 };
 

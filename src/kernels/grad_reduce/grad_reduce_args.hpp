@@ -13,10 +13,10 @@ struct GradReduceArgs {
     int rank;
     int num_ranks;
     int experts_per_rank;
-    int64_t expert_elems;             // fp32 elements of one expert's gradient for this projection
-    const int32_t* slot_expert;       // [R][epn] from the plan
-    float* grads;                     // this rank's own expert gradients [epn][expert_elems], accumulated into
-    float* reduce_pools[kMaxRanks];   // every rank's fp32 reduce pool [epn][expert_elems], as mapped here
+    int64_t expert_elems;            // fp32 elements of one expert's gradient for this projection
+    const int32_t* slot_expert;      // [R][epn] from the plan
+    float* grads;                    // this rank's own expert gradients [epn][expert_elems], accumulated into
+    float* reduce_pools[kMaxRanks];  // every rank's fp32 reduce pool [epn][expert_elems], as mapped here
     SyncArgs sync;
 };
 

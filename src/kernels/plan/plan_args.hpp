@@ -13,12 +13,12 @@ namespace flatep {
 struct PlanArgs {
     Layout layout;
     int rank;
-    int num_tokens;            // s <= S tokens passed this call
-    const void* topk_idx;      // [s][K] expert ids, int32 or int64 (index_bytes)
-    int index_bytes;           // 4 or 8
+    int num_tokens;        // s <= S tokens passed this call
+    const void* topk_idx;  // [s][K] expert ids, int32 or int64 (index_bytes)
+    int index_bytes;       // 4 or 8
     PlannerKind planner;
-    uint8_t* peers[kMaxRanks]; // every rank's symmetric buffer base (SymmetricLayout offsets)
-    PlanView plan;             // this rank's plan allocation
+    uint8_t* peers[kMaxRanks];  // every rank's symmetric buffer base (SymmetricLayout offsets)
+    PlanView plan;              // this rank's plan allocation
     SyncArgs sync;
 };
 

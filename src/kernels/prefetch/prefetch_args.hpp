@@ -13,10 +13,10 @@ struct PrefetchArgs {
     int rank;
     int num_ranks;
     int experts_per_rank;
-    int64_t expert_bytes;             // bytes of one expert's weights for this projection (H*H' bf16)
-    const int32_t* slot_expert;       // [R][epn] from the plan
-    const uint8_t* weights;           // this rank's own experts [epn][expert_bytes]
-    uint8_t* slot_pools[kMaxRanks];   // every rank's slot pool [epn][expert_bytes], as mapped here
+    int64_t expert_bytes;            // bytes of one expert's weights for this projection (H*H' bf16)
+    const int32_t* slot_expert;      // [R][epn] from the plan
+    const uint8_t* weights;          // this rank's own experts [epn][expert_bytes]
+    uint8_t* slot_pools[kMaxRanks];  // every rank's slot pool [epn][expert_bytes], as mapped here
     SyncArgs sync;
 };
 

@@ -49,7 +49,8 @@ TEST(Config, EachBadFieldIsNamedWithItsValue) {
         {[](Config& c) { c.hidden = 12; }, "hidden (H) must be a positive multiple of 8 (16-byte bf16 rows), got 12"},
         {[](Config& c) { c.align = 0; }, "align must be in [1, 4096], got 0"},
         {[](Config& c) { c.capacity_factor = 0.9; }, "capacity_factor must be in [1, 4], got 0.9"},
-        {[](Config& c) { c.num_tokens = 1 << 27, c.topk = 16; }, "num_tokens*topk (S*K) must fit int32, got 2147483648"},
+        {[](Config& c) { c.num_tokens = 1 << 27, c.topk = 16; },
+         "num_tokens*topk (S*K) must fit int32, got 2147483648"},
     };
     for (const Case& cs : cases) {
         Config c = small();
@@ -90,8 +91,8 @@ TEST(Layout, DerivedSizes) {
 TEST(Layout, SymmetricRegionsAreAlignedAndDisjoint) {
     const Layout l = make_layout(small());
     const SymmetricLayout s = make_symmetric_layout(l);
-    const int64_t offs[] = {s.barrier_offset, s.status_offset, s.tpe_all_offset, s.recv_x_offset,
-                            s.recv_w_offset, s.row_head_offset, s.row_next_offset, s.partial_offset, s.total_bytes};
+    const int64_t offs[] = {s.barrier_offset,  s.status_offset,   s.tpe_all_offset, s.recv_x_offset, s.recv_w_offset,
+                            s.row_head_offset, s.row_next_offset, s.partial_offset, s.total_bytes};
     const int64_t sizes[] = {64 * 8, 16, 4 * 16 * 4, 120 * 64 * 2, 120 * 4, 120 * 4, 120 * 4, 120 * 64 * 2};
     for (int i = 0; i + 1 < int(std::size(offs)); ++i) {
         EXPECT_EQ(offs[i] % 256, 0) << i;

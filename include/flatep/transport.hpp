@@ -9,28 +9,28 @@
 #include <string>
 #include <vector>
 
-#include "common/macros.hpp"
+#include "flatep/types.hpp"
 
 namespace flatep {
 
 enum class MemoryKind : int { kHost = 0, kDevice = 1 };
 
 struct SymmetricRegion {
-    size_t bytes = 0;                   // usable size requested by the caller
-    size_t mapped_bytes = 0;            // size of each mapping (rounded up to the allocation granularity)
-    uint8_t* local = nullptr;           // this rank's region (== peers[rank])
-    uint8_t* peers[kMaxRanks] = {};     // every rank's region as mapped in this process
+    size_t bytes = 0;                // usable size requested by the caller
+    size_t mapped_bytes = 0;         // size of each mapping (rounded up to the allocation granularity)
+    uint8_t* local = nullptr;        // this rank's region (== peers[rank])
+    uint8_t* peers[kMaxRanks] = {};  // every rank's region as mapped in this process
     // Handle of this rank's physical memory, for mapping it again at another address (ExpertPools' compute
     // views): a memfd for host memory, a CUmemGenericAllocationHandle for device memory; -1 / 0 when none.
     int local_fd = -1;
     uint64_t local_handle = 0;
-    int id = -1;                        // transport-private identifier
+    int id = -1;  // transport-private identifier
 };
 
 // Small-blob all-gather plus rank/size: the bootstrap every transport is built on (fork launcher, socket
 // rendezvous, torch.distributed, or threads of one process).
 class Bootstrap {
-public:
+  public:
     virtual ~Bootstrap() = default;
     virtual int rank() const = 0;
     virtual int size() const = 0;
@@ -40,7 +40,7 @@ public:
 };
 
 class Transport {
-public:
+  public:
     virtual ~Transport() = default;
     virtual int rank() const = 0;
     virtual int num_ranks() const = 0;
@@ -54,7 +54,7 @@ public:
     double timeout_s() const { return timeout_s_; }
     void set_timeout_s(double seconds) { timeout_s_ = seconds; }
 
-protected:
+  protected:
     double timeout_s_ = 100.0;
 };
 
