@@ -1,0 +1,24 @@
+// Args of entry_values: the reverse path of one fp32 value per row. Each destination publishes a value per row
+// (e.g. dL/d(routing weight) computed next to the expert output); each source reads back the value of every one of
+// its entries (t, k). This is how the gradient of the routing weights returns to the tokens' ranks.
+#pragma once
+
+#include <cstdint>
+
+#include "layout/layout.hpp"
+#include "planner/plan.hpp"
+#include "transport/sync.hpp"
+
+namespace flatep {
+
+struct EntryValuesArgs {
+    Layout layout;
+    int rank;
+    const float* row_values;  // [NvS] fp32 values of this rank's rows
+    PlanView plan;
+    uint8_t* peers[kMaxRanks];  // symmetric buffer bases (the recv_w region carries the values)
+    float* out;                 // [s][K] fp32 out: value of each entry's row; 0 for invalid entries
+    SyncArgs sync;
+};
+
+}  // namespace flatep
