@@ -1,0 +1,98 @@
+// Host entry points of the planner: allocate the workspace, validate the counts, run the shared core.
+#include "planner/planner.hpp"
+
+#include <cstring>
+
+#include "common/check.hpp"
+#include "planner/planner_core.hpp"
+
+namespace flatep {
+
+const char* planner_name(PlannerKind kind) {
+    switch (kind) {
+        case PlannerKind::kGreedy:
+            return "greedy";
+        case PlannerKind::kBalanced:
+            return "balanced";
+    }
+    return "unknown";
+}
+
+HostPlan::HostPlan(const Layout& l)
+    : layout(l),
+      // 64 extra words so the base can be moved to a 256-byte boundary.
+      storage(size_t(make_plan_sizes(l).total_words) + 64, 0),
+      view{} {
+    int32_t* base = storage.data();
+    const uintptr_t misalign = reinterpret_cast<uintptr_t>(base) % 256;
+    if (misalign != 0) base += (256 - misalign) / sizeof(int32_t);
+    view = make_plan_view(l, base);
+}
+
+std::string validate_counts(const Layout& l, const int32_t* tpe_all) {
+    if (tpe_all == nullptr) return "tpe_all is null";
+    const int R = l.num_ranks, E = l.num_experts;
+    const int64_t limit = int64_t(l.num_tokens) * l.topk;
+    for (int s = 0; s < R; ++s) {
+        int64_t sum = 0;
+        for (int e = 0; e < E; ++e) {
+            const int32_t v = tpe_all[int64_t(s) * E + e];
+            if (v < 0) return detail::concat("tpe_all[", s, "][", e, "] = ", v, " is negative");
+            sum += v;
+        }
+        if (sum > limit)
+            return detail::concat("tpe_all row ", s, " sums to ", sum, ", above S*K = ", limit, " (S=", l.num_tokens,
+                                  ", K=", l.topk, ")");
+    }
+    return "";
+}
+
+void plan_counts(const Layout& l, PlannerKind kind, const PlanView& p) {
+    FLATEP_CHECK(kind == PlannerKind::kGreedy || kind == PlannerKind::kBalanced, "planner kind must be greedy (0) or ",
+                 "balanced (1), got ", int(kind));
+    const std::string bad = validate_counts(l, p.tpe_all);
+    FLATEP_CHECK(bad.empty(), bad);
+    std::vector<int32_t> workspace(size_t(planner_core::planner_workspace_words(l)));
+    planner_core::plan_alloc(l, kind, p.tpe_all, p.alloc, workspace.data());
+    planner_core::derive_plan(l, p);
+}
+
+namespace {
+template <typename Index>
+int64_t route_typed(const Layout& l, const PlanView& p, int rank, const Index* topk_idx, int num_tokens) {
+    const int E = l.num_experts;
+    std::vector<int32_t> seen(size_t(E), 0);
+    int64_t first_bad = -1;
+    const int64_t num_entries = int64_t(num_tokens) * l.topk;
+    for (int64_t i = 0; i < num_entries; ++i) {
+        const Index id = topk_idx[i];
+        if (id < 0 || id >= Index(E)) {
+            p.entry_rank[i] = p.entry_row[i] = -1;
+            if (first_bad < 0) first_bad = i;
+            continue;
+        }
+        const int e = int(id);
+        const int j = seen[size_t(e)]++;
+        FLATEP_CHECK(j < p.tpe_all[int64_t(rank) * E + e], "topk_idx of rank ", rank, " routes more than tpe_all[",
+                     rank, "][", e, "] = ", p.tpe_all[int64_t(rank) * E + e], " entries to expert ", e,
+                     " (counts and routing disagree)");
+        const EntryPlace place = place_entry(l, p, rank, e, j);
+        p.entry_rank[i] = place.rank;
+        p.entry_row[i] = place.row;
+    }
+    return first_bad;
+}
+}  // namespace
+
+int64_t route_entries(const Layout& l, const PlanView& p, int rank, const void* topk_idx, int index_bytes,
+                      int num_tokens) {
+    FLATEP_CHECK(rank >= 0 && rank < l.num_ranks, "rank must be in [0, ", l.num_ranks, "), got ", rank);
+    FLATEP_CHECK(index_bytes == 4 || index_bytes == 8, "index_bytes must be 4 or 8, got ", index_bytes);
+    FLATEP_CHECK(num_tokens >= 0 && num_tokens <= l.num_tokens, "num_tokens must be in [0, S=", l.num_tokens, "], got ",
+                 num_tokens);
+    FLATEP_CHECK(num_tokens == 0 || topk_idx != nullptr, "topk_idx is null");
+    if (index_bytes == 4) return route_typed(l, p, rank, static_cast<const int32_t*>(topk_idx), num_tokens);
+    return route_typed(l, p, rank, static_cast<const int64_t*>(topk_idx), num_tokens);
+}
+
+}  // namespace flatep

@@ -1,0 +1,552 @@
+// The planner's algorithmic core (design §4): FLATEP_HD functions over raw int32 arrays and an explicit
+// caller-provided workspace. No containers, no recursion, no allocation, no floating point, every tie broken by
+// the lower index: the host wrapper (planner.cpp) and a CUDA kernel run this very code and get bitwise-equal plans.
+//
+// Entry points:
+//   planner_workspace_words(l)           int32 words of workspace plan_alloc() needs
+//   plan_alloc(l, kind, tpe_all, alloc, ws)  alloc[R][E] from the counts (constraints 1-3 of design §4)
+//   derive_plan(l, p)                     keep, spill_start, take_start, group_row, slot_expert, cu_seqlens, stats
+//
+// Targets (how many entries each rank computes):
+//   Exact mode: N = sum(tpe_all); rank r computes floor(N/R) + (r < N % R) (= S*K = C with full batches).
+//   Slack mode: every load <= C. The greedy first derives fixed targets (ranks above C go to C; their excess is
+//   handed to the ranks with the most room, each filled to C before the next, ties to the lower rank); the
+//   transport candidates of the balanced planner only need every donor brought down to C and let any rank take
+//   up to its room C - G_r.
+//
+// Every move takes entries of expert e away from its home rank h = e / epn and gives them to a replica on another
+// rank; a replica is never the source of a further move. alloc[h][e] may reach 0 (the home group stays, empty).
+#pragma once
+
+#include <cstdint>
+
+#include "common/macros.hpp"
+#include "flatep/types.hpp"
+#include "layout/layout.hpp"
+#include "planner/plan.hpp"
+
+namespace flatep::planner_core {
+
+// Number of transport variants tried per makespan budget (see transport_candidate).
+inline constexpr int kNumTransportVariants = 6;
+// Number of packing variants tried per makespan budget (see pack_candidate).
+inline constexpr int kNumPackVariants = 4;
+// Number of path (cascade) variants (see path_candidate).
+inline constexpr int kNumPathVariants = 2;
+
+// Workspace layout, in int32 words. Every array is indexed like the plan's ([r], [e], [d*E + e]).
+struct Workspace {
+    int32_t* total;        // [E] T_e
+    int32_t* target;       // [R] fixed target load (greedy; exact-mode transport)
+    int32_t* load;         // [R] current load
+    int32_t* room;         // [R] transport: entries a rank may still take
+    int32_t* excess;       // [R] transport: entries a donor must still shed
+    int32_t* num_in;       // [R] replicas hosted
+    int32_t* num_out;      // [R] replica copies of the rank's experts
+    int32_t* cand;         // [R*E] candidate allocation
+    int32_t* item_expert;  // [E] pack_candidate: expert of each item
+    int32_t* item_size;    // [E] pack_candidate: entries of each item
+    int32_t* item_state;   // [E] pack_candidate: 0 open, 1 visited by the whole-item pass, 2 placed
+    int32_t* itemized;     // [E] pack_candidate: expert already cut into an item
+};
+
+FLATEP_HD int64_t planner_workspace_words(const Layout& l) {
+    const int64_t r = l.num_ranks, e = l.num_experts;
+    return 5 * e + 6 * r + r * e;
+}
+
+FLATEP_HD Workspace make_workspace(const Layout& l, int32_t* base) {
+    const int R = l.num_ranks, E = l.num_experts;
+    Workspace w{};
+    w.total = base;
+    w.target = w.total + E;
+    w.load = w.target + R;
+    w.room = w.load + R;
+    w.excess = w.room + R;
+    w.num_in = w.excess + R;
+    w.num_out = w.num_in + R;
+    w.cand = w.num_out + R;
+    w.item_expert = w.cand + R * E;
+    w.item_size = w.item_expert + E;
+    w.item_state = w.item_size + E;
+    w.itemized = w.item_state + E;
+    return w;
+}
+
+// Quality of an allocation: objectives 1-3 of design §4, compared lexicographically.
+struct PlanQuality {
+    int32_t makespan;        // P
+    int32_t total_replicas;  // sum of replicas
+    int64_t entries_moved;   // entries computed off their source rank (split rule of plan.hpp)
+};
+
+FLATEP_HD bool better_than(const PlanQuality& a, const PlanQuality& b) {
+    if (a.makespan != b.makespan) return a.makespan < b.makespan;
+    if (a.total_replicas != b.total_replicas) return a.total_replicas < b.total_replicas;
+    return a.entries_moved < b.entries_moved;
+}
+
+FLATEP_HD PlanQuality evaluate_alloc(const Layout& l, const int32_t* tpe_all, const int32_t* alloc, int32_t* num_in,
+                                     int32_t* num_out) {
+    const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
+    for (int r = 0; r < R; ++r) num_in[r] = num_out[r] = 0;
+    int64_t total = 0, kept = 0;
+    for (int d = 0; d < R; ++d) {
+        for (int e = 0; e < E; ++e) {
+            const int32_t a = alloc[d * E + e];
+            const int32_t t = tpe_all[d * E + e];
+            total += t;
+            kept += t < a ? t : a;
+            if (a > 0 && e / epn != d) {
+                ++num_in[d];
+                ++num_out[e / epn];
+            }
+        }
+    }
+    PlanQuality q{0, 0, total - kept};
+    for (int r = 0; r < R; ++r) {
+        q.total_replicas += num_in[r];
+        q.makespan = max_of(q.makespan, max_of(num_in[r], num_out[r]));
+    }
+    return q;
+}
+
+// Home allocation (no replicas) into alloc; fills w.total and w.load (= group loads G_r). Returns N.
+FLATEP_HD int64_t init_home(const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w) {
+    const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
+    int64_t n = 0;
+    for (int e = 0; e < E; ++e) {
+        int32_t t = 0;
+        for (int s = 0; s < R; ++s) t += tpe_all[s * E + e];
+        w.total[e] = t;
+        n += t;
+    }
+    for (int d = 0; d < R; ++d) {
+        int32_t g = 0;
+        for (int e = 0; e < E; ++e) {
+            const bool home = e / epn == d;
+            alloc[d * E + e] = home ? w.total[e] : 0;
+            if (home) g += w.total[e];
+        }
+        w.load[d] = g;
+    }
+    return n;
+}
+
+// Fixed per-rank targets (greedy). Requires w.load = group loads.
+FLATEP_HD void fixed_targets(const Layout& l, int64_t n, const Workspace& w) {
+    const int R = l.num_ranks;
+    if (l.exact) {
+        const int64_t base = n / R, rest = n % R;
+        for (int r = 0; r < R; ++r) w.target[r] = int32_t(base + (r < rest ? 1 : 0));
+        return;
+    }
+    const int32_t c = l.capacity;
+    int64_t over = 0;
+    for (int r = 0; r < R; ++r) {
+        w.target[r] = w.load[r] < c ? w.load[r] : c;
+        over += w.load[r] - w.target[r];
+    }
+    // Hand the excess to the ranks with the most room, filling each to C. N <= R*S*K <= R*C, so it always fits.
+    while (over > 0) {
+        int best = -1;
+        for (int r = 0; r < R; ++r)
+            if (w.target[r] < c && (best < 0 || c - w.target[r] > c - w.target[best])) best = r;
+        if (best < 0) break;  // unreachable for valid counts
+        const int64_t give = min_of<int64_t>(over, c - w.target[best]);
+        w.target[best] += int32_t(give);
+        over -= give;
+    }
+}
+
+// Moves `m` entries of expert e from its home rank to rank d.
+FLATEP_HD void move_entries(const Layout& l, int32_t* alloc, const Workspace& w, int e, int d, int32_t m) {
+    const int E = l.num_experts, h = e / l.experts_per_rank;
+    alloc[h * E + e] -= m;
+    alloc[d * E + e] += m;
+    w.load[h] -= m;
+    w.load[d] += m;
+}
+
+// One-donor greedy (design §4, constraint 3), the reference baseline. Repeat: the most-deficient rank (largest
+// target - load, ties to the lower rank) is filled completely from the most-overloaded rank (largest load - target,
+// ties to the lower rank), taking that donor's home experts largest remaining allocation first (ties to the lower
+// expert id), each as far as still needed. A donor may give more than its excess; it then becomes deficient and is
+// filled later from another donor (a cascade).
+//
+// Feasibility (every rank hosts at most epn replicas; the loop ends after at most R fills):
+//  * A filled rank has load == target and is never a donor afterwards (donors have load > target), so its load never
+//    changes again: every rank is filled at most once, from exactly one donor, i.e. with at most epn distinct
+//    experts (the donor has epn home experts): at most epn replicas. At most R fills happen.
+//  * A donor was never filled (a filled rank is never overloaded), so its whole load is its own home allocation,
+//    and it can always cover the deficit D of the receiver: exact mode: D <= target_rc <= target_dn + 1 <=
+//    target_dn + excess_dn = load_dn (targets differ by at most one). Slack mode: only ranks above C are donors
+//    and their target is C, so D <= target_rc <= C < load_dn.
+//  * Sum of targets == N == sum of loads, so when no rank is deficient no rank is overloaded: the plan balances.
+FLATEP_HD void greedy_alloc(const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w) {
+    const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
+    const int64_t n = init_home(l, tpe_all, alloc, w);
+    fixed_targets(l, n, w);
+    for (int fill = 0; fill < R; ++fill) {
+        int rc = -1, dn = -1;
+        for (int r = 0; r < R; ++r) {
+            const int32_t deficit = w.target[r] - w.load[r];
+            const int32_t surplus = w.load[r] - w.target[r];
+            if (deficit > 0 && (rc < 0 || deficit > w.target[rc] - w.load[rc])) rc = r;
+            if (surplus > 0 && (dn < 0 || surplus > w.load[dn] - w.target[dn])) dn = r;
+        }
+        if (rc < 0 || dn < 0) break;
+        int32_t need = w.target[rc] - w.load[rc];
+        for (int taken = 0; need > 0 && taken < epn; ++taken) {
+            int best = -1;
+            for (int e = dn * epn; e < (dn + 1) * epn; ++e)
+                if (alloc[dn * E + e] > 0 && (best < 0 || alloc[dn * E + e] > alloc[dn * E + best])) best = e;
+            if (best < 0) break;  // unreachable (see the feasibility argument)
+            const int32_t m = min_of(need, alloc[dn * E + best]);
+            move_entries(l, alloc, w, best, rc, m);
+            need -= m;
+        }
+    }
+}
+
+// Home allocation plus the donors' excess and every rank's room (exact: fixed targets; slack: C).
+FLATEP_HD void init_donors(const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w) {
+    const int64_t n = init_home(l, tpe_all, alloc, w);
+    if (l.exact) fixed_targets(l, n, w);
+    for (int r = 0; r < l.num_ranks; ++r) {
+        const int32_t cap = l.exact ? w.target[r] : l.capacity;
+        w.excess[r] = w.load[r] > cap ? w.load[r] - cap : 0;
+        w.room[r] = w.load[r] < cap ? cap - w.load[r] : 0;
+        w.num_in[r] = w.num_out[r] = 0;
+    }
+}
+
+// Transport candidate of the balanced planner for a makespan budget: every rank sends at most `budget` replica
+// copies and hosts at most min(budget, epn) replicas. Donors are the ranks above their target (exact) or above C
+// (slack); each must shed its excess; any other rank may take up to its room (exact: target - G_r; slack:
+// C - G_r). Repeat: the donor with the largest remaining excess (ties to the lower rank) picks one of its home
+// experts and sends a piece of it to one receiver:
+//   expert  (variant % 2): 0 = largest remaining home allocation; 1 = the smallest one that covers the whole remaining
+//           excess, else the largest (a single piece finishes the donor when it can). Ties to the lower expert id.
+//   receiver (variant / 2): a receiver already hosting that expert costs nothing and is taken first; else among
+//           ranks with room and a free in-budget: 0 = best fit (smallest room that takes the whole piece, else the
+//           largest room); 1 = locality (among those that take the whole piece, most entries of that expert from
+//           the receiver itself, then smallest room; else the largest room); 2 = largest room. Ties to lower rank.
+// The piece is min(expert remaining, excess, receiver room). Returns false when a budget would be exceeded.
+// Donors and receivers are disjoint, so no rank both sends and takes, and no replica is ever moved again.
+FLATEP_HD bool transport_candidate(const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w,
+                                   int budget, int variant) {
+    const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
+    init_donors(l, tpe_all, alloc, w);
+    const int in_budget = min_of(budget, epn);
+    const int expert_rule = variant % 2, receiver_rule = variant / 2;
+    // Each step either finishes a donor, an expert's home allocation or a receiver's room, or adds a replica; the
+    // bound below is only a guard against an inconsistent input.
+    const int max_steps = 4 * R * (epn + 1) + 4 * R;
+    for (int step = 0; step < max_steps; ++step) {
+        int dn = -1;
+        for (int r = 0; r < R; ++r)
+            if (w.excess[r] > 0 && (dn < 0 || w.excess[r] > w.excess[dn])) dn = r;
+        if (dn < 0) return true;
+        const int32_t x = w.excess[dn];
+        int e = -1;
+        for (int i = dn * epn; i < (dn + 1) * epn; ++i) {
+            const int32_t a = alloc[dn * E + i];
+            if (a <= 0) continue;
+            if (e < 0) {
+                e = i;
+                continue;
+            }
+            const int32_t b = alloc[dn * E + e];
+            if (expert_rule == 1) {
+                // Prefer covering pieces (a >= x); among them the smallest; otherwise the largest.
+                const bool a_cov = a >= x, b_cov = b >= x;
+                if (a_cov != b_cov) {
+                    if (a_cov) e = i;
+                } else if (a_cov ? a < b : a > b) {
+                    e = i;
+                }
+            } else if (a > b) {
+                e = i;
+            }
+        }
+        if (e < 0) return false;  // the donor has nothing left at home (cannot happen: load_dn > its target >= 0)
+        const int32_t piece = min_of(x, alloc[dn * E + e]);
+        int rc = -1;
+        for (int r = 0; r < R; ++r)  // a receiver that already hosts e: no new replica
+            if (r != dn && w.room[r] > 0 && alloc[r * E + e] > 0) {
+                rc = r;
+                break;
+            }
+        const bool free_move = rc >= 0;
+        if (!free_move) {
+            if (w.num_out[dn] >= budget) return false;
+            int fit = -1, big = -1;
+            for (int r = 0; r < R; ++r) {
+                if (r == dn || w.room[r] <= 0 || w.num_in[r] >= in_budget) continue;
+                if (big < 0 || w.room[r] > w.room[big]) big = r;
+                if (w.room[r] < piece) continue;
+                if (fit < 0) {
+                    fit = r;
+                } else if (receiver_rule == 1) {
+                    const int32_t lr = tpe_all[r * E + e], lf = tpe_all[fit * E + e];
+                    if (lr > lf || (lr == lf && w.room[r] < w.room[fit])) fit = r;
+                } else if (w.room[r] < w.room[fit]) {
+                    fit = r;
+                }
+            }
+            rc = (receiver_rule == 2 || fit < 0) ? big : fit;
+            if (rc < 0) return false;
+            ++w.num_out[dn];
+            ++w.num_in[rc];
+        }
+        const int32_t m = min_of(piece, w.room[rc]);
+        move_entries(l, alloc, w, e, rc, m);
+        w.excess[dn] -= m;
+        w.room[rc] -= m;
+    }
+    return false;
+}
+
+// Packing candidate of the balanced planner for a makespan budget (same budgets as transport_candidate). Each donor
+// cuts its excess into items: its home experts, largest remaining allocation first (ties to the lower id), each
+// whole except the last, which is the remainder. Items are then packed into the receivers' rooms:
+//   pass 1 (variant bit 0 set): items in descending size (ties to the lower item index) go whole into the receiver
+//          with the smallest room that holds them (ties to the lower rank), when one exists within the budgets;
+//   pass 2: the remaining items, in descending size (variant bit 1 clear) or in donor order (bit 1 set), are poured
+//          into the receivers with the largest room first (ties to the lower rank), split where a room fills up.
+// Every piece of an item on one receiver is one replica. Returns false when a budget would be exceeded.
+FLATEP_HD bool pack_candidate(const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w, int budget,
+                              int variant) {
+    const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
+    init_donors(l, tpe_all, alloc, w);
+    const int in_budget = min_of(budget, epn);
+    int num_items = 0;
+    for (int e = 0; e < E; ++e) w.itemized[e] = 0;
+    for (int dn = 0; dn < R; ++dn) {
+        int32_t x = w.excess[dn];
+        while (x > 0) {
+            int best = -1;
+            for (int e = dn * epn; e < (dn + 1) * epn; ++e)
+                if (!w.itemized[e] && alloc[dn * E + e] > 0 && (best < 0 || alloc[dn * E + e] > alloc[dn * E + best]))
+                    best = e;
+            if (best < 0) return false;  // unreachable: a donor's home allocation exceeds its excess
+            w.itemized[best] = 1;
+            w.item_expert[num_items] = best;
+            w.item_size[num_items] = min_of(x, alloc[dn * E + best]);
+            w.item_state[num_items] = 0;
+            x -= w.item_size[num_items];
+            ++num_items;
+        }
+    }
+    if (variant & 1) {
+        for (int pass = 0; pass < num_items; ++pass) {
+            int it = -1;
+            for (int i = 0; i < num_items; ++i)
+                if (w.item_state[i] == 0 && (it < 0 || w.item_size[i] > w.item_size[it])) it = i;
+            if (it < 0) break;
+            w.item_state[it] = 1;
+            const int e = w.item_expert[it], dn = e / epn;
+            if (w.num_out[dn] >= budget) continue;
+            int rc = -1;
+            for (int r = 0; r < R; ++r)
+                if (r != dn && w.num_in[r] < in_budget && w.room[r] >= w.item_size[it] &&
+                    (rc < 0 || w.room[r] < w.room[rc]))
+                    rc = r;
+            if (rc < 0) continue;
+            move_entries(l, alloc, w, e, rc, w.item_size[it]);
+            w.room[rc] -= w.item_size[it];
+            ++w.num_in[rc];
+            ++w.num_out[dn];
+            w.item_state[it] = 2;
+        }
+    }
+    for (int pass = 0; pass < num_items; ++pass) {
+        int it = -1;
+        for (int i = 0; i < num_items; ++i) {
+            if (w.item_state[i] == 2) continue;
+            if (it < 0 || (!(variant & 2) && w.item_size[i] > w.item_size[it])) it = i;
+        }
+        if (it < 0) break;
+        w.item_state[it] = 2;
+        const int e = w.item_expert[it], dn = e / epn;
+        int32_t left = w.item_size[it];
+        while (left > 0) {
+            int rc = -1;
+            for (int r = 0; r < R; ++r)
+                if (r != dn && w.num_in[r] < in_budget && w.room[r] > 0 && (rc < 0 || w.room[r] > w.room[rc])) rc = r;
+            if (rc < 0 || w.num_out[dn] >= budget) return false;
+            const int32_t m = min_of(left, w.room[rc]);
+            move_entries(l, alloc, w, e, rc, m);
+            w.room[rc] -= m;
+            left -= m;
+            ++w.num_in[rc];
+            ++w.num_out[dn];
+        }
+    }
+    return true;
+}
+
+// Path (cascade) candidate of the balanced planner. The ranks whose load differs from their fixed target (as for
+// the greedy) are put on a path; the flow between neighbours is the running sum of surplus (load - target) along
+// it, sent by whichever neighbour is upstream, as pieces of its home experts, largest remaining allocation first.
+// At low skew every flow is smaller than one expert, so each rank sends and receives at most one replica (P = 1).
+// Path order: variant 0 = descending surplus (all flows go forward); variant 1 = start at the largest surplus, then
+// always append the rank that brings the running sum closest to zero (ties to the larger surplus, then the lower
+// rank). Ties to the lower rank. Returns false when a rank would exceed epn replicas or run out of home entries.
+FLATEP_HD bool path_candidate(const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w,
+                              int variant) {
+    const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
+    const int64_t n = init_home(l, tpe_all, alloc, w);
+    fixed_targets(l, n, w);
+    int32_t* order = w.item_expert;  // [R] path order (E >= R)
+    int32_t* used = w.item_state;
+    for (int r = 0; r < R; ++r) {
+        used[r] = 0;
+        w.excess[r] = w.load[r] - w.target[r];  // signed surplus
+        w.num_in[r] = w.num_out[r] = 0;
+    }
+    int m = 0;
+    int64_t prefix = 0;
+    for (int step = 0; step < R; ++step) {
+        int pick = -1;
+        for (int r = 0; r < R; ++r) {
+            if (used[r] || w.excess[r] == 0) continue;
+            if (pick < 0) {
+                pick = r;
+                continue;
+            }
+            if (variant == 0 || m == 0) {
+                if (w.excess[r] > w.excess[pick]) pick = r;
+            } else {
+                const int64_t a = prefix + w.excess[r], b = prefix + w.excess[pick];
+                const int64_t abs_a = a < 0 ? -a : a, abs_b = b < 0 ? -b : b;
+                if (abs_a < abs_b || (abs_a == abs_b && w.excess[r] > w.excess[pick])) pick = r;
+            }
+        }
+        if (pick < 0) break;
+        used[pick] = 1;
+        order[m++] = pick;
+        prefix += w.excess[pick];
+    }
+    prefix = 0;
+    for (int i = 0; i + 1 < m; ++i) {
+        prefix += w.excess[order[i]];
+        if (prefix == 0) continue;
+        const int src = prefix > 0 ? order[i] : order[i + 1];
+        const int dst = prefix > 0 ? order[i + 1] : order[i];
+        int32_t need = int32_t(prefix > 0 ? prefix : -prefix);
+        while (need > 0) {
+            int best = -1;
+            for (int e = src * epn; e < (src + 1) * epn; ++e)
+                if (alloc[src * E + e] > 0 && (best < 0 || alloc[src * E + e] > alloc[src * E + best])) best = e;
+            if (best < 0 || w.num_in[dst] >= epn) return false;
+            const int32_t piece = min_of(need, alloc[src * E + best]);
+            move_entries(l, alloc, w, best, dst, piece);
+            need -= piece;
+            ++w.num_in[dst];
+            ++w.num_out[src];
+        }
+    }
+    return true;
+}
+
+// Computes alloc[R][E] for `kind`. The balanced planner starts from the greedy allocation, tries the path
+// candidates, then transport and packing candidates for budgets 1, 2, ... up to the best makespan so far (all
+// variants per budget), stopping at the first budget that gives an acceptable candidate. A candidate is acceptable
+// when it is no worse than the greedy on P and on total replicas (each on its own); the kept plan is the best
+// acceptable one by (P, total replicas, entries moved), earlier candidates winning ties. So the balanced plan is
+// never worse than the greedy on P or on total replicas. Cost: O(R*E) per candidate (reset and evaluation) plus
+// O(R*epn^2) for cutting experts; at most 2 + (6 + 4) * P_greedy candidates.
+FLATEP_HD void plan_alloc(const Layout& l, PlannerKind kind, const int32_t* tpe_all, int32_t* alloc, int32_t* ws) {
+    const Workspace w = make_workspace(l, ws);
+    greedy_alloc(l, tpe_all, alloc, w);
+    if (kind != PlannerKind::kBalanced) return;
+    const int R = l.num_ranks, E = l.num_experts;
+    const PlanQuality greedy = evaluate_alloc(l, tpe_all, alloc, w.num_in, w.num_out);
+    PlanQuality best = greedy;
+    for (int variant = 0; variant < kNumPathVariants; ++variant) {
+        if (!path_candidate(l, tpe_all, w.cand, w, variant)) continue;
+        const PlanQuality q = evaluate_alloc(l, tpe_all, w.cand, w.num_in, w.num_out);
+        if (q.makespan > greedy.makespan || q.total_replicas > greedy.total_replicas || !better_than(q, best)) continue;
+        best = q;
+        for (int i = 0; i < R * E; ++i) alloc[i] = w.cand[i];
+    }
+    for (int budget = 1; budget <= best.makespan; ++budget) {
+        bool found = false;
+        for (int variant = 0; variant < kNumTransportVariants + kNumPackVariants; ++variant) {
+            const bool ok = variant < kNumTransportVariants
+                                ? transport_candidate(l, tpe_all, w.cand, w, budget, variant)
+                                : pack_candidate(l, tpe_all, w.cand, w, budget, variant - kNumTransportVariants);
+            if (!ok) continue;
+            const PlanQuality q = evaluate_alloc(l, tpe_all, w.cand, w.num_in, w.num_out);
+            if (q.makespan > greedy.makespan || q.total_replicas > greedy.total_replicas) continue;
+            found = true;
+            if (better_than(q, best)) {
+                best = q;
+                for (int i = 0; i < R * E; ++i) alloc[i] = w.cand[i];
+            }
+        }
+        if (found) break;
+    }
+}
+
+// Everything of the global part of a plan that follows from p.tpe_all and p.alloc (see plan.hpp's split rule and
+// design §5's groups), plus the statistics.
+FLATEP_HD void derive_plan(const Layout& l, const PlanView& p) {
+    const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
+    PlanStats& st = *p.stats;
+    st.entries_total = st.entries_moved = st.entries_on_source = 0;
+    st.max_load_before = st.max_load_after = st.min_load_after = 0;
+    st.total_replicas = st.makespan = st.max_replicas_in = st.max_replicas_out = 0;
+    for (int r = 0; r < kMaxRanks; ++r)
+        st.loads_before[r] = st.loads_after[r] = st.replicas_in[r] = st.replicas_out[r] = 0;
+    for (int e = 0; e < E; ++e) {
+        int32_t spill = 0, take = 0, total = 0;
+        for (int d = 0; d < R; ++d) {
+            const int32_t t = p.tpe_all[d * E + e], a = p.alloc[d * E + e];
+            const int32_t k = t < a ? t : a;
+            p.keep[d * E + e] = k;
+            p.spill_start[d * E + e] = spill;
+            p.take_start[d * E + e] = take;
+            spill += t - k;
+            take += a - k;
+            total += t;
+            st.entries_on_source += k;
+            st.loads_after[d] += a;
+            if (a > 0 && e / epn != d) {
+                ++st.replicas_in[d];
+                ++st.replicas_out[e / epn];
+            }
+        }
+        st.entries_total += total;
+        st.loads_before[e / epn] += total;
+    }
+    st.entries_moved = st.entries_total - st.entries_on_source;
+    for (int d = 0; d < R; ++d) {
+        // Slots: replica experts in ascending id, then -1.
+        int j = 0;
+        for (int e = 0; e < E; ++e)
+            if (p.alloc[d * E + e] > 0 && e / epn != d && j < epn) p.slot_expert[d * epn + j++] = e;
+        for (; j < epn; ++j) p.slot_expert[d * epn + j] = -1;
+        for (int e = 0; e < E; ++e) p.group_row[d * E + e] = -1;
+        int32_t row = 0;
+        for (int g = 0; g < 2 * epn; ++g) {
+            int e = g < epn ? d * epn + g : p.slot_expert[d * epn + (g - epn)];
+            if (e >= 0) {
+                p.group_row[d * E + e] = row;
+                row += round_up(p.alloc[d * E + e], l.align);
+            }
+            p.cu_seqlens[d * 2 * epn + g] = row;
+        }
+        st.total_replicas += st.replicas_in[d];
+        st.max_load_before = max_of(st.max_load_before, st.loads_before[d]);
+        st.max_load_after = max_of(st.max_load_after, st.loads_after[d]);
+        st.min_load_after = d == 0 ? st.loads_after[d] : min_of(st.min_load_after, st.loads_after[d]);
+        st.max_replicas_in = max_of(st.max_replicas_in, st.replicas_in[d]);
+        st.max_replicas_out = max_of(st.max_replicas_out, st.replicas_out[d]);
+    }
+    st.makespan = max_of(st.max_replicas_in, st.max_replicas_out);
+}
+
+}  // namespace flatep::planner_core

@@ -1,0 +1,131 @@
+// The input of flatep-plan: parse and validate a plan request, callable without the binary (tests, fuzzers).
+//
+// Format: {"R": int, "E": int, "S": int, "K": int, "align": int (default 128),
+//          "capacity_factor": number (default 1.0), "tpe": [[int, ...E], ...R]}
+// Unknown or duplicate keys are errors. Every error is one line naming the field and the offending value.
+// Header-only on purpose: it depends only on json.hpp (header-only reader) and the Config validation.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "flatep/config.hpp"
+#include "flatep/error.hpp"
+#include "json.hpp"
+
+namespace flatep {
+
+struct PlanRequest {
+    Config config;             // hidden is not part of the request: 8; rank 0
+    std::vector<int32_t> tpe;  // [R][E] row-major
+};
+
+namespace plan_request_detail {
+
+inline std::string describe(const json::Value& v) {
+    if (v.type == json::Type::kNumber) {
+        if (v.is_integer) return std::to_string(v.integer);
+        return "a non-integer number";
+    }
+    const bool vowel = v.type == json::Type::kArray || v.type == json::Type::kObject;
+    return std::string(vowel ? "an " : "a ") + json::type_name(v.type);
+}
+
+// An int32 field; "" or the error.
+inline std::string read_int32(const json::Value& v, const std::string& name, int32_t& out) {
+    if (v.type != json::Type::kNumber || !v.is_integer) return name + " must be an integer, got " + describe(v);
+    if (v.integer < INT32_MIN || v.integer > INT32_MAX)
+        return name + " = " + std::to_string(v.integer) + " does not fit int32";
+    out = int32_t(v.integer);
+    return "";
+}
+
+}  // namespace plan_request_detail
+
+// Parses and validates `text`. Returns "" and fills `out`, or returns the one-line error message. With
+// allow_partial, rows may sum to less than S*K (ranks passing fewer tokens); otherwise each must equal S*K.
+inline std::string parse_plan_request(std::string_view text, bool allow_partial, PlanRequest& out) {
+    using plan_request_detail::describe;
+    using plan_request_detail::read_int32;
+    const json::ParseResult parsed = json::parse(text);
+    if (!parsed.ok) return parsed.error;
+    const json::Value& root = parsed.value;
+    if (root.type != json::Type::kObject) return "the input must be a JSON object, got " + describe(root);
+    static const char* const kKnown[] = {"R", "E", "S", "K", "align", "capacity_factor", "tpe"};
+    for (const auto& m : root.members) {
+        bool known = false;
+        for (const char* k : kKnown) known = known || m.first == k;
+        if (!known) return "unknown field \"" + json::printable(m.first) + "\"";
+    }
+    Config c;
+    c.rank = 0;
+    c.hidden = 8;
+    struct IntField {
+        const char* name;
+        int* dst;
+        bool required;
+    };
+    const IntField ints[] = {{"R", &c.num_ranks, true},
+                             {"E", &c.num_experts, true},
+                             {"S", &c.num_tokens, true},
+                             {"K", &c.topk, true},
+                             {"align", &c.align, false}};
+    c.align = 128;
+    for (const IntField& f : ints) {
+        const json::Value* v = root.find(f.name);
+        if (v == nullptr) {
+            if (f.required) return std::string("missing field \"") + f.name + "\"";
+            continue;
+        }
+        int32_t value = 0;
+        const std::string err = read_int32(*v, std::string("field \"") + f.name + "\"", value);
+        if (!err.empty()) return err;
+        *f.dst = value;
+    }
+    if (const json::Value* v = root.find("capacity_factor")) {
+        if (v->type != json::Type::kNumber) return "field \"capacity_factor\" must be a number, got " + describe(*v);
+        c.capacity_factor = v->number;
+    }
+    const json::Value* tpe = root.find("tpe");
+    if (tpe == nullptr) return "missing field \"tpe\"";
+    try {
+        c.validate();
+    } catch (const Error& e) {
+        return e.message();
+    }
+    if (tpe->type != json::Type::kArray) return "field \"tpe\" must be an array of R arrays, got " + describe(*tpe);
+    const int R = c.num_ranks, E = c.num_experts;
+    if (int64_t(tpe->items.size()) != R)
+        return "tpe must have R = " + std::to_string(R) + " rows, got " + std::to_string(tpe->items.size());
+    const int64_t sk = int64_t(c.num_tokens) * c.topk;
+    std::vector<int32_t> counts(size_t(R) * size_t(E));
+    for (int s = 0; s < R; ++s) {
+        const json::Value& row = tpe->items[size_t(s)];
+        const std::string row_name = "tpe[" + std::to_string(s) + "]";
+        if (row.type != json::Type::kArray) return row_name + " must be an array of E integers, got " + describe(row);
+        if (int64_t(row.items.size()) != E)
+            return row_name + " must have E = " + std::to_string(E) + " entries, got " +
+                   std::to_string(row.items.size());
+        int64_t sum = 0;
+        for (int e = 0; e < E; ++e) {
+            const std::string name = row_name + "[" + std::to_string(e) + "]";
+            int32_t v = 0;
+            const std::string err = read_int32(row.items[size_t(e)], name, v);
+            if (!err.empty()) return err;
+            if (v < 0) return name + " = " + std::to_string(v) + " is negative";
+            counts[size_t(s) * E + e] = v;
+            sum += v;
+        }
+        if (allow_partial ? sum > sk : sum != sk)
+            return "tpe row " + std::to_string(s) + " sums to " + std::to_string(sum) +
+                   (allow_partial ? ", above S*K = " : ", expected S*K = ") + std::to_string(sk) +
+                   (allow_partial ? "" : " (use --allow-partial for partial batches)");
+    }
+    out.config = c;
+    out.tpe = std::move(counts);
+    return "";
+}
+
+}  // namespace flatep
