@@ -1,5 +1,9 @@
 // FlatEP public C++ API (torch-free). See docs/design.md for the contract.
 #pragma once
 
+#include "flatep/buffer.hpp"
 #include "flatep/config.hpp"
 #include "flatep/error.hpp"
+#include "flatep/expert_pools.hpp"
+#include "flatep/transport.hpp"
+#include "flatep/types.hpp"

@@ -27,4 +27,8 @@ int log_level() {
     return std::atoi(text.c_str());
 }
 
+std::string job_id() { return get("FLATEP_JOB_ID", ""); }
+std::string rank_text() { return get("FLATEP_RANK", ""); }
+std::string num_ranks_text() { return get("FLATEP_NUM_RANKS", ""); }
+
 }  // namespace flatep::env

@@ -11,6 +11,12 @@ double timeout_seconds();
 bool debug();
 // FLATEP_LOG_LEVEL: 0 quiet, 1 warnings (default), 2 info, 3 debug.
 int log_level();
+// Socket rendezvous of separately launched ranks (flatep::make_socket_bootstrap_from_env, include/flatep/ipc.hpp):
+// FLATEP_JOB_ID: the job's name, 1..64 characters of [A-Za-z0-9._-], unique among the machine's running jobs.
+// FLATEP_RANK: this process's rank; FLATEP_NUM_RANKS: the number of ranks. Each returns "" when unset.
+std::string job_id();
+std::string rank_text();
+std::string num_ranks_text();
 
 // Raw access used by the functions above; exposed for tests. Returns fallback when unset or empty.
 std::string get(const char* name, const std::string& fallback);

@@ -15,6 +15,29 @@
 
 namespace flatep {
 
+// Which op a wait belonged to (WaitRecord::op, and kStatusIndex of a kStatusTimeout status).
+enum OpId : int32_t {
+    kOpNone = 0,
+    kOpPlan = 1,
+    kOpDispatch = 2,
+    kOpCombine = 3,
+    kOpPrefetch = 4,
+    kOpGradReduce = 5,
+    kOpEntryValues = 6,
+};
+
+// First timed-out wait of a rank, written by the GPU into host-mapped memory so the host can read it even while a
+// kernel is still running. code is 0 until a wait times out, then kStatusTimeout; the other fields are written
+// before code (system-scope fence in between).
+struct WaitRecord {
+    int32_t code;
+    int32_t op;    // OpId
+    int32_t rank;  // the rank that waited
+    int32_t peer;  // the rank it waited for
+    uint64_t expected;
+    uint64_t observed;
+};
+
 struct SyncArgs {
     uint64_t* flags[kMaxRanks];  // flags[p]: rank p's flag array (uint64_t[kMaxRanks]) as mapped in this process
     uint64_t* epoch;             // this rank's barrier counter (local memory of this rank)
@@ -22,6 +45,9 @@ struct SyncArgs {
     int rank;
     int num_ranks;
     double timeout_s;  // every wait fails after this many seconds
+    // CUDA launchers only (the host twins ignore these):
+    int max_blocks = 0;                 // most thread blocks one launch of this rank may use (SM budget); 0: no cap
+    WaitRecord* wait_record = nullptr;  // host-readable record of the first timed-out wait; may be null
 };
 
 // Status words of a rank (int32_t[4] in its symmetric buffer). Written by ops, read by the runtime.

@@ -1,0 +1,134 @@
+// flatep::Buffer and flatep::Plan: the per-layer communication object of one EP rank (design §3) and the plan
+// one step's routing produces. Torch-free; bf16 rows cross the API as uint16_t bit patterns.
+//
+//   flatep::Buffer buffer(config, transport);             // collective over the config's R ranks
+//   flatep::Plan plan = buffer.plan(topk_idx, 8, s);     // topk_idx: [s][K] int64 (index_bytes 8) or int32 (4)
+//   buffer.dispatch(plan, x, topk_weights, recv_x, recv_w);   // x [s][H] -> recv_x [NvS][H], recv_w [NvS]
+//   ... grouped GEMM over recv_x with offs = plan.cu_seqlens(rank) ...
+//   buffer.combine(plan, y, nullptr, out);               // y [NvS][H] -> out [s][H]
+//
+// Every op is collective: all R ranks call the same sequence of ops (each with its own arguments).
+// A rank that does not arrive makes the others throw kTimeout (Transport::timeout_s; the local transport's
+// default is FLATEP_TIMEOUT_S) naming it; after a timeout the ranks' barrier epochs disagree, so destroy the Buffer (no
+// further ops).
+//
+// Plan validity rule: a Plan owns everything it needs (counts, allocation, routing of this rank's entries and the
+// row chains of this rank's receive rows); the symmetric buffer is scratch that every op rewrites. So a plan stays
+// valid for any number of later ops on the Buffer that made it, including after later plan() calls (backward
+// reuses the forward's saved plan). Using a plan with another Buffer is a kMismatch error (an empty Plan:
+// kInvalidArgument). The generation id (incremented by every plan() call, identical on every rank for the same step) is
+// carried for diagnostics. All ranks must pass plans of the same step to one collective op; this is not checked yet.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "flatep/config.hpp"
+#include "flatep/transport.hpp"
+#include "flatep/types.hpp"
+
+namespace flatep {
+
+struct Layout;    // layout/layout.hpp: every size derived from the Config
+struct HostPlan;  // planner/planner.hpp: the plan arrays in host memory
+namespace host {
+struct OpStats;  // host/op_stats.hpp: counters of the CPU backend's ops
+}  // namespace host
+
+class Plan {
+  public:
+    Plan() = default;  // empty; every op rejects it
+
+    bool empty() const { return data_ == nullptr; }
+    uint64_t generation() const;
+    uint64_t buffer_id() const;  // id of the Buffer that made it (process-unique)
+    int rank() const;
+    int num_tokens() const;  // s: tokens passed to plan()
+    PlannerKind planner() const;
+
+    std::span<const int32_t> tpe_all() const;              // [R][E] all-gathered counts
+    std::span<const int32_t> alloc() const;                // [R][E] entries of expert e computed on rank d
+    std::span<const int32_t> slot_expert(int rank) const;  // [epn] expert per slot of `rank`, -1 = empty
+    std::span<const int32_t> cu_seqlens(int rank) const;   // [2*epn] inclusive padded group ends (GEMM offs)
+    const PlanStats& stats() const;
+    std::span<const int32_t> entry_ranks() const;  // [s*K] destination rank of entry t*K+k, -1 for a bad id
+    std::span<const int32_t> entry_rows() const;   // [s*K] destination row of that entry
+    std::span<const int32_t> row_heads() const;    // [NvS] chain head of each receive row, -1 padding/unused
+    std::span<const int32_t> row_nexts() const;    // [NvS] next row of the chain, -1 at its end
+
+    // The plan arrays (internal API: planner/planner.hpp gives the type).
+    const HostPlan& host_plan() const;
+
+  private:
+    friend class Buffer;
+    struct Data;
+    explicit Plan(std::shared_ptr<const Data> data) : data_(std::move(data)) {}
+    const Data& data() const;
+    std::shared_ptr<const Data> data_;
+};
+
+class Buffer {
+  public:
+    // Validates the config (before allocating anything), checks it against the transport, all-gathers it
+    // (any difference -> kMismatch "config mismatch with rank p: field: mine vs theirs" on every rank) and
+    // allocates the symmetric buffer. Collective. Host transports only for now (the CPU backend).
+    Buffer(const Config& config, std::shared_ptr<Transport> transport, PlannerKind planner = PlannerKind::kBalanced);
+    ~Buffer();  // releases the symmetric buffer; never throws
+    Buffer(const Buffer&) = delete;
+    Buffer& operator=(const Buffer&) = delete;
+
+    // topk_idx: [num_tokens][K] int32 (index_bytes 4) or int64 (8), num_tokens in [0, S]. Expert ids outside
+    // [0, E) are skipped and recorded (check_status reports them).
+    Plan plan(const void* topk_idx, int index_bytes, int num_tokens);
+
+    // x: [s][H] bf16; topk_weights: [s][K] fp32 or null (weight 1); recv_x: [NvS][H] bf16 out (may be
+    // symmetric_recv_x()); recv_w: [NvS] fp32 out or null. Real rows get their token row and weight, padding rows
+    // inside a group's padded range are zero with weight 0, rows past the last group end are not written.
+    void dispatch(const Plan& plan, const uint16_t* x, const float* topk_weights, uint16_t* recv_x, float* recv_w);
+
+    // y: [NvS][H] bf16 expert outputs; weights: [NvS] fp32 per-row weights (weighted combine) or null;
+    // out: [s][H] bf16, the sum of each token's K rows (design §6 numerics).
+    void combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out);
+
+    // The reverse path of one fp32 value per receive row: row_values [NvS] fp32 on every rank (e.g. dL/d(routing
+    // weight) computed next to each expert output row); out [s][K] fp32 gets, for each entry (t, k) of this rank,
+    // the value at its row on its destination rank (0 for an entry whose expert id was invalid).
+    void entry_values(const Plan& plan, const float* row_values, float* out);
+
+    // Throws the first error recorded by an op since the last check (bad expert id: kInvalidArgument naming the id
+    // and its flat index; a wait that timed out: kTimeout) and clears it. FLATEP_DEBUG=1 runs it after every op.
+    void check_status();
+
+    const Config& config() const { return config_; }
+    const Layout& layout() const;
+    PlannerKind planner() const { return planner_; }
+    uint64_t id() const { return id_; }
+    uint64_t generation() const { return generation_; }
+    Transport& transport() { return *transport_; }
+
+    // This rank's symmetric receive regions ([NvS][H] bf16, [NvS] fp32): pass them to dispatch to skip the
+    // copy-out of chain-head rows. Rewritten by the next dispatch on any rank.
+    uint16_t* symmetric_recv_x();
+    float* symmetric_recv_w();
+
+    // Optional counters of the CPU backend's ops (tests): the pointer must stay valid while set; null stops.
+    void set_op_stats(host::OpStats* stats) { op_stats_ = stats; }
+
+  private:
+    void check_plan(const Plan& plan, const char* op) const;
+    void after_op();
+
+    Config config_;
+    std::unique_ptr<Layout> layout_;
+    std::shared_ptr<Transport> transport_;
+    PlannerKind planner_;
+    uint64_t id_;
+    uint64_t generation_ = 0;
+    SymmetricRegion region_;
+    uint64_t epoch_ = 0;
+    bool debug_ = false;
+    host::OpStats* op_stats_ = nullptr;
+};
+
+}  // namespace flatep

@@ -1,0 +1,113 @@
+// flatep::ExpertPools: the expert weights side of FlatEP (design §5). Once per process it allocates, per
+// projection, a slot pool (bf16 [epn][rows][cols], where replicas land) and a reduce pool (fp32, same shape, where
+// replicas' gradients are computed) in symmetric memory, shared by all layers. Each layer registers once and gets
+// its own expert weights and gradients plus the compute views:
+//   weights(p): bf16 [2*epn][rows][cols] = the layer's own experts [0, epn) followed by the slot pool [epn, 2*epn)
+//   grads(p):   fp32 [2*epn][rows][cols] = the layer's own gradients followed by the reduce pool
+// each one contiguous virtual range (memfd mappings placed back to back), so an unmodified grouped GEMM over
+// group g of Plan::cu_seqlens(rank) reads the right expert for both local groups and replica slots.
+//
+//   flatep::ExpertPools pools(transport, epn, {{H, Hp}, {Hp, H}});   // collective
+//   flatep::ExpertLayer layer = pools.register_layer();              // collective
+//   pools.prefetch(plan, layer);     // forward, before the GEMM: replicas' weights into the slot pools
+//   pools.reduce_grad(plan, layer);  // backward, after the GEMM: replicas' grads into the owners', slots zeroed
+//
+// The slot and reduce pools are shared by every layer: prefetch a layer's replicas right before computing it
+// (again in backward), and reduce its gradients before the next layer writes the reduce pool.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "flatep/buffer.hpp"
+#include "flatep/transport.hpp"
+
+namespace flatep {
+
+struct ProjectionShape {
+    int64_t rows = 0;  // per expert: bf16 weights [rows][cols], fp32 grads [rows][cols]
+    int64_t cols = 0;
+    int64_t elems() const { return rows * cols; }
+};
+
+class ExpertPools;
+
+// One layer's expert memory (per projection: own weights in a memfd, own grads in a memfd) and its compute views.
+// Move-only; unmaps everything on destruction (never throws).
+class ExpertLayer {
+  public:
+    ExpertLayer() = default;
+    ExpertLayer(ExpertLayer&& other) noexcept;
+    ExpertLayer& operator=(ExpertLayer&& other) noexcept;
+    ~ExpertLayer();
+
+    int num_projections() const { return int(projections_.size()); }
+    // Compute views [2*epn][rows][cols].
+    uint16_t* weights(int projection) const;
+    float* grads(int projection) const;
+    // The layer's own memory [epn][rows][cols] through a second mapping of the same memfd (aliases weights(p)'s
+    // first epn experts).
+    uint16_t* own_weights(int projection) const;
+    float* own_grads(int projection) const;
+    uint64_t pools_id() const { return pools_id_; }
+
+  private:
+    friend class ExpertPools;
+    struct Mapping {
+        void* address = nullptr;
+        size_t bytes = 0;
+    };
+    struct Projection {
+        int weights_fd = -1, grads_fd = -1;
+        Mapping weights_own, grads_own;    // plain mappings of the layer's memfds
+        Mapping weights_view, grads_view;  // reserved ranges: layer memfd then pool memfd
+        uint16_t* weights = nullptr;       // start of the weights view (data of the layer memfd)
+        float* grads = nullptr;
+    };
+    void reset() noexcept;
+    const Projection& projection(int p) const;
+    std::vector<Projection> projections_;
+    uint64_t pools_id_ = 0;
+};
+
+class ExpertPools {
+  public:
+    using Layer = ExpertLayer;
+
+    // Collective over the transport's ranks. experts_per_rank: epn = E / R of the Buffers the plans come from.
+    ExpertPools(std::shared_ptr<Transport> transport, int experts_per_rank, std::vector<ProjectionShape> projections);
+    ~ExpertPools();  // releases the pools; never throws
+    ExpertPools(const ExpertPools&) = delete;
+    ExpertPools& operator=(const ExpertPools&) = delete;
+
+    // Local (not collective): creates a layer's zero-filled weights and grads and maps its compute views.
+    ExpertLayer register_layer();
+
+    // Collective: owners push this step's replicas (plan.slot_expert) of every projection into the slot pools.
+    void prefetch(const Plan& plan, const ExpertLayer& layer);
+    // Collective: owners add the replicas' fp32 grads (reduce pools) into the layer's own grads in ascending
+    // (rank, slot) order; then every rank zeroes its consumed slots.
+    void reduce_grad(const Plan& plan, const ExpertLayer& layer);
+
+    int experts_per_rank() const { return experts_per_rank_; }
+    int num_projections() const { return int(projections_.size()); }
+    const ProjectionShape& shape(int projection) const;
+    // This rank's pools [epn][rows][cols] (what the views' second half maps).
+    uint16_t* slot_pool(int projection) const;
+    float* reduce_pool(int projection) const;
+    uint64_t id() const { return id_; }
+
+  private:
+    void check_args(const Plan& plan, const ExpertLayer& layer, const char* op) const;
+
+    std::shared_ptr<Transport> transport_;
+    int experts_per_rank_;
+    std::vector<ProjectionShape> projections_;
+    std::vector<SymmetricRegion> slot_regions_, reduce_regions_;
+    SymmetricRegion sync_region_;  // barrier flags + status words of the pool ops
+    uint64_t epoch_ = 0;
+    uint64_t id_;
+};
+
+}  // namespace flatep

@@ -1,0 +1,33 @@
+#include "host/entry_values.hpp"
+
+#include "common/check.hpp"
+#include "host/group_rows.hpp"
+#include "transport/barrier_host.hpp"
+
+namespace flatep::host {
+
+void entry_values(const EntryValuesArgs& a) {
+    const Layout& l = a.layout;
+    const PlanView& p = a.plan;
+    const int num_tokens = p.header[kHeaderNumTokens];
+    FLATEP_CHECK(a.row_values != nullptr, "entry_values: row_values is null");
+    FLATEP_CHECK(num_tokens == 0 || a.out != nullptr, "entry_values: out is null");
+    const SymmetricLayout sym = make_symmetric_layout(l);
+
+    // Entry barrier: sources of the previous op may still read this rank's recv_w region.
+    barrier(a.sync, kOpEntryValues);
+    auto* own = reinterpret_cast<float*>(a.peers[a.rank] + sym.recv_w_offset);
+    for (int g = 0; g < l.num_groups(); ++g) {
+        const GroupRows group = group_rows(l, p, a.rank, g);
+        for (int32_t r = group.start; r < group.real_end; ++r) own[r] = a.row_values[r];
+    }
+    barrier(a.sync, kOpEntryValues);
+
+    const int64_t num_entries = int64_t(num_tokens) * l.topk;
+    for (int64_t i = 0; i < num_entries; ++i) {
+        const int d = p.entry_rank[i];
+        a.out[i] = d < 0 ? 0.0f : reinterpret_cast<const float*>(a.peers[d] + sym.recv_w_offset)[p.entry_row[i]];
+    }
+}
+
+}  // namespace flatep::host

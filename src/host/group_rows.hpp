@@ -1,0 +1,28 @@
+// Row ranges of the groups of one rank's receive buffer (design §5), read from a plan: the helper dispatch and
+// combine share to visit real rows and padding rows.
+#pragma once
+
+#include <cstdint>
+
+#include "layout/layout.hpp"
+#include "planner/plan.hpp"
+
+namespace flatep::host {
+
+struct GroupRows {
+    int32_t start;       // first row of the group
+    int32_t real_end;    // start + entries computed in the group
+    int32_t padded_end;  // inclusive padded end (cu_seqlens)
+};
+
+// Group g (< 2*epn) of `rank`: g < epn is local expert rank*epn + g, g >= epn is slot g - epn.
+inline GroupRows group_rows(const Layout& l, const PlanView& p, int rank, int g) {
+    const int epn = l.experts_per_rank, E = l.num_experts;
+    const int32_t* cu = p.cu_seqlens + int64_t(rank) * l.num_groups();
+    const int32_t start = g == 0 ? 0 : cu[g - 1];
+    const int expert = g < epn ? rank * epn + g : p.slot_expert[rank * epn + (g - epn)];
+    const int32_t real = expert < 0 ? 0 : p.alloc[int64_t(rank) * E + expert];
+    return GroupRows{start, start + real, cu[g]};
+}
+
+}  // namespace flatep::host

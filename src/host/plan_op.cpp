@@ -1,0 +1,104 @@
+#include "host/plan_op.hpp"
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common/check.hpp"
+#include "planner/planner.hpp"
+#include "transport/barrier_host.hpp"
+
+namespace flatep::host {
+
+namespace {
+int64_t read_expert(const void* topk_idx, int index_bytes, int64_t flat) {
+    return index_bytes == 8 ? static_cast<const int64_t*>(topk_idx)[flat] : static_cast<const int32_t*>(topk_idx)[flat];
+}
+
+int32_t clamp_to_int32(int64_t value) {
+    return int32_t(value < INT32_MIN ? INT32_MIN : (value > INT32_MAX ? INT32_MAX : value));
+}
+}  // namespace
+
+void plan_op(const PlanArgs& a) {
+    const Layout& l = a.layout;
+    const int R = l.num_ranks, E = l.num_experts, K = l.topk, epn = l.experts_per_rank;
+    FLATEP_CHECK(a.num_tokens >= 0 && a.num_tokens <= l.num_tokens, "plan: num_tokens must be in [0, S=", l.num_tokens,
+                 "], got ", a.num_tokens);
+    FLATEP_CHECK(a.index_bytes == 4 || a.index_bytes == 8, "plan: index_bytes must be 4 or 8, got ", a.index_bytes);
+    FLATEP_CHECK(a.num_tokens == 0 || a.topk_idx != nullptr, "plan: topk_idx is null");
+    const SymmetricLayout sym = make_symmetric_layout(l);
+    const PlanView& p = a.plan;
+
+    // 1. Histogram.
+    std::vector<int32_t> counts(E, 0);
+    const int64_t num_entries = int64_t(a.num_tokens) * K;
+    for (int64_t i = 0; i < num_entries; ++i) {
+        const int64_t expert = read_expert(a.topk_idx, a.index_bytes, i);
+        if (expert < 0 || expert >= E) {
+            record_status(a.sync.status, kStatusBadExpert, int32_t(i), clamp_to_int32(expert), -1);
+            continue;
+        }
+        ++counts[expert];
+    }
+
+    // 2. All-gather of the counts. The entry barrier keeps us from overwriting tpe_all / staging rows that a peer
+    // may still be reading in its previous plan op.
+    barrier(a.sync, kOpPlan);
+    for (int d = 0; d < R; ++d) {
+        auto* row = reinterpret_cast<int32_t*>(a.peers[d] + sym.tpe_all_offset) + int64_t(a.rank) * E;
+        std::memcpy(row, counts.data(), sizeof(int32_t) * E);
+    }
+    barrier(a.sync, kOpPlan);
+
+    // 3. Planner and routing.
+    std::memcpy(p.tpe_all, a.peers[a.rank] + sym.tpe_all_offset, sizeof(int32_t) * int64_t(R) * E);
+    plan_counts(l, a.planner, p);
+    route_entries(l, p, a.rank, a.topk_idx, a.index_bytes, a.num_tokens);
+
+    // 4. Chains: entries of token t going to d, in ascending k.
+    for (int t = 0; t < a.num_tokens; ++t) {
+        const int32_t* ranks = p.entry_rank + int64_t(t) * K;
+        const int32_t* rows = p.entry_row + int64_t(t) * K;
+        for (int k = 0; k < K; ++k) {
+            const int d = ranks[k];
+            if (d < 0) continue;
+            bool seen = false;
+            for (int k0 = 0; k0 < k && !seen; ++k0) seen = ranks[k0] == d;
+            if (seen) continue;  // not the first entry of t on d: already written with its chain
+            auto* head = reinterpret_cast<int32_t*>(a.peers[d] + sym.row_head_offset);
+            auto* next = reinterpret_cast<int32_t*>(a.peers[d] + sym.row_next_offset);
+            int32_t row = rows[k];
+            for (int k1 = k + 1; k1 <= K; ++k1) {
+                if (k1 < K && ranks[k1] != d) continue;
+                head[row] = rows[k];
+                next[row] = k1 < K ? rows[k1] : -1;
+                if (k1 < K) row = rows[k1];
+            }
+        }
+    }
+    barrier(a.sync, kOpPlan);
+
+    // 5. Copy the staging of the real rows; -1 for padding and rows past the last group.
+    const auto* head = reinterpret_cast<const int32_t*>(a.peers[a.rank] + sym.row_head_offset);
+    const auto* next = reinterpret_cast<const int32_t*>(a.peers[a.rank] + sym.row_next_offset);
+    for (int r = 0; r < l.num_recv_rows; ++r) {
+        p.row_head[r] = -1;
+        p.row_next[r] = -1;
+    }
+    for (int g = 0; g < l.num_groups(); ++g) {
+        const int expert = g < epn ? a.rank * epn + g : p.slot_expert[a.rank * epn + (g - epn)];
+        if (expert < 0) continue;
+        const int32_t start = p.group_row[a.rank * E + expert];
+        const int32_t size = p.alloc[a.rank * E + expert];
+        if (start < 0 || size <= 0) continue;
+        std::memcpy(p.row_head + start, head + start, sizeof(int32_t) * size);
+        std::memcpy(p.row_next + start, next + start, sizeof(int32_t) * size);
+    }
+
+    // 6. Header.
+    p.header[kHeaderNumTokens] = a.num_tokens;
+    p.header[kHeaderPlanner] = int32_t(a.planner);
+}
+
+}  // namespace flatep::host

@@ -1,0 +1,25 @@
+#include "host/prefetch.hpp"
+
+#include <cstring>
+
+#include "common/check.hpp"
+#include "transport/barrier_host.hpp"
+
+namespace flatep::host {
+
+void prefetch(const PrefetchArgs& a) {
+    const int epn = a.experts_per_rank;
+    FLATEP_CHECK(a.weights != nullptr, "prefetch: weights is null");
+    barrier(a.sync, kOpPrefetch);  // destinations are done computing with their previous slots
+    for (int d = 0; d < a.num_ranks; ++d) {
+        for (int j = 0; j < epn; ++j) {
+            const int expert = a.slot_expert[d * epn + j];
+            if (expert < 0 || expert / epn != a.rank) continue;
+            std::memcpy(a.slot_pools[d] + int64_t(j) * a.expert_bytes,
+                        a.weights + int64_t(expert % epn) * a.expert_bytes, size_t(a.expert_bytes));
+        }
+    }
+    barrier(a.sync, kOpPrefetch);  // every slot is filled before anyone computes with it
+}
+
+}  // namespace flatep::host

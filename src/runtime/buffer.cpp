@@ -1,0 +1,281 @@
+#include "flatep/buffer.hpp"
+
+#include <atomic>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/check.hpp"
+#include "common/env.hpp"
+#include "common/log.hpp"
+#include "host/combine.hpp"
+#include "host/dispatch.hpp"
+#include "host/entry_values.hpp"
+#include "host/plan_op.hpp"
+#include "layout/layout.hpp"
+#include "runtime/plan_data.hpp"
+#include "transport/barrier_host.hpp"
+#include "transport/sync.hpp"
+
+namespace flatep {
+
+namespace {
+
+std::atomic<uint64_t> next_buffer_id{1};
+
+const char* planner_text(PlannerKind kind) {
+    switch (kind) {
+        case PlannerKind::kGreedy:
+            return "greedy";
+        case PlannerKind::kBalanced:
+            return "balanced";
+    }
+    return "unknown";
+}
+
+// What every rank publishes at construction: its config and planner (both trivially copyable).
+struct ConfigBlob {
+    Config config;
+    PlannerKind planner;
+};
+
+SyncArgs make_sync(const SymmetricRegion& region, const SymmetricLayout& sym, uint64_t* epoch, int rank, int num_ranks,
+                   double timeout_s) {
+    SyncArgs s{};
+    for (int p = 0; p < num_ranks; ++p) s.flags[p] = reinterpret_cast<uint64_t*>(region.peers[p] + sym.barrier_offset);
+    s.epoch = epoch;
+    s.status = reinterpret_cast<int32_t*>(region.local + sym.status_offset);
+    s.rank = rank;
+    s.num_ranks = num_ranks;
+    s.timeout_s = timeout_s;
+    return s;
+}
+
+// Fills the fields every data-plane op's Args share: layout, rank, plan, peer bases and barrier state.
+template <typename Args>
+Args common_args(const Layout& l, int rank, const PlanView& plan, const SymmetricRegion& region, uint64_t* epoch,
+                 double timeout_s) {
+    Args args{};
+    args.layout = l;
+    args.rank = rank;
+    args.plan = plan;
+    for (int p = 0; p < l.num_ranks; ++p) args.peers[p] = region.peers[p];
+    args.sync = make_sync(region, make_symmetric_layout(l), epoch, rank, l.num_ranks, timeout_s);
+    return args;
+}
+
+}  // namespace
+
+// ---- Plan ----
+
+const Plan::Data& Plan::data() const {
+    FLATEP_CHECK(data_ != nullptr, "plan is empty (default-constructed); get one from Buffer::plan()");
+    return *data_;
+}
+uint64_t Plan::generation() const { return data().generation; }
+uint64_t Plan::buffer_id() const { return data().buffer_id; }
+int Plan::rank() const { return data().rank; }
+int Plan::num_tokens() const { return data().host.view.header[kHeaderNumTokens]; }
+PlannerKind Plan::planner() const { return PlannerKind(data().host.view.header[kHeaderPlanner]); }
+const HostPlan& Plan::host_plan() const { return data().host; }
+
+std::span<const int32_t> Plan::tpe_all() const {
+    const HostPlan& h = data().host;
+    return {h.view.tpe_all, size_t(h.layout.num_ranks) * h.layout.num_experts};
+}
+std::span<const int32_t> Plan::alloc() const {
+    const HostPlan& h = data().host;
+    return {h.view.alloc, size_t(h.layout.num_ranks) * h.layout.num_experts};
+}
+std::span<const int32_t> Plan::slot_expert(int rank) const {
+    const HostPlan& h = data().host;
+    FLATEP_CHECK(rank >= 0 && rank < h.layout.num_ranks, "slot_expert: rank must be in [0, ", h.layout.num_ranks,
+                 "), got ", rank);
+    const int epn = h.layout.experts_per_rank;
+    return {h.view.slot_expert + int64_t(rank) * epn, size_t(epn)};
+}
+std::span<const int32_t> Plan::cu_seqlens(int rank) const {
+    const HostPlan& h = data().host;
+    FLATEP_CHECK(rank >= 0 && rank < h.layout.num_ranks, "cu_seqlens: rank must be in [0, ", h.layout.num_ranks,
+                 "), got ", rank);
+    const int groups = h.layout.num_groups();
+    return {h.view.cu_seqlens + int64_t(rank) * groups, size_t(groups)};
+}
+const PlanStats& Plan::stats() const { return *data().host.view.stats; }
+std::span<const int32_t> Plan::entry_ranks() const {
+    const HostPlan& h = data().host;
+    return {h.view.entry_rank, size_t(num_tokens()) * h.layout.topk};
+}
+std::span<const int32_t> Plan::entry_rows() const {
+    const HostPlan& h = data().host;
+    return {h.view.entry_row, size_t(num_tokens()) * h.layout.topk};
+}
+std::span<const int32_t> Plan::row_heads() const {
+    const HostPlan& h = data().host;
+    return {h.view.row_head, size_t(h.layout.num_recv_rows)};
+}
+std::span<const int32_t> Plan::row_nexts() const {
+    const HostPlan& h = data().host;
+    return {h.view.row_next, size_t(h.layout.num_recv_rows)};
+}
+
+// ---- Buffer ----
+
+Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, PlannerKind planner)
+    : config_(config), transport_(std::move(transport)), planner_(planner), id_(next_buffer_id++) {
+    // Validate everything before allocating anything.
+    layout_ = std::make_unique<Layout>(make_layout(config_));
+    FLATEP_CHECK(transport_ != nullptr, "Buffer: transport is null");
+    FLATEP_CHECK(planner == PlannerKind::kGreedy || planner == PlannerKind::kBalanced, "Buffer: unknown planner kind ",
+                 int(planner));
+    FLATEP_CHECK(transport_->num_ranks() == config_.num_ranks, "Buffer: config.num_ranks (", config_.num_ranks,
+                 ") differs from the transport's (", transport_->num_ranks(), ")");
+    FLATEP_CHECK(transport_->rank() == config_.rank, "Buffer: config.rank (", config_.rank,
+                 ") differs from the transport's rank (", transport_->rank(), ")");
+    FLATEP_CHECK(transport_->memory_kind() == MemoryKind::kHost, "Buffer: transport '", transport_->name(),
+                 "' has device memory; only the CPU backend (host memory) is built so far");
+
+    // Every rank must agree on the config: compare against every peer so that every rank throws.
+    ConfigBlob mine;
+    std::memset(static_cast<void*>(&mine), 0, sizeof(mine));  // no uninitialised padding bytes on the wire
+    mine.config = config_;
+    mine.planner = planner_;
+    const std::vector<std::string> blobs =
+        transport_->bootstrap().all_gather(std::string(reinterpret_cast<const char*>(&mine), sizeof(mine)));
+    for (int p = 0; p < config_.num_ranks; ++p) {
+        FLATEP_CHECK_RUNTIME(blobs[p].size() == sizeof(ConfigBlob), "Buffer: rank ", p, " sent a config of ",
+                             blobs[p].size(), " bytes, expected ", sizeof(ConfigBlob));
+        ConfigBlob theirs;
+        std::memcpy(&theirs, blobs[p].data(), sizeof(theirs));
+        const std::string diff = config_.mismatch(theirs.config);
+        if (!diff.empty()) FLATEP_THROW(ErrorCategory::kMismatch, "config mismatch with rank ", p, ": ", diff);
+        if (theirs.planner != planner_) {
+            FLATEP_THROW(ErrorCategory::kMismatch, "config mismatch with rank ", p,
+                         ": planner: ", planner_text(planner_), " vs ", planner_text(theirs.planner));
+        }
+        if (theirs.config.rank != p) {
+            FLATEP_THROW(ErrorCategory::kMismatch, "config mismatch with rank ", p, ": rank: that rank's config says ",
+                         theirs.config.rank);
+        }
+    }
+
+    region_ = transport_->allocate(size_t(make_symmetric_layout(*layout_).total_bytes));
+    debug_ = env::debug();
+}
+
+Buffer::~Buffer() {
+    if (transport_ != nullptr) transport_->release(region_);
+}
+
+const Layout& Buffer::layout() const { return *layout_; }
+
+uint16_t* Buffer::symmetric_recv_x() {
+    return reinterpret_cast<uint16_t*>(region_.local + make_symmetric_layout(*layout_).recv_x_offset);
+}
+float* Buffer::symmetric_recv_w() {
+    return reinterpret_cast<float*>(region_.local + make_symmetric_layout(*layout_).recv_w_offset);
+}
+
+void Buffer::check_plan(const Plan& plan, const char* op) const {
+    FLATEP_CHECK(!plan.empty(), op, ": plan is empty (default-constructed); get one from Buffer::plan()");
+    if (plan.buffer_id() != id_) {
+        FLATEP_THROW(ErrorCategory::kMismatch, op, ": plan was made by buffer ", plan.buffer_id(),
+                     ", not by this buffer (", id_, ")");
+    }
+}
+
+Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens) {
+    const Layout& l = *layout_;
+    FLATEP_CHECK(num_tokens >= 0 && num_tokens <= l.num_tokens, "plan: num_tokens must be in [0, S=", l.num_tokens,
+                 "], got ", num_tokens);
+    FLATEP_CHECK(index_bytes == 4 || index_bytes == 8, "plan: index_bytes must be 4 (int32) or 8 (int64), got ",
+                 index_bytes);
+    FLATEP_CHECK(num_tokens == 0 || topk_idx != nullptr, "plan: topk_idx is null");
+
+    auto data = std::make_shared<Plan::Data>(l);
+    data->generation = ++generation_;
+    data->buffer_id = id_;
+    data->rank = config_.rank;
+    const SymmetricLayout sym = make_symmetric_layout(l);
+
+    PlanArgs args{};
+    args.layout = l;
+    args.rank = config_.rank;
+    args.num_tokens = num_tokens;
+    args.topk_idx = topk_idx;
+    args.index_bytes = index_bytes;
+    args.planner = planner_;
+    for (int p = 0; p < l.num_ranks; ++p) args.peers[p] = region_.peers[p];
+    args.plan = data->host.view;
+    args.sync = make_sync(region_, sym, &epoch_, config_.rank, l.num_ranks, transport_->timeout_s());
+    host::plan_op(args);
+    data->host.view.header[kHeaderGenerationLo] = int32_t(uint32_t(data->generation));
+    data->host.view.header[kHeaderGenerationHi] = int32_t(uint32_t(data->generation >> 32));
+    after_op();
+    return Plan(std::move(data));
+}
+
+void Buffer::dispatch(const Plan& plan, const uint16_t* x, const float* topk_weights, uint16_t* recv_x, float* recv_w) {
+    check_plan(plan, "dispatch");
+    FLATEP_CHECK(plan.num_tokens() == 0 || x != nullptr, "dispatch: x is null");
+    FLATEP_CHECK(recv_x != nullptr, "dispatch: recv_x is null");
+    auto args = common_args<DispatchArgs>(*layout_, config_.rank, plan.host_plan().view, region_, &epoch_,
+                                          transport_->timeout_s());
+    args.x = x;
+    args.topk_weights = topk_weights;
+    args.recv_x = recv_x;
+    args.recv_w = recv_w;
+    host::dispatch(args, op_stats_);
+    after_op();
+}
+
+void Buffer::combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out) {
+    check_plan(plan, "combine");
+    FLATEP_CHECK(y != nullptr, "combine: y is null");
+    FLATEP_CHECK(plan.num_tokens() == 0 || out != nullptr, "combine: out is null");
+    auto args = common_args<CombineArgs>(*layout_, config_.rank, plan.host_plan().view, region_, &epoch_,
+                                         transport_->timeout_s());
+    args.y = y;
+    args.weights = weights;
+    args.out = out;
+    host::combine(args, op_stats_);
+    after_op();
+}
+
+void Buffer::entry_values(const Plan& plan, const float* row_values, float* out) {
+    check_plan(plan, "entry_values");
+    FLATEP_CHECK(row_values != nullptr, "entry_values: row_values is null");
+    FLATEP_CHECK(plan.num_tokens() == 0 || out != nullptr, "entry_values: out is null");
+    auto args = common_args<EntryValuesArgs>(*layout_, config_.rank, plan.host_plan().view, region_, &epoch_,
+                                             transport_->timeout_s());
+    args.row_values = row_values;
+    args.out = out;
+    host::entry_values(args);
+    after_op();
+}
+
+void Buffer::check_status() {
+    int32_t* status = reinterpret_cast<int32_t*>(region_.local + make_symmetric_layout(*layout_).status_offset);
+    const int32_t code = status[kStatusCode];
+    if (code == kStatusOk) return;
+    const int32_t index = status[kStatusIndex], value = status[kStatusValue], peer = status[kStatusPeer];
+    for (int i = 0; i < 4; ++i) status[i] = 0;
+    const int K = layout_->topk;
+    switch (code) {
+        case kStatusBadExpert:
+            FLATEP_THROW(ErrorCategory::kInvalidArgument, "rank ", config_.rank, ": invalid expert id ", value,
+                         " at topk_idx flat index ", index, " (token ", index / K, ", k ", index % K,
+                         "); ids must be in [0, E=", layout_->num_experts, "); the entry was skipped");
+        case kStatusTimeout:
+            FLATEP_THROW(ErrorCategory::kTimeout, "rank ", config_.rank, ": ", host::op_name(OpId(index)),
+                         " timed out waiting for peer ", peer, " (flag ", value, ")");
+        default:
+            FLATEP_THROW(ErrorCategory::kRuntime, "rank ", config_.rank, ": unknown status code ", code);
+    }
+}
+
+void Buffer::after_op() {
+    if (debug_) check_status();
+}
+
+}  // namespace flatep

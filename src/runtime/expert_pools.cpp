@@ -1,0 +1,236 @@
+#include "flatep/expert_pools.hpp"
+
+#include <atomic>
+#include <utility>
+
+#include "common/check.hpp"
+#include "host/grad_reduce.hpp"
+#include "host/prefetch.hpp"
+#include "layout/layout.hpp"
+#include "planner/planner.hpp"
+#include "transport/host_memory.hpp"
+#include "transport/sync.hpp"
+
+namespace flatep {
+
+namespace {
+
+std::atomic<uint64_t> next_pools_id{1};
+
+// Layout of the pools' sync region: barrier flags then status words (same shape as the Buffer's).
+constexpr int64_t kFlagsOffset = 0;
+constexpr int64_t kStatusOffset = int64_t(kMaxRanks) * 8;
+constexpr int64_t kSyncBytes = kStatusOffset + 16;
+
+// Maps `own_fd` (file_bytes, whose data ends at its end) and then the pool's memfd right after it in one reserved
+// range; returns the range.
+void* map_view(int own_fd, size_t file_bytes, const SymmetricRegion& pool) {
+    const size_t total = file_bytes + pool.mapped_bytes;
+    uint8_t* base = static_cast<uint8_t*>(host_memory::reserve(total));
+    try {
+        host_memory::map_fixed(base, own_fd, file_bytes, 0);
+        host_memory::map_fixed(base + file_bytes, pool.local_fd, pool.mapped_bytes, 0);
+    } catch (...) {
+        host_memory::unmap(base, total);
+        throw;
+    }
+    return base;
+}
+
+}  // namespace
+
+// ---- ExpertLayer ----
+
+ExpertLayer::ExpertLayer(ExpertLayer&& other) noexcept
+    : projections_(std::move(other.projections_)), pools_id_(other.pools_id_) {
+    other.projections_.clear();
+    other.pools_id_ = 0;
+}
+
+ExpertLayer& ExpertLayer::operator=(ExpertLayer&& other) noexcept {
+    if (this != &other) {
+        reset();
+        projections_ = std::move(other.projections_);
+        pools_id_ = other.pools_id_;
+        other.projections_.clear();
+        other.pools_id_ = 0;
+    }
+    return *this;
+}
+
+ExpertLayer::~ExpertLayer() { reset(); }
+
+void ExpertLayer::reset() noexcept {
+    for (Projection& p : projections_) {
+        for (Mapping* m : {&p.weights_own, &p.grads_own, &p.weights_view, &p.grads_view}) {
+            host_memory::unmap(m->address, m->bytes);
+            *m = Mapping{};
+        }
+        host_memory::close_fd(p.weights_fd);
+        host_memory::close_fd(p.grads_fd);
+    }
+    projections_.clear();
+}
+
+const ExpertLayer::Projection& ExpertLayer::projection(int p) const {
+    FLATEP_CHECK(p >= 0 && p < num_projections(), "projection must be in [0, ", num_projections(), "), got ", p);
+    return projections_[p];
+}
+uint16_t* ExpertLayer::weights(int p) const { return projection(p).weights; }
+float* ExpertLayer::grads(int p) const { return projection(p).grads; }
+uint16_t* ExpertLayer::own_weights(int p) const {
+    const Projection& pr = projection(p);
+    return reinterpret_cast<uint16_t*>(
+        static_cast<uint8_t*>(pr.weights_own.address) +
+        (reinterpret_cast<uint8_t*>(pr.weights) - static_cast<uint8_t*>(pr.weights_view.address)));
+}
+float* ExpertLayer::own_grads(int p) const {
+    const Projection& pr = projection(p);
+    return reinterpret_cast<float*>(
+        static_cast<uint8_t*>(pr.grads_own.address) +
+        (reinterpret_cast<uint8_t*>(pr.grads) - static_cast<uint8_t*>(pr.grads_view.address)));
+}
+
+// ---- ExpertPools ----
+
+ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_rank,
+                         std::vector<ProjectionShape> projections)
+    : transport_(std::move(transport)),
+      experts_per_rank_(experts_per_rank),
+      projections_(std::move(projections)),
+      id_(next_pools_id++) {
+    FLATEP_CHECK(transport_ != nullptr, "ExpertPools: transport is null");
+    FLATEP_CHECK(transport_->memory_kind() == MemoryKind::kHost, "ExpertPools: transport '", transport_->name(),
+                 "' has device memory; only the CPU backend (host memory) is built so far");
+    FLATEP_CHECK(experts_per_rank_ >= 1, "ExpertPools: experts_per_rank must be positive, got ", experts_per_rank_);
+    FLATEP_CHECK(!projections_.empty(), "ExpertPools: at least one projection is needed");
+    for (size_t p = 0; p < projections_.size(); ++p) {
+        FLATEP_CHECK(projections_[p].rows >= 1 && projections_[p].cols >= 1, "ExpertPools: projection ", p,
+                     " must have positive rows and cols, got [", projections_[p].rows, "][", projections_[p].cols, "]");
+    }
+    try {
+        sync_region_ = transport_->allocate(size_t(kSyncBytes));
+        for (const ProjectionShape& shape : projections_) {
+            slot_regions_.push_back(transport_->allocate(size_t(experts_per_rank_ * shape.elems() * 2)));
+            reduce_regions_.push_back(transport_->allocate(size_t(experts_per_rank_ * shape.elems() * 4)));
+        }
+    } catch (...) {
+        for (SymmetricRegion& r : slot_regions_) transport_->release(r);
+        for (SymmetricRegion& r : reduce_regions_) transport_->release(r);
+        transport_->release(sync_region_);
+        throw;
+    }
+    for (const SymmetricRegion& r : slot_regions_) {
+        FLATEP_CHECK_RUNTIME(r.local_fd >= 0, "ExpertPools: transport '", transport_->name(),
+                             "' gave no memfd for the slot pool; compute views need one");
+    }
+}
+
+ExpertPools::~ExpertPools() {
+    for (SymmetricRegion& r : slot_regions_) transport_->release(r);
+    for (SymmetricRegion& r : reduce_regions_) transport_->release(r);
+    transport_->release(sync_region_);
+}
+
+const ProjectionShape& ExpertPools::shape(int p) const {
+    FLATEP_CHECK(p >= 0 && p < num_projections(), "projection must be in [0, ", num_projections(), "), got ", p);
+    return projections_[p];
+}
+uint16_t* ExpertPools::slot_pool(int p) const {
+    shape(p);
+    return reinterpret_cast<uint16_t*>(slot_regions_[p].local);
+}
+float* ExpertPools::reduce_pool(int p) const {
+    shape(p);
+    return reinterpret_cast<float*>(reduce_regions_[p].local);
+}
+
+ExpertLayer ExpertPools::register_layer() {
+    ExpertLayer layer;
+    layer.pools_id_ = id_;
+    for (int p = 0; p < num_projections(); ++p) {
+        layer.projections_.emplace_back();
+        ExpertLayer::Projection& pr = layer.projections_.back();
+        const int64_t elems = experts_per_rank_ * projections_[p].elems();
+        // The layer's data ends at a page boundary of its memfd, so the pool (data at offset 0 of its memfd)
+        // follows it without a gap in the view.
+        const size_t weights_data = size_t(elems * 2), grads_data = size_t(elems * 4);
+        const size_t weights_file = host_memory::round_up_pages(weights_data);
+        const size_t grads_file = host_memory::round_up_pages(grads_data);
+        pr.weights_fd = host_memory::create(weights_file, "flatep-layer-weights");
+        pr.grads_fd = host_memory::create(grads_file, "flatep-layer-grads");
+        pr.weights_own = {host_memory::map(pr.weights_fd, weights_file), weights_file};
+        pr.grads_own = {host_memory::map(pr.grads_fd, grads_file), grads_file};
+        pr.weights_view = {map_view(pr.weights_fd, weights_file, slot_regions_[p]),
+                           weights_file + slot_regions_[p].mapped_bytes};
+        pr.grads_view = {map_view(pr.grads_fd, grads_file, reduce_regions_[p]),
+                         grads_file + reduce_regions_[p].mapped_bytes};
+        pr.weights =
+            reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(pr.weights_view.address) + (weights_file - weights_data));
+        pr.grads = reinterpret_cast<float*>(static_cast<uint8_t*>(pr.grads_view.address) + (grads_file - grads_data));
+    }
+    return layer;
+}
+
+void ExpertPools::check_args(const Plan& plan, const ExpertLayer& layer, const char* op) const {
+    FLATEP_CHECK(!plan.empty(), op, ": plan is empty (default-constructed); get one from Buffer::plan()");
+    const Layout& l = plan.host_plan().layout;
+    FLATEP_CHECK(l.num_ranks == transport_->num_ranks() && l.experts_per_rank == experts_per_rank_, op,
+                 ": plan has R=", l.num_ranks, " epn=", l.experts_per_rank,
+                 " but the pools have R=", transport_->num_ranks(), " epn=", experts_per_rank_);
+    FLATEP_CHECK(plan.rank() == transport_->rank(), op, ": plan belongs to rank ", plan.rank(), ", pools to rank ",
+                 transport_->rank());
+    if (layer.pools_id() != id_) {
+        FLATEP_THROW(ErrorCategory::kMismatch, op, ": layer was registered with pools ", layer.pools_id(),
+                     ", not with these pools (", id_, ")");
+    }
+}
+
+namespace {
+SyncArgs pool_sync(const SymmetricRegion& region, uint64_t* epoch, int rank, int num_ranks, double timeout_s) {
+    SyncArgs s{};
+    for (int p = 0; p < num_ranks; ++p) s.flags[p] = reinterpret_cast<uint64_t*>(region.peers[p] + kFlagsOffset);
+    s.epoch = epoch;
+    s.status = reinterpret_cast<int32_t*>(region.local + kStatusOffset);
+    s.rank = rank;
+    s.num_ranks = num_ranks;
+    s.timeout_s = timeout_s;
+    return s;
+}
+}  // namespace
+
+void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer) {
+    check_args(plan, layer, "prefetch");
+    const int R = transport_->num_ranks();
+    for (int p = 0; p < num_projections(); ++p) {
+        PrefetchArgs args{};
+        args.rank = transport_->rank();
+        args.num_ranks = R;
+        args.experts_per_rank = experts_per_rank_;
+        args.expert_bytes = projections_[p].elems() * 2;
+        args.slot_expert = plan.host_plan().view.slot_expert;
+        args.weights = reinterpret_cast<const uint8_t*>(layer.weights(p));
+        for (int d = 0; d < R; ++d) args.slot_pools[d] = slot_regions_[p].peers[d];
+        args.sync = pool_sync(sync_region_, &epoch_, args.rank, R, transport_->timeout_s());
+        host::prefetch(args);
+    }
+}
+
+void ExpertPools::reduce_grad(const Plan& plan, const ExpertLayer& layer) {
+    check_args(plan, layer, "reduce_grad");
+    const int R = transport_->num_ranks();
+    for (int p = 0; p < num_projections(); ++p) {
+        GradReduceArgs args{};
+        args.rank = transport_->rank();
+        args.num_ranks = R;
+        args.experts_per_rank = experts_per_rank_;
+        args.expert_elems = projections_[p].elems();
+        args.slot_expert = plan.host_plan().view.slot_expert;
+        args.grads = layer.grads(p);
+        for (int d = 0; d < R; ++d) args.reduce_pools[d] = reinterpret_cast<float*>(reduce_regions_[p].peers[d]);
+        args.sync = pool_sync(sync_region_, &epoch_, args.rank, R, transport_->timeout_s());
+        host::grad_reduce(args);
+    }
+}
+
+}  // namespace flatep

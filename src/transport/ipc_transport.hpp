@@ -1,0 +1,74 @@
+// The `ipc` transport (design §7): one process per rank. Construction (collective over the bootstrap): every rank
+// announces its pid and uid and a random nonce; rank 0's nonce names the job's sockets ("@flatep-<nonce>-<rank>",
+// abstract namespace); every rank listens, a bootstrap barrier, then the ranks build a full socket mesh in which
+// every connection is checked with SO_PEERCRED against the announced pid and uid (ipc::build_mesh).
+// allocate(): each rank creates its region (IpcMemory), sends its descriptor to every peer over the mesh
+// (SCM_RIGHTS) and maps every peer's. release() is local (unmap, close) and may run at any time: a peer's memory
+// stays valid while a mapping of it exists.
+#pragma once
+
+#include <sys/types.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flatep/transport.hpp"
+#include "transport/ipc_memory.hpp"
+#include "transport/ipc_socket.hpp"
+
+namespace flatep {
+
+struct IpcOptions {
+    double timeout_s = 0;  // <= 0: FLATEP_TIMEOUT_S
+    // Test hook: called with this rank's socket name once it listens, before the ranks connect.
+    std::function<void(const std::string& socket_name)> on_listening;
+};
+
+class IpcTransport final : public Transport {
+  public:
+    IpcTransport(std::shared_ptr<Bootstrap> bootstrap, std::unique_ptr<IpcMemory> memory, const IpcOptions& options);
+    ~IpcTransport() override;
+    IpcTransport(const IpcTransport&) = delete;
+    IpcTransport& operator=(const IpcTransport&) = delete;
+
+    int rank() const override { return rank_; }
+    int num_ranks() const override { return num_ranks_; }
+    MemoryKind memory_kind() const override { return memory_->kind(); }
+    const char* name() const override { return "ipc"; }
+    SymmetricRegion allocate(size_t bytes) override;
+    void release(SymmetricRegion& region) noexcept override;
+    Bootstrap& bootstrap() override { return *bootstrap_; }
+
+    // Connections refused while the mesh was built (foreign processes).
+    int num_refused() const { return num_refused_; }
+    pid_t pid_of(int rank) const { return pids_[rank]; }
+    int num_live_regions() const { return static_cast<int>(allocations_.size()); }
+
+  private:
+    struct Allocation {
+        IpcLocalMemory local;
+        std::vector<uint8_t*> peers;  // nullptr at rank_ and where not mapped
+        size_t mapped_bytes = 0;
+    };
+    void free_allocation(Allocation& allocation) noexcept;
+    std::string name_peer(int rank) const;
+
+    std::shared_ptr<Bootstrap> bootstrap_;
+    std::unique_ptr<IpcMemory> memory_;
+    int rank_ = 0;
+    int num_ranks_ = 1;
+    std::vector<pid_t> pids_;
+    std::vector<ipc::Fd> sockets_;
+    std::vector<int> raw_sockets_;
+    std::map<int, Allocation> allocations_;
+    int num_allocations_ = 0;
+    int num_refused_ = 0;
+};
+
+// The host-memory (memfd) IpcMemory.
+std::unique_ptr<IpcMemory> make_host_ipc_memory();
+
+}  // namespace flatep

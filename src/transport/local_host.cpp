@@ -1,0 +1,199 @@
+#include "transport/local_host.hpp"
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/check.hpp"
+#include "common/env.hpp"
+#include "common/log.hpp"
+#include "transport/host_memory.hpp"
+
+namespace flatep {
+
+struct LocalHostWorld::State {
+    struct Round {
+        std::vector<std::string> blobs;
+        std::vector<bool> present;
+        int arrived = 0;
+        int departed = 0;
+    };
+    explicit State(int n, double t) : num_ranks(n), timeout_s(t), next_round(n, 0), transports(n) {}
+
+    std::vector<std::string> all_gather(int rank, const std::string& blob, double timeout);
+
+    const int num_ranks;
+    const double timeout_s;
+    std::mutex mutex;
+    std::condition_variable arrived_cv;
+    std::map<uint64_t, Round> rounds;  // node-stable: waiters keep references across waits
+    std::vector<uint64_t> next_round;  // per rank: index of its next all_gather
+    std::vector<std::weak_ptr<Transport>> transports;
+};
+
+std::vector<std::string> LocalHostWorld::State::all_gather(int rank, const std::string& blob, double timeout) {
+    std::unique_lock<std::mutex> lock(mutex);
+    const uint64_t index = next_round[rank]++;
+    Round& round = rounds[index];
+    if (round.blobs.empty()) {
+        round.blobs.resize(num_ranks);
+        round.present.assign(num_ranks, false);
+    }
+    round.blobs[rank] = blob;
+    round.present[rank] = true;
+    ++round.arrived;
+    arrived_cv.notify_all();
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline =
+        start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout));
+    if (!arrived_cv.wait_until(lock, deadline, [&] { return round.arrived == num_ranks; })) {
+        int missing = -1;
+        for (int p = 0; p < num_ranks && missing < 0; ++p) {
+            if (!round.present[p]) missing = p;
+        }
+        char waited[32];
+        std::snprintf(waited, sizeof(waited), "%.1f",
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        FLATEP_THROW(ErrorCategory::kTimeout, "timeout in all_gather: rank ", rank, " waited ", waited, " s for peer ",
+                     missing, " (round ", index, ", ", round.arrived, " of ", num_ranks, " ranks arrived)");
+    }
+    std::vector<std::string> result = round.blobs;
+    if (++round.departed == num_ranks) rounds.erase(index);
+    return result;
+}
+
+namespace {
+
+class LocalHostTransport;
+
+class ThreadBootstrap : public Bootstrap {
+  public:
+    ThreadBootstrap(std::shared_ptr<LocalHostWorld::State> state, const Transport* owner, int rank)
+        : state_(std::move(state)), owner_(owner), rank_(rank) {}
+    int rank() const override { return rank_; }
+    int size() const override { return state_->num_ranks; }
+    std::vector<std::string> all_gather(const std::string& blob) override {
+        return state_->all_gather(rank_, blob, owner_->timeout_s());
+    }
+
+  private:
+    std::shared_ptr<LocalHostWorld::State> state_;
+    const Transport* owner_;
+    int rank_;
+};
+
+// What a rank publishes about one allocation: its memfd and sizes (one process, so the fd is valid everywhere).
+struct RegionBlob {
+    int32_t fd;
+    uint64_t bytes;
+    uint64_t mapped_bytes;
+};
+
+class LocalHostTransport : public Transport {
+  public:
+    LocalHostTransport(std::shared_ptr<LocalHostWorld::State> state, int rank)
+        : state_(state), rank_(rank), bootstrap_(state, this, rank) {
+        timeout_s_ = state->timeout_s;
+    }
+    ~LocalHostTransport() override {
+        if (live_regions_ > 0)
+            FLATEP_LOG_WARN("local transport rank ", rank_, ": ", live_regions_, " region(s) not released");
+    }
+    int rank() const override { return rank_; }
+    int num_ranks() const override { return state_->num_ranks; }
+    MemoryKind memory_kind() const override { return MemoryKind::kHost; }
+    const char* name() const override { return "local"; }
+    Bootstrap& bootstrap() override { return bootstrap_; }
+
+    SymmetricRegion allocate(size_t bytes) override {
+        FLATEP_CHECK(bytes > 0, "allocate: bytes must be positive, got ", bytes);
+        const int num_ranks = state_->num_ranks;
+        SymmetricRegion region;
+        region.bytes = bytes;
+        region.mapped_bytes = host_memory::round_up_pages(bytes);
+        region.id = next_id_++;
+        const std::string name = detail::concat("flatep-local-r", rank_, "-", region.id);
+        region.local_fd = host_memory::create(region.mapped_bytes, name.c_str());
+        RegionBlob mine{region.local_fd, bytes, region.mapped_bytes};
+        std::vector<std::string> blobs;
+        try {
+            blobs = bootstrap_.all_gather(std::string(reinterpret_cast<const char*>(&mine), sizeof(mine)));
+            std::vector<RegionBlob> theirs(num_ranks);
+            // Check every blob before mapping any fd: all ranks see the same blobs, so all of them throw here
+            // together and nobody maps an fd its owner is about to close.
+            for (int p = 0; p < num_ranks; ++p) {
+                std::memcpy(&theirs[p], blobs[p].data(), sizeof(RegionBlob));
+                if (theirs[p].bytes != bytes) {
+                    FLATEP_THROW(ErrorCategory::kMismatch, "allocate: rank ", rank_, " asked for ", bytes,
+                                 " bytes but rank ", p, " asked for ", theirs[p].bytes);
+                }
+            }
+            for (int p = 0; p < num_ranks; ++p) {
+                region.peers[p] = static_cast<uint8_t*>(host_memory::map(theirs[p].fd, theirs[p].mapped_bytes));
+            }
+            region.local = region.peers[rank_];
+            // Every rank has mapped every fd before any owner may close its fd (release).
+            bootstrap_.all_gather("");
+        } catch (...) {
+            unmap_all(region);
+            host_memory::close_fd(region.local_fd);
+            throw;
+        }
+        ++live_regions_;
+        return region;
+    }
+
+    void release(SymmetricRegion& region) noexcept override {
+        if (region.local == nullptr && region.local_fd < 0) return;
+        unmap_all(region);
+        host_memory::close_fd(region.local_fd);
+        region = SymmetricRegion{};
+        --live_regions_;
+    }
+
+  private:
+    void unmap_all(SymmetricRegion& region) noexcept {
+        for (int p = 0; p < kMaxRanks; ++p) {
+            host_memory::unmap(region.peers[p], region.mapped_bytes);
+            region.peers[p] = nullptr;
+        }
+        region.local = nullptr;
+    }
+
+    std::shared_ptr<LocalHostWorld::State> state_;
+    int rank_;
+    ThreadBootstrap bootstrap_;
+    int next_id_ = 0;
+    int live_regions_ = 0;
+};
+
+}  // namespace
+
+LocalHostWorld::LocalHostWorld(int num_ranks, double timeout_s) {
+    FLATEP_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "LocalHostWorld: num_ranks must be in [1, ", kMaxRanks,
+                 "], got ", num_ranks);
+    state_ = std::make_shared<State>(num_ranks, timeout_s > 0 ? timeout_s : env::timeout_seconds());
+}
+
+LocalHostWorld::~LocalHostWorld() = default;
+
+int LocalHostWorld::num_ranks() const { return state_->num_ranks; }
+
+std::shared_ptr<Transport> LocalHostWorld::transport(int rank) {
+    FLATEP_CHECK(rank >= 0 && rank < state_->num_ranks, "LocalHostWorld::transport: rank must be in [0, ",
+                 state_->num_ranks, "), got ", rank);
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    std::shared_ptr<Transport> t = state_->transports[rank].lock();
+    if (!t) {
+        t = std::make_shared<LocalHostTransport>(state_, rank);
+        state_->transports[rank] = t;
+    }
+    return t;
+}
+
+}  // namespace flatep

@@ -1,0 +1,77 @@
+// Test helpers for the CPU backend: run R rank threads over a LocalHostWorld, random bf16 data.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/bf16.hpp"
+#include "flatep/error.hpp"
+#include "routing/routing.hpp"
+
+namespace flatep::testing {
+
+// Runs fn(rank) on R threads; returns each rank's exception text ("" when it returned normally).
+inline std::vector<std::string> run_ranks(int num_ranks, const std::function<void(int)>& fn) {
+    std::vector<std::string> errors(num_ranks);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < num_ranks; ++r) {
+        threads.emplace_back([&, r] {
+            try {
+                fn(r);
+            } catch (const std::exception& e) {
+                errors[r] = e.what();
+                if (errors[r].empty()) errors[r] = "(empty what())";
+            }
+        });
+    }
+    for (std::thread& t : threads) t.join();
+    return errors;
+}
+
+// Joined "rank r: error" lines of the ranks that failed; "" when none did.
+inline std::string failures(const std::vector<std::string>& errors) {
+    std::string out;
+    for (size_t r = 0; r < errors.size(); ++r) {
+        if (!errors[r].empty()) out += "rank " + std::to_string(r) + ": " + errors[r] + "\n";
+    }
+    return out;
+}
+
+// Deterministic uniform float in [lo, hi) from (stream, index).
+inline float uniform_float(uint64_t stream, uint64_t index, float lo, float hi) {
+    return lo + float(routing::uniform(stream, index)) * (hi - lo);
+}
+
+// n random finite bf16 values in [-4, 4).
+inline std::vector<uint16_t> random_bf16(size_t n, uint64_t stream) {
+    std::vector<uint16_t> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = float_to_bf16(uniform_float(stream, i, -4.0f, 4.0f));
+    return v;
+}
+
+// n random finite bf16 values of either sign with magnitudes spread over 2^-12 .. 2^12, so that fp32 sums of a few
+// of them round and the order of the additions shows in the result.
+inline std::vector<uint16_t> random_bf16_wide(size_t n, uint64_t stream) {
+    std::vector<uint16_t> v(n);
+    for (size_t i = 0; i < n; ++i) {
+        const float mantissa = uniform_float(stream, 2 * i, 1.0f, 2.0f);
+        const double u = routing::uniform(stream, 2 * i + 1);
+        const int exponent = int(u * 25.0) - 12;
+        const float sign = (uint64_t(u * 1e6) & 1) ? -1.0f : 1.0f;
+        v[i] = float_to_bf16(sign * std::ldexp(mantissa, exponent));
+    }
+    return v;
+}
+
+inline std::vector<float> random_floats(size_t n, uint64_t stream, float lo, float hi) {
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = uniform_float(stream, i, lo, hi);
+    return v;
+}
+
+}  // namespace flatep::testing
