@@ -1,0 +1,377 @@
+// Per-op benchmark of the CUDA data plane, R virtual ranks on one GPU (design §9): MoonEP config at maxvio
+// 0.2/1/10/20 and the DeepEP config. Per op: median time over many iterations (CUDA events, after warm-up) from a
+// common start of all ranks to the end of the last, bytes moved per rank (each byte read or written in device
+// memory once, local rows included), aggregate bandwidth over all ranks against a device-to-device copy measured in
+// the same run. Planner: the planner kernel alone and the whole plan op. CSV out.
+//
+//   ops_bench [--csv out.csv] [--iters 20] [--warmup 3] [--hp 1024] [--quick]
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "gpu_harness.hpp"
+
+using namespace flatep;
+using namespace flatep::gpu_test;
+
+namespace {
+
+__global__ void fill_bf16_kernel(uint16_t* dst, int64_t n, uint64_t seed) {
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+        uint64_t z = seed * 0x9e3779b97f4a7c15ull + uint64_t(i);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        z ^= z >> 31;
+        dst[i] = uint16_t(((z & 1) << 15) | ((110 + (z >> 1) % 23) << 7) | ((z >> 8) & 0x7f));
+    }
+}
+void fill_device_bf16(void* dst, int64_t n, uint64_t seed) {
+    fill_bf16_kernel<<<1024, 256>>>(static_cast<uint16_t*>(dst), n, seed);
+    FLATEP_CUDA_CHECK_LAUNCH();
+}
+
+float median(std::vector<float> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+// Median time (us) of `op` enqueued on every rank stream, from a common start to the last rank's end.
+struct Timing {
+    float median_us, min_us;
+};
+Timing time_op(LocalDeviceGroup& group, int iters, int warmup, const std::function<void()>& op) {
+    const int R = group.num_ranks();
+    cudaStream_t s0 = group.stream(0);
+    cudaEvent_t start, stop, fork, join[kMaxRanks];
+    FLATEP_CUDA_CHECK(cudaEventCreate(&start));
+    FLATEP_CUDA_CHECK(cudaEventCreate(&stop));
+    FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    for (int r = 0; r < R; ++r) FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(&join[r], cudaEventDisableTiming));
+    std::vector<float> times;
+    for (int it = 0; it < warmup + iters; ++it) {
+        group.synchronize();
+        FLATEP_CUDA_CHECK(cudaEventRecord(start, s0));
+        FLATEP_CUDA_CHECK(cudaEventRecord(fork, s0));
+        for (int r = 1; r < R; ++r) FLATEP_CUDA_CHECK(cudaStreamWaitEvent(group.stream(r), fork));
+        op();
+        for (int r = 1; r < R; ++r) {
+            FLATEP_CUDA_CHECK(cudaEventRecord(join[r], group.stream(r)));
+            FLATEP_CUDA_CHECK(cudaStreamWaitEvent(s0, join[r]));
+        }
+        FLATEP_CUDA_CHECK(cudaEventRecord(stop, s0));
+        FLATEP_CUDA_CHECK(cudaEventSynchronize(stop));
+        float ms = 0;
+        FLATEP_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        if (it >= warmup) times.push_back(ms * 1000.f);
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    cudaEventDestroy(fork);
+    for (int r = 0; r < R; ++r) cudaEventDestroy(join[r]);
+    return Timing{median(times), *std::min_element(times.begin(), times.end())};
+}
+
+double copy_bandwidth_gbps(int iters) {
+    const size_t bytes = size_t(4) << 30;
+    void *a = nullptr, *b = nullptr;
+    FLATEP_CUDA_CHECK(cudaMalloc(&a, bytes));
+    FLATEP_CUDA_CHECK(cudaMalloc(&b, bytes));
+    fill_device_bf16(a, int64_t(bytes / 2), 7);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    std::vector<float> times;
+    for (int it = 0; it < iters + 2; ++it) {
+        cudaEventRecord(e0);
+        FLATEP_CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+        cudaEventRecord(e1);
+        cudaEventSynchronize(e1);
+        float ms = 0;
+        cudaEventElapsedTime(&ms, e0, e1);
+        if (it >= 2) times.push_back(ms);
+    }
+    cudaFree(a);
+    cudaFree(b);
+    return 2.0 * double(bytes) / (double(median(times)) * 1e-3) / 1e9;  // read + write
+}
+
+struct Bytes {
+    double dispatch = 0, combine = 0;  // all ranks together
+    double dispatch_remote_rows = 0;
+};
+
+// Bytes the ops must move, from the plans (zero-copy recv: the symmetric region is the output).
+Bytes count_bytes(const Layout& l, const std::vector<RankOutputs>& outs, int num_tokens, bool weighted) {
+    Bytes b;
+    const double row = double(l.row_bytes());
+    for (int r = 0; r < l.num_ranks; ++r) {
+        const PlanView p = make_plan_view(l, const_cast<int32_t*>(outs[r].plan.data()));
+        int64_t pairs = 0, remote = 0;
+        for (int t = 0; t < num_tokens; ++t) {
+            for (int k = 0; k < l.topk; ++k) {
+                const int d = p.entry_rank[t * l.topk + k];
+                if (d < 0) continue;
+                bool seen = false;
+                for (int k0 = 0; k0 < k && !seen; ++k0) seen = p.entry_rank[t * l.topk + k0] == d;
+                if (!seen) {
+                    ++pairs;
+                    if (d != r) ++remote;
+                }
+            }
+        }
+        int64_t real = 0, heads = 0, pad = 0;
+        const int32_t* cu = p.cu_seqlens + int64_t(r) * l.num_groups();
+        for (int g = 0; g < l.num_groups(); ++g) {
+            const int32_t start = g == 0 ? 0 : cu[g - 1];
+            for (int32_t row_idx = start; row_idx < cu[g]; ++row_idx) {
+                if (p.row_head[row_idx] < 0) {
+                    ++pad;
+                } else {
+                    ++real;
+                    if (p.row_head[row_idx] == row_idx) ++heads;
+                }
+            }
+        }
+        const int64_t dups = real - heads;
+        b.dispatch += num_tokens * row + pairs * row + 2.0 * dups * row + pad * row +
+                      double(num_tokens) * l.topk * 4 * (weighted ? 2 : 1) + real * 4.0;
+        b.combine += real * row + heads * row + pairs * row + num_tokens * row + (weighted ? real * 4.0 : 0);
+        b.dispatch_remote_rows += remote;
+    }
+    return b;
+}
+
+Config make_config(int R, int E, int S, int K, int H) {
+    Config c;
+    c.num_ranks = R;
+    c.num_experts = E;
+    c.num_tokens = S;
+    c.topk = K;
+    c.hidden = H;
+    c.align = 128;
+    return c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+    setenv("CUDA_MODULE_LOADING", "EAGER", 1);  // see kernels::preload_all_kernels
+    int num_devices = 0;
+    if (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0) {
+        std::printf("SKIP: no CUDA device\n");
+        return 0;
+    }
+    std::string csv_path = "ops_bench.csv";
+    int iters = 20, warmup = 3, hp = 1024;
+    bool quick = false;
+    for (int i = 1; i < argc; ++i) {
+        if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv_path = argv[++i];
+        if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::atoi(argv[++i]);
+        if (!std::strcmp(argv[i], "--warmup") && i + 1 < argc) warmup = std::atoi(argv[++i]);
+        if (!std::strcmp(argv[i], "--hp") && i + 1 < argc) hp = std::atoi(argv[++i]);
+        if (!std::strcmp(argv[i], "--quick")) quick = true;
+    }
+    const double copy_gbps = copy_bandwidth_gbps(10);
+    std::printf("device-to-device copy: %.0f GB/s (read + write)\n", copy_gbps);
+    FILE* csv = std::fopen(csv_path.c_str(), "w");
+    FLATEP_CHECK_RUNTIME(csv != nullptr, "cannot open ", csv_path);
+    std::fprintf(csv,
+                 "config,maxvio_target,maxvio,op,time_us_median,time_us_min,bytes_per_rank,agg_GBps,copy_GBps,"
+                 "ratio_to_copy,replicas,makespan\n");
+
+    struct Bench {
+        std::string name;
+        Config config;
+        double maxvio;  // < 0: uniform
+    };
+    std::vector<Bench> benches;
+    for (double mv : {0.2, 1.0, 10.0, 20.0}) benches.push_back({"moonep", make_config(8, 384, 8192, 8, 7168), mv});
+    benches.push_back({"deepep", make_config(8, 256, 4096, 8, 7168), -1.0});
+    if (quick) benches = {{"moonep", make_config(8, 384, 8192, 8, 7168), 1.0}};
+
+    std::printf("%-7s %6s %6s %-12s %10s %12s %9s %6s\n", "config", "target", "maxvio", "op", "median_us",
+                "MB_per_rank", "agg_GB/s", "ratio");
+    for (const Bench& bench : benches) {
+        const Layout l = make_layout(bench.config);
+        CaseSpec spec;
+        spec.name = bench.name;
+        spec.config = bench.config;
+        spec.separate_recv = false;
+        spec.weighted = true;
+        spec.expert_elems = int64_t(l.hidden) * hp;
+        spec.sigma = bench.maxvio < 0 ? 0.0
+                                      : routing::sigma_for_maxvio(bench.maxvio, l.num_ranks, l.num_experts,
+                                                                  l.num_tokens, l.topk, 42);
+        spec.seed = 42;
+        LocalDeviceGroup group(l.num_ranks, false, 30.0);
+        DeviceCase dev(spec, l, group);
+        // Inputs: routing from the generator; data random on the device (never zeros).
+        const auto topk = make_routing(spec, spec.seed);
+        std::vector<int32_t> all_counts(size_t(l.num_ranks) * l.num_experts, 0);
+        for (int r = 0; r < l.num_ranks; ++r) {
+            std::vector<int32_t> t32(topk[r].begin(), topk[r].end());
+            for (int32_t e : t32) ++all_counts[size_t(r) * l.num_experts + e];
+            auto& p = dev.ranks[r];
+            FLATEP_CUDA_CHECK(cudaMemcpy(p.topk, t32.data(), t32.size() * 4, cudaMemcpyHostToDevice));
+            fill_device_bf16(p.x, int64_t(l.num_tokens) * l.hidden, 100 + r);
+            fill_device_bf16(p.weights, int64_t(l.num_tokens) * l.topk * 2, 200 + r);  // bf16 pairs: finite floats
+            fill_device_bf16(p.y, int64_t(l.num_recv_rows) * l.hidden, 300 + r);
+            fill_device_bf16(p.expert_w, int64_t(l.experts_per_rank) * spec.expert_elems, 400 + r);
+            fill_device_bf16(p.grads, int64_t(l.experts_per_rank) * spec.expert_elems * 2, 500 + r);
+            fill_device_bf16(dev.red_regions[r].local, int64_t(l.experts_per_rank) * spec.expert_elems * 2, 600 + r);
+        }
+        FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
+        const double maxvio = routing::maxvio(all_counts.data(), l.num_ranks, l.num_experts);
+        const int R = l.num_ranks;
+        auto sync = [&](int r) {
+            return group.sync_args(r, dev.regions, dev.sym.barrier_offset, dev.sym.status_offset);
+        };
+        auto plan_args = [&](int r) {
+            PlanArgs a{};
+            a.layout = l;
+            a.rank = r;
+            a.num_tokens = l.num_tokens;
+            a.topk_idx = dev.ranks[r].topk;
+            a.index_bytes = 4;
+            a.planner = PlannerKind::kBalanced;
+            for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
+            a.plan = make_plan_view(l, dev.ranks[r].plan);
+            a.sync = sync(r);
+            a.workspace = dev.ranks[r].workspace;
+            return a;
+        };
+        auto dispatch_args = [&](int r) {
+            DispatchArgs a{};
+            a.layout = l;
+            a.rank = r;
+            a.x = dev.ranks[r].x;
+            a.topk_weights = dev.ranks[r].weights;
+            a.plan = make_plan_view(l, dev.ranks[r].plan);
+            for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
+            a.recv_x = dev.ranks[r].recv_x;
+            a.recv_w = dev.ranks[r].recv_w;
+            a.sync = sync(r);
+            return a;
+        };
+        auto combine_args = [&](int r) {
+            CombineArgs a{};
+            a.layout = l;
+            a.rank = r;
+            a.y = dev.ranks[r].y;
+            a.weights = dev.ranks[r].recv_w;
+            a.plan = make_plan_view(l, dev.ranks[r].plan);
+            for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
+            a.out = dev.ranks[r].out_alloc;
+            a.sync = sync(r);
+            return a;
+        };
+        auto prefetch_args = [&](int r) {
+            PrefetchArgs a{};
+            a.rank = r;
+            a.num_ranks = R;
+            a.experts_per_rank = l.experts_per_rank;
+            a.expert_bytes = spec.expert_elems * 2;
+            a.slot_expert = make_plan_view(l, dev.ranks[r].plan).slot_expert;
+            a.weights = reinterpret_cast<const uint8_t*>(dev.ranks[r].expert_w);
+            for (int p = 0; p < R; ++p) a.slot_pools[p] = dev.slot_regions[r].peers[p];
+            a.sync = sync(r);
+            return a;
+        };
+        auto reduce_args = [&](int r) {
+            GradReduceArgs a{};
+            a.rank = r;
+            a.num_ranks = R;
+            a.experts_per_rank = l.experts_per_rank;
+            a.expert_elems = spec.expert_elems;
+            a.slot_expert = make_plan_view(l, dev.ranks[r].plan).slot_expert;
+            a.grads = dev.ranks[r].grads;
+            for (int p = 0; p < R; ++p) a.reduce_pools[p] = reinterpret_cast<float*>(dev.red_regions[r].peers[p]);
+            a.sync = sync(r);
+            return a;
+        };
+        const Timing t_plan = time_op(group, iters, warmup, [&] {
+            for (int r = 0; r < R; ++r) kernels::launch(plan_args(r), group.stream(r));
+        });
+        // Planner kernel alone (rank 0's counts; every rank runs the same planner on the same input).
+        const Timing t_planner = time_op(group, iters, warmup, [&] {
+            kernels::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.ranks[0].plan),
+                                    dev.ranks[0].workspace, kernels::PlannerEngine::kParallel, group.stream(0));
+        });
+        const Timing t_planner_greedy = time_op(group, iters, warmup, [&] {
+            kernels::launch_planner(l, PlannerKind::kGreedy, make_plan_view(l, dev.ranks[0].plan),
+                                    dev.ranks[0].workspace, kernels::PlannerEngine::kParallel, group.stream(0));
+        });
+        // Restore rank 0's balanced plan (the greedy run above overwrote its global part).
+        kernels::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.ranks[0].plan), dev.ranks[0].workspace,
+                                kernels::PlannerEngine::kParallel, group.stream(0));
+        group.synchronize();
+        const Timing t_dispatch = time_op(group, iters, warmup, [&] {
+            for (int r = 0; r < R; ++r) kernels::launch(dispatch_args(r), group.stream(r));
+        });
+        const Timing t_combine = time_op(group, iters, warmup, [&] {
+            for (int r = 0; r < R; ++r) kernels::launch(combine_args(r), group.stream(r));
+        });
+        const Timing t_prefetch = time_op(group, iters, warmup, [&] {
+            for (int r = 0; r < R; ++r) kernels::launch(prefetch_args(r), group.stream(r));
+        });
+        const Timing t_reduce = time_op(group, std::max(3, iters / 4), 1, [&] {
+            for (int r = 0; r < R; ++r) kernels::launch(reduce_args(r), group.stream(r));
+        });
+        // Bytes, from the plans.
+        std::vector<RankOutputs> outs(R);
+        for (int r = 0; r < R; ++r) {
+            outs[r].plan.resize(size_t(make_plan_sizes(l).total_words));
+            FLATEP_CUDA_CHECK(
+                cudaMemcpy(outs[r].plan.data(), dev.ranks[r].plan, outs[r].plan.size() * 4, cudaMemcpyDeviceToHost));
+        }
+        for (int r = 0; r < R; ++r) {
+            const WaitRecord& w = group.wait_record(r);
+            FLATEP_CHECK_RUNTIME(w.code == 0, "timeout in op ", w.op, " rank ", w.rank, " peer ", w.peer);
+        }
+        const Bytes bytes = count_bytes(l, outs, l.num_tokens, true);
+        const PlanStats& st = *make_plan_view(l, outs[0].plan.data()).stats;
+        double pre_bytes = 0, red_bytes = 0;
+        for (int d = 0; d < R; ++d) {
+            pre_bytes += 2.0 * st.replicas_in[d] * double(spec.expert_elems) * 2;  // read + write per replica
+            // owner: read grad + each slot, write grad; then the slot zeroed
+            red_bytes += st.replicas_in[d] * double(spec.expert_elems) * 4 * 2;
+            red_bytes += 2.0 * st.replicas_out[d] * 0;  // grads of owners with replicas: read+write once per expert
+        }
+        for (int d = 0; d < R; ++d) {
+            std::vector<char> has(size_t(l.experts_per_rank), 0);
+            const int32_t* se = make_plan_view(l, outs[d].plan.data()).slot_expert;
+            for (int i = 0; i < R * l.experts_per_rank; ++i)
+                if (se[i] >= 0 && se[i] / l.experts_per_rank == d) has[se[i] % l.experts_per_rank] = 1;
+            for (char h : has) red_bytes += h ? 2.0 * double(spec.expert_elems) * 4 : 0;
+        }
+        struct Row {
+            const char* op;
+            Timing t;
+            double bytes;  // all ranks
+        };
+        const Row rows[] = {{"plan", t_plan, 0},
+                            {"planner", t_planner, 0},
+                            {"planner_greedy", t_planner_greedy, 0},
+                            {"dispatch", t_dispatch, bytes.dispatch},
+                            {"combine", t_combine, bytes.combine},
+                            {"prefetch", t_prefetch, pre_bytes},
+                            {"reduce_grad", t_reduce, red_bytes}};
+        for (const Row& row : rows) {
+            const double gbps = row.bytes > 0 ? row.bytes / (row.t.median_us * 1e-6) / 1e9 : 0;
+            std::printf("%-7s %6.1f %6.2f %-12s %10.1f %12.1f %9.0f %6.2f\n", bench.name.c_str(), bench.maxvio, maxvio,
+                        row.op, row.t.median_us, row.bytes / R / 1e6, gbps, gbps / copy_gbps);
+            std::fprintf(csv, "%s,%.2f,%.4f,%s,%.2f,%.2f,%.0f,%.1f,%.1f,%.4f,%d,%d\n", bench.name.c_str(), bench.maxvio,
+                         maxvio, row.op, row.t.median_us, row.t.min_us, row.bytes / R, gbps, copy_gbps,
+                         gbps / copy_gbps, st.total_replicas, st.makespan);
+        }
+        std::fflush(stdout);
+        std::fflush(csv);
+    }
+    std::fclose(csv);
+    return 0;
+}

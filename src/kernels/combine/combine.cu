@@ -1,0 +1,183 @@
+#include "common/bf16.hpp"
+#include "common/check.hpp"
+#include "kernels/combine/combine.cuh"
+#include "kernels/common/barrier.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/groups.cuh"
+#include "kernels/common/vector.cuh"
+
+namespace flatep::kernels {
+
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kUnroll = 4;  // 16-byte words per lane per step
+
+FLATEP_DEVICE void unpack_add(float (&acc)[8], const uint4& v) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc[2 * i] = acc[2 * i] + bf16_to_float(uint16_t(w[i] & 0xffffu));
+        acc[2 * i + 1] = acc[2 * i + 1] + bf16_to_float(uint16_t(w[i] >> 16));
+    }
+}
+
+FLATEP_DEVICE void unpack_fma(float (&acc)[8], float weight, const uint4& v) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc[2 * i] = fmaf(weight, bf16_to_float(uint16_t(w[i] & 0xffffu)), acc[2 * i]);
+        acc[2 * i + 1] = fmaf(weight, bf16_to_float(uint16_t(w[i] >> 16)), acc[2 * i + 1]);
+    }
+}
+
+FLATEP_DEVICE uint4 pack_bf16(const float (&acc)[8]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        w[i] = uint32_t(float_to_bf16(acc[2 * i])) | (uint32_t(float_to_bf16(acc[2 * i + 1])) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Destination side: warp per chain head among this rank's real rows.
+template <bool kWeighted>
+__global__ void __launch_bounds__(kThreads)
+    combine_partial_kernel(Layout l, int rank, PlanView p, const uint16_t* y, const float* weights, uint16_t* partial) {
+    const int lane = threadIdx.x % 32;
+    const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int64_t num_warps = int64_t(gridDim.x) * blockDim.x / 32;
+    const int64_t n16 = l.row_bytes() / 16;
+    const int32_t end = rows_end(l, p, rank);
+    for (int64_t h = warp; h < end; h += num_warps) {
+        if (p.row_head[h] != h) continue;  // padding, past the end (-1) or not a head
+        if (classify_row(l, p, rank, h) != kRowReal) continue;
+        uint4* out = reinterpret_cast<uint4*>(partial) + h * n16;
+        for (int64_t i0 = 0; i0 < n16; i0 += 32 * kUnroll) {
+            float acc[kUnroll][8];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+                for (int c = 0; c < 8; ++c) acc[u][c] = 0.0f;
+            for (int32_t r = int32_t(h); r >= 0; r = p.row_next[r]) {
+                const uint4* src = reinterpret_cast<const uint4*>(y) + int64_t(r) * n16;
+                uint4 v[kUnroll];
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int64_t i = i0 + 32 * u + lane;
+                    if (i < n16) v[u] = ld_v4(src + i);
+                }
+                if constexpr (kWeighted) {
+                    const float w = weights[r];
+#pragma unroll
+                    for (int u = 0; u < kUnroll; ++u) unpack_fma(acc[u], w, v[u]);
+                } else {
+#pragma unroll
+                    for (int u = 0; u < kUnroll; ++u) unpack_add(acc[u], v[u]);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int64_t i = i0 + 32 * u + lane;
+                if (i < n16) st_v4(out + i, pack_bf16(acc[u]));
+            }
+        }
+    }
+}
+
+// Source side: warp per token; one pull per destination rank holding entries of the token, ascending rank.
+__global__ void __launch_bounds__(kThreads)
+    combine_pull_kernel(Layout l, PlanView p, SymmetricLayout sym, PeerPointers peers, uint16_t* out_x) {
+    __shared__ const uint4* srcs_s[kWarps][kMaxTopk];
+    const int lane = threadIdx.x % 32, warp_in_block = threadIdx.x / 32;
+    const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int64_t num_warps = int64_t(gridDim.x) * blockDim.x / 32;
+    const int K = l.topk;
+    const int num_tokens = p.header[kHeaderNumTokens];
+    const int64_t n16 = l.row_bytes() / 16;
+    const uint4** srcs = srcs_s[warp_in_block];
+    for (int64_t t = warp; t < num_tokens; t += num_warps) {
+        int d = -1, row = -1;
+        if (lane < K) {
+            d = p.entry_rank[t * K + lane];
+            row = p.entry_row[t * K + lane];
+        }
+        const unsigned same = __match_any_sync(kFull, (lane < K && d >= 0) ? d : -1 - lane);
+        const bool head = lane < K && d >= 0 && __ffs(same) - 1 == lane;
+        const unsigned heads = __ballot_sync(kFull, head);
+        // Rank of this head among the heads in ascending destination rank.
+        int order = 0;
+        for (unsigned rest = heads; rest != 0; rest &= rest - 1) {
+            const int k = __ffs(rest) - 1;
+            const int dk = __shfl_sync(kFull, d, k);
+            if (head && (dk < d)) ++order;
+        }
+        if (head) {
+            srcs[order] = reinterpret_cast<const uint4*>(peers.ptr[d] + sym.partial_offset) + int64_t(row) * n16;
+        }
+        __syncwarp();
+        const int num_src = __popc(heads);
+        uint4* dst = reinterpret_cast<uint4*>(out_x) + t * n16;
+        for (int64_t i0 = 0; i0 < n16; i0 += 32 * kUnroll) {
+            float acc[kUnroll][8];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+                for (int c = 0; c < 8; ++c) acc[u][c] = 0.0f;
+            for (int s = 0; s < num_src; ++s) {
+                const uint4* src = srcs[s];
+                uint4 v[kUnroll];
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int64_t i = i0 + 32 * u + lane;
+                    if (i < n16) v[u] = ld_v4(src + i);
+                }
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) unpack_add(acc[u], v[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int64_t i = i0 + 32 * u + lane;
+                if (i < n16) st_v4(dst + i, pack_bf16(acc[u]));
+            }
+        }
+        __syncwarp();
+    }
+}
+
+}  // namespace
+
+void launch(const CombineArgs& a, cudaStream_t stream) {
+    const Layout& l = a.layout;
+    FLATEP_CHECK(a.y != nullptr, "combine: y is null");
+    FLATEP_CHECK(a.out != nullptr, "combine: out is null");
+    FLATEP_CHECK(a.rank >= 0 && a.rank < l.num_ranks, "combine: rank must be in [0, ", l.num_ranks, "), got ", a.rank);
+    FLATEP_CHECK(reinterpret_cast<uintptr_t>(a.y) % 16 == 0 && reinterpret_cast<uintptr_t>(a.out) % 16 == 0,
+                 "combine: y and out must be 16-byte aligned");
+    const SymmetricLayout sym = make_symmetric_layout(l);
+    PeerPointers peers{};
+    for (int r = 0; r < l.num_ranks; ++r) peers.ptr[r] = a.peers[r];
+    auto* partial = reinterpret_cast<uint16_t*>(a.peers[a.rank] + sym.partial_offset);
+    launch_barrier(a.sync, kOpCombine, stream);  // sources are done pulling the previous partials
+    const int part_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kWarps), 4);
+    if (a.weights != nullptr) {
+        combine_partial_kernel<true><<<part_blocks, kThreads, 0, stream>>>(l, a.rank, a.plan, a.y, a.weights, partial);
+    } else {
+        combine_partial_kernel<false><<<part_blocks, kThreads, 0, stream>>>(l, a.rank, a.plan, a.y, nullptr, partial);
+    }
+    FLATEP_CUDA_CHECK_LAUNCH();
+    launch_barrier(a.sync, kOpCombine, stream);  // every partial is written
+    const int pull_blocks = grid_blocks(a.sync, ceil_div(l.num_tokens, kWarps), 4);
+    combine_pull_kernel<<<pull_blocks, kThreads, 0, stream>>>(l, a.plan, sym, peers, a.out);
+    FLATEP_CUDA_CHECK_LAUNCH();
+}
+
+void preload_combine_kernels() {
+    cudaFuncAttributes attr{};
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_partial_kernel<true>));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_partial_kernel<false>));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_pull_kernel));
+}
+
+}  // namespace flatep::kernels

@@ -1,0 +1,92 @@
+#include <mutex>
+#include <vector>
+
+#include "kernels/common/barrier.cuh"
+#include "kernels/common/cuda_check.cuh"
+
+namespace flatep::kernels {
+
+namespace {
+
+__global__ void barrier_kernel(SyncArgs sync, int op) { block_barrier(sync, op, threadIdx.x); }
+
+}  // namespace
+
+void preload_barrier_kernels() {
+    cudaFuncAttributes attr{};
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, barrier_kernel));
+}
+
+void preload_all_kernels() {
+    preload_barrier_kernels();
+    preload_plan_kernels();
+    preload_dispatch_kernels();
+    preload_combine_kernels();
+    preload_prefetch_kernels();
+    preload_grad_reduce_kernels();
+}
+
+void launch_barrier(const SyncArgs& sync, int op, cudaStream_t stream) {
+    if (sync.num_ranks <= 1) return;
+    const int threads = sync.num_ranks <= 32 ? 32 : 64;
+    barrier_kernel<<<1, threads, 0, stream>>>(sync, op);
+    FLATEP_CUDA_CHECK_LAUNCH();
+}
+
+int device_sm_count() {
+    static std::mutex mutex;
+    static std::vector<int> counts;
+    int device = 0;
+    FLATEP_CUDA_CHECK(cudaGetDevice(&device));
+    std::lock_guard<std::mutex> lock(mutex);
+    if (int(counts.size()) <= device) counts.resize(device + 1, 0);
+    if (counts[device] == 0) {
+        FLATEP_CUDA_CHECK(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
+    }
+    return counts[device];
+}
+
+int grid_blocks(const SyncArgs& sync, int64_t work_blocks, int blocks_per_sm) {
+    const int64_t cap = sync.max_blocks > 0 ? sync.max_blocks : int64_t(device_sm_count()) * blocks_per_sm;
+    const int64_t n = work_blocks < cap ? work_blocks : cap;
+    return n < 1 ? 1 : int(n);
+}
+
+void* scratch_buffer(int key, size_t bytes, cudaStream_t stream) {
+    struct Entry {
+        int key, device;
+        void* ptr;
+        size_t bytes;
+    };
+    static std::mutex mutex;
+    static std::vector<Entry> entries;  // freed at exit by the driver
+    int device = 0;
+    FLATEP_CUDA_CHECK(cudaGetDevice(&device));
+    std::lock_guard<std::mutex> lock(mutex);
+    for (Entry& e : entries) {
+        if (e.key != key || e.device != device) continue;
+        if (e.bytes >= bytes) return e.ptr;
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        FLATEP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+        FLATEP_CHECK_RUNTIME(capture == cudaStreamCaptureStatusNone, "kernels scratch ", key, " must grow to ", bytes,
+                             " bytes during stream capture: call the op once before capturing, or pass a "
+                             "workspace");
+        FLATEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+        FLATEP_CUDA_CHECK(cudaFree(e.ptr));
+        e.ptr = nullptr;
+        FLATEP_CUDA_CHECK(cudaMalloc(&e.ptr, bytes));
+        e.bytes = bytes;
+        return e.ptr;
+    }
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    FLATEP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    FLATEP_CHECK_RUNTIME(capture == cudaStreamCaptureStatusNone, "kernels scratch ", key, " of ", bytes,
+                         " bytes requested during stream capture: call the op once before capturing, or pass a "
+                         "workspace");
+    Entry e{key, device, nullptr, bytes};
+    FLATEP_CUDA_CHECK(cudaMalloc(&e.ptr, bytes));
+    entries.push_back(e);
+    return e.ptr;
+}
+
+}  // namespace flatep::kernels

@@ -1,0 +1,44 @@
+// Which kind of row a receive-buffer row is, read from a plan (design §5): the device counterpart of
+// host/group_rows.hpp.
+#pragma once
+
+#include <cstdint>
+
+#include "common/macros.hpp"
+#include "layout/layout.hpp"
+#include "planner/plan.hpp"
+
+namespace flatep::kernels {
+
+enum RowKind : int {
+    kRowReal = 0,     // an entry row: start <= r < start + alloc of its group
+    kRowPadding = 1,  // inside a group's padded range but past its entries: zero
+    kRowPastEnd = 2,  // past the last group's padded end: unspecified, never touched
+};
+
+// Kind of row r of `rank` (binary search over the rank's inclusive group ends).
+FLATEP_DEVICE RowKind classify_row(const Layout& l, const PlanView& p, int rank, int64_t r) {
+    const int G = l.num_groups(), epn = l.experts_per_rank;
+    const int32_t* cu = p.cu_seqlens + int64_t(rank) * G;
+    int lo = 0, hi = G;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (cu[mid] > r) {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    if (lo >= G) return kRowPastEnd;
+    const int32_t start = lo == 0 ? 0 : cu[lo - 1];
+    const int expert = lo < epn ? rank * epn + lo : p.slot_expert[rank * epn + (lo - epn)];
+    const int32_t size = expert < 0 ? 0 : p.alloc[int64_t(rank) * l.num_experts + expert];
+    return r - start < size ? kRowReal : kRowPadding;
+}
+
+// Padded end of the last group of `rank` (rows at or past it are kRowPastEnd).
+FLATEP_DEVICE int32_t rows_end(const Layout& l, const PlanView& p, int rank) {
+    return p.cu_seqlens[int64_t(rank) * l.num_groups() + l.num_groups() - 1];
+}
+
+}  // namespace flatep::kernels

@@ -1,0 +1,42 @@
+// 16-byte vector loads/stores and warp-wide row copies shared by the data-plane kernels.
+#pragma once
+
+#include <cstdint>
+
+#include "common/macros.hpp"
+
+namespace flatep::kernels {
+
+// Plain global 16-byte load/store. Peer rows are read only after a barrier (acquire) that follows the writer's
+// release, so ordinary (weak) accesses suffice; no .nc: the data may have been written during this step.
+FLATEP_DEVICE uint4 ld_v4(const uint4* ptr) {
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+    return v;
+}
+
+FLATEP_DEVICE void st_v4(uint4* ptr, const uint4& v) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+// Copies n16 16-byte words from src to dst, one warp, kUnroll loads in flight per lane.
+template <int kUnroll = 4>
+FLATEP_DEVICE void warp_copy_v4(uint4* dst, const uint4* src, int64_t n16, int lane) {
+    int64_t i = lane;
+    for (; i + 32 * (kUnroll - 1) < n16; i += 32 * kUnroll) {
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) v[u] = ld_v4(src + i + 32 * u);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) st_v4(dst + i + 32 * u, v[u]);
+    }
+    for (; i < n16; i += 32) st_v4(dst + i, ld_v4(src + i));
+}
+
+FLATEP_DEVICE void warp_zero_v4(uint4* dst, int64_t n16, int lane) {
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    for (int64_t i = lane; i < n16; i += 32) st_v4(dst + i, z);
+}
+
+}  // namespace flatep::kernels

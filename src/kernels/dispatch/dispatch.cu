@@ -1,0 +1,116 @@
+#include "common/check.hpp"
+#include "kernels/common/barrier.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/groups.cuh"
+#include "kernels/common/vector.cuh"
+#include "kernels/dispatch/dispatch.cuh"
+
+namespace flatep::kernels {
+
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kUnroll = 7;  // 16-byte words in flight per lane: 7*32*16 = 3.5 KiB per warp (a 7168-wide row: 4 steps)
+
+// Source side: warp per token. Lanes k < K hold entry k; the first lane of each destination rank (ascending k) is
+// the chain head, whose row receives the token's row; every entry writes its weight.
+__global__ void __launch_bounds__(kThreads) dispatch_push_kernel(Layout l, const uint16_t* x, const float* topk_weights,
+                                                                 PlanView p, SymmetricLayout sym, PeerPointers peers) {
+    const int lane = threadIdx.x % 32;
+    const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int64_t num_warps = int64_t(gridDim.x) * blockDim.x / 32;
+    const int K = l.topk;
+    const int num_tokens = p.header[kHeaderNumTokens];
+    const int64_t n16 = l.row_bytes() / 16;
+    for (int64_t t = warp; t < num_tokens; t += num_warps) {
+        int d = -1, row = -1;
+        if (lane < K) {
+            d = p.entry_rank[t * K + lane];
+            row = p.entry_row[t * K + lane];
+            if (d >= 0) {
+                const float w = topk_weights != nullptr ? topk_weights[t * K + lane] : 1.0f;
+                reinterpret_cast<float*>(peers.ptr[d] + sym.recv_w_offset)[row] = w;
+            }
+        }
+        const unsigned same = __match_any_sync(kFull, (lane < K && d >= 0) ? d : -1 - lane);
+        const bool head = lane < K && d >= 0 && __ffs(same) - 1 == lane;
+        const unsigned heads = __ballot_sync(kFull, head);
+        if (heads == 0) continue;
+        const uint4* src = reinterpret_cast<const uint4*>(x) + t * n16;
+        for (int64_t i0 = 0; i0 < n16; i0 += 32 * kUnroll) {
+            uint4 v[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int64_t i = i0 + 32 * u + lane;
+                if (i < n16) v[u] = ld_v4(src + i);
+            }
+            for (unsigned rest = heads; rest != 0; rest &= rest - 1) {
+                const int k = __ffs(rest) - 1;
+                const int dk = __shfl_sync(kFull, d, k);
+                const int rowk = __shfl_sync(kFull, row, k);
+                uint4* dst = reinterpret_cast<uint4*>(peers.ptr[dk] + sym.recv_x_offset) + int64_t(rowk) * n16;
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int64_t i = i0 + 32 * u + lane;
+                    if (i < n16) st_v4(dst + i, v[u]);
+                }
+            }
+        }
+    }
+}
+
+// Destination side: warp per row of this rank.
+__global__ void __launch_bounds__(kThreads)
+    dispatch_fanout_kernel(Layout l, int rank, PlanView p, const uint16_t* sym_x, const float* sym_w, uint16_t* recv_x,
+                           float* recv_w) {
+    const int lane = threadIdx.x % 32;
+    const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int64_t num_warps = int64_t(gridDim.x) * blockDim.x / 32;
+    const int64_t n16 = l.row_bytes() / 16;
+    const int32_t end = rows_end(l, p, rank);
+    for (int64_t r = warp; r < end; r += num_warps) {
+        const RowKind kind = classify_row(l, p, rank, r);
+        uint4* dst = reinterpret_cast<uint4*>(recv_x) + r * n16;
+        if (kind == kRowReal) {
+            const uint4* src = reinterpret_cast<const uint4*>(sym_x) + int64_t(p.row_head[r]) * n16;
+            if (dst != src) warp_copy_v4<kUnroll>(dst, src, n16, lane);
+            if (recv_w != nullptr && lane == 0) recv_w[r] = sym_w[r];
+        } else if (kind == kRowPadding) {
+            warp_zero_v4(dst, n16, lane);
+            if (recv_w != nullptr && lane == 0) recv_w[r] = 0.0f;
+        }
+    }
+}
+
+}  // namespace
+
+void launch(const DispatchArgs& a, cudaStream_t stream) {
+    const Layout& l = a.layout;
+    FLATEP_CHECK(a.recv_x != nullptr, "dispatch: recv_x is null");
+    FLATEP_CHECK(a.rank >= 0 && a.rank < l.num_ranks, "dispatch: rank must be in [0, ", l.num_ranks, "), got ", a.rank);
+    FLATEP_CHECK(reinterpret_cast<uintptr_t>(a.recv_x) % 16 == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0,
+                 "dispatch: x and recv_x must be 16-byte aligned");
+    const SymmetricLayout sym = make_symmetric_layout(l);
+    PeerPointers peers{};
+    for (int r = 0; r < l.num_ranks; ++r) peers.ptr[r] = a.peers[r];
+    launch_barrier(a.sync, kOpDispatch, stream);  // destinations are done with the previous contents
+    const int push_blocks = grid_blocks(a.sync, ceil_div(l.num_tokens, kWarps), 4);
+    dispatch_push_kernel<<<push_blocks, kThreads, 0, stream>>>(l, a.x, a.topk_weights, a.plan, sym, peers);
+    FLATEP_CUDA_CHECK_LAUNCH();
+    launch_barrier(a.sync, kOpDispatch, stream);  // every source's rows and weights have landed
+    const int fan_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kWarps), 4);
+    dispatch_fanout_kernel<<<fan_blocks, kThreads, 0, stream>>>(
+        l, a.rank, a.plan, reinterpret_cast<const uint16_t*>(a.peers[a.rank] + sym.recv_x_offset),
+        reinterpret_cast<const float*>(a.peers[a.rank] + sym.recv_w_offset), a.recv_x, a.recv_w);
+    FLATEP_CUDA_CHECK_LAUNCH();
+}
+
+void preload_dispatch_kernels() {
+    cudaFuncAttributes attr{};
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_push_kernel));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_fanout_kernel));
+}
+
+}  // namespace flatep::kernels

@@ -1,0 +1,206 @@
+// Shared by the GPU test and the ops benchmark: R ranks of one step on the GPU (LocalDeviceGroup) and, as the
+// oracle, on the CPU backend (LocalHostWorld threads), with the same inputs. No GoogleTest.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "flatep/config.hpp"
+#include "host/combine.hpp"
+#include "host/dispatch.hpp"
+#include "host/grad_reduce.hpp"
+#include "host/plan_op.hpp"
+#include "host/prefetch.hpp"
+#include "kernels/combine/combine.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/dispatch/dispatch.cuh"
+#include "kernels/grad_reduce/grad_reduce.cuh"
+#include "kernels/plan/plan.cuh"
+#include "kernels/prefetch/prefetch.cuh"
+#include "layout/layout.hpp"
+#include "planner/plan.hpp"
+#include "routing/routing.hpp"
+#include "transport/local_device.hpp"
+#include "transport/local_host.hpp"
+
+namespace flatep::gpu_test {
+
+inline uint64_t mix(uint64_t x) { return routing::mix64(x); }
+
+// Finite bf16 values in about [-64, 64] (no NaN/Inf: their payloads differ between CPU and GPU adds).
+inline void fill_bf16(uint16_t* dst, int64_t n, uint64_t seed) {
+    for (int64_t i = 0; i < n; ++i) {
+        const uint64_t r = mix(seed * 0x9e3779b97f4a7c15ull + uint64_t(i));
+        const uint16_t sign = uint16_t((r & 1) << 15);
+        const uint16_t exp = uint16_t(110 + (r >> 1) % 23);  // 2^-17 .. 2^5
+        const uint16_t man = uint16_t((r >> 8) & 0x7f);
+        dst[i] = uint16_t(sign | (exp << 7) | man);
+    }
+}
+inline void fill_f32(float* dst, int64_t n, uint64_t seed, float lo, float hi) {
+    for (int64_t i = 0; i < n; ++i) {
+        const uint64_t r = mix(seed * 0x9e3779b97f4a7c15ull + uint64_t(i));
+        dst[i] = lo + (hi - lo) * float(double(r >> 11) / double(1ull << 53));
+    }
+}
+
+enum class RoutingKind { kRandom, kOneExpert, kBadIds };
+
+struct CaseSpec {
+    std::string name;
+    Config config;
+    PlannerKind planner = PlannerKind::kBalanced;
+    RoutingKind routing = RoutingKind::kRandom;
+    double sigma = 1.0;
+    uint64_t seed = 1;
+    int num_tokens = -1;  // tokens passed per rank (-1: S)
+    int index_bytes = 4;
+    bool weighted = true;
+    bool separate_recv = true;    // recv_x outside the symmetric region (with canary rows around it)
+    bool backward = false;        // also combine-backward (dispatch) and dispatch-backward (combine)
+    int64_t expert_elems = 1024;  // prefetch / reduce_grad size per expert (bf16 bytes = 2x, fp32 grads)
+};
+
+// Routing of every rank: topk_idx [R][s*K] as int64 (converted to the index width on upload).
+inline std::vector<std::vector<int64_t>> make_routing(const CaseSpec& c, uint64_t seed) {
+    const Config& g = c.config;
+    const int s = c.num_tokens < 0 ? g.num_tokens : c.num_tokens;
+    std::vector<std::vector<int64_t>> out(g.num_ranks);
+    const std::vector<double> pop = routing::popularity(g.num_experts, c.sigma, seed);
+    std::vector<int32_t> tmp(size_t(s) * g.topk);
+    for (int r = 0; r < g.num_ranks; ++r) {
+        out[r].resize(size_t(s) * g.topk);
+        if (c.routing == RoutingKind::kOneExpert) {
+            // Every token of every rank routes to the same K experts (the hot expert first).
+            for (int t = 0; t < s; ++t)
+                for (int k = 0; k < g.topk; ++k) out[r][size_t(t) * g.topk + k] = (3 + k) % g.num_experts;
+            continue;
+        }
+        routing::sample_topk(pop, s, g.topk, seed, r, tmp.data());
+        for (size_t i = 0; i < tmp.size(); ++i) out[r][i] = tmp[i];
+        if (c.routing == RoutingKind::kBadIds) {
+            for (size_t i = 0; i < tmp.size(); ++i) {
+                const uint64_t h = mix(seed + 77 * r + i);
+                if (h % 97 == 0) out[r][i] = (h & 1024) ? -1 : g.num_experts + 3;
+            }
+        }
+    }
+    return out;
+}
+
+// Inputs of one step for every rank (identical on both backends).
+struct StepInputs {
+    std::vector<std::vector<int64_t>> topk;       // [R][s*K]
+    std::vector<std::vector<uint16_t>> x;         // [R][s*H]
+    std::vector<std::vector<float>> weights;      // [R][s*K]
+    std::vector<std::vector<uint16_t>> y;         // [R][NvS*H] expert outputs
+    std::vector<std::vector<uint16_t>> gout;      // [R][s*H] combine backward input
+    std::vector<std::vector<uint16_t>> gy;        // [R][NvS*H] dispatch backward input
+    std::vector<std::vector<uint16_t>> expert_w;  // [R][epn*expert_elems] bf16 weights
+    std::vector<std::vector<float>> grads;        // [R][epn*expert_elems]
+    std::vector<std::vector<float>> red_pool;     // [R][epn*expert_elems] replica gradients
+};
+
+inline StepInputs make_inputs(const CaseSpec& c, const Layout& l, uint64_t seed) {
+    const int R = l.num_ranks, s = c.num_tokens < 0 ? l.num_tokens : c.num_tokens;
+    const int64_t H = l.hidden, nvs = l.num_recv_rows, pe = int64_t(l.experts_per_rank) * c.expert_elems;
+    StepInputs in;
+    in.topk = make_routing(c, seed);
+    in.x.resize(R);
+    in.weights.resize(R);
+    in.y.resize(R);
+    in.gout.resize(R);
+    in.gy.resize(R);
+    in.expert_w.resize(R);
+    in.grads.resize(R);
+    in.red_pool.resize(R);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < R; ++r) {
+        threads.emplace_back([&, r] {
+            const uint64_t base = seed * 1000 + r * 16;
+            in.x[r].resize(size_t(s) * H);
+            fill_bf16(in.x[r].data(), int64_t(s) * H, base + 1);
+            in.weights[r].resize(size_t(s) * l.topk);
+            fill_f32(in.weights[r].data(), int64_t(s) * l.topk, base + 2, -1.f, 1.f);
+            in.y[r].resize(size_t(nvs * H));
+            fill_bf16(in.y[r].data(), nvs * H, base + 3);
+            if (c.backward) {
+                in.gout[r].resize(size_t(s) * H);
+                fill_bf16(in.gout[r].data(), int64_t(s) * H, base + 4);
+                in.gy[r].resize(size_t(nvs * H));
+                fill_bf16(in.gy[r].data(), nvs * H, base + 5);
+            }
+            in.expert_w[r].resize(size_t(pe));
+            fill_bf16(in.expert_w[r].data(), pe, base + 6);
+            in.grads[r].resize(size_t(pe));
+            fill_f32(in.grads[r].data(), pe, base + 7, -1.f, 1.f);
+            in.red_pool[r].resize(size_t(pe));
+            fill_f32(in.red_pool[r].data(), pe, base + 8, -1.f, 1.f);
+        });
+    }
+    for (auto& t : threads) t.join();
+    return in;
+}
+
+// Outputs of one step of one rank (host copies).
+struct RankOutputs {
+    std::vector<int32_t> plan;        // whole plan allocation
+    std::vector<uint16_t> recv_x;     // [NvS*H] (rows past the last group end: whatever the buffer held)
+    std::vector<float> recv_w;        // [NvS]
+    std::vector<uint16_t> out;        // [s*H]
+    std::vector<uint16_t> recv_gx;    // backward: [NvS*H] combine-backward rows
+    std::vector<uint16_t> gx;         // backward: [s*H] dispatch-backward sums
+    std::vector<uint16_t> slot_pool;  // [epn*expert_elems] bf16
+    std::vector<float> grads;
+    std::vector<float> red_pool;
+    int32_t status[4];
+};
+
+// Runs one step on the CPU backend (R threads), returns every rank's outputs.
+std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const StepInputs& in);
+
+// Device state of a case: buffers sized once, reused by steps and graph replays.
+struct DeviceCase {
+    DeviceCase(const CaseSpec& c, const Layout& l, LocalDeviceGroup& group);
+    ~DeviceCase();
+    void upload(const StepInputs& in);  // inputs into the device buffers (synchronous)
+    void enqueue_step();                // every op of every rank on the rank streams (no host sync)
+    std::vector<RankOutputs> download();
+
+    CaseSpec spec;
+    Layout layout;
+    SymmetricLayout sym;
+    LocalDeviceGroup& group;
+    int num_tokens;
+    std::vector<SymmetricRegion> regions, slot_regions, red_regions;
+    struct PerRank {
+        int32_t* plan = nullptr;
+        void* workspace = nullptr;
+        void* topk = nullptr;
+        uint16_t* x = nullptr;
+        float* weights = nullptr;
+        uint16_t* recv_alloc = nullptr;  // separate recv_x with canary rows around
+        uint16_t* recv_x = nullptr;
+        float* recv_w = nullptr;
+        uint16_t* y = nullptr;
+        uint16_t* out_alloc = nullptr;  // out with canary rows after
+        uint16_t* gout = nullptr;
+        uint16_t* recv_galloc = nullptr;
+        uint16_t* recv_gx = nullptr;
+        uint16_t* gy = nullptr;
+        uint16_t* gx_alloc = nullptr;
+        uint16_t* expert_w = nullptr;
+        float* grads = nullptr;
+    };
+    std::vector<PerRank> ranks;
+    static constexpr int kCanaryRows = 4;
+    static constexpr uint16_t kCanary = 0x7fa5;  // a NaN pattern nothing writes
+};
+
+}  // namespace flatep::gpu_test
