@@ -35,6 +35,9 @@ struct HostPlan;  // planner/planner.hpp: the plan arrays in host memory
 namespace host {
 struct OpStats;  // host/op_stats.hpp: counters of the CPU backend's ops
 }  // namespace host
+namespace device {
+class Context;  // runtime/device_ops.hpp: the CUDA side of a Buffer
+}  // namespace device
 
 class Plan {
   public:
@@ -56,6 +59,12 @@ class Plan {
     std::span<const int32_t> entry_rows() const;   // [s*K] destination row of that entry
     std::span<const int32_t> row_heads() const;    // [NvS] chain head of each receive row, -1 padding/unused
     std::span<const int32_t> row_nexts() const;    // [NvS] next row of the chain, -1 at its end
+
+    // Device plans (Buffers over device-memory transports): the arrays live in device memory and the host
+    // accessors above copy them once, synchronising with the device (diagnostics, not for the step's hot path).
+    bool on_device() const;
+    const int32_t* device_cu_seqlens(int rank) const;   // [2*epn] int32 in device memory (grouped-GEMM offs)
+    const int32_t* device_slot_expert(int rank) const;  // [epn] int32 in device memory
 
     // The plan arrays (internal API: planner/planner.hpp gives the type).
     const HostPlan& host_plan() const;
@@ -107,6 +116,13 @@ class Buffer {
     uint64_t generation() const { return generation_; }
     Transport& transport() { return *transport_; }
 
+    // Device backend (a transport with MemoryKind::kDevice): every op is enqueued on this CUDA stream (a
+    // cudaStream_t; null = the legacy default stream) and never synchronises with the host; all pointers passed to
+    // the ops are device pointers. check_status() is a synchronising point there.
+    bool on_device() const { return device_ != nullptr; }
+    void set_stream(void* cuda_stream) { stream_ = cuda_stream; }
+    void* stream() const { return stream_; }
+
     // This rank's symmetric receive regions ([NvS][H] bf16, [NvS] fp32): pass them to dispatch to skip the
     // copy-out of chain-head rows. Rewritten by the next dispatch on any rank.
     uint16_t* symmetric_recv_x();
@@ -129,6 +145,8 @@ class Buffer {
     uint64_t epoch_ = 0;
     bool debug_ = false;
     host::OpStats* op_stats_ = nullptr;
+    std::unique_ptr<device::Context> device_;
+    void* stream_ = nullptr;
 };
 
 }  // namespace flatep

@@ -13,6 +13,7 @@
 #include "host/entry_values.hpp"
 #include "host/plan_op.hpp"
 #include "layout/layout.hpp"
+#include "runtime/device_ops.hpp"
 #include "runtime/plan_data.hpp"
 #include "transport/barrier_host.hpp"
 #include "transport/sync.hpp"
@@ -75,47 +76,63 @@ const Plan::Data& Plan::data() const {
 uint64_t Plan::generation() const { return data().generation; }
 uint64_t Plan::buffer_id() const { return data().buffer_id; }
 int Plan::rank() const { return data().rank; }
-int Plan::num_tokens() const { return data().host.view.header[kHeaderNumTokens]; }
-PlannerKind Plan::planner() const { return PlannerKind(data().host.view.header[kHeaderPlanner]); }
-const HostPlan& Plan::host_plan() const { return data().host; }
+int Plan::num_tokens() const { return data().num_tokens; }
+PlannerKind Plan::planner() const { return data().planner; }
+bool Plan::on_device() const { return data().on_device(); }
+const HostPlan& Plan::host_plan() const { return data().host_plan(); }
+
+const int32_t* Plan::device_cu_seqlens(int rank) const {
+    const Data& d = data();
+    FLATEP_CHECK(d.on_device(), "device_cu_seqlens: the plan is in host memory (CPU backend)");
+    FLATEP_CHECK(rank >= 0 && rank < d.host.layout.num_ranks, "device_cu_seqlens: rank must be in [0, ",
+                 d.host.layout.num_ranks, "), got ", rank);
+    return d.device_view.cu_seqlens + int64_t(rank) * d.host.layout.num_groups();
+}
+const int32_t* Plan::device_slot_expert(int rank) const {
+    const Data& d = data();
+    FLATEP_CHECK(d.on_device(), "device_slot_expert: the plan is in host memory (CPU backend)");
+    FLATEP_CHECK(rank >= 0 && rank < d.host.layout.num_ranks, "device_slot_expert: rank must be in [0, ",
+                 d.host.layout.num_ranks, "), got ", rank);
+    return d.device_view.slot_expert + int64_t(rank) * d.host.layout.experts_per_rank;
+}
 
 std::span<const int32_t> Plan::tpe_all() const {
-    const HostPlan& h = data().host;
+    const HostPlan& h = data().host_plan();
     return {h.view.tpe_all, size_t(h.layout.num_ranks) * h.layout.num_experts};
 }
 std::span<const int32_t> Plan::alloc() const {
-    const HostPlan& h = data().host;
+    const HostPlan& h = data().host_plan();
     return {h.view.alloc, size_t(h.layout.num_ranks) * h.layout.num_experts};
 }
 std::span<const int32_t> Plan::slot_expert(int rank) const {
-    const HostPlan& h = data().host;
+    const HostPlan& h = data().host_plan();
     FLATEP_CHECK(rank >= 0 && rank < h.layout.num_ranks, "slot_expert: rank must be in [0, ", h.layout.num_ranks,
                  "), got ", rank);
     const int epn = h.layout.experts_per_rank;
     return {h.view.slot_expert + int64_t(rank) * epn, size_t(epn)};
 }
 std::span<const int32_t> Plan::cu_seqlens(int rank) const {
-    const HostPlan& h = data().host;
+    const HostPlan& h = data().host_plan();
     FLATEP_CHECK(rank >= 0 && rank < h.layout.num_ranks, "cu_seqlens: rank must be in [0, ", h.layout.num_ranks,
                  "), got ", rank);
     const int groups = h.layout.num_groups();
     return {h.view.cu_seqlens + int64_t(rank) * groups, size_t(groups)};
 }
-const PlanStats& Plan::stats() const { return *data().host.view.stats; }
+const PlanStats& Plan::stats() const { return *data().host_plan().view.stats; }
 std::span<const int32_t> Plan::entry_ranks() const {
-    const HostPlan& h = data().host;
+    const HostPlan& h = data().host_plan();
     return {h.view.entry_rank, size_t(num_tokens()) * h.layout.topk};
 }
 std::span<const int32_t> Plan::entry_rows() const {
-    const HostPlan& h = data().host;
+    const HostPlan& h = data().host_plan();
     return {h.view.entry_row, size_t(num_tokens()) * h.layout.topk};
 }
 std::span<const int32_t> Plan::row_heads() const {
-    const HostPlan& h = data().host;
+    const HostPlan& h = data().host_plan();
     return {h.view.row_head, size_t(h.layout.num_recv_rows)};
 }
 std::span<const int32_t> Plan::row_nexts() const {
-    const HostPlan& h = data().host;
+    const HostPlan& h = data().host_plan();
     return {h.view.row_next, size_t(h.layout.num_recv_rows)};
 }
 
@@ -132,8 +149,8 @@ Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, Plann
                  ") differs from the transport's (", transport_->num_ranks(), ")");
     FLATEP_CHECK(transport_->rank() == config_.rank, "Buffer: config.rank (", config_.rank,
                  ") differs from the transport's rank (", transport_->rank(), ")");
-    FLATEP_CHECK(transport_->memory_kind() == MemoryKind::kHost, "Buffer: transport '", transport_->name(),
-                 "' has device memory; only the CPU backend (host memory) is built so far");
+    FLATEP_CHECK(transport_->memory_kind() == MemoryKind::kHost || device::built_with_cuda(), "Buffer: transport '",
+                 transport_->name(), "' has device memory but this build has no CUDA support");
 
     // Every rank must agree on the config: compare against every peer so that every rank throws.
     ConfigBlob mine;
@@ -159,7 +176,13 @@ Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, Plann
         }
     }
 
+    if (transport_->memory_kind() == MemoryKind::kDevice) device_ = std::make_unique<device::Context>(*layout_);
     region_ = transport_->allocate(size_t(make_symmetric_layout(*layout_).total_bytes));
+    if (device_ != nullptr) {
+        // The region's zero fill must be complete on every rank before any rank's kernels write into it.
+        device::synchronize_device();
+        transport_->bootstrap().all_gather(std::string());
+    }
     debug_ = env::debug();
 }
 
@@ -196,6 +219,8 @@ Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens) {
     data->generation = ++generation_;
     data->buffer_id = id_;
     data->rank = config_.rank;
+    data->num_tokens = num_tokens;
+    data->planner = planner_;
     const SymmetricLayout sym = make_symmetric_layout(l);
 
     PlanArgs args{};
@@ -206,11 +231,25 @@ Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens) {
     args.index_bytes = index_bytes;
     args.planner = planner_;
     for (int p = 0; p < l.num_ranks; ++p) args.peers[p] = region_.peers[p];
-    args.plan = data->host.view;
     args.sync = make_sync(region_, sym, &epoch_, config_.rank, l.num_ranks, transport_->timeout_s());
-    host::plan_op(args);
-    data->host.view.header[kHeaderGenerationLo] = int32_t(uint32_t(data->generation));
-    data->host.view.header[kHeaderGenerationHi] = int32_t(uint32_t(data->generation >> 32));
+    if (device_ != nullptr) {
+        const int64_t words = make_plan_sizes(l).total_words;
+        data->device_words = device::allocate_words(size_t(words));
+        data->device_view = make_plan_view(l, data->device_words.get());
+        data->refresh_host = [words, source = data->device_words](HostPlan& host) {
+            device::copy_to_host(host.view.tpe_all, source.get(), size_t(words) * sizeof(int32_t));  // view base
+        };
+        device_->zero(data->device_words.get(), size_t(words) * sizeof(int32_t), stream_);  // ordered on the stream
+        args.plan = data->device_view;
+        args.workspace = device_->workspace();
+        device_->fill_sync(args.sync);
+        device_->plan(args, stream_);
+    } else {
+        args.plan = data->host.view;
+        host::plan_op(args);
+        data->host.view.header[kHeaderGenerationLo] = int32_t(uint32_t(data->generation));
+        data->host.view.header[kHeaderGenerationHi] = int32_t(uint32_t(data->generation >> 32));
+    }
     after_op();
     return Plan(std::move(data));
 }
@@ -219,13 +258,18 @@ void Buffer::dispatch(const Plan& plan, const uint16_t* x, const float* topk_wei
     check_plan(plan, "dispatch");
     FLATEP_CHECK(plan.num_tokens() == 0 || x != nullptr, "dispatch: x is null");
     FLATEP_CHECK(recv_x != nullptr, "dispatch: recv_x is null");
-    auto args = common_args<DispatchArgs>(*layout_, config_.rank, plan.host_plan().view, region_, &epoch_,
+    auto args = common_args<DispatchArgs>(*layout_, config_.rank, plan.data().op_view(), region_, &epoch_,
                                           transport_->timeout_s());
     args.x = x;
     args.topk_weights = topk_weights;
     args.recv_x = recv_x;
     args.recv_w = recv_w;
-    host::dispatch(args, op_stats_);
+    if (device_ != nullptr) {
+        device_->fill_sync(args.sync);
+        device_->dispatch(args, stream_);
+    } else {
+        host::dispatch(args, op_stats_);
+    }
     after_op();
 }
 
@@ -233,12 +277,17 @@ void Buffer::combine(const Plan& plan, const uint16_t* y, const float* weights, 
     check_plan(plan, "combine");
     FLATEP_CHECK(y != nullptr, "combine: y is null");
     FLATEP_CHECK(plan.num_tokens() == 0 || out != nullptr, "combine: out is null");
-    auto args = common_args<CombineArgs>(*layout_, config_.rank, plan.host_plan().view, region_, &epoch_,
+    auto args = common_args<CombineArgs>(*layout_, config_.rank, plan.data().op_view(), region_, &epoch_,
                                          transport_->timeout_s());
     args.y = y;
     args.weights = weights;
     args.out = out;
-    host::combine(args, op_stats_);
+    if (device_ != nullptr) {
+        device_->fill_sync(args.sync);
+        device_->combine(args, stream_);
+    } else {
+        host::combine(args, op_stats_);
+    }
     after_op();
 }
 
@@ -246,20 +295,37 @@ void Buffer::entry_values(const Plan& plan, const float* row_values, float* out)
     check_plan(plan, "entry_values");
     FLATEP_CHECK(row_values != nullptr, "entry_values: row_values is null");
     FLATEP_CHECK(plan.num_tokens() == 0 || out != nullptr, "entry_values: out is null");
-    auto args = common_args<EntryValuesArgs>(*layout_, config_.rank, plan.host_plan().view, region_, &epoch_,
+    auto args = common_args<EntryValuesArgs>(*layout_, config_.rank, plan.data().op_view(), region_, &epoch_,
                                              transport_->timeout_s());
     args.row_values = row_values;
     args.out = out;
-    host::entry_values(args);
+    if (device_ != nullptr) {
+        device_->fill_sync(args.sync);
+        device_->entry_values(args, stream_);
+    } else {
+        host::entry_values(args);
+    }
     after_op();
 }
 
 void Buffer::check_status() {
     int32_t* status = reinterpret_cast<int32_t*>(region_.local + make_symmetric_layout(*layout_).status_offset);
-    const int32_t code = status[kStatusCode];
+    int32_t words[4];
+    if (device_ != nullptr) {
+        const std::string timeout = device_->timeout_message();
+        if (!timeout.empty()) FLATEP_THROW(ErrorCategory::kTimeout, "rank ", config_.rank, ": ", timeout);
+        device_->read(words, status, sizeof(words), stream_);  // a synchronising point
+    } else {
+        for (int i = 0; i < 4; ++i) words[i] = status[i];
+    }
+    const int32_t code = words[kStatusCode];
     if (code == kStatusOk) return;
-    const int32_t index = status[kStatusIndex], value = status[kStatusValue], peer = status[kStatusPeer];
-    for (int i = 0; i < 4; ++i) status[i] = 0;
+    const int32_t index = words[kStatusIndex], value = words[kStatusValue], peer = words[kStatusPeer];
+    if (device_ != nullptr) {
+        device_->zero(status, sizeof(words), stream_);
+    } else {
+        for (int i = 0; i < 4; ++i) status[i] = 0;
+    }
     const int K = layout_->topk;
     switch (code) {
         case kStatusBadExpert:

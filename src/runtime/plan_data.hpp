@@ -2,6 +2,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
 
 #include "flatep/buffer.hpp"
 #include "planner/planner.hpp"
@@ -10,10 +13,27 @@ namespace flatep {
 
 struct Plan::Data {
     explicit Data(const Layout& layout) : host(layout) {}
+    // Host plans: `host` is the plan. Device plans: `device_words` is the plan (what the kernels read) and `host` a
+    // copy refreshed on first access by a host accessor (a synchronising read, for diagnostics only).
     HostPlan host;
+    std::shared_ptr<int32_t> device_words;
+    PlanView device_view{};
+    std::function<void(HostPlan&)> refresh_host;  // copies device_words into host (device plans only)
+    mutable std::once_flag host_ready;
     uint64_t generation = 0;
     uint64_t buffer_id = 0;
     int rank = 0;
+    int num_tokens = 0;
+    PlannerKind planner = PlannerKind::kBalanced;
+
+    bool on_device() const { return device_words != nullptr; }
+    // The view kernels / host ops read.
+    const PlanView& op_view() const { return on_device() ? device_view : host.view; }
+    // Host arrays (synchronised from the device on first use for device plans).
+    const HostPlan& host_plan() const {
+        if (on_device()) std::call_once(host_ready, [this] { refresh_host(const_cast<HostPlan&>(host)); });
+        return host;
+    }
 };
 
 }  // namespace flatep

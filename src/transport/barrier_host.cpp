@@ -58,7 +58,7 @@ void wait_flag_at_least(const SyncArgs& sync, OpId op, int peer, const uint64_t*
                 if (observed >= expected) break;
                 record_status(sync.status, kStatusTimeout, int32_t(op), int32_t(observed), peer);
                 char waited[32];
-                std::snprintf(waited, sizeof(waited), "%.1f", now_s() - start_s);
+                std::snprintf(waited, sizeof(waited), "%.1f", sync.timeout_s);
                 FLATEP_THROW(ErrorCategory::kTimeout, "timeout in ", op_name(op), ": rank ", sync.rank, " waited ",
                              waited, " s for peer ", peer, " (flag ", observed, " < expected ", expected, ")");
             }

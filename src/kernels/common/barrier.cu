@@ -24,6 +24,7 @@ void preload_all_kernels() {
     preload_combine_kernels();
     preload_prefetch_kernels();
     preload_grad_reduce_kernels();
+    preload_entry_values_kernels();
 }
 
 void launch_barrier(const SyncArgs& sync, int op, cudaStream_t stream) {

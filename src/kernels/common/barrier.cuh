@@ -59,6 +59,7 @@ void preload_dispatch_kernels();
 void preload_combine_kernels();
 void preload_prefetch_kernels();
 void preload_grad_reduce_kernels();
+void preload_entry_values_kernels();
 
 // Host: a one-block kernel running block_barrier on `stream` (between two kernels of an op).
 void launch_barrier(const SyncArgs& sync, int op, cudaStream_t stream);

@@ -53,3 +53,13 @@ void launch(const EntryValuesArgs& a, cudaStream_t stream) {
 }
 
 }  // namespace flatep::kernels
+
+namespace flatep::kernels {
+
+void preload_entry_values_kernels() {
+    cudaFuncAttributes attr{};
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, entry_values_publish_kernel));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, entry_values_pull_kernel));
+}
+
+}  // namespace flatep::kernels

@@ -1,0 +1,122 @@
+#include "runtime/device_ops.hpp"
+
+#include "common/check.hpp"
+#include "common/env.hpp"
+#include "common/log.hpp"
+
+#if defined(FLATEP_WITH_CUDA)
+#include <cuda_runtime.h>
+
+#include "kernels/combine/combine.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/dispatch/dispatch.cuh"
+#include "kernels/entry_values/entry_values.cuh"
+#include "kernels/plan/plan.cuh"
+#include "transport/barrier_host.hpp"
+
+namespace flatep::kernels {
+void preload_all_kernels();  // kernels/common/barrier.cuh (a header with device code, so not included here)
+}  // namespace flatep::kernels
+#endif
+
+namespace flatep::device {
+
+#if defined(FLATEP_WITH_CUDA)
+
+bool built_with_cuda() { return true; }
+
+namespace {
+cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+}  // namespace
+
+Context::Context(const Layout& layout) {
+    kernels::preload_all_kernels();  // no lazy module load while a peer's kernel spins (see barrier.cuh)
+    FLATEP_CUDA_CHECK(cudaMalloc(&epoch_, sizeof(uint64_t)));
+    FLATEP_CUDA_CHECK(cudaMemset(epoch_, 0, sizeof(uint64_t)));
+    FLATEP_CUDA_CHECK(cudaHostAlloc(&wait_host_, sizeof(WaitRecord), cudaHostAllocMapped));
+    *wait_host_ = WaitRecord{};
+    FLATEP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&wait_device_), wait_host_, 0));
+    FLATEP_CUDA_CHECK(cudaMalloc(&workspace_, kernels::plan_workspace_bytes(layout)));
+    const std::string budget = env::get("FLATEP_SM_BUDGET", "0");
+    max_blocks_ = std::atoi(budget.c_str());
+    FLATEP_CHECK(max_blocks_ >= 0, "FLATEP_SM_BUDGET must be >= 0, got '", budget, "'");
+}
+
+Context::~Context() {
+    if (epoch_ != nullptr && cudaFree(epoch_) != cudaSuccess) FLATEP_LOG_WARN("Buffer: cudaFree(epoch) failed");
+    if (workspace_ != nullptr && cudaFree(workspace_) != cudaSuccess) FLATEP_LOG_WARN("Buffer: cudaFree failed");
+    if (wait_host_ != nullptr && cudaFreeHost(wait_host_) != cudaSuccess)
+        FLATEP_LOG_WARN("Buffer: cudaFreeHost failed");
+}
+
+void Context::fill_sync(SyncArgs& sync) const {
+    sync.epoch = epoch_;
+    sync.wait_record = wait_device_;
+    sync.max_blocks = max_blocks_;
+}
+
+void Context::plan(const PlanArgs& args, void* stream) const { kernels::launch(args, as_stream(stream)); }
+void Context::dispatch(const DispatchArgs& args, void* stream) const { kernels::launch(args, as_stream(stream)); }
+void Context::combine(const CombineArgs& args, void* stream) const { kernels::launch(args, as_stream(stream)); }
+void Context::entry_values(const EntryValuesArgs& args, void* stream) const {
+    kernels::launch(args, as_stream(stream));
+}
+
+void Context::read(void* host_dst, const void* device_src, size_t bytes, void* stream) const {
+    FLATEP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
+    FLATEP_CUDA_CHECK(cudaMemcpy(host_dst, device_src, bytes, cudaMemcpyDeviceToHost));
+}
+
+void Context::zero(void* device_dst, size_t bytes, void* stream) const {
+    FLATEP_CUDA_CHECK(cudaMemsetAsync(device_dst, 0, bytes, as_stream(stream)));
+}
+
+std::string Context::timeout_message() const {
+    const volatile WaitRecord* r = wait_host_;  // written by the GPU, fields before code (see sync.hpp)
+    if (r->code == 0) return "";
+    return detail::concat("timeout in ", host::op_name(OpId(r->op)), " (GPU): rank ", r->rank, " waited for peer ",
+                          r->peer, " (flag ", uint64_t(r->observed), " < expected ", uint64_t(r->expected), ")");
+}
+
+void synchronize_device() { FLATEP_CUDA_CHECK(cudaDeviceSynchronize()); }
+
+void copy_to_host(void* host_dst, const void* device_src, size_t bytes) {
+    FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
+    FLATEP_CUDA_CHECK(cudaMemcpy(host_dst, device_src, bytes, cudaMemcpyDeviceToHost));
+}
+
+std::shared_ptr<int32_t> allocate_words(size_t words) {
+    int32_t* ptr = nullptr;
+    FLATEP_CUDA_CHECK(cudaMalloc(&ptr, words * sizeof(int32_t)));  // zeroed on the op's stream by the caller
+    return std::shared_ptr<int32_t>(ptr, [](int32_t* p) {
+        if (cudaFree(p) != cudaSuccess) FLATEP_LOG_WARN("Plan: cudaFree failed");
+    });
+}
+
+#else  // no CUDA in this build
+
+bool built_with_cuda() { return false; }
+
+namespace {
+[[noreturn]] void no_cuda() {
+    FLATEP_THROW(ErrorCategory::kRuntime, "this FlatEP build has no CUDA support (nvcc was not found at build time)");
+}
+}  // namespace
+
+Context::Context(const Layout&) { no_cuda(); }
+Context::~Context() = default;
+void Context::fill_sync(SyncArgs&) const { no_cuda(); }
+void Context::plan(const PlanArgs&, void*) const { no_cuda(); }
+void Context::dispatch(const DispatchArgs&, void*) const { no_cuda(); }
+void Context::combine(const CombineArgs&, void*) const { no_cuda(); }
+void Context::entry_values(const EntryValuesArgs&, void*) const { no_cuda(); }
+void Context::read(void*, const void*, size_t, void*) const { no_cuda(); }
+void Context::zero(void*, size_t, void*) const { no_cuda(); }
+std::string Context::timeout_message() const { return ""; }
+void synchronize_device() { no_cuda(); }
+void copy_to_host(void*, const void*, size_t) { no_cuda(); }
+std::shared_ptr<int32_t> allocate_words(size_t) { no_cuda(); }
+
+#endif
+
+}  // namespace flatep::device

@@ -1,0 +1,63 @@
+// The CUDA side of a Buffer: per-buffer device state (barrier epoch in device memory, host-mapped wait record, plan
+// workspace) and the launches of the kernels library. Compiled in every build; without CUDA every entry point
+// throws a clear error, so the runtime itself has no #ifdef ladders.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kernels/combine/combine_args.hpp"
+#include "kernels/dispatch/dispatch_args.hpp"
+#include "kernels/entry_values/entry_values_args.hpp"
+#include "kernels/plan/plan_args.hpp"
+
+namespace flatep::device {
+
+bool built_with_cuda();
+
+class Context {
+  public:
+    // Allocates the per-buffer device state on the current device. max_blocks: SM budget per launch (0: no cap);
+    // FLATEP_SM_BUDGET overrides it when set.
+    explicit Context(const Layout& layout);
+    ~Context();  // never throws
+    Context(const Context&) = delete;
+    Context& operator=(const Context&) = delete;
+
+    // Fills the CUDA-only fields of a SyncArgs (epoch pointer, wait record, SM budget).
+    void fill_sync(SyncArgs& sync) const;
+    void* workspace() const { return workspace_; }
+
+    // Launches on `stream` (a cudaStream_t; null = the legacy default stream).
+    void plan(const PlanArgs& args, void* stream) const;
+    void dispatch(const DispatchArgs& args, void* stream) const;
+    void combine(const CombineArgs& args, void* stream) const;
+    void entry_values(const EntryValuesArgs& args, void* stream) const;
+
+    // Synchronising reads for diagnostics (check_status, plan accessors): waits for `stream`, then copies.
+    void read(void* host_dst, const void* device_src, size_t bytes, void* stream) const;
+    void zero(void* device_dst, size_t bytes, void* stream) const;
+    // First timed-out wait recorded by this buffer's kernels ("" when none): op, rank, peer, expected, observed.
+    std::string timeout_message() const;
+
+  private:
+    uint64_t* epoch_ = nullptr;        // device
+    WaitRecord* wait_host_ = nullptr;  // host-mapped pinned memory
+    WaitRecord* wait_device_ = nullptr;
+    void* workspace_ = nullptr;
+    int max_blocks_ = 0;
+};
+
+// Waits for all work of the current device (construction-time only: e.g. the transport's zero-fill of new regions
+// runs on the legacy stream, which the ops' streams do not wait for).
+void synchronize_device();
+
+// Synchronising copy of device memory to the host (waits for the whole device first).
+void copy_to_host(void* host_dst, const void* device_src, size_t bytes);
+
+// Device memory for a plan: `words` int32 words, freed when the last owner goes.
+std::shared_ptr<int32_t> allocate_words(size_t words);
+
+}  // namespace flatep::device
