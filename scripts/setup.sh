@@ -23,6 +23,8 @@ fi
 
 build_dir="${FLATEP_BUILD_DIR:-build}"
 if [[ ! -f "$build_dir/build.ninja" ]]; then
-    cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo ${FLATEP_CMAKE_ARGS:-}
+    # Debian's python3 (the one python3-torch and pybind11 belong to), not another python3 first on PATH.
+    cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython_EXECUTABLE=/usr/bin/python3 \
+        ${FLATEP_CMAKE_ARGS:-}
 fi
 cmake --build "$build_dir" -j"$(nproc)"

@@ -1,0 +1,362 @@
+// flatep._C: the pybind11 binding of FlatEP's torch-free C++ API (the only file that includes Python headers).
+//
+// Tensors never cross as tensors: the Python layer (python/flatep) validates every tensor (dtype, shape, device,
+// contiguity) and passes its data pointer as an int; 0 means null. Nothing here links against libtorch, so one build
+// serves any torch version. flatep::Error becomes ValueError (invalid argument, mismatch) or RuntimeError (runtime,
+// timeout) carrying the error's one-line message.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/check.hpp"
+#include "flatep/flatep.hpp"
+#include "flatep/ipc.hpp"
+#include "layout/layout.hpp"
+#include "planner/planner.hpp"
+#include "routing/routing.hpp"
+
+namespace py = pybind11;
+
+namespace flatep {
+namespace {
+
+template <class T>
+T* as_ptr(uintptr_t address) {
+    return reinterpret_cast<T*>(address);
+}
+
+// Python subclasses of flatep._C.Bootstrap (torch.distributed in python/flatep/distributed.py) implement rank(),
+// size() and all_gather(bytes) -> list[bytes]. A Python exception inside all_gather becomes a flatep::Error so that
+// the library only ever unwinds through its own exception type.
+class PyBootstrap : public Bootstrap {
+  public:
+    int rank() const override { PYBIND11_OVERRIDE_PURE(int, Bootstrap, rank, ); }
+    int size() const override { PYBIND11_OVERRIDE_PURE(int, Bootstrap, size, ); }
+    std::vector<std::string> all_gather(const std::string& blob) override {
+        py::gil_scoped_acquire gil;
+        py::function override = py::get_override(static_cast<const Bootstrap*>(this), "all_gather");
+        FLATEP_CHECK_RUNTIME(static_cast<bool>(override), "Bootstrap subclass does not implement all_gather");
+        std::vector<std::string> blobs;
+        try {
+            py::object result = override(py::bytes(blob));
+            for (py::handle item : result) blobs.push_back(item.cast<std::string>());
+        } catch (py::error_already_set& e) {
+            FLATEP_THROW(ErrorCategory::kRuntime, "Bootstrap.all_gather raised ", e.what());
+        } catch (py::cast_error& e) {
+            FLATEP_THROW(ErrorCategory::kRuntime, "Bootstrap.all_gather must return a list of bytes: ", e.what());
+        }
+        return blobs;
+    }
+};
+
+// A shared_ptr to the C++ side of a Python Bootstrap that also owns a reference to the Python object, so the
+// override stays reachable for as long as a transport holds the bootstrap.
+std::shared_ptr<Bootstrap> keep_python_alive(const py::object& bootstrap) {
+    auto inner = bootstrap.cast<std::shared_ptr<Bootstrap>>();
+    auto* keep = new py::object(bootstrap);
+    Bootstrap* raw = inner.get();
+    return std::shared_ptr<Bootstrap>(raw, [inner, keep](Bootstrap*) mutable {
+        if (Py_IsInitialized()) {
+            py::gil_scoped_acquire gil;
+            delete keep;
+        }  // else: the interpreter is gone; leak the reference rather than touch it
+        inner.reset();
+    });
+}
+
+PlannerKind planner_from_name(const std::string& name) {
+    if (name == "balanced") return PlannerKind::kBalanced;
+    if (name == "greedy") return PlannerKind::kGreedy;
+    FLATEP_THROW(ErrorCategory::kInvalidArgument, "planner must be 'balanced' or 'greedy', got '", name, "'");
+}
+
+py::array_t<int32_t> to_array(std::span<const int32_t> values, std::vector<py::ssize_t> shape) {
+    py::array_t<int32_t> array(shape);
+    std::copy(values.begin(), values.end(), array.mutable_data());
+    return array;
+}
+
+py::list to_list(const int32_t* values, int n) {
+    py::list list;
+    for (int i = 0; i < n; ++i) list.append(values[i]);
+    return list;
+}
+
+py::dict stats_dict(const Plan& plan) {
+    const PlanStats& s = plan.stats();
+    const int R = plan.host_plan().layout.num_ranks;
+    py::dict d;
+    d["entries_total"] = s.entries_total;
+    d["entries_moved"] = s.entries_moved;
+    d["entries_on_source"] = s.entries_on_source;
+    d["max_load_before"] = s.max_load_before;
+    d["max_load_after"] = s.max_load_after;
+    d["min_load_after"] = s.min_load_after;
+    d["replicas"] = s.total_replicas;
+    d["P"] = s.makespan;
+    d["max_replicas_in"] = s.max_replicas_in;
+    d["max_replicas_out"] = s.max_replicas_out;
+    d["loads_before"] = to_list(s.loads_before, R);
+    d["loads"] = to_list(s.loads_after, R);
+    d["replicas_in"] = to_list(s.replicas_in, R);
+    d["replicas_out"] = to_list(s.replicas_out, R);
+    return d;
+}
+
+void bind_errors(py::module_& m) {
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const Error& e) {
+            const bool value =
+                e.category() == ErrorCategory::kInvalidArgument || e.category() == ErrorCategory::kMismatch;
+            PyErr_SetString(value ? PyExc_ValueError : PyExc_RuntimeError, e.message().c_str());
+        }
+    });
+}
+
+void bind_transport(py::module_& m) {
+    py::class_<Bootstrap, PyBootstrap, std::shared_ptr<Bootstrap>>(m, "Bootstrap",
+                                                                   "Small-blob all-gather of one process per rank. "
+                                                                   "Subclass it: rank(), size(), all_gather(bytes) "
+                                                                   "-> list[bytes] indexed by rank.")
+        .def(py::init<>())
+        .def("rank", &Bootstrap::rank)
+        .def("size", &Bootstrap::size)
+        .def(
+            "all_gather",
+            [](Bootstrap& b, const py::bytes& blob) {
+                std::vector<std::string> blobs = b.all_gather(std::string(blob));
+                py::list out;
+                for (const std::string& s : blobs) out.append(py::bytes(s));
+                return out;
+            },
+            py::arg("blob"));
+
+    py::class_<Transport, std::shared_ptr<Transport>>(m, "Transport")
+        .def_property_readonly("rank", &Transport::rank)
+        .def_property_readonly("num_ranks", &Transport::num_ranks)
+        .def_property_readonly("name", &Transport::name)
+        .def_property_readonly(
+            "memory_kind", [](const Transport& t) { return t.memory_kind() == MemoryKind::kHost ? "host" : "device"; })
+        .def_property("timeout_s", &Transport::timeout_s, &Transport::set_timeout_s);
+
+    m.def(
+        "make_ipc_transport",
+        [](const py::object& bootstrap, const std::string& memory, double timeout_s) {
+            FLATEP_CHECK(memory == "host" || memory == "device", "memory must be 'host' or 'device', got '", memory,
+                         "'");
+            std::shared_ptr<Bootstrap> boot = keep_python_alive(bootstrap);
+            const MemoryKind kind = memory == "host" ? MemoryKind::kHost : MemoryKind::kDevice;
+            py::gil_scoped_release release;  // the bootstrap's all_gather takes the GIL back
+            return std::shared_ptr<Transport>(make_ipc_transport(std::move(boot), kind, timeout_s));
+        },
+        py::arg("bootstrap"), py::arg("memory") = "host", py::arg("timeout_s") = 0.0,
+        "Collective over the bootstrap's ranks: the multi-process `ipc` transport (memfd regions for 'host').");
+}
+
+void bind_plan(py::module_& m) {
+    py::class_<Plan>(m, "Plan", "One step's plan (C++ flatep::Plan). Arrays are returned as numpy copies.")
+        .def_property_readonly("empty", &Plan::empty)
+        .def_property_readonly("generation", &Plan::generation)
+        .def_property_readonly("buffer_id", &Plan::buffer_id)
+        .def_property_readonly("rank", &Plan::rank)
+        .def_property_readonly("num_tokens", &Plan::num_tokens)
+        .def_property_readonly("planner", [](const Plan& p) { return std::string(planner_name(p.planner())); })
+        .def(
+            "slot_expert",
+            [](const Plan& p, int rank) {
+                return to_array(p.slot_expert(rank), {py::ssize_t(p.slot_expert(rank).size())});
+            },
+            py::arg("rank"))
+        .def(
+            "cu_seqlens",
+            [](const Plan& p, int rank) {
+                return to_array(p.cu_seqlens(rank), {py::ssize_t(p.cu_seqlens(rank).size())});
+            },
+            py::arg("rank"))
+        .def("tpe_all",
+             [](const Plan& p) {
+                 const Layout& l = p.host_plan().layout;
+                 return to_array(p.tpe_all(), {l.num_ranks, l.num_experts});
+             })
+        .def("alloc",
+             [](const Plan& p) {
+                 const Layout& l = p.host_plan().layout;
+                 return to_array(p.alloc(), {l.num_ranks, l.num_experts});
+             })
+        .def("entry_ranks",
+             [](const Plan& p) {
+                 return to_array(p.entry_ranks(), {p.num_tokens(), p.host_plan().layout.topk});
+             })
+        .def("entry_rows",
+             [](const Plan& p) {
+                 return to_array(p.entry_rows(), {p.num_tokens(), p.host_plan().layout.topk});
+             })
+        .def("row_heads", [](const Plan& p) { return to_array(p.row_heads(), {py::ssize_t(p.row_heads().size())}); })
+        .def("stats", &stats_dict)
+        .def_property_readonly("on_device", &Plan::on_device)
+        .def(
+            "device_cu_seqlens",
+            [](const Plan& p, int rank) { return reinterpret_cast<uintptr_t>(p.device_cu_seqlens(rank)); },
+            py::arg("rank"))
+        .def(
+            "device_slot_expert",
+            [](const Plan& p, int rank) { return reinterpret_cast<uintptr_t>(p.device_slot_expert(rank)); },
+            py::arg("rank"));
+}
+
+void bind_buffer(py::module_& m) {
+    using Release = py::call_guard<py::gil_scoped_release>;
+    py::class_<Buffer, std::shared_ptr<Buffer>>(m, "Buffer", "C++ flatep::Buffer over pointers; see flatep.Buffer.")
+        .def(py::init([](std::shared_ptr<Transport> transport, int num_tokens, int hidden, int num_experts, int topk,
+                         int align, double capacity_factor, const std::string& planner) {
+                 FLATEP_CHECK(transport != nullptr, "transport is None");
+                 Config config;
+                 config.num_ranks = transport->num_ranks();
+                 config.rank = transport->rank();
+                 config.num_tokens = num_tokens;
+                 config.hidden = hidden;
+                 config.num_experts = num_experts;
+                 config.topk = topk;
+                 config.align = align;
+                 config.capacity_factor = capacity_factor;
+                 const PlannerKind kind = planner_from_name(planner);
+                 config.validate();  // before any collective: a bad argument fails on the caller's rank at once
+                 py::gil_scoped_release release;
+                 return std::make_shared<Buffer>(config, std::move(transport), kind);
+             }),
+             py::arg("transport"), py::arg("num_tokens"), py::arg("hidden"), py::arg("num_experts"), py::arg("topk"),
+             py::arg("align"), py::arg("capacity_factor"), py::arg("planner"))
+        .def(
+            "plan",
+            [](Buffer& b, uintptr_t topk_idx, int index_bytes, int num_tokens) {
+                return b.plan(as_ptr<const void>(topk_idx), index_bytes, num_tokens);
+            },
+            py::arg("topk_idx"), py::arg("index_bytes"), py::arg("num_tokens"), Release())
+        .def(
+            "dispatch",
+            [](Buffer& b, const Plan& plan, uintptr_t x, uintptr_t topk_weights, uintptr_t recv_x, uintptr_t recv_w) {
+                b.dispatch(plan, as_ptr<const uint16_t>(x), as_ptr<const float>(topk_weights), as_ptr<uint16_t>(recv_x),
+                           as_ptr<float>(recv_w));
+            },
+            py::arg("plan"), py::arg("x"), py::arg("topk_weights"), py::arg("recv_x"), py::arg("recv_w"), Release())
+        .def(
+            "combine",
+            [](Buffer& b, const Plan& plan, uintptr_t y, uintptr_t weights, uintptr_t out) {
+                b.combine(plan, as_ptr<const uint16_t>(y), as_ptr<const float>(weights), as_ptr<uint16_t>(out));
+            },
+            py::arg("plan"), py::arg("y"), py::arg("weights"), py::arg("out"), Release())
+        .def(
+            "entry_values",
+            [](Buffer& b, const Plan& plan, uintptr_t row_values, uintptr_t out) {
+                b.entry_values(plan, as_ptr<const float>(row_values), as_ptr<float>(out));
+            },
+            py::arg("plan"), py::arg("row_values"), py::arg("out"), Release())
+        .def("check_status", &Buffer::check_status, Release())
+        .def_property_readonly("on_device", &Buffer::on_device)
+        .def(
+            "set_stream", [](Buffer& b, uintptr_t stream) { b.set_stream(reinterpret_cast<void*>(stream)); },
+            py::arg("stream"))
+        .def_property_readonly("id", &Buffer::id)
+        .def_property_readonly("generation", &Buffer::generation)
+        .def_property_readonly("num_ranks", [](const Buffer& b) { return b.layout().num_ranks; })
+        .def_property_readonly("rank", [](const Buffer& b) { return b.config().rank; })
+        .def_property_readonly("experts_per_rank", [](const Buffer& b) { return b.layout().experts_per_rank; })
+        .def_property_readonly("capacity", [](const Buffer& b) { return b.layout().capacity; })
+        .def_property_readonly("num_recv_rows", [](const Buffer& b) { return b.layout().num_recv_rows; })
+        .def_property_readonly("planner", [](const Buffer& b) { return std::string(planner_name(b.planner())); });
+}
+
+void bind_pools(py::module_& m) {
+    using Release = py::call_guard<py::gil_scoped_release>;
+    py::class_<ExpertLayer>(m, "ExpertLayer", "C++ flatep::ExpertLayer; pointers as ints, see flatep.ExpertLayer.")
+        .def_property_readonly("num_projections", &ExpertLayer::num_projections)
+        .def_property_readonly("pools_id", &ExpertLayer::pools_id)
+        .def("weights", [](const ExpertLayer& l, int p) { return reinterpret_cast<uintptr_t>(l.weights(p)); })
+        .def("grads", [](const ExpertLayer& l, int p) { return reinterpret_cast<uintptr_t>(l.grads(p)); })
+        .def("own_weights", [](const ExpertLayer& l, int p) { return reinterpret_cast<uintptr_t>(l.own_weights(p)); })
+        .def("own_grads", [](const ExpertLayer& l, int p) { return reinterpret_cast<uintptr_t>(l.own_grads(p)); });
+
+    py::class_<ExpertPools, std::shared_ptr<ExpertPools>>(m, "ExpertPools",
+                                                          "C++ flatep::ExpertPools; see flatep.ExpertPools.")
+        .def(py::init([](std::shared_ptr<Transport> transport, int experts_per_rank,
+                         const std::vector<std::pair<int64_t, int64_t>>& shapes) {
+                 std::vector<ProjectionShape> projections;
+                 for (const auto& [rows, cols] : shapes) projections.push_back({rows, cols});
+                 py::gil_scoped_release release;
+                 return std::make_shared<ExpertPools>(std::move(transport), experts_per_rank, std::move(projections));
+             }),
+             py::arg("transport"), py::arg("experts_per_rank"), py::arg("projections"))
+        .def("register_layer", &ExpertPools::register_layer)
+        .def("prefetch", &ExpertPools::prefetch, py::arg("plan"), py::arg("layer"), Release())
+        .def("reduce_grad", &ExpertPools::reduce_grad, py::arg("plan"), py::arg("layer"), Release())
+        .def_property_readonly("id", &ExpertPools::id)
+        .def_property_readonly("experts_per_rank", &ExpertPools::experts_per_rank)
+        .def_property_readonly("num_projections", &ExpertPools::num_projections)
+        .def("shape",
+             [](const ExpertPools& p, int projection) {
+                 const ProjectionShape& s = p.shape(projection);
+                 return py::make_tuple(s.rows, s.cols);
+             })
+        .def("slot_pool", [](const ExpertPools& p, int q) { return reinterpret_cast<uintptr_t>(p.slot_pool(q)); })
+        .def("reduce_pool", [](const ExpertPools& p, int q) { return reinterpret_cast<uintptr_t>(p.reduce_pool(q)); });
+}
+
+void bind_routing(py::module_& m) {
+    py::module_ r = m.def_submodule("routing", "Routing generator of design §9 (src/routing/routing.hpp).");
+    r.def("popularity", &routing::popularity, py::arg("num_experts"), py::arg("sigma"), py::arg("seed"));
+    r.def(
+        "sample_topk",
+        [](const std::vector<double>& popularity, int num_tokens, int topk, uint64_t seed, int rank) {
+            FLATEP_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got ", num_tokens);
+            FLATEP_CHECK(topk >= 1 && topk <= int(popularity.size()), "topk must be in [1, ", popularity.size(),
+                         "], got ", topk);
+            py::array_t<int32_t> out({py::ssize_t(num_tokens), py::ssize_t(topk)});
+            routing::sample_topk(popularity, num_tokens, topk, seed, rank, out.mutable_data());
+            return out;
+        },
+        py::arg("popularity"), py::arg("num_tokens"), py::arg("topk"), py::arg("seed"), py::arg("rank"));
+    r.def(
+        "generate_counts",
+        [](int num_ranks, int num_experts, int num_tokens, int topk, double sigma, uint64_t seed) {
+            std::vector<int32_t> counts =
+                routing::generate_counts(num_ranks, num_experts, num_tokens, topk, sigma, seed);
+            return to_array(counts, {num_ranks, num_experts});
+        },
+        py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_tokens"), py::arg("topk"), py::arg("sigma"),
+        py::arg("seed"));
+    r.def(
+        "maxvio",
+        [](py::array_t<int32_t, py::array::c_style | py::array::forcecast> tpe_all) {
+            FLATEP_CHECK(tpe_all.ndim() == 2, "tpe_all must be 2-D [R, E], got ", tpe_all.ndim(), " dimensions");
+            return routing::maxvio(tpe_all.data(), int(tpe_all.shape(0)), int(tpe_all.shape(1)));
+        },
+        py::arg("tpe_all"));
+    r.def("sigma_for_maxvio", &routing::sigma_for_maxvio, py::arg("target"), py::arg("num_ranks"),
+          py::arg("num_experts"), py::arg("num_tokens"), py::arg("topk"), py::arg("seed"));
+}
+
+}  // namespace
+}  // namespace flatep
+
+PYBIND11_MODULE(_C, m) {
+    m.doc() = "FlatEP C++ runtime (torch-free; tensors cross as data pointers). Use the flatep package.";
+    flatep::bind_errors(m);
+    flatep::bind_transport(m);
+    flatep::bind_plan(m);
+    flatep::bind_buffer(m);
+    flatep::bind_pools(m);
+    flatep::bind_routing(m);
+#ifdef FLATEP_WITH_CUDA
+    m.attr("has_cuda") = true;
+#else
+    m.attr("has_cuda") = false;
+#endif
+}

@@ -1,0 +1,62 @@
+"""Tensor plumbing: argument checks with one-line ValueErrors, and tensors over memory the C++ runtime owns."""
+
+import ctypes
+import math
+
+import torch
+
+
+def shape_text(shape):
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def check_tensor(op, name, value, dtypes, shape, device, shape_names=None):
+    """Raises ValueError naming `op` and `name` unless `value` is a tensor of one of `dtypes`, of `shape` (None in a
+    dimension: any size; checked by the caller) on `device`. Returns it contiguous."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.device.type != device.type:
+        raise ValueError(
+            f"{op}: {name} is on {value.device}, but this object runs on {device} "
+            + ("(the CPU backend: host memory); pass CPU tensors" if device.type == "cpu" else "")
+        )
+    if value.dtype not in dtypes:
+        allowed = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{op}: {name} must be {allowed}, got {str(value.dtype).replace('torch.', '')}")
+    expected = shape_names if shape_names is not None else shape_text(shape)
+    if value.dim() != len(shape) or any(e is not None and e != d for e, d in zip(shape, value.shape)):
+        raise ValueError(f"{op}: {name} must have shape {expected}, got {shape_text(value.shape)}")
+    return value.contiguous()
+
+
+def address(tensor):
+    """Data pointer of a tensor as the int the binding takes; 0 for None."""
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+_ELEMENT_BYTES = {torch.bfloat16: 2, torch.float32: 4, torch.int32: 4, torch.int16: 2, torch.uint8: 1}
+
+
+class _CudaArray:
+    """__cuda_array_interface__ over a device pointer (int16 for bf16: the interface has no bf16 typestr)."""
+
+    def __init__(self, ptr, shape, typestr):
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False), "version": 2}
+
+
+def tensor_at(ptr, shape, dtype, device=torch.device("cpu"), owner=None):
+    """A tensor of `shape` and `dtype` over `ptr` (memory owned by the C++ runtime; no copy). `owner` is kept
+    referenced by the tensor object; views derived from the tensor do not keep it, so keep the owner alive."""
+    numel = math.prod(shape)
+    nbytes = numel * _ELEMENT_BYTES[dtype]
+    storage_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
+    if device.type == "cpu":
+        raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
+        tensor = torch.frombuffer(raw, dtype=storage_dtype, count=numel)
+    else:
+        typestr = {torch.int16: "<i2", torch.float32: "<f4", torch.int32: "<i4", torch.uint8: "|u1"}[storage_dtype]
+        tensor = torch.as_tensor(_CudaArray(ptr, (numel,), typestr), device=device)
+    tensor = tensor.view(dtype).view(shape)
+    if owner is not None:
+        tensor._flatep_owner = owner
+    return tensor

@@ -1,0 +1,310 @@
+"""flatep.Buffer and flatep.Plan: the per-layer communication object of one EP rank (design §3).
+
+Shapes (R ranks, E experts, epn = E/R, S tokens per rank fixed at construction, s <= S tokens this call, K = topk,
+H = hidden, NvS = receive rows = round_up(C + 2*epn*(align-1), align), C = ceil(capacity_factor*S*K)):
+
+    plan = buffer.plan(topk_idx)                          # topk_idx [s, K] int32/int64
+    recv_x, recv_w, cu_seqlens = buffer.dispatch(plan, x, topk_weights)
+                                                          # x [s, H] bf16, topk_weights [s, K] fp32 (or None)
+                                                          # recv_x [NvS, H] bf16, recv_w [NvS] fp32,
+                                                          # cu_seqlens [2*epn] int32 (grouped-GEMM offs)
+    y = grouped_gemm(recv_x, expert_weights, offs=cu_seqlens)    # [NvS, H] bf16
+    out = buffer.combine(plan, y, recv_w)                 # [s, H] bf16: sum_k w * y over each token's K rows
+
+dispatch and combine are autograd-aware (design §3): combine's backward is a dispatch of the output gradient with
+the saved plan, dispatch's backward an unweighted combine of the row gradients; the routing weights' gradient
+returns to the tokens' ranks through the plan (entry_values). Every call is collective over the group: all ranks
+call the same ops in the same order.
+"""
+
+import torch
+
+from . import _C
+from ._tensors import address, check_tensor, shape_text, tensor_at
+from .distributed import group_rank_size, transport_for
+
+_PLANNERS = ("balanced", "greedy")
+
+
+class _no_context:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class Plan:
+    """One step's plan, made by :meth:`Buffer.plan`. Valid for any number of later ops on the Buffer that made it
+    (backward reuses the forward's plan), including after later ``plan()`` calls.
+
+    Attributes:
+        slot_expert (torch.Tensor): [epn] int32, the expert each replica slot of this rank holds this step (-1: none).
+        cu_seqlens (torch.Tensor): [2*epn] int32, inclusive padded ends of this rank's row groups: group g < epn is
+            local expert rank*epn + g, group epn + j is slot j (replica of slot_expert[j]). Usable as grouped-GEMM
+            ``offs``.
+        num_tokens (int): s, the tokens passed to plan().
+        generation (int): the Buffer's plan counter (identical on every rank for the same step).
+    """
+
+    def __init__(self, buffer, cplan):
+        self._buffer = buffer
+        self._plan = cplan
+        rank = buffer.rank
+        self.num_tokens = cplan.num_tokens
+        self.generation = cplan.generation
+        if cplan.on_device:  # device arrays: copy on the device (no host synchronisation)
+            epn = buffer.experts_per_rank
+            self.slot_expert = tensor_at(cplan.device_slot_expert(rank), (epn,), torch.int32, buffer.device).clone()
+            self.cu_seqlens = tensor_at(cplan.device_cu_seqlens(rank), (2 * epn,), torch.int32, buffer.device).clone()
+        else:
+            self.slot_expert = torch.from_numpy(cplan.slot_expert(rank))
+            self.cu_seqlens = torch.from_numpy(cplan.cu_seqlens(rank))
+        self._stats = None
+        self._real_rows = None
+
+    @property
+    def stats(self):
+        """dict: loads (list[R] rows each rank computes), loads_before (list[R] without replicas), replicas (total
+        replica slots used), P (prefetch makespan: max over ranks of replicas in/out), replicas_in, replicas_out
+        (list[R]), entries_total, entries_moved, entries_on_source, max_load_before, max_load_after, min_load_after."""
+        if self._stats is None:
+            self._stats = self._plan.stats()
+        return self._stats
+
+    @property
+    def tpe_all(self):
+        """[R, E] int32: the all-gathered per-expert entry counts of every rank."""
+        return torch.from_numpy(self._plan.tpe_all())
+
+    @property
+    def alloc(self):
+        """[R, E] int32: entries of expert e computed on rank d."""
+        return torch.from_numpy(self._plan.alloc())
+
+    @property
+    def entry_ranks(self):
+        """[s, K] int32: destination rank of each of this rank's entries (-1: invalid expert id)."""
+        return torch.from_numpy(self._plan.entry_ranks())
+
+    @property
+    def entry_rows(self):
+        """[s, K] int32: destination row of each entry on its destination rank."""
+        return torch.from_numpy(self._plan.entry_rows())
+
+    @property
+    def real_rows(self):
+        """[NvS] bool (CPU): receive rows of this rank that hold an entry (False: padding or unused). On a device
+        plan this reads the plan back (a host synchronisation: diagnostics only)."""
+        if self._real_rows is None:
+            self._real_rows = torch.from_numpy(self._plan.row_heads()) >= 0
+        return self._real_rows
+
+    def slot_expert_of(self, rank):
+        """[epn] int32 slot_expert of any rank."""
+        return torch.from_numpy(self._plan.slot_expert(rank))
+
+    def cu_seqlens_of(self, rank):
+        """[2*epn] int32 cu_seqlens of any rank."""
+        return torch.from_numpy(self._plan.cu_seqlens(rank))
+
+    def __repr__(self):
+        s = self.stats
+        return (
+            f"flatep.Plan(generation={self.generation}, s={self.num_tokens}, loads={s['loads']}, "
+            f"replicas={s['replicas']}, P={s['P']})"
+        )
+
+
+class Buffer:
+    """Per-layer EP communication object of this process's rank (collective constructor).
+
+    Args:
+        group: torch.distributed process group (None: the default group; when torch.distributed is not initialised,
+            a one-rank world). One process per rank; R = the group's size.
+        num_tokens (int): S, tokens per rank per step (a call may pass s <= S).
+        hidden (int): H, row width in bf16 elements (a multiple of 8).
+        num_experts (int): E, a multiple of R.
+        topk (int): K, 1..min(32, E).
+        align (int): row padding of every non-empty expert group, 1..4096 (1: none).
+        capacity_factor (float): 1.0 = exact mode (every rank receives S*K entries); in (1, 4] = slack mode (at most
+            ceil(capacity_factor*S*K)).
+        planner (str): 'balanced' (default) or 'greedy' (the one-donor baseline).
+        device: where tensors live; only 'cpu' (the CPU backend) is built so far.
+        timeout_s (float): bound on every cross-rank wait (default: FLATEP_TIMEOUT_S or 100 s).
+
+    Attributes: rank, num_ranks, num_tokens, hidden, num_experts, topk, experts_per_rank, capacity (C),
+    num_recv_rows (NvS), device.
+    """
+
+    def __init__(
+        self,
+        group=None,
+        num_tokens=None,
+        hidden=None,
+        num_experts=None,
+        topk=None,
+        align=128,
+        capacity_factor=1.0,
+        *,
+        planner="balanced",
+        device=None,
+        timeout_s=None,
+    ):
+        for name, value in (
+            ("num_tokens", num_tokens),
+            ("hidden", hidden),
+            ("num_experts", num_experts),
+            ("topk", topk),
+            ("align", align),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"Buffer: {name} must be an int, got {value!r}")
+        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+            raise ValueError(f"Buffer: capacity_factor must be a float, got {capacity_factor!r}")
+        if planner not in _PLANNERS:
+            raise ValueError(f"Buffer: planner must be 'balanced' or 'greedy', got {planner!r}")
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.group = group
+        self.rank, self.num_ranks = group_rank_size(group)
+        self.num_tokens, self.hidden, self.num_experts, self.topk = num_tokens, hidden, num_experts, topk
+        self.align, self.capacity_factor, self.planner = align, float(capacity_factor), planner
+        transport = transport_for(group, self.device, timeout_s)
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else _no_context():
+            self._buffer = _C.Buffer(
+                transport, num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner
+            )
+        self.experts_per_rank = self._buffer.experts_per_rank
+        self.capacity = self._buffer.capacity
+        self.num_recv_rows = self._buffer.num_recv_rows
+
+    # ---- public ops ----
+
+    def plan(self, topk_idx):
+        """Plans one step (collective).
+
+        Args:
+            topk_idx (torch.Tensor): [s, K] int32 or int64, s <= S; expert ids in [0, E).
+        Returns:
+            Plan. An id outside [0, E) raises ValueError naming the first bad id (the CPU backend checks at once).
+        """
+        b = self._live("plan")
+        idx = check_tensor(
+            "plan", "topk_idx", topk_idx, (torch.int32, torch.int64), (None, self.topk), self.device,
+            f"[s, K={self.topk}] with s <= S={self.num_tokens}",
+        )
+        if idx.shape[0] > self.num_tokens:
+            raise ValueError(
+                f"plan: topk_idx must have shape [s, K={self.topk}] with s <= S={self.num_tokens}, "
+                f"got {shape_text(idx.shape)}"
+            )
+        cplan = b.plan(address(idx), idx.element_size(), idx.shape[0])
+        if not b.on_device:
+            b.check_status()  # host backend: reporting now costs no device synchronisation
+        return Plan(self, cplan)
+
+    def dispatch(self, plan, x, topk_weights=None):
+        """Sends every token row to the rows of its K experts (collective; autograd-aware).
+
+        Args:
+            plan (Plan): from this Buffer's plan().
+            x (torch.Tensor): [s, H] bf16 token rows (s = plan.num_tokens).
+            topk_weights (torch.Tensor or None): [s, K] fp32 routing weights (None: weight 1).
+        Returns:
+            recv_x: [NvS, H] bf16, this rank's receive rows grouped by cu_seqlens; padding rows zero.
+            recv_w: [NvS] fp32, each row's routing weight; 0 on padding rows.
+            cu_seqlens: [2*epn] int32 (= plan.cu_seqlens).
+        Backward: grad_x = unweighted combine of grad_recv_x; grad_topk_weights = grad_recv_w read back at each
+        entry's row.
+        """
+        self._check_plan("dispatch", plan)
+        x = check_tensor(
+            "dispatch", "x", x, (torch.bfloat16,), (plan.num_tokens, self.hidden), self.device,
+        )
+        if topk_weights is not None:
+            topk_weights = check_tensor(
+                "dispatch", "topk_weights", topk_weights, (torch.float32,), (plan.num_tokens, self.topk), self.device
+            )
+        from .autograd import DispatchFunction
+
+        recv_x, recv_w = DispatchFunction.apply(self, plan, x, topk_weights)
+        return recv_x, recv_w, plan.cu_seqlens
+
+    def combine(self, plan, y, weights=None):
+        """Sums each token's K expert-output rows back on its source rank (collective; autograd-aware).
+
+        Args:
+            plan (Plan): the plan the rows were dispatched with.
+            y (torch.Tensor): [NvS, H] bf16 expert outputs (rows past the last group end are ignored).
+            weights (torch.Tensor or None): [NvS] fp32 per-row weights (e.g. dispatch's recv_w) or None (unweighted).
+        Returns:
+            out: [s, H] bf16, out[t] = sum_k weight_row * y_row over token t's K rows (fp32 sums, design §6).
+        Backward: grad_y = dispatch of grad_out times the row weight; grad_weights = <dispatched grad_out row, y row>.
+        """
+        self._check_plan("combine", plan)
+        y = check_tensor("combine", "y", y, (torch.bfloat16,), (self.num_recv_rows, self.hidden), self.device)
+        if weights is not None:
+            weights = check_tensor("combine", "weights", weights, (torch.float32,), (self.num_recv_rows,), self.device)
+        from .autograd import CombineFunction
+
+        return CombineFunction.apply(self, plan, y, weights)
+
+    def entry_values(self, plan, row_values):
+        """The reverse path of one fp32 per receive row (collective; not differentiable).
+
+        Args:
+            row_values (torch.Tensor): [NvS] fp32, one value per receive row of this rank.
+        Returns:
+            [s, K] fp32: for each of this rank's entries (t, k), the value at its row on its destination rank
+            (0 for an invalid expert id).
+        """
+        self._check_plan("entry_values", plan)
+        row_values = check_tensor(
+            "entry_values", "row_values", row_values, (torch.float32,), (self.num_recv_rows,), self.device
+        )
+        return self._entry_values_raw(plan, row_values)
+
+    def destroy(self):
+        """Releases the symmetric buffer (local, never collective). Later calls raise RuntimeError."""
+        self._buffer = None
+
+    def __repr__(self):
+        return (
+            f"flatep.Buffer(R={self.num_ranks}, rank={self.rank}, S={self.num_tokens}, H={self.hidden}, "
+            f"E={self.num_experts}, K={self.topk}, align={self.align}, capacity_factor={self.capacity_factor}, "
+            f"NvS={self.num_recv_rows})"
+        )
+
+    # ---- raw ops (no checks beyond the plan, no autograd): used by the autograd functions ----
+
+    def _live(self, op):
+        """The C++ buffer, with the current CUDA stream set on a device buffer (every op is enqueued on it)."""
+        if self._buffer is None:
+            raise RuntimeError(f"{op}: this Buffer was destroyed")
+        if self.device.type == "cuda":
+            self._buffer.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
+        return self._buffer
+
+    def _check_plan(self, op, plan):
+        self._live(op)
+        if not isinstance(plan, Plan):
+            raise ValueError(f"{op}: plan must be a flatep.Plan from Buffer.plan(), got {type(plan).__name__}")
+        if plan._buffer is not self:
+            raise ValueError(f"{op}: plan was made by another Buffer; use the plan of this Buffer")
+
+    def _dispatch_raw(self, plan, x, topk_weights, want_weights=True):
+        recv_x = torch.zeros(self.num_recv_rows, self.hidden, dtype=torch.bfloat16, device=self.device)
+        recv_w = torch.zeros(self.num_recv_rows, dtype=torch.float32, device=self.device) if want_weights else None
+        self._live("dispatch").dispatch(plan._plan, address(x), address(topk_weights), address(recv_x), address(recv_w))
+        return recv_x, recv_w
+
+    def _combine_raw(self, plan, y, weights):
+        out = torch.empty(plan.num_tokens, self.hidden, dtype=torch.bfloat16, device=self.device)
+        self._live("combine").combine(plan._plan, address(y), address(weights), address(out))
+        return out
+
+    def _entry_values_raw(self, plan, row_values):
+        b = self._live("entry_values")
+        out = torch.empty(plan.num_tokens, self.topk, dtype=torch.float32, device=self.device)
+        b.entry_values(plan._plan, address(row_values), address(out))
+        return out

@@ -1,0 +1,93 @@
+"""Bootstraps and transports: how a torch.distributed group becomes FlatEP's multi-process `ipc` transport.
+
+FlatEP runs one process per EP rank. Its `ipc` transport shares symmetric memory between the processes (memfds for
+host memory; CUDA VMM handles for device memory) and needs only a small all-gather to start, which
+:class:`TorchBootstrap` provides through ``torch.distributed.all_gather_object`` on the caller's group (any backend;
+gloo on CPU). Every process of the group must create its FlatEP objects in the same order (they are collective).
+"""
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+
+class TorchBootstrap(_C.Bootstrap):
+    """flatep._C.Bootstrap over a torch.distributed process group (None: the default group)."""
+
+    def __init__(self, group=None):
+        super().__init__()
+        self.group = group
+        self._rank = dist.get_rank(group)
+        self._size = dist.get_world_size(group)
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+    def all_gather(self, blob):
+        out = [None] * self._size
+        dist.all_gather_object(out, bytes(blob), group=self.group)
+        return out
+
+
+class SingleProcessBootstrap(_C.Bootstrap):
+    """A world of one rank (torch.distributed not initialised and no group given)."""
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 1
+
+    def all_gather(self, blob):
+        return [bytes(blob)]
+
+
+def group_rank_size(group):
+    """(rank, size) of `group`; (0, 1) when group is None and torch.distributed is not initialised."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+_lock = threading.Lock()
+_transports = {}
+
+
+def transport_for(group=None, device=None, timeout_s=None):
+    """The process's ipc transport for `group` and memory kind of `device` (created on first use, collectively,
+    then cached: every FlatEP object of the group shares it)."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    memory = "host" if device.type == "cpu" else "device"
+    if memory == "device" and not _C.has_cuda:
+        raise ValueError(
+            f"device {device} needs FlatEP built with CUDA; this build has the CPU backend only (use device='cpu')"
+        )
+    single = group is None and not (dist.is_available() and dist.is_initialized())
+    key = ("single" if single else id(group if group is not None else dist.group.WORLD), str(device))
+    with _lock:
+        entry = _transports.get(key)
+        if entry is None:
+            bootstrap = SingleProcessBootstrap() if single else TorchBootstrap(group)
+            if memory == "device":  # device regions live on the current device
+                with torch.cuda.device(device):
+                    transport = _C.make_ipc_transport(bootstrap, memory, 0.0)
+            else:
+                transport = _C.make_ipc_transport(bootstrap, memory, 0.0)
+            entry = (group, bootstrap, transport)  # keep the group object alive: its id is the key
+            _transports[key] = entry
+    transport = entry[2]
+    if timeout_s is not None:
+        transport.timeout_s = float(timeout_s)
+    return transport
+
+
+def release_transports():
+    """Drops the cached transports (objects still using one keep it alive). Call before destroy_process_group."""
+    with _lock:
+        _transports.clear()

@@ -1,0 +1,151 @@
+"""flatep.ExpertPools and flatep.ExpertLayer: expert weights with redundant-expert slots (design §5).
+
+Once per process and group, ExpertPools allocates per projection p of shape [rows, cols] a slot pool (bf16
+[epn, rows, cols]: where this step's replicas land) and a reduce pool (fp32, same shape: where replicas' gradients
+are computed), shared by every layer. Each layer registers once and gets, per projection, torch tensors over the
+C++ memory (no copies):
+
+    layer.weights(p)      bf16 [2*epn, rows, cols]  compute view: own experts [0, epn), then the slot pool
+    layer.grads(p)        fp32 [2*epn, rows, cols]  own gradients [0, epn), then the reduce pool
+    layer.own_weights(p)  bf16 [epn, rows, cols]    aliases weights(p)[:epn]
+    layer.own_grads(p)    fp32 [epn, rows, cols]    aliases grads(p)[:epn]
+
+Per step: write the layer's own weights, ``pools.prefetch(plan, layer)`` (collective: owners push replicas into the
+slot pools), run the grouped GEMM over weights(p) with offs = plan.cu_seqlens; in backward write every group's
+gradient into grads(p), then ``pools.reduce_grad(plan, layer)`` (collective: replicas' grads are added into the
+owners' own_grads in ascending (rank, slot) order and the consumed slots are zeroed).
+
+The tensors are valid while the ExpertLayer (and its ExpertPools) object lives: keep a reference.
+"""
+
+import torch
+
+from . import _C
+from ._tensors import tensor_at
+from .buffer import Plan
+from .distributed import group_rank_size, transport_for
+
+
+class ExpertLayer:
+    """One layer's expert memory; get it from :meth:`ExpertPools.register_layer`."""
+
+    def __init__(self, pools, clayer):
+        self.pools = pools
+        self._layer = clayer
+        epn, device = pools.experts_per_rank, pools.device
+        self._weights, self._grads, self._own_weights, self._own_grads = [], [], [], []
+        for p, (rows, cols) in enumerate(pools.projections):
+            self._weights.append(tensor_at(clayer.weights(p), (2 * epn, rows, cols), torch.bfloat16, device, self))
+            self._grads.append(tensor_at(clayer.grads(p), (2 * epn, rows, cols), torch.float32, device, self))
+            self._own_weights.append(tensor_at(clayer.own_weights(p), (epn, rows, cols), torch.bfloat16, device, self))
+            self._own_grads.append(tensor_at(clayer.own_grads(p), (epn, rows, cols), torch.float32, device, self))
+
+    def _projection(self, p):
+        n = len(self._weights)
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < n:
+            raise ValueError(f"projection must be an int in [0, {n}), got {p!r}")
+        return p
+
+    def weights(self, p):
+        """bf16 [2*epn, rows, cols] compute view of projection p."""
+        return self._weights[self._projection(p)]
+
+    def grads(self, p):
+        """fp32 [2*epn, rows, cols] gradient view of projection p."""
+        return self._grads[self._projection(p)]
+
+    def own_weights(self, p):
+        """bf16 [epn, rows, cols]: this layer's own experts of projection p."""
+        return self._own_weights[self._projection(p)]
+
+    def own_grads(self, p):
+        """fp32 [epn, rows, cols]: this layer's own experts' gradients of projection p."""
+        return self._own_grads[self._projection(p)]
+
+
+class ExpertPools:
+    """Slot and reduce pools of one process for a group (collective constructor).
+
+    Args:
+        group: torch.distributed process group (None: the default group, or a one-rank world).
+        experts_per_rank (int): epn = E / R of the Buffers whose plans are used.
+        projections (list of (rows, cols)): per projection, the shape of one expert's weight matrix, e.g.
+            [(H, F), (F, H)] for an FFN x @ W1 -> act -> @ W2.
+        device: only 'cpu' (the CPU backend) is built so far.
+    """
+
+    def __init__(self, group, experts_per_rank, projections, *, device=None, timeout_s=None):
+        if isinstance(experts_per_rank, bool) or not isinstance(experts_per_rank, int) or experts_per_rank < 1:
+            raise ValueError(f"ExpertPools: experts_per_rank must be a positive int, got {experts_per_rank!r}")
+        shapes = []
+        for i, shape in enumerate(projections):
+            if len(shape) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+                raise ValueError(f"ExpertPools: projection {i} must be (rows, cols) positive ints, got {shape!r}")
+            shapes.append((int(shape[0]), int(shape[1])))
+        if not shapes:
+            raise ValueError("ExpertPools: at least one projection is needed")
+        self.group = group
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.rank, self.num_ranks = group_rank_size(group)
+        self.experts_per_rank = experts_per_rank
+        self.projections = shapes
+        transport = transport_for(group, self.device, timeout_s)
+        self._pools = _C.ExpertPools(transport, experts_per_rank, shapes)
+        self.layers = []
+
+    def register_layer(self):
+        """A new layer's zero-filled weights and grads with their compute views (local, not collective)."""
+        layer = ExpertLayer(self, self._pools.register_layer())
+        self.layers.append(layer)
+        return layer
+
+    def _resolve(self, op, plan, layer):
+        if not isinstance(plan, Plan):
+            raise ValueError(f"{op}: plan must be a flatep.Plan from Buffer.plan(), got {type(plan).__name__}")
+        if layer is None:
+            if len(self.layers) != 1:
+                raise ValueError(f"{op}: layer is required when {len(self.layers)} layers are registered (not 1)")
+            layer = self.layers[0]
+        if not isinstance(layer, ExpertLayer) or layer.pools is not self:
+            raise ValueError(f"{op}: layer must be an ExpertLayer registered with these pools")
+        return plan._plan, layer._layer
+
+    def prefetch(self, plan, layer=None):
+        """Collective: owners push this step's replicas (plan.slot_expert of every rank) of every projection into the
+        slot pools, i.e. into every layer's weights(p)[epn:]. Call after writing own_weights and before the GEMM."""
+        self._pools.prefetch(*self._resolve("prefetch", plan, layer))
+
+    def reduce_grad(self, plan, layer=None):
+        """Collective: adds the replicas' gradients (grads(p)[epn:] of every rank) into the owners' own_grads(p) in
+        ascending (rank, slot) order in fp32, then zeroes the consumed slots."""
+        self._pools.reduce_grad(*self._resolve("reduce_grad", plan, layer))
+
+    def slot_pool(self, p):
+        """bf16 [epn, rows, cols]: this rank's slot pool of projection p."""
+        rows, cols = self.projections[p]
+        shape = (self.experts_per_rank, rows, cols)
+        return tensor_at(self._pools.slot_pool(p), shape, torch.bfloat16, self.device, self)
+
+    def reduce_pool(self, p):
+        """fp32 [epn, rows, cols]: this rank's reduce pool of projection p."""
+        rows, cols = self.projections[p]
+        shape = (self.experts_per_rank, rows, cols)
+        return tensor_at(self._pools.reduce_pool(p), shape, torch.float32, self.device, self)
+
+
+_shared = {}
+
+
+def shared_pools(group, experts_per_rank, projections, device=None):
+    """The process's ExpertPools for (group, epn, projections, device), created on first use (collective then)."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    key = (id(group), experts_per_rank, tuple(tuple(p) for p in projections), str(device))
+    entry = _shared.get(key)
+    if entry is None:
+        entry = (group, ExpertPools(group, experts_per_rank, projections, device=device))
+        _shared[key] = entry
+    return entry[1]
+
+
+def release_shared_pools():
+    _shared.clear()

@@ -1,0 +1,139 @@
+"""Testing helpers: the routing generator of design §9 (bound from C++, so Python, C++ tests and benchmarks draw the
+same routings), maxvio, a dense single-process MoE reference, and a launcher of R local processes.
+
+    sigma = flatep.testing.sigma_for_maxvio(5.0, R, E, S, K, seed=1)
+    topk_idx = flatep.testing.sample_topk(E, S, K, rank, sigma=sigma, seed=1)    # [S, K] int32 for this rank
+    flatep.testing.maxvio(counts)                                                # counts [R, E] (or [E])
+"""
+
+import os
+import socket
+import tempfile
+
+import torch
+
+from . import _C
+from .nn import expert_ffn, init_expert_weights, init_router_weight, route
+
+_BF16 = torch.bfloat16
+
+
+# ---- routing generator ----
+
+
+def popularity(num_experts, sigma=0.0, seed=0):
+    """list[E] of expert popularities exp(sigma * z_e), z_e standard normal from `seed` (shared by all ranks)."""
+    return _C.routing.popularity(num_experts, float(sigma), int(seed))
+
+
+def sample_topk(num_experts, num_tokens, topk, rank, sigma=0.0, seed=0):
+    """[num_tokens, topk] int32: per token, K distinct experts drawn without replacement with probability
+    proportional to popularity(num_experts, sigma, seed); `rank` selects the rank's own random stream."""
+    pop = popularity(num_experts, sigma, seed)
+    return torch.from_numpy(_C.routing.sample_topk(pop, int(num_tokens), int(topk), int(seed), int(rank)))
+
+
+def generate_counts(num_ranks, num_experts, num_tokens, topk, sigma=0.0, seed=0):
+    """[R, E] int32 counts of the routing sample_topk gives every rank (what Buffer.plan all-gathers)."""
+    counts = _C.routing.generate_counts(num_ranks, num_experts, num_tokens, topk, float(sigma), int(seed))
+    return torch.from_numpy(counts)
+
+
+def sigma_for_maxvio(target, num_ranks, num_experts, num_tokens, topk, seed=0):
+    """sigma whose realised maxvio (generate_counts with this seed) is closest to `target` (bisection)."""
+    return _C.routing.sigma_for_maxvio(float(target), num_ranks, num_experts, num_tokens, topk, int(seed))
+
+
+def maxvio(counts, num_experts=None):
+    """Router imbalance max_e(T_e / mean_e T_e) - 1 (0 = perfectly even).
+
+    counts: [R, E] or [E] per-expert entry counts, or (with num_experts) a tensor of expert ids of any shape."""
+    counts = torch.as_tensor(counts)
+    if num_experts is not None:
+        counts = torch.bincount(counts.flatten().long(), minlength=num_experts)
+    if counts.dim() == 1:
+        counts = counts.unsqueeze(0)
+    return _C.routing.maxvio(counts.to(torch.int32).numpy())
+
+
+# ---- dense reference ----
+
+
+def _round_bf16(w):
+    """Value rounded to bf16, gradient passed straight through in fp32 (the masters' gradients are not rounded)."""
+    return w + (w.to(_BF16).float() - w).detach()
+
+
+class DenseMoE(torch.nn.Module):
+    """Single-process MoE with every expert, the reference flatep.nn.MoE is held to.
+
+    Same math and rounding points as the distributed layer (flatep.nn.route, flatep.nn.expert_ffn, bf16 token rows,
+    fp32 weighted sum rounded to bf16), same init for the same seed. Parameters: router_weight [E, H], w1 [E, H, F],
+    w2 [E, F, H] (fp32).
+
+    forward(x [N, H], topk_idx=None [N, K], chunks=1) -> [N, H] in x's dtype. `chunks` (a count, or a list of
+    sizes) splits the router matmul the way the ranks compute it on their own tokens, so that both sides get the
+    same logits bit for bit and pick the same experts.
+    """
+
+    def __init__(self, hidden, ffn, num_experts, topk, seed=0):
+        super().__init__()
+        self.hidden, self.ffn, self.num_experts, self.topk = hidden, ffn, num_experts, topk
+        w1, w2 = init_expert_weights(hidden, ffn, range(num_experts), seed)
+        self.router_weight = torch.nn.Parameter(init_router_weight(hidden, num_experts, seed))
+        self.w1 = torch.nn.Parameter(w1)
+        self.w2 = torch.nn.Parameter(w2)
+
+    def forward(self, x, topk_idx=None, chunks=1):
+        sizes = [len(c) for c in torch.arange(x.shape[0]).chunk(chunks)] if isinstance(chunks, int) else list(chunks)
+        xs = x.split(sizes)
+        idxs = topk_idx.split(sizes) if topk_idx is not None else [None] * len(xs)
+        routed = [route(xc, self.router_weight, self.topk, ic) for xc, ic in zip(xs, idxs)]
+        weights = torch.cat([w for w, _ in routed])
+        idx = torch.cat([i for _, i in routed])
+        rows = x.to(_BF16).float()
+        w1, w2 = _round_bf16(self.w1), _round_bf16(self.w2)
+        out = torch.zeros(x.shape[0], self.hidden, dtype=torch.float32, device=x.device)
+        for e in range(self.num_experts):
+            token, k = (idx == e).nonzero(as_tuple=True)
+            if token.numel() == 0:
+                continue
+            y = expert_ffn(rows[token], w1[e], w2[e]).float()
+            out = out.index_add(0, token, weights[token, k].unsqueeze(1) * y)
+        return out.to(_BF16).to(x.dtype)
+
+
+# ---- multi-process launcher ----
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, init_file, fn, args):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        from .distributed import release_transports
+        from .pools import release_shared_pools
+
+        release_shared_pools()
+        release_transports()
+        dist.destroy_process_group()
+
+
+def spawn(fn, world_size, *args):
+    """Runs fn(rank, world_size, *args) in `world_size` fresh processes joined by a gloo process group (default
+    group), like torchrun on one machine. fn must be importable (module level). Raises if any process fails."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        mp.spawn(_worker, args=(world_size, init_file, fn, args), nprocs=world_size, join=True)

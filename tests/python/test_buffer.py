@@ -1,0 +1,242 @@
+"""Single-process tests (a one-rank world: torch.distributed not initialised): Buffer ops against naive
+formulas, autograd, ExpertPools views, the routing generator, and the exact error messages of bad arguments.
+
+Reproduce: PYTHONPATH=python:build/python /usr/bin/python3 -m pytest -q tests/python/test_buffer.py
+"""
+
+import pytest
+import torch
+
+import flatep
+from flatep import _C
+from flatep.testing import sample_topk
+
+S, H, E, K = 16, 16, 4, 2
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def buffer():
+    return flatep.Buffer(None, S, H, E, K, align=8)
+
+
+def make_inputs(seed=0, s=S):
+    g = torch.Generator().manual_seed(seed)
+    idx = sample_topk(E, S, K, 0, sigma=1.0, seed=seed)[:s]
+    x = torch.randn(s, H, generator=g).to(BF16)
+    w = torch.rand(s, K, generator=g)
+    return idx, x, w
+
+
+def test_dispatch_places_rows_and_weights(buffer):
+    idx, x, w = make_inputs()
+    plan = buffer.plan(idx)
+    recv_x, recv_w, cu = buffer.dispatch(plan, x, w)
+    assert recv_x.shape == (buffer.num_recv_rows, H) and recv_x.dtype == BF16
+    assert recv_w.shape == (buffer.num_recv_rows,) and recv_w.dtype == torch.float32
+    assert cu.dtype == torch.int32 and cu.shape == (2 * E,)
+    ranks, rows = plan.entry_ranks.long(), plan.entry_rows.long()
+    assert (ranks == 0).all()
+    for t in range(S):
+        for k in range(K):
+            r = rows[t, k].item()
+            assert torch.equal(recv_x[r], x[t]), f"row of entry ({t}, {k})"
+            assert recv_w[r].item() == w[t, k].item()
+            # The row lies in the group of its expert: [cu[e-1], cu[e]).
+            e = idx[t, k].item()
+            assert (cu[e - 1].item() if e else 0) <= r < cu[e].item()
+    real = plan.real_rows
+    assert real.sum().item() == S * K
+    assert (recv_x[~real] == 0).all() and (recv_w[~real] == 0).all()
+
+
+def test_combine_sums_weighted_rows(buffer):
+    idx, x, w = make_inputs(1)
+    plan = buffer.plan(idx)
+    recv_x, recv_w, _ = buffer.dispatch(plan, x, w)
+    out = buffer.combine(plan, recv_x, recv_w)
+    expected = (x.float() * w[:, :1] + x.float() * w[:, 1:]).to(BF16)  # one partial: K terms in fp32, one rounding
+    assert torch.allclose(out.float(), expected.float(), rtol=2**-7, atol=0)
+    assert torch.equal(buffer.combine(plan, recv_x), (x.float() * 2).to(BF16))
+
+
+def test_int32_and_int64_indices_give_the_same_plan(buffer):
+    idx, _, _ = make_inputs(2)
+    a, b = buffer.plan(idx.to(torch.int32)), buffer.plan(idx.to(torch.int64))
+    assert torch.equal(a.entry_rows, b.entry_rows) and torch.equal(a.cu_seqlens, b.cu_seqlens)
+    assert b.generation == a.generation + 1
+
+
+def test_stats_and_ragged_call(buffer):
+    idx, x, w = make_inputs(3, s=S - 5)
+    plan = buffer.plan(idx)
+    st = plan.stats
+    assert st["loads"] == [(S - 5) * K] and st["entries_total"] == (S - 5) * K
+    assert st["replicas"] == 0 and st["P"] == 0 and st["entries_moved"] == 0
+    assert plan.slot_expert.tolist() == [-1] * E
+    out = buffer.combine(plan, buffer.dispatch(plan, x, w)[0])
+    assert out.shape == (S - 5, H)
+
+
+def test_autograd_matches_formulas(buffer):
+    idx, x, w = make_inputs(4)
+    x = x.float().requires_grad_()
+    w = w.clone().requires_grad_()
+    plan = buffer.plan(idx)
+    recv_x, recv_w, _ = buffer.dispatch(plan, x.to(BF16), w)
+    y = (recv_x.float() * 3 - 1).to(BF16)  # a row-wise "expert" (padding rows become -1: combine must ignore them)
+    out = buffer.combine(plan, y, recv_w)
+    g = torch.randn(S, H)
+    (out.float() * g).sum().backward()
+    # out[t] = sum_k w[t,k] * (3 x[t] - 1): d/dx = 3 * sum_k w, d/dw[t,k] = <g[t], 3 x[t] - 1>.
+    yx = (x.detach().to(BF16).float() * 3 - 1).to(BF16).float()
+    gb = g.to(BF16).float()
+    expected_gw = (gb * yx).sum(1, keepdim=True).expand(S, K)
+    assert torch.allclose(w.grad, expected_gw, rtol=1e-5, atol=1e-5)
+    expected_gx = gb * 3 * w.detach().sum(1, keepdim=True)
+    assert torch.allclose(x.grad, expected_gx, rtol=2**-6, atol=2**-6)
+
+
+def test_entry_values_reads_each_entry_row(buffer):
+    idx, _, _ = make_inputs(5)
+    plan = buffer.plan(idx)
+    values = torch.arange(buffer.num_recv_rows, dtype=torch.float32) * 0.5
+    got = buffer.entry_values(plan, values)
+    assert torch.equal(got, plan.entry_rows.float() * 0.5)
+
+
+def test_expert_pools_views_alias_cpp_memory():
+    pools = flatep.ExpertPools(None, 2, [(8, 4), (4, 8)])
+    layer = pools.register_layer()
+    w = layer.weights(0)
+    assert w.shape == (4, 8, 4) and w.dtype == BF16
+    assert layer.grads(1).shape == (4, 4, 8) and layer.grads(1).dtype == torch.float32
+    layer.own_weights(0).copy_(torch.arange(64).view(2, 8, 4))
+    assert torch.equal(w[:2].float(), torch.arange(64).view(2, 8, 4).float())
+    assert w.data_ptr() == layer.own_weights(0).data_ptr() or (w[:2] == layer.own_weights(0)).all()
+    assert (w[2:] == 0).all() and (pools.slot_pool(0) == 0).all()
+    layer.own_grads(1).fill_(2.0)
+    buf = flatep.Buffer(None, 4, 8, 2, 1, align=1)
+    plan = buf.plan(torch.tensor([[0], [1], [1], [0]]))
+    pools.prefetch(plan, layer)
+    pools.reduce_grad(plan, layer)  # one rank: no replicas, own grads unchanged
+    assert (layer.grads(1)[:2] == 2).all() and (layer.grads(1)[2:] == 0).all()
+
+
+def test_routing_generator():
+    a = sample_topk(16, 32, 3, rank=1, sigma=1.0, seed=7)
+    b = sample_topk(16, 32, 3, rank=1, sigma=1.0, seed=7)
+    c = sample_topk(16, 32, 3, rank=2, sigma=1.0, seed=7)
+    assert a.dtype == torch.int32 and a.shape == (32, 3)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert all(len(set(row.tolist())) == 3 for row in a) and a.min() >= 0 and a.max() < 16
+    assert flatep.testing.maxvio(torch.tensor([[3, 1], [1, 3]])) == 0.0
+    assert flatep.testing.maxvio(torch.tensor([[4, 0]])) == 1.0
+    assert flatep.testing.maxvio(torch.tensor([0, 0, 0, 1]), num_experts=2) == pytest.approx(0.5)
+    sigma = flatep.testing.sigma_for_maxvio(5.0, 4, 64, 256, 2, seed=3)
+    counts = flatep.testing.generate_counts(4, 64, 256, 2, sigma, seed=3)
+    assert abs(flatep.testing.maxvio(counts) - 5.0) < 0.5
+    per_rank = torch.stack([torch.bincount(sample_topk(64, 256, 2, r, sigma, 3).flatten().long(), minlength=64)
+                            for r in range(4)])
+    assert torch.equal(per_rank.int(), counts)
+
+
+def test_moe_single_rank_matches_dense():
+    moe = flatep.nn.MoE(H, 24, E, K, align=8, seed=5)
+    dense = flatep.testing.DenseMoE(H, 24, E, K, seed=5)
+    x = torch.randn(S, H)
+    assert torch.equal(moe(x), dense(x))
+    assert moe.num_tokens == S and moe.last_plan.stats["loads"] == [S * K]
+
+
+# ---- bad arguments: exact messages ----
+
+
+def raises(fn, message, kind=ValueError):
+    with pytest.raises(kind) as info:
+        fn()
+    assert str(info.value) == message
+
+
+def test_bad_plan_arguments(buffer):
+    raises(lambda: buffer.plan(torch.zeros(S, K)), "plan: topk_idx must be int32 or int64, got float32")
+    raises(
+        lambda: buffer.plan(torch.zeros(S + 1, K, dtype=torch.int64)),
+        f"plan: topk_idx must have shape [s, K={K}] with s <= S={S}, got [{S + 1}, {K}]",
+    )
+    raises(
+        lambda: buffer.plan(torch.zeros(S, K + 1, dtype=torch.int64)),
+        f"plan: topk_idx must have shape [s, K={K}] with s <= S={S}, got [{S}, {K + 1}]",
+    )
+    raises(lambda: buffer.plan([[0, 1]]), "plan: topk_idx must be a torch.Tensor, got list")
+    bad = torch.zeros(S, K, dtype=torch.int64)
+    bad[1, 1] = 7
+    raises(
+        lambda: buffer.plan(bad),
+        "rank 0: invalid expert id 7 at topk_idx flat index 3 (token 1, k 1); ids must be in [0, E=4); "
+        "the entry was skipped",
+    )
+
+
+def test_bad_dispatch_and_combine_arguments(buffer):
+    idx, x, w = make_inputs(6)
+    plan = buffer.plan(idx)
+    raises(lambda: buffer.dispatch(plan, x.float(), w), "dispatch: x must be bfloat16, got float32")
+    raises(lambda: buffer.dispatch(plan, x[:-1], w), f"dispatch: x must have shape [{S}, {H}], got [{S - 1}, {H}]")
+    raises(lambda: buffer.dispatch(plan, x, w.double()), "dispatch: topk_weights must be float32, got float64")
+    raises(
+        lambda: buffer.dispatch(plan, x.to("meta"), w),
+        "dispatch: x is on meta, but this object runs on cpu (the CPU backend: host memory); pass CPU tensors",
+    )
+    raises(lambda: buffer.dispatch("plan", x, w), "dispatch: plan must be a flatep.Plan from Buffer.plan(), got str")
+    y = torch.zeros(buffer.num_recv_rows, H, dtype=BF16)
+    raises(
+        lambda: buffer.combine(plan, y[:-1]),
+        f"combine: y must have shape [{buffer.num_recv_rows}, {H}], got [{buffer.num_recv_rows - 1}, {H}]",
+    )
+    raises(
+        lambda: buffer.combine(plan, y, torch.zeros(buffer.num_recv_rows, dtype=BF16)),
+        "combine: weights must be float32, got bfloat16",
+    )
+
+
+def test_bad_constructor_arguments():
+    raises(
+        lambda: flatep.Buffer(None, S, 12, E, K),
+        "hidden (H) must be a positive multiple of 8 (16-byte bf16 rows), got 12",
+    )
+    raises(lambda: flatep.Buffer(None, S, H, E, E + 1), f"topk (K) must not exceed num_experts (E): K={E + 1} E={E}")
+    raises(lambda: flatep.Buffer(None, S, H, E, K, capacity_factor=0.5), "capacity_factor must be in [1, 4], got 0.5")
+    raises(lambda: flatep.Buffer(None, S, H, E, K, align=0), "align must be in [1, 4096], got 0")
+    raises(
+        lambda: flatep.Buffer(None, S, H, E, K, planner="best"),
+        "Buffer: planner must be 'balanced' or 'greedy', got 'best'",
+    )
+    raises(lambda: flatep.Buffer(None, 2.5, H, E, K), "Buffer: num_tokens must be an int, got 2.5")
+    if not _C.has_cuda:
+        raises(
+            lambda: flatep.Buffer(None, S, H, E, K, device="cuda:0"),
+            "device cuda:0 needs FlatEP built with CUDA; this build has the CPU backend only (use device='cpu')",
+        )
+    raises(lambda: flatep.ExpertPools(None, 0, [(8, 8)]), "ExpertPools: experts_per_rank must be a positive int, got 0")
+    raises(
+        lambda: flatep.ExpertPools(None, 1, [(8, -1)]),
+        "ExpertPools: projection 0 must be (rows, cols) positive ints, got (8, -1)",
+    )
+
+
+def test_destroyed_buffer_and_layer_checks(buffer):
+    b = flatep.Buffer(None, S, H, E, K, align=8)
+    plan = b.plan(make_inputs(7)[0])
+    b.destroy()
+    raises(lambda: b.plan(make_inputs(7)[0]), "plan: this Buffer was destroyed", RuntimeError)
+    raises(lambda: buffer.combine(plan, torch.zeros(buffer.num_recv_rows, H, dtype=BF16)),
+           "combine: plan was made by another Buffer; use the plan of this Buffer")
+    pools = flatep.ExpertPools(None, 1, [(8, 8)])
+    other = flatep.ExpertPools(None, 1, [(8, 8)])
+    pools.register_layer()
+    pools.register_layer()
+    p = buffer.plan(make_inputs(8)[0])
+    raises(lambda: pools.prefetch(p), "prefetch: layer is required when 2 layers are registered (not 1)")
+    raises(lambda: pools.reduce_grad(p, other.register_layer()),
+           "reduce_grad: layer must be an ExpertLayer registered with these pools")

@@ -1,0 +1,45 @@
+"""The expert FFN over grouped receive rows (flatep.nn.grouped_ffn): the CPU loop against per-group expert_ffn, and
+on a GPU with torch._grouped_mm against the loop (skipped without CUDA).
+
+Reproduce: PYTHONPATH=python:build/python /usr/bin/python3 -m pytest -q tests/python/test_grouped.py
+"""
+
+import pytest
+import torch
+
+from flatep.nn import expert_ffn, grouped_ffn
+
+BF16 = torch.bfloat16
+
+
+def make(groups=6, rows=80, hidden=32, ffn=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=g).to(BF16)
+    w1 = (torch.randn(groups, hidden, ffn, generator=g) / hidden**0.5).to(BF16)
+    w2 = (torch.randn(groups, ffn, hidden, generator=g) / ffn**0.5).to(BF16)
+    cu = torch.tensor([16, 16, 40, 48, 64, 64], dtype=torch.int32)[:groups]  # empty groups 1 and 5, tail 64..80
+    return x, w1, w2, cu
+
+
+def test_loop_matches_per_group_ffn():
+    x, w1, w2, cu = make()
+    y = grouped_ffn(x, w1, w2, cu)
+    assert y.shape == x.shape and y.dtype == BF16
+    start = 0
+    for g, end in enumerate(cu.tolist()):
+        if end > start:
+            assert torch.equal(y[start:end], expert_ffn(x[start:end], w1[g], w2[g])), f"group {g}"
+        start = end
+    assert (y[64:] == 0).all()
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and hasattr(torch, "_grouped_mm")), reason="needs CUDA and torch._grouped_mm"
+)
+def test_grouped_mm_matches_loop():
+    x, w1, w2, cu = make()
+    ref = grouped_ffn(x, w1, w2, cu).float()
+    dev = grouped_ffn(x.cuda(), w1.cuda(), w2.cuda(), cu.cuda()).float().cpu()
+    err = (dev - ref).abs().max().item() / ref.abs().max().item()
+    assert err <= 2**-6, f"relative error {err}"
+    assert (dev[64:] == 0).all()
