@@ -20,6 +20,15 @@ double timeout_seconds() {
     return value;
 }
 
+int sm_budget() {
+    const std::string text = get("FLATEP_SM_BUDGET", "0");
+    char* end = nullptr;
+    const long value = std::strtol(text.c_str(), &end, 10);
+    FLATEP_CHECK(end != text.c_str() && *end == '\0' && value >= 0 && value <= (1 << 20),
+                 "FLATEP_SM_BUDGET must be a non-negative integer, got '", text, "'");
+    return int(value);
+}
+
 bool debug() { return get("FLATEP_DEBUG", "0") != "0"; }
 
 int log_level() {

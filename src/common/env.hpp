@@ -9,6 +9,9 @@ namespace flatep::env {
 double timeout_seconds();
 // FLATEP_DEBUG: 1 = check the device status word after every op (reports bad expert ids at once).
 bool debug();
+// FLATEP_SM_BUDGET: most thread blocks one GPU launch of a rank may use (0 = no cap; default 0). Set it when
+// several ranks' kernels share one GPU without MPS-style partitioning.
+int sm_budget();
 // FLATEP_LOG_LEVEL: 0 quiet, 1 warnings (default), 2 info, 3 debug.
 int log_level();
 // Socket rendezvous of separately launched ranks (flatep::make_socket_bootstrap_from_env, include/flatep/ipc.hpp):

@@ -32,7 +32,9 @@ inline constexpr int kNumTransportVariants = 6;
 // Number of packing variants tried per makespan budget (see pack_candidate).
 inline constexpr int kNumPackVariants = 4;
 // Number of path (cascade) variants (see path_candidate).
-inline constexpr int kNumPathVariants = 2;
+inline constexpr int kNumPathVariants = 4;
+// Number of tree (cascade transport) variants tried per makespan budget (see tree_candidate).
+inline constexpr int kNumTreeVariants = 8;
 
 // Workspace layout, in int32 words. Every array is indexed like the plan's ([r], [e], [d*E + e]).
 struct Workspace {
@@ -393,7 +395,10 @@ FLATEP_HD bool pack_candidate(const Layout& l, const int32_t* tpe_all, int32_t* 
 // At low skew every flow is smaller than one expert, so each rank sends and receives at most one replica (P = 1).
 // Path order: variant 0 = descending surplus (all flows go forward); variant 1 = start at the largest surplus, then
 // always append the rank that brings the running sum closest to zero (ties to the larger surplus, then the lower
-// rank). Ties to the lower rank. Returns false when a rank would exceed epn replicas or run out of home entries.
+// rank); variants 2 and 3 = always append a rank that keeps the running sum p' >= 0 and within its largest home
+// expert, so every flow goes forward as one piece (P = 1 when such an order is found), taking the smallest (2) or
+// largest (3) such p', else the smallest |p'|. Ties to the lower rank. Returns false when a rank would exceed epn
+// replicas or run out of home entries.
 FLATEP_HD bool path_candidate(const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w,
                               int variant) {
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
@@ -404,6 +409,8 @@ FLATEP_HD bool path_candidate(const Layout& l, const int32_t* tpe_all, int32_t* 
     for (int r = 0; r < R; ++r) {
         used[r] = 0;
         w.excess[r] = w.load[r] - w.target[r];  // signed surplus
+        w.room[r] = 0;                          // largest home expert (variants 2 and 3)
+        for (int e = r * epn; e < (r + 1) * epn; ++e) w.room[r] = max_of(w.room[r], w.total[e]);
         w.num_in[r] = w.num_out[r] = 0;
     }
     int m = 0;
@@ -416,7 +423,19 @@ FLATEP_HD bool path_candidate(const Layout& l, const int32_t* tpe_all, int32_t* 
                 pick = r;
                 continue;
             }
-            if (variant == 0 || m == 0) {
+            if (variant >= 2) {
+                // Feasible forward: the new running sum p' stays >= 0 (flows keep one direction) and fits in one
+                // home expert of r (r forwards it as one piece). Feasible ranks first; among them the smallest p'
+                // (variant 2) or the largest (variant 3); else the smallest |p'|. Ties to the lower rank.
+                const int64_t a = prefix + w.excess[r], b = prefix + w.excess[pick];
+                const bool fa = a >= 0 && a <= w.room[r], fb = b >= 0 && b <= w.room[pick];
+                const int64_t abs_a = a < 0 ? -a : a, abs_b = b < 0 ? -b : b;
+                if (fa != fb) {
+                    if (fa) pick = r;
+                } else if (fa ? (variant == 2 ? a < b : a > b) : abs_a < abs_b) {
+                    pick = r;
+                }
+            } else if (variant == 0 || m == 0) {
                 if (w.excess[r] > w.excess[pick]) pick = r;
             } else {
                 const int64_t a = prefix + w.excess[r], b = prefix + w.excess[pick];
@@ -451,13 +470,134 @@ FLATEP_HD bool path_candidate(const Layout& l, const int32_t* tpe_all, int32_t* 
     return true;
 }
 
+// Tree (cascade transport) candidate of the balanced planner for a makespan budget: every rank sends at most
+// `budget` replica copies and hosts at most min(budget, epn) replicas. Like transport_candidate, donors (ranks above
+// their cap: the fixed target in exact mode, C in slack mode) shed their excess as pieces of their home experts into
+// the rooms of the other ranks, largest excess first (ties to the lower rank). Unlike it, a donor's last permitted
+// copy carries its whole remaining excess even when no room is that large: the receiver then overshoots its cap and
+// becomes a donor itself, passing the overshoot on as pieces of its own home experts (a cascade). So a hot rank can
+// hand its excess to as few as `budget` receivers and every rank is a receiver first and a donor after, never both
+// at once: the replicas form a forest on the ranks, and a move either finishes a donor, fills a receiver's room or
+// exhausts a home expert, so there are at most R - 1 replicas plus one per exhausted expert.
+// Each step, for donor dn with excess x and copies left b = budget - sent:
+//   receiver (variant % 2) among ranks with room, hosting fewer than min(budget, epn) replicas (and, when the piece
+//       may overshoot, sending fewer than `budget` copies): 0 = largest room; 1 = smallest room that takes all of x,
+//       else the largest room. When b == 1 the smallest room that takes all of x, else the largest room (overshoot).
+//       Ties to the lower rank.
+//   amount: min(x, room) while b > 1, x when b == 1.
+//   expert (variant / 2 % 2): 0 = the smallest home allocation that covers the amount, else the largest; 1 = the
+//       largest. Ties to the lower expert id. The piece is min(amount, that allocation).
+//   relay (variant / 4): 1 = when b == 1 and no room takes all of x, the overshoot goes to the rank that has not sent
+//       yet (any load: a donor that has not sent yet may relay), has a free slot, and whose forward amount
+//       x - (cap - load) is smallest among those with a home allocation covering it (so it can pass the overshoot on
+//       as one piece); else as above. Every copy goes to a rank that has not sent yet, so the replicas stay acyclic.
+// A receiver already hosting the chosen expert costs no new replica. Returns false when a budget would be exceeded.
+FLATEP_HD bool tree_candidate(const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w, int budget,
+                              int variant) {
+    const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
+    init_donors(l, tpe_all, alloc, w);
+    const int in_budget = min_of(budget, epn);
+    const int receiver_rule = variant % 2, expert_rule = (variant / 2) % 2, relay_rule = variant / 4;
+    // Guard only: each step finishes a donor, fills a room or exhausts a home expert (see above).
+    const int max_steps = 3 * R + E + 4;
+    for (int step = 0; step < max_steps; ++step) {
+        int dn = -1;
+        for (int r = 0; r < R; ++r)
+            if (w.excess[r] > 0 && (dn < 0 || w.excess[r] > w.excess[dn])) dn = r;
+        if (dn < 0) return true;
+        const int32_t x = w.excess[dn];
+        const int left = budget - w.num_out[dn];
+        if (left <= 0) return false;
+        const bool last = left == 1;
+        int fit = -1, big = -1;
+        for (int r = 0; r < R; ++r) {
+            if (r == dn || w.room[r] <= 0 || w.num_in[r] >= in_budget) continue;
+            if (w.room[r] >= x) {
+                if (fit < 0 || w.room[r] < w.room[fit]) fit = r;
+            } else if (!last || w.num_out[r] < budget) {
+                if (big < 0 || w.room[r] > w.room[big]) big = r;
+            }
+        }
+        int rc;
+        if (last || receiver_rule == 1) {
+            rc = fit >= 0 ? fit : big;
+        } else {
+            // Largest room overall: the largest fitting room if any (it is above every non-fitting one).
+            rc = big;
+            if (fit >= 0) {
+                rc = fit;
+                for (int r = 0; r < R; ++r)
+                    if (r != dn && w.room[r] > w.room[rc] && w.num_in[r] < in_budget) rc = r;
+            }
+        }
+        if (last && fit < 0 && relay_rule == 1) {
+            // Overshoot target by forward fit: the rank (other than dn, not having sent yet, with a free slot) whose
+            // forward amount f = x - (cap - load) is smallest among those with a home allocation covering f; ranks
+            // at or above their cap (donors that have not sent yet) may relay. Ties to the lower rank.
+            int best = -1;
+            int32_t best_f = 0;
+            for (int r = 0; r < R; ++r) {
+                if (r == dn || w.num_out[r] != 0 || w.num_in[r] >= in_budget) continue;
+                const int32_t f = x - w.room[r] + w.excess[r];
+                int32_t biggest = 0;
+                for (int i = r * epn; i < (r + 1) * epn; ++i) biggest = max_of(biggest, alloc[r * E + i]);
+                if (f > biggest) continue;
+                if (best < 0 || f < best_f) {
+                    best = r;
+                    best_f = f;
+                }
+            }
+            if (best >= 0) rc = best;
+        }
+        if (rc < 0) return false;
+        const int32_t amount = last ? x : min_of(x, w.room[rc]);
+        int e = -1;
+        for (int i = dn * epn; i < (dn + 1) * epn; ++i) {
+            const int32_t a = alloc[dn * E + i];
+            if (a <= 0) continue;
+            if (e < 0) {
+                e = i;
+                continue;
+            }
+            const int32_t b = alloc[dn * E + e];
+            if (expert_rule == 0) {
+                const bool a_cov = a >= amount, b_cov = b >= amount;
+                if (a_cov != b_cov) {
+                    if (a_cov) e = i;
+                } else if (a_cov ? a < b : a > b) {
+                    e = i;
+                }
+            } else if (a > b) {
+                e = i;
+            }
+        }
+        if (e < 0) return false;  // cannot happen: a donor's home allocation exceeds its excess
+        const int32_t piece = min_of(amount, alloc[dn * E + e]);
+        if (alloc[rc * E + e] == 0) {
+            ++w.num_out[dn];
+            ++w.num_in[rc];
+        }
+        move_entries(l, alloc, w, e, rc, piece);
+        w.excess[dn] -= piece;
+        if (piece <= w.room[rc]) {
+            w.room[rc] -= piece;
+        } else {
+            w.excess[rc] += piece - w.room[rc];
+            w.room[rc] = 0;
+        }
+    }
+    return false;
+}
+
 // Computes alloc[R][E] for `kind`. The balanced planner starts from the greedy allocation, tries the path
-// candidates, then transport and packing candidates for budgets 1, 2, ... up to the best makespan so far (all
+// candidates, then transport, packing and tree candidates for budgets 1, 2, ... up to the best makespan so far (all
 // variants per budget), stopping at the first budget that gives an acceptable candidate. A candidate is acceptable
 // when it is no worse than the greedy on P and on total replicas (each on its own); the kept plan is the best
 // acceptable one by (P, total replicas, entries moved), earlier candidates winning ties. So the balanced plan is
-// never worse than the greedy on P or on total replicas. Cost: O(R*E) per candidate (reset and evaluation) plus
-// O(R*epn^2) for cutting experts; at most 2 + (6 + 4) * P_greedy candidates.
+// never worse than the greedy on P or on total replicas. Every candidate reads only tpe_all and writes only its own
+// allocation and scratch, so a GPU may build them in parallel (one warp or block each) and keep the best by the
+// same order (ties to the earlier candidate index). Cost: O(R*E) per candidate (reset and evaluation) plus
+// O(R*epn^2) for cutting experts and O(E) per tree step; at most 4 + (6 + 4 + 8) * P_greedy candidates.
 FLATEP_HD void plan_alloc(const Layout& l, PlannerKind kind, const int32_t* tpe_all, int32_t* alloc, int32_t* ws) {
     const Workspace w = make_workspace(l, ws);
     greedy_alloc(l, tpe_all, alloc, w);
@@ -474,10 +614,12 @@ FLATEP_HD void plan_alloc(const Layout& l, PlannerKind kind, const int32_t* tpe_
     }
     for (int budget = 1; budget <= best.makespan; ++budget) {
         bool found = false;
-        for (int variant = 0; variant < kNumTransportVariants + kNumPackVariants; ++variant) {
-            const bool ok = variant < kNumTransportVariants
-                                ? transport_candidate(l, tpe_all, w.cand, w, budget, variant)
-                                : pack_candidate(l, tpe_all, w.cand, w, budget, variant - kNumTransportVariants);
+        for (int variant = 0; variant < kNumTransportVariants + kNumPackVariants + kNumTreeVariants; ++variant) {
+            const int v = variant - kNumTransportVariants;
+            const bool ok =
+                variant < kNumTransportVariants ? transport_candidate(l, tpe_all, w.cand, w, budget, variant)
+                : v < kNumPackVariants          ? pack_candidate(l, tpe_all, w.cand, w, budget, v)
+                                                : tree_candidate(l, tpe_all, w.cand, w, budget, v - kNumPackVariants);
             if (!ok) continue;
             const PlanQuality q = evaluate_alloc(l, tpe_all, w.cand, w.num_in, w.num_out);
             if (q.makespan > greedy.makespan || q.total_replicas > greedy.total_replicas) continue;

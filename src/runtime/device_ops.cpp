@@ -37,9 +37,7 @@ Context::Context(const Layout& layout) {
     *wait_host_ = WaitRecord{};
     FLATEP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&wait_device_), wait_host_, 0));
     FLATEP_CUDA_CHECK(cudaMalloc(&workspace_, kernels::plan_workspace_bytes(layout)));
-    const std::string budget = env::get("FLATEP_SM_BUDGET", "0");
-    max_blocks_ = std::atoi(budget.c_str());
-    FLATEP_CHECK(max_blocks_ >= 0, "FLATEP_SM_BUDGET must be >= 0, got '", budget, "'");
+    max_blocks_ = env::sm_budget();
 }
 
 Context::~Context() {
