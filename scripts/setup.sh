@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(cmake ninja-build g++ libgtest-dev clang-format python3 python3-numpy python3-scipy)
+packages=(cmake ninja-build g++ libgtest-dev clang-format clang libclang-rt-14-dev python3 python3-numpy python3-scipy)
 if [[ "${FLATEP_WITH_PYTHON:-1}" == "1" ]]; then
     packages+=(python3-pytest python3-torch pybind11-dev python3-pybind11 python3-dev)
 fi

@@ -33,6 +33,9 @@ void Config::validate() const {
     FLATEP_CHECK(num_experts >= 1, "num_experts (E) must be positive, got ", num_experts);
     FLATEP_CHECK(num_experts % num_ranks == 0, "num_experts (E) must be a multiple of num_ranks (R): E=", num_experts,
                  " R=", num_ranks);
+    // Plans index [d*E + e] and [d*2*epn + g] in int32, and the planner's workspace holds two R*E arrays.
+    FLATEP_CHECK(int64_t(num_ranks) * num_experts * 2 <= kInt32Max,
+                 "num_experts (E) too large: 2*R*E must fit int32, got 2*", num_ranks, "*", num_experts);
     FLATEP_CHECK(num_tokens >= 1, "num_tokens (S) must be positive, got ", num_tokens);
     FLATEP_CHECK(topk >= 1 && topk <= kMaxTopk, "topk (K) must be in [1, ", kMaxTopk, "], got ", topk);
     FLATEP_CHECK(topk <= num_experts, "topk (K) must not exceed num_experts (E): K=", topk, " E=", num_experts);

@@ -107,6 +107,13 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
     for (size_t p = 0; p < projections_.size(); ++p) {
         FLATEP_CHECK(projections_[p].rows >= 1 && projections_[p].cols >= 1, "ExpertPools: projection ", p,
                      " must have positive rows and cols, got [", projections_[p].rows, "][", projections_[p].cols, "]");
+        // The fp32 reduce pool is the largest allocation: epn*rows*cols*4 bytes must not overflow (limit 2^48).
+        int64_t elems = 0, bytes = 0;
+        const bool overflow = __builtin_mul_overflow(projections_[p].rows, projections_[p].cols, &elems) ||
+                              __builtin_mul_overflow(elems, int64_t(experts_per_rank_) * 4, &bytes);
+        FLATEP_CHECK(!overflow && bytes <= (int64_t(1) << 48), "ExpertPools: projection ", p, " of [",
+                     projections_[p].rows, "][", projections_[p].cols, "] x ", experts_per_rank_,
+                     " experts is too large");
     }
     try {
         sync_region_ = transport_->allocate(size_t(kSyncBytes));

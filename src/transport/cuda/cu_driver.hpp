@@ -8,17 +8,36 @@
 
 // Every driver function FlatEP's host code calls. Names go through cuda.h's macros, so cuMemsetD8 is the
 // versioned cuMemsetD8_v2 entry point (the same one a link against libcuda would bind).
-#define FLATEP_CU_DRIVER_FUNCTIONS(X)                                                                              \
-    X(cuGetErrorName)                                                                                              \
-    X(cuInit)                                                                                                      \
-    X(cuDeviceGet)                                                                                                 \
-    X(cuDeviceGetCount)                                                                                            \
-    X(cuDeviceGetName)                                                                                             \
-    X(cuDeviceGetAttribute) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxGetCurrent)            \
-        X(cuCtxSetCurrent) X(cuCtxGetDevice) X(cuCtxSynchronize) X(cuMemGetAllocationGranularity) X(cuMemCreate)   \
-            X(cuMemRelease) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) \
-                X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuMemsetD8) X(cuMemsetD32)     \
-                    X(cuMemcpyHtoD) X(cuMemcpyDtoH) X(cuMemGetInfo)
+// clang-format off (clang-format 14 re-flows this X-macro differently on every pass)
+#define FLATEP_CU_DRIVER_FUNCTIONS(X) \
+    X(cuGetErrorName)                 \
+    X(cuInit)                         \
+    X(cuDeviceGet)                    \
+    X(cuDeviceGetCount)               \
+    X(cuDeviceGetName)                \
+    X(cuDeviceGetAttribute)           \
+    X(cuDevicePrimaryCtxRetain)       \
+    X(cuDevicePrimaryCtxRelease)      \
+    X(cuCtxGetCurrent)                \
+    X(cuCtxSetCurrent)                \
+    X(cuCtxGetDevice)                 \
+    X(cuCtxSynchronize)               \
+    X(cuMemGetAllocationGranularity)  \
+    X(cuMemCreate)                    \
+    X(cuMemRelease)                   \
+    X(cuMemAddressReserve)            \
+    X(cuMemAddressFree)               \
+    X(cuMemMap)                       \
+    X(cuMemUnmap)                     \
+    X(cuMemSetAccess)                 \
+    X(cuMemExportToShareableHandle)   \
+    X(cuMemImportFromShareableHandle) \
+    X(cuMemsetD8)                     \
+    X(cuMemsetD32)                    \
+    X(cuMemcpyHtoD)                   \
+    X(cuMemcpyDtoH)                   \
+    X(cuMemGetInfo)
+// clang-format on
 
 namespace flatep {
 

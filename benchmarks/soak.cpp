@@ -1,0 +1,382 @@
+// flatep-soak: a long run of the CPU backend with one process per rank (run_forked + the ipc transport on host
+// memory). Every step: plan, dispatch, prefetch, combine (weighted), reduce_grad, with a new routing whose
+// popularity skew sigma is drawn per step (so maxvio varies from ~0 to > 10) and, every 7th step, a ragged token count.
+// It checks that
+//   * outputs are bitwise deterministic: each rank hashes every step's outputs (combine output, used receive rows and
+//     weights, prefetched slots, reduced gradients; steps do not depend on earlier ones), then replays every
+//     --replay-every-th step, in reverse order, after the run and compares the hashes;
+//   * memory and descriptors stay flat: anonymous RSS (/proc/self/status; shared RSS reported) and open fds after the
+//     warm-up vs at the end (and the anonymous RSS over the second half);
+//   * no step takes more than --max-step-ratio times the median step (per step: the slowest rank).
+// Prints the figures, appends one CSV row (--csv), exits 1 when a check fails. Not part of CI.
+//
+//   flatep-soak [--R 4] [--E 32] [--S 64] [--K 4] [--H 64] [--F 32] [--align 8] [--capacity-factor 1.0]
+//               [--steps 10000] [--warmup 200] [--replay-every 97] [--sigma-max 3.0] [--seed 1]
+//               [--max-step-ratio 3] [--timeout 30] [--csv soak.csv]
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <dirent.h>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "common/bf16.hpp"
+#include "flatep/buffer.hpp"
+#include "flatep/error.hpp"
+#include "flatep/expert_pools.hpp"
+#include "flatep/ipc.hpp"
+#include "layout/layout.hpp"
+#include "routing/routing.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+    flatep::Config config;
+    int ffn = 32;
+    int steps = 10000;
+    int warmup = 200;
+    int replay_every = 97;
+    double sigma_max = 3.0;
+    uint64_t seed = 1;
+    double max_step_ratio = 3.0;
+    double timeout_s = 30.0;
+    std::string csv = "soak.csv";
+};
+
+[[noreturn]] void usage_error(const std::string& message) {
+    std::fprintf(stderr, "flatep-soak: error: %s\n", message.c_str());
+    std::exit(2);
+}
+
+Options parse(int argc, char** argv) {
+    Options o;
+    o.config.num_ranks = 4;
+    o.config.num_experts = 32;
+    o.config.num_tokens = 64;
+    o.config.topk = 4;
+    o.config.hidden = 64;
+    o.config.align = 8;
+    for (int i = 1; i < argc; ++i) {
+        const std::string flag = argv[i];
+        if (i + 1 >= argc) usage_error("missing value after " + flag);
+        const std::string value = argv[++i];
+        auto as_int = [&] {
+            char* end = nullptr;
+            const long v = std::strtol(value.c_str(), &end, 10);
+            if (end == value.c_str() || *end != '\0') usage_error(flag + " must be an integer, got '" + value + "'");
+            return int(v);
+        };
+        auto as_double = [&] {
+            char* end = nullptr;
+            const double v = std::strtod(value.c_str(), &end);
+            if (end == value.c_str() || *end != '\0') usage_error(flag + " must be a number, got '" + value + "'");
+            return v;
+        };
+        if (flag == "--R")
+            o.config.num_ranks = as_int();
+        else if (flag == "--E")
+            o.config.num_experts = as_int();
+        else if (flag == "--S")
+            o.config.num_tokens = as_int();
+        else if (flag == "--K")
+            o.config.topk = as_int();
+        else if (flag == "--H")
+            o.config.hidden = as_int();
+        else if (flag == "--F")
+            o.ffn = as_int();
+        else if (flag == "--align")
+            o.config.align = as_int();
+        else if (flag == "--capacity-factor")
+            o.config.capacity_factor = as_double();
+        else if (flag == "--steps")
+            o.steps = as_int();
+        else if (flag == "--warmup")
+            o.warmup = as_int();
+        else if (flag == "--replay-every")
+            o.replay_every = as_int();
+        else if (flag == "--sigma-max")
+            o.sigma_max = as_double();
+        else if (flag == "--seed")
+            o.seed = uint64_t(as_int());
+        else if (flag == "--max-step-ratio")
+            o.max_step_ratio = as_double();
+        else if (flag == "--timeout")
+            o.timeout_s = as_double();
+        else if (flag == "--csv")
+            o.csv = value;
+        else
+            usage_error("unknown flag " + flag);
+    }
+    try {
+        o.config.validate();
+    } catch (const flatep::Error& e) {
+        usage_error(e.message());
+    }
+    if (o.steps < 1 || o.warmup < 0 || o.warmup >= o.steps)
+        usage_error("need --steps >= 1 and 0 <= --warmup < --steps");
+    if (o.replay_every < 1) usage_error("--replay-every must be >= 1");
+    if (o.ffn < 1) usage_error("--F must be >= 1");
+    return o;
+}
+
+uint64_t fnv(uint64_t h, const void* data, size_t bytes) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+    return h;
+}
+
+// Resident memory from /proc/self/status: anonymous (heap, stacks: a leak shows here) and shared (the memfd regions of
+// every rank mapped here: grows as this process first touches pages of peers' buffers, bounded by their size).
+struct Rss {
+    long anon_kib = 0, shmem_kib = 0;
+};
+
+Rss rss_now() {
+    std::ifstream status("/proc/self/status");
+    std::string line;
+    Rss r;
+    while (std::getline(status, line)) {
+        if (line.rfind("RssAnon:", 0) == 0) r.anon_kib = std::atol(line.c_str() + 8);
+        if (line.rfind("RssShmem:", 0) == 0) r.shmem_kib = std::atol(line.c_str() + 9);
+    }
+    return r;
+}
+
+int open_fds() {
+    int count = 0;
+    DIR* dir = ::opendir("/proc/self/fd");
+    if (dir == nullptr) return -1;
+    while (dirent* entry = ::readdir(dir))
+        if (entry->d_name[0] != '.') ++count;
+    ::closedir(dir);
+    return count - 1;  // the directory stream's own descriptor
+}
+
+// Per-rank results, in a page shared with the parent.
+struct RankResult {
+    Rss rss_start, rss_mid, rss_end;
+    int fds_start, fds_end;
+    int replayed, replay_mismatches, first_mismatch_step;
+    double maxvio_min, maxvio_max, maxvio_sum;
+    long replicas_total;
+    int done;
+};
+
+// One rank's run. step_seconds: [steps] this rank's wall time per step; hashes: [steps] scratch.
+int run_rank(const Options& o, int rank, std::shared_ptr<flatep::Bootstrap> boot, RankResult* result,
+             double* step_seconds) {
+    using namespace flatep;
+    std::shared_ptr<Transport> transport = make_ipc_transport(boot, MemoryKind::kHost, o.timeout_s);
+    Config cfg = o.config;
+    cfg.rank = rank;
+    Buffer buffer(cfg, transport);
+    const Layout& l = buffer.layout();
+    const int S = cfg.num_tokens, K = cfg.topk, H = cfg.hidden, E = cfg.num_experts, epn = l.experts_per_rank;
+    const ProjectionShape shape{H, o.ffn};
+    ExpertPools pools(transport, epn, {shape});
+    ExpertLayer layer = pools.register_layer();
+    const int64_t expert_elems = shape.elems();
+    // Own weights: fixed for the run (a function of rank and local expert).
+    uint16_t* own_weights = layer.own_weights(0);
+    for (int64_t i = 0; i < epn * expert_elems; ++i)
+        own_weights[i] = float_to_bf16(float(routing::uniform(uint64_t(1000 + rank), uint64_t(i)) * 2.0 - 1.0));
+
+    std::vector<int32_t> idx(size_t(S) * K);
+    std::vector<float> topk_weights(idx.size());
+    std::vector<uint16_t> x(size_t(S) * H), out(size_t(S) * H);
+    std::vector<uint16_t> recv_x(size_t(l.num_recv_rows) * H);
+    std::vector<float> recv_w(size_t(l.num_recv_rows));
+    std::vector<uint64_t> hashes(size_t(o.steps), 0);
+
+    auto run_step = [&](int step, bool measure) -> uint64_t {
+        const uint64_t step_seed = routing::mix64(o.seed * 0x9e3779b97f4a7c15ull + uint64_t(step));
+        const double sigma = routing::uniform(step_seed, 0) * o.sigma_max;
+        int s = S;
+        if (step % 7 == 3) s = int(routing::uniform(step_seed ^ uint64_t(rank + 1), 1) * (S + 1)) % (S + 1);
+        routing::sample_topk(routing::popularity(E, sigma, step_seed), s, K, step_seed, rank, idx.data());
+        for (size_t i = 0; i < size_t(s) * H; ++i)
+            x[i] = float_to_bf16(float(routing::uniform(step_seed + uint64_t(rank) * 7919, i) * 8.0 - 4.0));
+        for (size_t i = 0; i < size_t(s) * K; ++i)
+            topk_weights[i] = float(routing::uniform(step_seed + uint64_t(rank) * 104729, i));
+        // Gradients: own grads start at zero each step (steps stay independent); replica grads are a function of
+        // (step, rank, slot).
+        float* own_grads = layer.own_grads(0);
+        std::memset(own_grads, 0, sizeof(float) * size_t(epn * expert_elems));
+        float* slot_grads = layer.grads(0) + epn * expert_elems;
+
+        const auto start = Clock::now();
+        const Plan plan = buffer.plan(idx.data(), 4, s);
+        buffer.dispatch(plan, x.data(), topk_weights.data(), recv_x.data(), recv_w.data());
+        pools.prefetch(plan, layer);
+        // "Expert compute": y = the received rows themselves, combined with the received routing weights.
+        buffer.combine(plan, recv_x.data(), recv_w.data(), out.data());
+        const std::span<const int32_t> slots = plan.slot_expert(rank);
+        for (int j = 0; j < epn; ++j) {
+            if (slots[j] < 0) continue;
+            for (int64_t i = 0; i < expert_elems; ++i)
+                slot_grads[j * expert_elems + i] = float(routing::uniform(step_seed + uint64_t(rank * epn + j), i));
+        }
+        pools.reduce_grad(plan, layer);
+        buffer.check_status();
+        const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+        if (measure) step_seconds[step] = seconds;
+
+        uint64_t h = 0xcbf29ce484222325ull;
+        h = fnv(h, out.data(), sizeof(uint16_t) * size_t(s) * H);
+        const int32_t rows = plan.cu_seqlens(rank).back();
+        h = fnv(h, recv_x.data(), sizeof(uint16_t) * size_t(rows) * H);
+        h = fnv(h, recv_w.data(), sizeof(float) * size_t(rows));
+        h = fnv(h, plan.alloc().data(), plan.alloc().size_bytes());
+        const uint16_t* slot_weights = layer.weights(0) + epn * expert_elems;
+        for (int j = 0; j < epn; ++j)
+            if (slots[j] >= 0) h = fnv(h, slot_weights + j * expert_elems, sizeof(uint16_t) * size_t(expert_elems));
+        h = fnv(h, own_grads, sizeof(float) * size_t(epn * expert_elems));
+        if (measure) {
+            const double v = routing::maxvio(plan.tpe_all().data(), cfg.num_ranks, E);
+            result->maxvio_min = std::min(result->maxvio_min, v);
+            result->maxvio_max = std::max(result->maxvio_max, v);
+            result->maxvio_sum += v;
+            result->replicas_total += plan.stats().total_replicas;
+        }
+        return h;
+    };
+
+    result->maxvio_min = 1e300;
+    result->maxvio_max = 0;
+    for (int step = 0; step < o.steps; ++step) {
+        if (step == o.warmup) {
+            result->rss_start = rss_now();
+            result->fds_start = open_fds();
+        }
+        if (step == o.warmup + (o.steps - o.warmup) / 2) result->rss_mid = rss_now();
+        hashes[size_t(step)] = run_step(step, true);
+    }
+    result->rss_end = rss_now();
+    result->fds_end = open_fds();
+    // Replay a sample of steps, last first (so each replayed step follows a different step than in the run).
+    result->first_mismatch_step = -1;
+    for (int step = (o.steps - 1) / o.replay_every * o.replay_every; step >= 0; step -= o.replay_every) {
+        const uint64_t again = run_step(step, false);
+        ++result->replayed;
+        if (again != hashes[size_t(step)]) {
+            if (result->first_mismatch_step < 0) result->first_mismatch_step = step;
+            ++result->replay_mismatches;
+        }
+    }
+    result->done = 1;
+    return result->replay_mismatches == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    const Options o = parse(argc, argv);
+    const int R = o.config.num_ranks;
+    const size_t shared_bytes = sizeof(RankResult) * R + sizeof(double) * size_t(R) * o.steps;
+    void* shared = ::mmap(nullptr, shared_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (shared == MAP_FAILED) usage_error("mmap of the shared results failed");
+    std::memset(shared, 0, shared_bytes);
+    auto* results = static_cast<RankResult*>(shared);
+    auto* times = reinterpret_cast<double*>(results + R);
+
+    std::printf("flatep-soak: %s, F=%d, %d steps (warm-up %d), replay every %d, sigma in [0, %.2f], seed %llu\n",
+                o.config.to_string().c_str(), o.ffn, o.steps, o.warmup, o.replay_every, o.sigma_max,
+                (unsigned long long)o.seed);
+    std::fflush(stdout);
+    const auto start = Clock::now();
+    const std::vector<int> codes = flatep::run_forked(
+        R,
+        [&](int rank, std::shared_ptr<flatep::Bootstrap> boot) {
+            return run_rank(o, rank, boot, &results[rank], times + size_t(rank) * o.steps);
+        },
+        flatep::ForkOptions{o.timeout_s, 1e9});
+    const double total_s = std::chrono::duration<double>(Clock::now() - start).count();
+
+    bool ok = true;
+    for (int r = 0; r < R; ++r) {
+        if (codes[r] != 0 || !results[r].done) {
+            std::printf("rank %d: exit code %d%s\n", r, codes[r], results[r].done ? "" : " (did not finish)");
+            ok = false;
+        }
+    }
+    // Per step: the slowest rank (ranks meet at every op's barriers).
+    std::vector<double> step_s(size_t(o.steps), 0.0);
+    for (int s = 0; s < o.steps; ++s)
+        for (int r = 0; r < R; ++r) step_s[size_t(s)] = std::max(step_s[size_t(s)], times[size_t(r) * o.steps + s]);
+    std::vector<double> measured(step_s.begin() + o.warmup, step_s.end());
+    std::vector<double> sorted = measured;
+    std::sort(sorted.begin(), sorted.end());
+    const double median = sorted[sorted.size() / 2];
+    const double p99 = sorted[std::min(sorted.size() - 1, sorted.size() * 99 / 100)];
+    const double worst = sorted.back();
+    const long over =
+        std::count_if(measured.begin(), measured.end(), [&](double t) { return t > o.max_step_ratio * median; });
+    const double worst_all = *std::max_element(step_s.begin(), step_s.end());
+
+    long anon_start = 0, anon_drift = 0, anon_second_half = 0, shmem_start = 0, shmem_drift = 0;
+    int fds_drift_max = 0, replayed = 0, mismatches = 0;
+    double maxvio_min = 1e300, maxvio_max = 0, maxvio_sum = 0;
+    long replicas = 0;
+    for (int r = 0; r < R; ++r) {
+        const RankResult& x = results[r];
+        anon_start = std::max(anon_start, x.rss_start.anon_kib);
+        anon_drift = std::max(anon_drift, x.rss_end.anon_kib - x.rss_start.anon_kib);
+        anon_second_half = std::max(anon_second_half, x.rss_end.anon_kib - x.rss_mid.anon_kib);
+        shmem_start = std::max(shmem_start, x.rss_start.shmem_kib);
+        shmem_drift = std::max(shmem_drift, x.rss_end.shmem_kib - x.rss_start.shmem_kib);
+        fds_drift_max = std::max(fds_drift_max, std::abs(x.fds_end - x.fds_start));
+        replayed += x.replayed;
+        mismatches += x.replay_mismatches;
+        if (x.replay_mismatches > 0)
+            std::printf("rank %d: %d of %d replayed steps differ (first: step %d)\n", r, x.replay_mismatches,
+                        x.replayed, x.first_mismatch_step);
+        maxvio_min = std::min(maxvio_min, x.maxvio_min);
+        maxvio_max = std::max(maxvio_max, x.maxvio_max);
+        maxvio_sum += x.maxvio_sum;
+        replicas += x.replicas_total;
+    }
+    const int measured_steps = o.steps;
+    std::printf("total %.1f s; realised maxvio per step %.2f .. %.2f (mean %.2f); replicas per step %.2f\n", total_s,
+                maxvio_min, maxvio_max, maxvio_sum / (double(R) * measured_steps),
+                double(replicas) / (double(R) * measured_steps));
+    std::printf("determinism: %d replayed rank-steps, %d mismatches\n", replayed, mismatches);
+    std::printf(
+        "RSS anon: %ld KiB after warm-up, drift %+ld KiB (second half %+ld KiB); RSS shmem: %ld KiB, drift "
+        "%+ld KiB (max over ranks)\n",
+        anon_start, anon_drift, anon_second_half, shmem_start, shmem_drift);
+    std::printf("open fds: drift %d (max over ranks)\n", fds_drift_max);
+    std::printf(
+        "step time after warm-up: median %.3f ms, p99 %.3f ms, max %.3f ms (%.2fx median), %ld steps > %.1fx "
+        "median; max incl. warm-up %.3f ms\n",
+        median * 1e3, p99 * 1e3, worst * 1e3, worst / median, over, o.max_step_ratio, worst_all * 1e3);
+    ok = ok && mismatches == 0 && fds_drift_max == 0 && over == 0;
+    // Anonymous memory may settle by a few pages after the warm-up (allocator); growth in the second half, or more than
+    // 256 KiB in all, is a leak. Shared memory only grows up to the mapped regions' size (reported, not checked).
+    ok = ok && anon_drift <= 256 && anon_second_half <= 64;
+    if (!o.csv.empty()) {
+        const bool fresh = !std::ifstream(o.csv).good();
+        std::ofstream csv(o.csv, std::ios::app);
+        if (fresh)
+            csv << "R,E,S,K,H,F,align,capacity_factor,steps,warmup,seed,total_s,maxvio_min,maxvio_max,replayed,"
+                   "mismatches,rss_anon_start_kib,rss_anon_drift_kib,rss_anon_second_half_kib,rss_shmem_start_kib,"
+                   "rss_shmem_drift_kib,fd_drift,median_ms,p99_ms,max_ms,max_"
+                   "over_median,"
+                   "steps_over_ratio,ok\n";
+        csv << R << ',' << o.config.num_experts << ',' << o.config.num_tokens << ',' << o.config.topk << ','
+            << o.config.hidden << ',' << o.ffn << ',' << o.config.align << ',' << o.config.capacity_factor << ','
+            << o.steps << ',' << o.warmup << ',' << o.seed << ',' << total_s << ',' << maxvio_min << ',' << maxvio_max
+            << ',' << replayed << ',' << mismatches << ',' << anon_start << ',' << anon_drift << ',' << anon_second_half
+            << ',' << shmem_start << ',' << shmem_drift << ',' << fds_drift_max << ',' << median * 1e3 << ','
+            << p99 * 1e3 << ',' << worst * 1e3 << ',' << worst / median << ',' << over << ',' << (ok ? 1 : 0) << '\n';
+    }
+    std::printf("%s\n", ok ? "soak: ok" : "soak: FAILED");
+    return ok ? 0 : 1;
+}

@@ -1,0 +1,332 @@
+// The bad-input table: every invalid argument of the C++ API, fed to the real entry point, with the exact error
+// category and message it must produce. The README's bad-input table is this list; print it as Markdown with
+//   FLATEP_PRINT_BAD_INPUT_TABLE=1 flatep_hardening_tests --gtest_filter='BadInput.*'
+// Everything runs in one process through the local host transport (R = 1, or 2 rank threads where a second rank is
+// needed); every row is rejected before any collective starts, except the expert-id rows (skipped, recorded and
+// reported by check_status).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "flatep/buffer.hpp"
+#include "flatep/error.hpp"
+#include "flatep/expert_pools.hpp"
+#include "flatep/ipc.hpp"
+#include "layout/layout.hpp"
+#include "transport/local_host.hpp"
+#include "unit/host/rank_threads.hpp"
+
+namespace flatep {
+namespace {
+
+struct Row {
+    std::string input;  // what the caller did wrong (first column of the table)
+    ErrorCategory category;
+    std::string message;
+    std::function<void()> call;
+};
+
+Config base_config() {
+    Config c;
+    c.num_ranks = 1;
+    c.rank = 0;
+    c.num_experts = 2;
+    c.num_tokens = 4;
+    c.topk = 1;
+    c.hidden = 8;
+    c.align = 1;
+    return c;
+}
+
+// A Config row: base_config() with one change, through Config::validate (Buffer's constructor runs the same).
+Row config_row(const std::string& input, const std::string& message, const std::function<void(Config&)>& change) {
+    return Row{"Config: " + input, ErrorCategory::kInvalidArgument, message, [change] {
+                   Config c = base_config();
+                   change(c);
+                   c.validate();
+               }};
+}
+
+std::string escape_cell(const std::string& s) {
+    std::string out;
+    for (char ch : s) out += ch == '|' ? std::string("\\|") : std::string(1, ch);
+    return out;
+}
+
+// Runs every row; returns the failures (one line each).
+std::string check_rows(const std::vector<Row>& rows) {
+    std::string failures;
+    const bool print = std::getenv("FLATEP_PRINT_BAD_INPUT_TABLE") != nullptr;
+    for (const Row& row : rows) {
+        bool thrown = false;
+        try {
+            row.call();
+        } catch (const Error& e) {
+            thrown = true;
+            if (e.category() != row.category || e.message() != row.message) {
+                failures += "  " + row.input + ":\n    got  [" + category_name(e.category()) + "] " + e.message() +
+                            "\n    want [" + category_name(row.category) + "] " + row.message + "\n";
+            }
+        }
+        if (!thrown) failures += "  " + row.input + ": no error\n";
+        if (print) {
+            std::printf("| %s | %s | `%s` |\n", escape_cell(row.input).c_str(), category_name(row.category),
+                        escape_cell(row.message).c_str());
+        }
+    }
+    return failures;
+}
+
+TEST(BadInput, ConfigFields) {
+    constexpr double kNan = std::numeric_limits<double>::quiet_NaN();
+    const std::vector<Row> rows = {
+        config_row("num_ranks = 0", "num_ranks (R) must be in [1, 64], got 0", [](Config& c) { c.num_ranks = 0; }),
+        config_row("num_ranks = 65", "num_ranks (R) must be in [1, 64], got 65", [](Config& c) { c.num_ranks = 65; }),
+        config_row("rank = -1", "rank must be in [0, num_ranks=1), got -1", [](Config& c) { c.rank = -1; }),
+        config_row("rank = R", "rank must be in [0, num_ranks=2), got 2",
+                   [](Config& c) { c.num_ranks = 2, c.rank = 2; }),
+        config_row("num_experts = 0", "num_experts (E) must be positive, got 0", [](Config& c) { c.num_experts = 0; }),
+        config_row("E % R != 0 (E=3, R=2)", "num_experts (E) must be a multiple of num_ranks (R): E=3 R=2",
+                   [](Config& c) { c.num_ranks = 2, c.num_experts = 3; }),
+        config_row("num_tokens = 0", "num_tokens (S) must be positive, got 0", [](Config& c) { c.num_tokens = 0; }),
+        config_row("topk = 0", "topk (K) must be in [1, 32], got 0", [](Config& c) { c.topk = 0; }),
+        config_row("topk = 33", "topk (K) must be in [1, 32], got 33",
+                   [](Config& c) { c.num_experts = 64, c.topk = 33; }),
+        config_row("topk > num_experts (K=4, E=2)", "topk (K) must not exceed num_experts (E): K=4 E=2",
+                   [](Config& c) { c.topk = 4; }),
+        config_row("hidden = 0", "hidden (H) must be a positive multiple of 8 (16-byte bf16 rows), got 0",
+                   [](Config& c) { c.hidden = 0; }),
+        config_row("hidden = 12 (rows not 16-byte aligned)",
+                   "hidden (H) must be a positive multiple of 8 (16-byte bf16 rows), got 12",
+                   [](Config& c) { c.hidden = 12; }),
+        config_row("align = 0", "align must be in [1, 4096], got 0", [](Config& c) { c.align = 0; }),
+        config_row("align = 4097", "align must be in [1, 4096], got 4097", [](Config& c) { c.align = 4097; }),
+        config_row("capacity_factor = 0.5", "capacity_factor must be in [1, 4], got 0.5",
+                   [](Config& c) { c.capacity_factor = 0.5; }),
+        config_row("capacity_factor = 4.5", "capacity_factor must be in [1, 4], got 4.5",
+                   [](Config& c) { c.capacity_factor = 4.5; }),
+        config_row("capacity_factor = NaN", "capacity_factor must be in [1, 4], got nan",
+                   [kNan](Config& c) { c.capacity_factor = kNan; }),
+        config_row("S*K over int32 (S=2^30, K=4)", "num_tokens*topk (S*K) must fit int32, got 4294967296",
+                   [](Config& c) { c.num_experts = 4, c.num_tokens = 1 << 30, c.topk = 4; }),
+        config_row("capacity over int32 (S*K=2^30, capacity_factor=2)",
+                   "capacity C = ceil(capacity_factor*S*K) must fit int32, got 2147483648",
+                   [](Config& c) { c.num_tokens = 1 << 30, c.capacity_factor = 2.0; }),
+        config_row("R*NvS over int32 (R=64, S=2^26)",
+                   "num_ranks * receive rows (R*NvS) must fit int32, got 67108864*64",
+                   [](Config& c) { c.num_ranks = 64, c.num_experts = 64, c.num_tokens = 1 << 26; }),
+        config_row("receive buffer over 2^40 elements (S=2^20, H=2^21)",
+                   "receive buffer NvS*H = 1048576*2097152 elements is too large",
+                   [](Config& c) { c.num_tokens = 1 << 20, c.hidden = 1 << 21; }),
+    };
+    EXPECT_EQ(check_rows(rows), "");
+}
+
+TEST(BadInput, BufferAndPlanCalls) {
+    LocalHostWorld world(1, 10.0);
+    const Config cfg = base_config();
+    Buffer buffer(cfg, world.transport(0));
+    Buffer other(cfg, world.transport(0));
+    const int32_t idx[4] = {0, 1, 1, 0};
+    const Plan plan = buffer.plan(idx, 4, 4);
+    const Plan foreign = other.plan(idx, 4, 4);
+    const int nvs = buffer.layout().num_recv_rows;
+    std::vector<uint16_t> x(4 * 8), recv(size_t(nvs) * 8), out(4 * 8);
+    std::vector<float> values(static_cast<size_t>(nvs)), entry_out(4);
+    const std::string foreign_text = " plan was made by buffer " + std::to_string(other.id()) +
+                                     ", not by this buffer (" + std::to_string(buffer.id()) + ")";
+    const std::string empty_text = " plan is empty (default-constructed); get one from Buffer::plan()";
+    LocalHostWorld world2(2, 10.0);
+
+    const std::vector<Row> rows = {
+        {"Buffer: transport = nullptr", ErrorCategory::kInvalidArgument, "Buffer: transport is null",
+         [&] { Buffer b(cfg, nullptr); }},
+        {"Buffer: planner = PlannerKind(7)", ErrorCategory::kInvalidArgument, "Buffer: unknown planner kind 7",
+         [&] { Buffer b(cfg, world.transport(0), PlannerKind(7)); }},
+        {"Buffer: config.num_ranks != transport's", ErrorCategory::kInvalidArgument,
+         "Buffer: config.num_ranks (1) differs from the transport's (2)", [&] { Buffer b(cfg, world2.transport(0)); }},
+        {"Buffer: config.rank != transport's", ErrorCategory::kInvalidArgument,
+         "Buffer: config.rank (1) differs from the transport's rank (0)",
+         [&] {
+             Config c = cfg;
+             c.num_ranks = 2, c.rank = 1;
+             Buffer b(c, world2.transport(0));
+         }},
+        {"plan: index_bytes = 2", ErrorCategory::kInvalidArgument,
+         "plan: index_bytes must be 4 (int32) or 8 (int64), got 2", [&] { buffer.plan(idx, 2, 4); }},
+        {"plan: num_tokens = -1", ErrorCategory::kInvalidArgument, "plan: num_tokens must be in [0, S=4], got -1",
+         [&] { buffer.plan(idx, 4, -1); }},
+        {"plan: num_tokens = S + 1", ErrorCategory::kInvalidArgument, "plan: num_tokens must be in [0, S=4], got 5",
+         [&] { buffer.plan(idx, 4, 5); }},
+        {"plan: topk_idx = nullptr (num_tokens > 0)", ErrorCategory::kInvalidArgument, "plan: topk_idx is null",
+         [&] { buffer.plan(nullptr, 4, 4); }},
+        {"plan: expert id = E (int32), then check_status", ErrorCategory::kInvalidArgument,
+         "rank 0: invalid expert id 2 at topk_idx flat index 2 (token 2, k 0); ids must be in [0, E=2); the entry "
+         "was skipped",
+         [&] {
+             const int32_t bad[4] = {0, 1, 2, 0};
+             buffer.plan(bad, 4, 4);
+             buffer.check_status();
+         }},
+        {"plan: expert id = -1 (int64), then check_status", ErrorCategory::kInvalidArgument,
+         "rank 0: invalid expert id -1 at topk_idx flat index 1 (token 1, k 0); ids must be in [0, E=2); the entry "
+         "was skipped",
+         [&] {
+             const int64_t bad[4] = {0, -1, 7, 0};
+             buffer.plan(bad, 8, 4);
+             buffer.check_status();
+         }},
+        // The status word holds an int32: ids beyond int32 are reported clamped.
+        {"plan: expert id = 2^40 (int64), then check_status", ErrorCategory::kInvalidArgument,
+         "rank 0: invalid expert id 2147483647 at topk_idx flat index 3 (token 3, k 0); ids must be in [0, E=2); "
+         "the entry was skipped",
+         [&] {
+             const int64_t bad[4] = {0, 1, 1, int64_t(1) << 40};
+             buffer.plan(bad, 8, 4);
+             buffer.check_status();
+         }},
+        {"dispatch: empty Plan()", ErrorCategory::kInvalidArgument, "dispatch:" + empty_text,
+         [&] { buffer.dispatch(Plan(), x.data(), nullptr, recv.data(), nullptr); }},
+        {"dispatch: plan from another Buffer", ErrorCategory::kMismatch, "dispatch:" + foreign_text,
+         [&] { buffer.dispatch(foreign, x.data(), nullptr, recv.data(), nullptr); }},
+        {"dispatch: x = nullptr", ErrorCategory::kInvalidArgument, "dispatch: x is null",
+         [&] { buffer.dispatch(plan, nullptr, nullptr, recv.data(), nullptr); }},
+        {"dispatch: recv_x = nullptr", ErrorCategory::kInvalidArgument, "dispatch: recv_x is null",
+         [&] { buffer.dispatch(plan, x.data(), nullptr, nullptr, nullptr); }},
+        {"combine: empty Plan()", ErrorCategory::kInvalidArgument, "combine:" + empty_text,
+         [&] { buffer.combine(Plan(), recv.data(), nullptr, out.data()); }},
+        {"combine: plan from another Buffer", ErrorCategory::kMismatch, "combine:" + foreign_text,
+         [&] { buffer.combine(foreign, recv.data(), nullptr, out.data()); }},
+        {"combine: y = nullptr", ErrorCategory::kInvalidArgument, "combine: y is null",
+         [&] { buffer.combine(plan, nullptr, nullptr, out.data()); }},
+        {"combine: out = nullptr", ErrorCategory::kInvalidArgument, "combine: out is null",
+         [&] { buffer.combine(plan, recv.data(), nullptr, nullptr); }},
+        {"entry_values: empty Plan()", ErrorCategory::kInvalidArgument, "entry_values:" + empty_text,
+         [&] { buffer.entry_values(Plan(), values.data(), entry_out.data()); }},
+        {"entry_values: plan from another Buffer", ErrorCategory::kMismatch, "entry_values:" + foreign_text,
+         [&] { buffer.entry_values(foreign, values.data(), entry_out.data()); }},
+        {"entry_values: row_values = nullptr", ErrorCategory::kInvalidArgument, "entry_values: row_values is null",
+         [&] { buffer.entry_values(plan, nullptr, entry_out.data()); }},
+        {"entry_values: out = nullptr", ErrorCategory::kInvalidArgument, "entry_values: out is null",
+         [&] { buffer.entry_values(plan, values.data(), nullptr); }},
+        {"Plan accessor on an empty Plan()", ErrorCategory::kInvalidArgument,
+         "plan is empty (default-constructed); get one from Buffer::plan()", [&] { Plan().generation(); }},
+        {"Plan::slot_expert(rank = R)", ErrorCategory::kInvalidArgument, "slot_expert: rank must be in [0, 1), got 1",
+         [&] { plan.slot_expert(1); }},
+        {"Plan::cu_seqlens(rank = -1)", ErrorCategory::kInvalidArgument, "cu_seqlens: rank must be in [0, 1), got -1",
+         [&] { plan.cu_seqlens(-1); }},
+    };
+    EXPECT_EQ(check_rows(rows), "");
+    // Every rejected call left the Buffer usable: a full step still works and reports nothing.
+    buffer.dispatch(plan, x.data(), nullptr, recv.data(), nullptr);
+    buffer.combine(plan, recv.data(), nullptr, out.data());
+    EXPECT_NO_THROW(buffer.check_status());
+}
+
+TEST(BadInput, ExpertPoolsCalls) {
+    const int R = 2;
+    LocalHostWorld world(R, 10.0);
+    // Rank threads: each makes a Buffer (epn = 2), pools and a plan; rank 0 then runs the table with rank 1's plan
+    // at hand (plans are plain objects, so another rank's plan can be passed by mistake).
+    std::vector<std::unique_ptr<Buffer>> buffers(R);
+    std::vector<Plan> plans(R);
+    const std::vector<std::string> errors = testing::run_ranks(R, [&](int rank) {
+        Config c = base_config();
+        c.num_ranks = R, c.rank = rank, c.num_experts = 4;
+        buffers[rank] = std::make_unique<Buffer>(c, world.transport(rank));
+        const int32_t idx[4] = {0, 1, 2, 3};
+        plans[rank] = buffers[rank]->plan(idx, 4, 4);
+    });
+    ASSERT_EQ(testing::failures(errors), "");
+    LocalHostWorld solo(1, 10.0);
+    Buffer solo_buffer(base_config(), solo.transport(0));
+    const int32_t idx[4] = {0, 1, 1, 0};
+    const Plan solo_plan = solo_buffer.plan(idx, 4, 4);  // R=1, epn=2
+    ExpertPools pools(solo.transport(0), 2, {{2, 4}});
+    ExpertPools others(solo.transport(0), 2, {{2, 4}});
+    ExpertPools narrow(solo.transport(0), 1, {{2, 4}});
+    ExpertLayer layer = pools.register_layer();
+    ExpertLayer other_layer = others.register_layer();
+    ExpertLayer narrow_layer = narrow.register_layer();
+
+    const std::vector<Row> rows = {
+        {"ExpertPools: transport = nullptr", ErrorCategory::kInvalidArgument, "ExpertPools: transport is null",
+         [&] {
+             ExpertPools p(nullptr, 2, {{2, 4}});
+         }},
+        {"ExpertPools: experts_per_rank = 0", ErrorCategory::kInvalidArgument,
+         "ExpertPools: experts_per_rank must be positive, got 0",
+         [&] {
+             ExpertPools p(solo.transport(0), 0, {{2, 4}});
+         }},
+        {"ExpertPools: no projections", ErrorCategory::kInvalidArgument,
+         "ExpertPools: at least one projection is needed", [&] { ExpertPools p(solo.transport(0), 2, {}); }},
+        {"ExpertPools: projection rows = 0", ErrorCategory::kInvalidArgument,
+         "ExpertPools: projection 1 must have positive rows and cols, got [0][4]",
+         [&] {
+             ExpertPools p(solo.transport(0), 2, {{2, 4}, {0, 4}});
+         }},
+        {"ExpertLayer::weights(projection out of range)", ErrorCategory::kInvalidArgument,
+         "projection must be in [0, 1), got 1", [&] { layer.weights(1); }},
+        {"ExpertPools::shape(projection out of range)", ErrorCategory::kInvalidArgument,
+         "projection must be in [0, 1), got -1", [&] { pools.shape(-1); }},
+        {"prefetch: empty Plan()", ErrorCategory::kInvalidArgument,
+         "prefetch: plan is empty (default-constructed); "
+         "get one from Buffer::plan()",
+         [&] { pools.prefetch(Plan(), layer); }},
+        {"prefetch: layer registered with other pools", ErrorCategory::kMismatch,
+         "prefetch: layer was registered with pools " + std::to_string(others.id()) + ", not with these pools (" +
+             std::to_string(pools.id()) + ")",
+         [&] { pools.prefetch(solo_plan, other_layer); }},
+        {"reduce_grad: plan's E/R differs from the pools' experts_per_rank", ErrorCategory::kInvalidArgument,
+         "reduce_grad: plan has R=1 epn=2 but the pools have R=1 epn=1",
+         [&] { narrow.reduce_grad(solo_plan, narrow_layer); }},
+        {"prefetch: plan of a Buffer with another R", ErrorCategory::kInvalidArgument,
+         "prefetch: plan has R=2 epn=2 but the pools have R=1 epn=2", [&] { pools.prefetch(plans[1], layer); }},
+    };
+    EXPECT_EQ(check_rows(rows), "");
+
+    // Another rank's plan (same R and epn): rank 0's pools get rank 1's plan.
+    std::vector<std::string> messages(R);
+    const std::vector<std::string> pool_errors = testing::run_ranks(R, [&](int rank) {
+        ExpertPools p(world.transport(rank), 2, {{2, 4}});
+        ExpertLayer l = p.register_layer();
+        try {
+            p.reduce_grad(plans[1 - rank], l);
+        } catch (const Error& e) {
+            messages[rank] = e.message();
+        }
+    });
+    ASSERT_EQ(testing::failures(pool_errors), "");
+    EXPECT_EQ(messages[0], "reduce_grad: plan belongs to rank 1, pools to rank 0");
+    EXPECT_EQ(messages[1], "reduce_grad: plan belongs to rank 0, pools to rank 1");
+    if (std::getenv("FLATEP_PRINT_BAD_INPUT_TABLE") != nullptr)
+        std::printf("| reduce_grad: plan of another rank | invalid argument | `%s` |\n", messages[0].c_str());
+}
+
+TEST(BadInput, LaunchersAndTransports) {
+    const std::vector<Row> rows = {
+        {"run_forked: num_ranks = 0", ErrorCategory::kInvalidArgument,
+         "run_forked: num_ranks must be in [1, 64], got 0",
+         [] { run_forked(0, [](int, std::shared_ptr<Bootstrap>) { return 0; }); }},
+        {"run_forked: empty function", ErrorCategory::kInvalidArgument, "run_forked: fn is empty",
+         [] { run_forked(1, {}); }},
+        {"make_socket_bootstrap: job_id with a space", ErrorCategory::kInvalidArgument,
+         "socket rendezvous: job_id may only hold [A-Za-z0-9._-], got 'a b'",
+         [] { make_socket_bootstrap("a b", 0, 1, 1.0); }},
+        {"make_socket_bootstrap: rank = num_ranks", ErrorCategory::kInvalidArgument,
+         "socket rendezvous: rank 2 outside [0, 2)", [] { make_socket_bootstrap("job", 2, 2, 1.0); }},
+        {"make_ipc_transport: bootstrap = nullptr", ErrorCategory::kInvalidArgument, "ipc transport: bootstrap is null",
+         [] { make_ipc_transport(nullptr, MemoryKind::kHost, 1.0); }},
+    };
+    EXPECT_EQ(check_rows(rows), "");
+}
+
+}  // namespace
+}  // namespace flatep
