@@ -589,15 +589,68 @@ FLATEP_HD bool tree_candidate(const Layout& l, const int32_t* tpe_all, int32_t* 
     return false;
 }
 
-// Computes alloc[R][E] for `kind`. The balanced planner starts from the greedy allocation, tries the path
-// candidates, then transport, packing and tree candidates for budgets 1, 2, ... up to the best makespan so far (all
-// variants per budget), stopping at the first budget that gives an acceptable candidate. A candidate is acceptable
-// when it is no worse than the greedy on P and on total replicas (each on its own); the kept plan is the best
-// acceptable one by (P, total replicas, entries moved), earlier candidates winning ties. So the balanced plan is
-// never worse than the greedy on P or on total replicas. Every candidate reads only tpe_all and writes only its own
-// allocation and scratch, so a GPU may build them in parallel (one warp or block each) and keep the best by the
-// same order (ties to the earlier candidate index). Cost: O(R*E) per candidate (reset and evaluation) plus
-// O(R*epn^2) for cutting experts and O(E) per tree step; at most 4 + (6 + 4 + 8) * P_greedy candidates.
+// Candidates of the balanced planner in the order plan_alloc considers them: indices [0, kNumPathVariants) are the
+// path variants; then, for budget b = 1, 2, ..., kVariantsPerBudget indices each: the transport, pack and tree
+// variants of that budget. Budgets never exceed the greedy's makespan, so num_candidates(P_greedy) covers all.
+inline constexpr int kVariantsPerBudget = kNumTransportVariants + kNumPackVariants + kNumTreeVariants;
+
+FLATEP_HD int num_candidates(int greedy_makespan) { return kNumPathVariants + kVariantsPerBudget * greedy_makespan; }
+
+// Builds candidate `index` into `cand` ([R*E]) using workspace `w`; false when that candidate yields no plan. A
+// candidate reads only tpe_all and writes only cand and w, so candidates may be built in any order or in parallel,
+// each with its own workspace.
+FLATEP_HD bool build_candidate(const Layout& l, const int32_t* tpe_all, int32_t* cand, const Workspace& w, int index) {
+    if (index < kNumPathVariants) return path_candidate(l, tpe_all, cand, w, index);
+    const int budget = (index - kNumPathVariants) / kVariantsPerBudget + 1;
+    const int variant = (index - kNumPathVariants) % kVariantsPerBudget;
+    const int v = variant - kNumTransportVariants;
+    return variant < kNumTransportVariants ? transport_candidate(l, tpe_all, cand, w, budget, variant)
+           : v < kNumPackVariants          ? pack_candidate(l, tpe_all, cand, w, budget, v)
+                                           : tree_candidate(l, tpe_all, cand, w, budget, v - kNumPackVariants);
+}
+
+// Marks a candidate that yielded no plan in a quality list.
+inline constexpr int32_t kNoCandidate = -1;
+
+// The balanced planner's choice given the greedy's quality and the quality of candidates [0, count) (makespan
+// kNoCandidate where a candidate yielded no plan; count >= num_candidates(greedy.makespan)). A candidate is
+// acceptable when it is no worse than the greedy on P and on total replicas (each on its own); the kept plan is the
+// best acceptable one by (P, total replicas, entries moved), earlier candidates winning ties. Path candidates are
+// always considered; budgets are then tried in increasing order up to the best makespan found so far, stopping after
+// the first budget with an acceptable candidate. Returns the kept index, or -1 when the greedy stays.
+FLATEP_HD int select_candidate(const PlanQuality& greedy, const PlanQuality* quality, int count) {
+    PlanQuality best = greedy;
+    int kept = -1;
+    auto acceptable = [&greedy](const PlanQuality& q) {
+        return q.makespan != kNoCandidate && q.makespan <= greedy.makespan && q.total_replicas <= greedy.total_replicas;
+    };
+    for (int i = 0; i < kNumPathVariants && i < count; ++i) {
+        if (!acceptable(quality[i]) || !better_than(quality[i], best)) continue;
+        best = quality[i];
+        kept = i;
+    }
+    for (int budget = 1; budget <= best.makespan; ++budget) {
+        bool found = false;
+        for (int variant = 0; variant < kVariantsPerBudget; ++variant) {
+            const int i = kNumPathVariants + (budget - 1) * kVariantsPerBudget + variant;
+            if (i >= count || !acceptable(quality[i])) continue;
+            found = true;
+            if (better_than(quality[i], best)) {
+                best = quality[i];
+                kept = i;
+            }
+        }
+        if (found) break;
+    }
+    return kept;
+}
+
+// Computes alloc[R][E] for `kind`: the greedy, or (balanced) the greedy plus the candidates above, selected by
+// select_candidate's rule (which this serial loop follows step by step, building each candidate only when the rule
+// reaches it). So the balanced plan is never worse than the greedy on P or on total replicas.
+// Every candidate reads only tpe_all and writes only its own allocation and scratch, so a GPU may build them in
+// parallel (one block each) and apply select_candidate to their qualities. Cost: O(R*E) per candidate (reset and
+// evaluation) plus O(R*epn^2) for cutting experts and O(E) per tree step; at most num_candidates(P_greedy).
 FLATEP_HD void plan_alloc(const Layout& l, PlannerKind kind, const int32_t* tpe_all, int32_t* alloc, int32_t* ws) {
     const Workspace w = make_workspace(l, ws);
     greedy_alloc(l, tpe_all, alloc, w);
@@ -605,29 +658,21 @@ FLATEP_HD void plan_alloc(const Layout& l, PlannerKind kind, const int32_t* tpe_
     const int R = l.num_ranks, E = l.num_experts;
     const PlanQuality greedy = evaluate_alloc(l, tpe_all, alloc, w.num_in, w.num_out);
     PlanQuality best = greedy;
-    for (int variant = 0; variant < kNumPathVariants; ++variant) {
-        if (!path_candidate(l, tpe_all, w.cand, w, variant)) continue;
+    auto consider = [&](int index, bool& found) {
+        if (!build_candidate(l, tpe_all, w.cand, w, index)) return;
         const PlanQuality q = evaluate_alloc(l, tpe_all, w.cand, w.num_in, w.num_out);
-        if (q.makespan > greedy.makespan || q.total_replicas > greedy.total_replicas || !better_than(q, best)) continue;
+        if (q.makespan > greedy.makespan || q.total_replicas > greedy.total_replicas) return;
+        found = true;
+        if (!better_than(q, best)) return;
         best = q;
         for (int i = 0; i < R * E; ++i) alloc[i] = w.cand[i];
-    }
+    };
+    bool unused = false;
+    for (int i = 0; i < kNumPathVariants; ++i) consider(i, unused);
     for (int budget = 1; budget <= best.makespan; ++budget) {
         bool found = false;
-        for (int variant = 0; variant < kNumTransportVariants + kNumPackVariants + kNumTreeVariants; ++variant) {
-            const int v = variant - kNumTransportVariants;
-            const bool ok =
-                variant < kNumTransportVariants ? transport_candidate(l, tpe_all, w.cand, w, budget, variant)
-                : v < kNumPackVariants          ? pack_candidate(l, tpe_all, w.cand, w, budget, v)
-                                                : tree_candidate(l, tpe_all, w.cand, w, budget, v - kNumPackVariants);
-            if (!ok) continue;
-            const PlanQuality q = evaluate_alloc(l, tpe_all, w.cand, w.num_in, w.num_out);
-            if (q.makespan > greedy.makespan || q.total_replicas > greedy.total_replicas) continue;
-            found = true;
-            if (better_than(q, best)) {
-                best = q;
-                for (int i = 0; i < R * E; ++i) alloc[i] = w.cand[i];
-            }
+        for (int variant = 0; variant < kVariantsPerBudget; ++variant) {
+            consider(kNumPathVariants + (budget - 1) * kVariantsPerBudget + variant, found);
         }
         if (found) break;
     }

@@ -30,13 +30,21 @@ struct PlanWorkspace {
     int32_t* seg_counts;            // [num_segments][E] histogram of every routing segment
     unsigned long long* first_bad;  // (flat index << 32 | uint32 value) of the first bad expert id; ~0 if none
     int32_t* serial_ws;             // planner_core workspace (serial engine)
+    planner_core::PlanQuality* cand_quality;  // [max_candidates] quality of every balanced-planner candidate
+    int32_t* cand_meta;                       // [kMetaWords] the greedy's quality and the number of candidates
 };
+
+// cand_meta words.
+enum CandidateMeta : int { kMetaMakespan = 0, kMetaReplicas, kMetaMovedLo, kMetaMovedHi, kMetaCount, kMetaWords = 8 };
+
+// Upper bound of the greedy's makespan: a rank hosts at most epn replicas and the E experts have at most E copies.
+int max_candidates(const Layout& l) { return planner_core::num_candidates(l.num_experts); }
 
 int segment_tokens(const Layout& l) { return l.topk >= kSegmentEntries ? 1 : kSegmentEntries / l.topk; }
 int num_segments(const Layout& l) { return ceil_div(l.num_tokens, segment_tokens(l)); }
 
 struct WorkspaceSizes {
-    int64_t tpe_local, seg_counts, first_bad, serial_ws, total;
+    int64_t tpe_local, seg_counts, first_bad, serial_ws, cand_quality, cand_meta, total;
 };
 
 WorkspaceSizes workspace_sizes(const Layout& l) {
@@ -51,6 +59,8 @@ WorkspaceSizes workspace_sizes(const Layout& l) {
     s.seg_counts = take(int64_t(num_segments(l)) * l.num_experts);
     s.first_bad = take(2);
     s.serial_ws = take(int64_t(l.num_ranks) * l.num_experts + planner_core::planner_workspace_words(l));
+    s.cand_quality = take(int64_t(max_candidates(l)) * int64_t(sizeof(planner_core::PlanQuality) / 4));
+    s.cand_meta = take(kMetaWords);
     s.total = at;
     return s;
 }
@@ -63,6 +73,8 @@ PlanWorkspace make_plan_workspace(const Layout& l, void* base) {
     p.seg_counts = w + s.seg_counts;
     p.first_bad = reinterpret_cast<unsigned long long*>(w + s.first_bad);
     p.serial_ws = w + s.serial_ws;
+    p.cand_quality = reinterpret_cast<planner_core::PlanQuality*>(w + s.cand_quality);
+    p.cand_meta = w + s.cand_meta;
     return p;
 }
 
@@ -258,11 +270,15 @@ FLATEP_DEVICE void derive_plan_block(const Layout& l, const PlanView& p, Planner
 }
 
 __global__ void __launch_bounds__(kPlannerThreads)
-    planner_parallel_kernel(Layout l, PlannerKind kind, PlanView p, PlanWorkspace ws, bool use_smem) {
+    planner_parallel_kernel(Layout l, PlannerKind kind, PlanView p, PlanWorkspace ws, bool use_smem, bool alloc_ready) {
     __shared__ PlannerShared sh;
     extern __shared__ int32_t total[];  // [E] T_e
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    if (alloc_ready) {  // the candidate kernels below already wrote p.alloc (uniform branch: a kernel parameter)
+        derive_plan_block(l, p, sh, tid, blockDim.x);
+        return;
+    }
 
     // init_home: T_e, the home allocation, group loads, N.
     if (tid < kMaxRanks) sh.load[tid] = 0;
@@ -348,6 +364,78 @@ __global__ void __launch_bounds__(kPlannerThreads)
         __syncthreads();
     }
     derive_plan_block(l, p, sh, tid, blockDim.x);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Balanced planner, candidate-parallel: the greedy and its quality (one block), then every candidate in its own
+// block over shared-memory copies of the counts and its own workspace, then select_candidate's rule and a rebuild of
+// the winner. planner_core's functions run as written (one thread per candidate), so the plan is the host's bitwise
+// (tests/unit/planner/test_planner_candidates.cpp checks the decomposition on the host).
+constexpr int kCandidateThreads = 128;
+
+size_t candidate_smem_bytes(const Layout& l) {
+    return (size_t(l.num_ranks) * l.num_experts + size_t(planner_core::planner_workspace_words(l))) * sizeof(int32_t);
+}
+
+// Shared memory: the counts [R*E], then planner_core's workspace (its cand array holds the candidate).
+FLATEP_DEVICE planner_core::Workspace load_counts(const Layout& l, const PlanView& p, int32_t* smem, int tid,
+                                                  int nthreads) {
+    const int64_t re = int64_t(l.num_ranks) * l.num_experts;
+    for (int64_t i = tid; i < re; i += nthreads) smem[i] = p.tpe_all[i];
+    return planner_core::make_workspace(l, smem + re);
+}
+
+__global__ void __launch_bounds__(kCandidateThreads) greedy_quality_kernel(Layout l, PlanView p, PlanWorkspace ws) {
+    extern __shared__ int32_t smem[];
+    const planner_core::Workspace w = load_counts(l, p, smem, threadIdx.x, blockDim.x);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        planner_core::greedy_alloc(l, smem, w.cand, w);
+        const planner_core::PlanQuality q = planner_core::evaluate_alloc(l, smem, w.cand, w.num_in, w.num_out);
+        ws.cand_meta[kMetaMakespan] = q.makespan;
+        ws.cand_meta[kMetaReplicas] = q.total_replicas;
+        ws.cand_meta[kMetaMovedLo] = int32_t(uint32_t(uint64_t(q.entries_moved)));
+        ws.cand_meta[kMetaMovedHi] = int32_t(uint32_t(uint64_t(q.entries_moved) >> 32));
+        ws.cand_meta[kMetaCount] =
+            min_of(planner_core::num_candidates(q.makespan), planner_core::num_candidates(l.num_experts));
+    }
+    __syncthreads();
+    const int64_t re = int64_t(l.num_ranks) * l.num_experts;
+    for (int64_t i = threadIdx.x; i < re; i += blockDim.x) p.alloc[i] = w.cand[i];
+}
+
+__global__ void __launch_bounds__(kCandidateThreads) candidate_kernel(Layout l, PlanView p, PlanWorkspace ws) {
+    extern __shared__ int32_t smem[];
+    const int index = blockIdx.x;
+    if (index >= ws.cand_meta[kMetaCount]) return;  // uniform per block
+    const planner_core::Workspace w = load_counts(l, p, smem, threadIdx.x, blockDim.x);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ws.cand_quality[index] = planner_core::build_candidate(l, smem, w.cand, w, index)
+                                     ? planner_core::evaluate_alloc(l, smem, w.cand, w.num_in, w.num_out)
+                                     : planner_core::PlanQuality{planner_core::kNoCandidate, 0, 0};
+    }
+}
+
+__global__ void __launch_bounds__(kCandidateThreads) select_candidate_kernel(Layout l, PlanView p, PlanWorkspace ws) {
+    extern __shared__ int32_t smem[];
+    __shared__ int kept;
+    if (threadIdx.x == 0) {
+        planner_core::PlanQuality greedy{};
+        greedy.makespan = ws.cand_meta[kMetaMakespan];
+        greedy.total_replicas = ws.cand_meta[kMetaReplicas];
+        greedy.entries_moved = int64_t(uint64_t(uint32_t(ws.cand_meta[kMetaMovedLo])) |
+                                       (uint64_t(uint32_t(ws.cand_meta[kMetaMovedHi])) << 32));
+        kept = planner_core::select_candidate(greedy, ws.cand_quality, ws.cand_meta[kMetaCount]);
+    }
+    __syncthreads();
+    if (kept < 0) return;  // the greedy allocation is already in p.alloc
+    const planner_core::Workspace w = load_counts(l, p, smem, threadIdx.x, blockDim.x);
+    __syncthreads();
+    if (threadIdx.x == 0) planner_core::build_candidate(l, smem, w.cand, w, kept);
+    __syncthreads();
+    const int64_t re = int64_t(l.num_ranks) * l.num_experts;
+    for (int64_t i = threadIdx.x; i < re; i += blockDim.x) p.alloc[i] = w.cand[i];
 }
 
 __global__ void planner_serial_kernel(Layout l, PlannerKind kind, PlanView p, int32_t* ws) {
@@ -488,6 +576,28 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
     if (engine == PlannerEngine::kSerial) {
         planner_serial_kernel<<<1, 1, 0, stream>>>(l, kind, p, ws.serial_ws);
     } else {
+        const size_t cand_smem = candidate_smem_bytes(l);
+        const bool candidates = kind == PlannerKind::kBalanced && cand_smem <= kMaxPlannerSmem;
+        if (candidates) {
+            for (const void* f :
+                 {reinterpret_cast<const void*>(greedy_quality_kernel), reinterpret_cast<const void*>(candidate_kernel),
+                  reinterpret_cast<const void*>(select_candidate_kernel)}) {
+                if (cand_smem > 48 * 1024) {
+                    FLATEP_CUDA_CHECK(
+                        cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(cand_smem)));
+                }
+            }
+            greedy_quality_kernel<<<1, kCandidateThreads, cand_smem, stream>>>(l, p, ws);
+            FLATEP_CUDA_CHECK_LAUNCH();
+            candidate_kernel<<<max_candidates(l), kCandidateThreads, cand_smem, stream>>>(l, p, ws);
+            FLATEP_CUDA_CHECK_LAUNCH();
+            select_candidate_kernel<<<1, kCandidateThreads, cand_smem, stream>>>(l, p, ws);
+            FLATEP_CUDA_CHECK_LAUNCH();
+            planner_parallel_kernel<<<1, kPlannerThreads, size_t(l.num_experts) * sizeof(int32_t), stream>>>(
+                l, kind, p, ws, false, true);
+            FLATEP_CUDA_CHECK_LAUNCH();
+            return;
+        }
         const size_t core_smem =
             (2 * size_t(l.num_ranks) * l.num_experts + size_t(planner_core::planner_workspace_words(l))) *
             sizeof(int32_t);
@@ -497,7 +607,7 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
             FLATEP_CUDA_CHECK(
                 cudaFuncSetAttribute(planner_parallel_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
         }
-        planner_parallel_kernel<<<1, kPlannerThreads, smem, stream>>>(l, kind, p, ws, use_smem);
+        planner_parallel_kernel<<<1, kPlannerThreads, smem, stream>>>(l, kind, p, ws, use_smem, false);
     }
     FLATEP_CUDA_CHECK_LAUNCH();
 }
@@ -567,6 +677,9 @@ void preload_plan_kernels() {
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, allgather_kernel));
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, planner_parallel_kernel));
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, planner_serial_kernel));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, greedy_quality_kernel));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, candidate_kernel));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, select_candidate_kernel));
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, route_kernel));
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, unpack_kernel));
 }
