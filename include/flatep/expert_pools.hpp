@@ -6,6 +6,9 @@
 //   grads(p):   fp32 [2*epn][rows][cols] = the layer's own gradients followed by the reduce pool
 // each one contiguous virtual range (memfd mappings placed back to back), so an unmodified grouped GEMM over
 // group g of Plan::cu_seqlens(rank) reads the right expert for both local groups and replica slots.
+// Over a device-memory transport (ipc with MemoryKind::kDevice) the same holds in device memory: the layer's memory
+// is a CUDA VMM allocation mapped in front of the pool's allocation in one reserved VA range, and prefetch /
+// reduce_grad are kernels enqueued on stream() (device plans only; no host synchronisation).
 //
 //   flatep::ExpertPools pools(transport, epn, {{H, Hp}, {Hp, H}});   // collective
 //   flatep::ExpertLayer layer = pools.register_layer();              // collective
@@ -32,6 +35,9 @@ struct ProjectionShape {
 };
 
 class ExpertPools;
+namespace device {
+class PoolsContext;  // runtime/device_pools.hpp: the CUDA side of ExpertPools
+}  // namespace device
 
 // One layer's expert memory (per projection: own weights in a memfd, own grads in a memfd) and its compute views.
 // Move-only; unmaps everything on destruction (never throws).
@@ -47,10 +53,11 @@ class ExpertLayer {
     uint16_t* weights(int projection) const;
     float* grads(int projection) const;
     // The layer's own memory [epn][rows][cols] through a second mapping of the same memfd (aliases weights(p)'s
-    // first epn experts).
+    // first epn experts). Device memory (on_device()) for device-memory transports.
     uint16_t* own_weights(int projection) const;
     float* own_grads(int projection) const;
     uint64_t pools_id() const { return pools_id_; }
+    bool on_device() const { return on_device_; }
 
   private:
     friend class ExpertPools;
@@ -64,11 +71,13 @@ class ExpertLayer {
         Mapping weights_view, grads_view;  // reserved ranges: layer memfd then pool memfd
         uint16_t* weights = nullptr;       // start of the weights view (data of the layer memfd)
         float* grads = nullptr;
+        uint64_t weights_handle = 0, grads_handle = 0;  // device layers: CUmemGenericAllocationHandles (fds unused)
     };
     void reset() noexcept;
     const Projection& projection(int p) const;
     std::vector<Projection> projections_;
     uint64_t pools_id_ = 0;
+    bool on_device_ = false;
 };
 
 class ExpertPools {
@@ -98,6 +107,14 @@ class ExpertPools {
     float* reduce_pool(int projection) const;
     uint64_t id() const { return id_; }
 
+    // Device pools (a transport with MemoryKind::kDevice): prefetch / reduce_grad are enqueued on this CUDA stream
+    // (a cudaStream_t; null = the legacy default stream) and never synchronise with the host. The plan must be a
+    // device plan whose producing ops were ordered before on this stream (e.g. the Buffer's stream), and the
+    // layer's views are read / written by the kernels in stream order.
+    void set_stream(void* cuda_stream) { stream_ = cuda_stream; }
+    void* stream() const { return stream_; }
+    bool on_device() const { return device_ != nullptr; }
+
   private:
     void check_args(const Plan& plan, const ExpertLayer& layer, const char* op) const;
 
@@ -108,6 +125,9 @@ class ExpertPools {
     SymmetricRegion sync_region_;  // barrier flags + status words of the pool ops
     uint64_t epoch_ = 0;
     uint64_t id_;
+    std::unique_ptr<device::PoolsContext> device_;  // device pools only
+    void* stream_ = nullptr;
+    bool debug_ = false;  // FLATEP_DEBUG: device ops also check the plan's layout (a synchronising read)
 };
 
 }  // namespace flatep

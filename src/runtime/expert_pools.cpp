@@ -1,13 +1,18 @@
 #include "flatep/expert_pools.hpp"
 
 #include <atomic>
+#include <string>
+#include <tuple>
 #include <utility>
 
 #include "common/check.hpp"
+#include "common/env.hpp"
 #include "host/grad_reduce.hpp"
 #include "host/prefetch.hpp"
 #include "layout/layout.hpp"
 #include "planner/planner.hpp"
+#include "runtime/device_ops.hpp"
+#include "runtime/device_pools.hpp"
 #include "transport/host_memory.hpp"
 #include "transport/sync.hpp"
 
@@ -42,9 +47,10 @@ void* map_view(int own_fd, size_t file_bytes, const SymmetricRegion& pool) {
 // ---- ExpertLayer ----
 
 ExpertLayer::ExpertLayer(ExpertLayer&& other) noexcept
-    : projections_(std::move(other.projections_)), pools_id_(other.pools_id_) {
+    : projections_(std::move(other.projections_)), pools_id_(other.pools_id_), on_device_(other.on_device_) {
     other.projections_.clear();
     other.pools_id_ = 0;
+    other.on_device_ = false;
 }
 
 ExpertLayer& ExpertLayer::operator=(ExpertLayer&& other) noexcept {
@@ -52,8 +58,10 @@ ExpertLayer& ExpertLayer::operator=(ExpertLayer&& other) noexcept {
         reset();
         projections_ = std::move(other.projections_);
         pools_id_ = other.pools_id_;
+        on_device_ = other.on_device_;
         other.projections_.clear();
         other.pools_id_ = 0;
+        other.on_device_ = false;
     }
     return *this;
 }
@@ -62,6 +70,23 @@ ExpertLayer::~ExpertLayer() { reset(); }
 
 void ExpertLayer::reset() noexcept {
     for (Projection& p : projections_) {
+        if (on_device_) {
+            // Rebuild what device::create_layer_allocation returned from the projection's fields.
+            for (auto [own, view, handle] : {std::tuple{&p.weights_own, &p.weights_view, &p.weights_handle},
+                                             std::tuple{&p.grads_own, &p.grads_view, &p.grads_handle}}) {
+                device::LayerAllocation a;
+                a.handle = *handle;
+                a.bytes = own->bytes;
+                a.own = static_cast<uint8_t*>(own->address);
+                a.view = static_cast<uint8_t*>(view->address);
+                a.view_bytes = view->bytes;
+                if (a.handle != 0) device::destroy_layer_allocation(a);
+                *own = Mapping{};
+                *view = Mapping{};
+                *handle = 0;
+            }
+            continue;
+        }
         for (Mapping* m : {&p.weights_own, &p.grads_own, &p.weights_view, &p.grads_view}) {
             host_memory::unmap(m->address, m->bytes);
             *m = Mapping{};
@@ -70,6 +95,7 @@ void ExpertLayer::reset() noexcept {
         host_memory::close_fd(p.grads_fd);
     }
     projections_.clear();
+    on_device_ = false;
 }
 
 const ExpertLayer::Projection& ExpertLayer::projection(int p) const {
@@ -100,8 +126,9 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
       projections_(std::move(projections)),
       id_(next_pools_id++) {
     FLATEP_CHECK(transport_ != nullptr, "ExpertPools: transport is null");
-    FLATEP_CHECK(transport_->memory_kind() == MemoryKind::kHost, "ExpertPools: transport '", transport_->name(),
-                 "' has device memory; only the CPU backend (host memory) is built so far");
+    const bool on_device = transport_->memory_kind() == MemoryKind::kDevice;
+    FLATEP_CHECK(!on_device || device::built_with_cuda(), "ExpertPools: transport '", transport_->name(),
+                 "' has device memory but this build has no CUDA support");
     FLATEP_CHECK(experts_per_rank_ >= 1, "ExpertPools: experts_per_rank must be positive, got ", experts_per_rank_);
     FLATEP_CHECK(!projections_.empty(), "ExpertPools: at least one projection is needed");
     for (size_t p = 0; p < projections_.size(); ++p) {
@@ -115,6 +142,13 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
                      projections_[p].rows, "][", projections_[p].cols, "] x ", experts_per_rank_,
                      " experts is too large");
     }
+    debug_ = env::debug();
+    if (on_device) device_ = std::make_unique<device::PoolsContext>();
+    auto release_all = [this] {
+        for (SymmetricRegion& r : slot_regions_) transport_->release(r);
+        for (SymmetricRegion& r : reduce_regions_) transport_->release(r);
+        transport_->release(sync_region_);
+    };
     try {
         sync_region_ = transport_->allocate(size_t(kSyncBytes));
         for (const ProjectionShape& shape : projections_) {
@@ -122,14 +156,28 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
             reduce_regions_.push_back(transport_->allocate(size_t(experts_per_rank_ * shape.elems() * 4)));
         }
     } catch (...) {
-        for (SymmetricRegion& r : slot_regions_) transport_->release(r);
-        for (SymmetricRegion& r : reduce_regions_) transport_->release(r);
-        transport_->release(sync_region_);
+        release_all();
         throw;
     }
-    for (const SymmetricRegion& r : slot_regions_) {
-        FLATEP_CHECK_RUNTIME(r.local_fd >= 0, "ExpertPools: transport '", transport_->name(),
-                             "' gave no memfd for the slot pool; compute views need one");
+    for (const std::vector<SymmetricRegion>* regions : {&slot_regions_, &reduce_regions_}) {
+        for (const SymmetricRegion& r : *regions) {
+            const bool mappable = on_device ? r.local_handle != 0 : r.local_fd >= 0;
+            if (!mappable) {
+                release_all();  // the destructor does not run for a throwing constructor
+                FLATEP_THROW(ErrorCategory::kRuntime, "ExpertPools: transport '", transport_->name(), "' gave no ",
+                             on_device ? "CUDA allocation handle" : "memfd", " for a pool; compute views need one");
+            }
+        }
+    }
+    if (on_device) {
+        // Every rank's zero fill of the new regions is complete before any rank's kernels write into them.
+        try {
+            device::synchronize_device();
+            transport_->bootstrap().all_gather(std::string());
+        } catch (...) {
+            release_all();
+            throw;
+        }
     }
 }
 
@@ -155,6 +203,31 @@ float* ExpertPools::reduce_pool(int p) const {
 ExpertLayer ExpertPools::register_layer() {
     ExpertLayer layer;
     layer.pools_id_ = id_;
+    if (device_ != nullptr) {
+        layer.on_device_ = true;
+        for (int p = 0; p < num_projections(); ++p) {
+            layer.projections_.emplace_back();
+            ExpertLayer::Projection& pr = layer.projections_.back();
+            const int64_t elems = experts_per_rank_ * projections_[p].elems();
+            const size_t weights_data = size_t(elems * 2), grads_data = size_t(elems * 4);
+            // Same trick as the host path: the layer's data ends at the allocation's end (a granularity boundary),
+            // so the pool's allocation, mapped right after it, continues the view without a gap.
+            for (auto [data_bytes, pool, own, view, handle] :
+                 {std::tuple{weights_data, &slot_regions_[p], &pr.weights_own, &pr.weights_view, &pr.weights_handle},
+                  std::tuple{grads_data, &reduce_regions_[p], &pr.grads_own, &pr.grads_view, &pr.grads_handle}}) {
+                const device::LayerAllocation a =
+                    device::create_layer_allocation(data_bytes, pool->local_handle, pool->mapped_bytes);
+                *own = {a.own, a.bytes};
+                *view = {a.view, a.view_bytes};
+                *handle = a.handle;
+            }
+            pr.weights = reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(pr.weights_view.address) +
+                                                     (pr.weights_own.bytes - weights_data));
+            pr.grads = reinterpret_cast<float*>(static_cast<uint8_t*>(pr.grads_view.address) +
+                                                (pr.grads_own.bytes - grads_data));
+        }
+        return layer;
+    }
     for (int p = 0; p < num_projections(); ++p) {
         layer.projections_.emplace_back();
         ExpertLayer::Projection& pr = layer.projections_.back();
@@ -181,10 +254,18 @@ ExpertLayer ExpertPools::register_layer() {
 
 void ExpertPools::check_args(const Plan& plan, const ExpertLayer& layer, const char* op) const {
     FLATEP_CHECK(!plan.empty(), op, ": plan is empty (default-constructed); get one from Buffer::plan()");
-    const Layout& l = plan.host_plan().layout;
-    FLATEP_CHECK(l.num_ranks == transport_->num_ranks() && l.experts_per_rank == experts_per_rank_, op,
-                 ": plan has R=", l.num_ranks, " epn=", l.experts_per_rank,
-                 " but the pools have R=", transport_->num_ranks(), " epn=", experts_per_rank_);
+    if (device_ != nullptr) {
+        FLATEP_CHECK(plan.on_device(), op,
+                     ": the pools are in device memory but the plan is in host memory (a "
+                     "CPU-backend Buffer's); use a plan from a Buffer over the same device transport");
+    }
+    // A device plan's host copy is a synchronising read: on the device hot path only under FLATEP_DEBUG.
+    if (device_ == nullptr || debug_) {
+        const Layout& l = plan.host_plan().layout;
+        FLATEP_CHECK(l.num_ranks == transport_->num_ranks() && l.experts_per_rank == experts_per_rank_, op,
+                     ": plan has R=", l.num_ranks, " epn=", l.experts_per_rank,
+                     " but the pools have R=", transport_->num_ranks(), " epn=", experts_per_rank_);
+    }
     FLATEP_CHECK(plan.rank() == transport_->rank(), op, ": plan belongs to rank ", plan.rank(), ", pools to rank ",
                  transport_->rank());
     if (layer.pools_id() != id_) {
@@ -215,11 +296,17 @@ void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer) {
         args.num_ranks = R;
         args.experts_per_rank = experts_per_rank_;
         args.expert_bytes = projections_[p].elems() * 2;
-        args.slot_expert = plan.host_plan().view.slot_expert;
         args.weights = reinterpret_cast<const uint8_t*>(layer.weights(p));
         for (int d = 0; d < R; ++d) args.slot_pools[d] = slot_regions_[p].peers[d];
         args.sync = pool_sync(sync_region_, &epoch_, args.rank, R, transport_->timeout_s());
-        host::prefetch(args);
+        if (device_ != nullptr) {
+            args.slot_expert = plan.device_slot_expert(0);  // [R][epn] in device memory
+            device_->fill_sync(args.sync);
+            device_->prefetch(args, stream_);
+        } else {
+            args.slot_expert = plan.host_plan().view.slot_expert;
+            host::prefetch(args);
+        }
     }
 }
 
@@ -232,11 +319,17 @@ void ExpertPools::reduce_grad(const Plan& plan, const ExpertLayer& layer) {
         args.num_ranks = R;
         args.experts_per_rank = experts_per_rank_;
         args.expert_elems = projections_[p].elems();
-        args.slot_expert = plan.host_plan().view.slot_expert;
         args.grads = layer.grads(p);
         for (int d = 0; d < R; ++d) args.reduce_pools[d] = reinterpret_cast<float*>(reduce_regions_[p].peers[d]);
         args.sync = pool_sync(sync_region_, &epoch_, args.rank, R, transport_->timeout_s());
-        host::grad_reduce(args);
+        if (device_ != nullptr) {
+            args.slot_expert = plan.device_slot_expert(0);  // [R][epn] in device memory
+            device_->fill_sync(args.sync);
+            device_->grad_reduce(args, stream_);
+        } else {
+            args.slot_expert = plan.host_plan().view.slot_expert;
+            host::grad_reduce(args);
+        }
     }
 }
 
