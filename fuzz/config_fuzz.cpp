@@ -62,6 +62,7 @@ Oracle oracle(const flatep::Config& c) {
     if (c.num_ranks < 1 || c.num_ranks > flatep::kMaxRanks) return o;
     if (c.rank < 0 || c.rank >= c.num_ranks) return o;
     if (c.num_experts < 1 || c.num_experts % c.num_ranks != 0) return o;
+    if (2 * i128(c.num_ranks) * c.num_experts > kInt32Max) return o;  // plan indices [d*E + e], two R*E arrays
     if (c.num_tokens < 1) return o;
     if (c.topk < 1 || c.topk > flatep::kMaxTopk || c.topk > c.num_experts) return o;
     if (c.hidden < 8 || c.hidden % 8 != 0) return o;
