@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "device_test_util.hpp"
 #include "flatep/buffer.hpp"
 #include "flatep/ipc.hpp"
 #include "layout/layout.hpp"
@@ -97,28 +98,8 @@ struct HostIo {
     void copy_back(const Layout&, RankData&) {}
 };
 
-#define CUDA_OK(expr)                                                               \
-    do {                                                                            \
-        cudaError_t e_ = (expr);                                                    \
-        if (e_ != cudaSuccess) {                                                    \
-            std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(e_)); \
-            std::exit(3);                                                           \
-        }                                                                           \
-    } while (0)
-
-template <typename T>
-T* to_device(const std::vector<T>& v, size_t min_elems = 1) {
-    T* p = nullptr;
-    CUDA_OK(cudaMalloc(&p, std::max(v.size(), min_elems) * sizeof(T)));
-    if (!v.empty()) CUDA_OK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return p;
-}
-
-template <typename T>
-void from_device(std::vector<T>& v, const T* p, size_t n) {
-    v.resize(n);
-    CUDA_OK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-}
+using gpu_test::from_device;
+using gpu_test::to_device;
 
 struct DeviceIo {
     const int32_t* idx;
@@ -131,11 +112,11 @@ struct DeviceIo {
     float* values;
     void copy_back(const Layout& l, RankData& out) {
         CUDA_OK(cudaDeviceSynchronize());
-        from_device(out.recv_x, recv_x, size_t(l.num_recv_rows) * l.hidden);
-        from_device(out.recv_w, recv_w, size_t(l.num_recv_rows));
-        from_device(out.out_w, out_w, size_t(s) * l.hidden);
-        from_device(out.out_u, out_u, size_t(s) * l.hidden);
-        from_device(out.values, values, size_t(s) * l.topk);
+        out.recv_x = from_device(recv_x, int64_t(l.num_recv_rows) * l.hidden);
+        out.recv_w = from_device(recv_w, int64_t(l.num_recv_rows));
+        out.out_w = from_device(out_w, int64_t(s) * l.hidden);
+        out.out_u = from_device(out_u, int64_t(s) * l.hidden);
+        out.values = from_device(values, int64_t(s) * l.topk);
     }
 };
 

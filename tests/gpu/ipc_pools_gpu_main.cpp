@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "device_test_util.hpp"
 #include "flatep/buffer.hpp"
 #include "flatep/expert_pools.hpp"
 #include "flatep/ipc.hpp"
@@ -138,21 +139,7 @@ void host_reference(int R, std::vector<RankData>& data) {
     }
 }
 
-#define CUDA_OK(expr)                                                               \
-    do {                                                                            \
-        cudaError_t e_ = (expr);                                                    \
-        if (e_ != cudaSuccess) {                                                    \
-            std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(e_)); \
-            std::exit(3);                                                           \
-        }                                                                           \
-    } while (0)
-
-template <typename T>
-std::vector<T> from_device(const T* p, int64_t n) {
-    std::vector<T> v(static_cast<size_t>(n));
-    CUDA_OK(cudaMemcpy(v.data(), p, size_t(n) * sizeof(T), cudaMemcpyDeviceToHost));
-    return v;
-}
+using gpu_test::from_device;
 
 template <typename T>
 int64_t first_difference(const std::vector<T>& a, const std::vector<T>& b) {
