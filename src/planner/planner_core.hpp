@@ -223,6 +223,34 @@ FLATEP_HD void init_donors(const Layout& l, const int32_t* tpe_all, int32_t* all
     }
 }
 
+// A home expert of donor `dn` with entries still at home, to cut the next piece from. prefer_covering: the smallest
+// one holding at least `need` entries, else the largest; otherwise the largest. Ties to the lower expert id; -1 when
+// the donor has nothing left at home.
+FLATEP_HD int pick_home_expert(const Layout& l, const int32_t* alloc, int dn, int32_t need, bool prefer_covering) {
+    const int E = l.num_experts, epn = l.experts_per_rank;
+    int e = -1;
+    for (int i = dn * epn; i < (dn + 1) * epn; ++i) {
+        const int32_t a = alloc[dn * E + i];
+        if (a <= 0) continue;
+        if (e < 0) {
+            e = i;
+            continue;
+        }
+        const int32_t b = alloc[dn * E + e];
+        if (prefer_covering) {
+            const bool a_cov = a >= need, b_cov = b >= need;
+            if (a_cov != b_cov) {
+                if (a_cov) e = i;
+            } else if (a_cov ? a < b : a > b) {
+                e = i;
+            }
+        } else if (a > b) {
+            e = i;
+        }
+    }
+    return e;
+}
+
 // Transport candidate of the balanced planner for a makespan budget: every rank sends at most `budget` replica
 // copies and hosts at most min(budget, epn) replicas. Donors are the ranks above their target (exact) or above C
 // (slack); each must shed its excess; any other rank may take up to its room (exact: target - G_r; slack:
@@ -251,27 +279,7 @@ FLATEP_HD bool transport_candidate(const Layout& l, const int32_t* tpe_all, int3
             if (w.excess[r] > 0 && (dn < 0 || w.excess[r] > w.excess[dn])) dn = r;
         if (dn < 0) return true;
         const int32_t x = w.excess[dn];
-        int e = -1;
-        for (int i = dn * epn; i < (dn + 1) * epn; ++i) {
-            const int32_t a = alloc[dn * E + i];
-            if (a <= 0) continue;
-            if (e < 0) {
-                e = i;
-                continue;
-            }
-            const int32_t b = alloc[dn * E + e];
-            if (expert_rule == 1) {
-                // Prefer covering pieces (a >= x); among them the smallest; otherwise the largest.
-                const bool a_cov = a >= x, b_cov = b >= x;
-                if (a_cov != b_cov) {
-                    if (a_cov) e = i;
-                } else if (a_cov ? a < b : a > b) {
-                    e = i;
-                }
-            } else if (a > b) {
-                e = i;
-            }
-        }
+        const int e = pick_home_expert(l, alloc, dn, x, expert_rule == 1);
         if (e < 0) return false;  // the donor has nothing left at home (cannot happen: load_dn > its target >= 0)
         const int32_t piece = min_of(x, alloc[dn * E + e]);
         int rc = -1;
@@ -551,26 +559,7 @@ FLATEP_HD bool tree_candidate(const Layout& l, const int32_t* tpe_all, int32_t* 
         }
         if (rc < 0) return false;
         const int32_t amount = last ? x : min_of(x, w.room[rc]);
-        int e = -1;
-        for (int i = dn * epn; i < (dn + 1) * epn; ++i) {
-            const int32_t a = alloc[dn * E + i];
-            if (a <= 0) continue;
-            if (e < 0) {
-                e = i;
-                continue;
-            }
-            const int32_t b = alloc[dn * E + e];
-            if (expert_rule == 0) {
-                const bool a_cov = a >= amount, b_cov = b >= amount;
-                if (a_cov != b_cov) {
-                    if (a_cov) e = i;
-                } else if (a_cov ? a < b : a > b) {
-                    e = i;
-                }
-            } else if (a > b) {
-                e = i;
-            }
-        }
+        const int e = pick_home_expert(l, alloc, dn, amount, expert_rule == 0);
         if (e < 0) return false;  // cannot happen: a donor's home allocation exceeds its excess
         const int32_t piece = min_of(amount, alloc[dn * E + e]);
         if (alloc[rc * E + e] == 0) {
