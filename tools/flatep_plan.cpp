@@ -22,6 +22,9 @@
 
 namespace {
 
+// File paths are the user's own text: quote them whole in errors (up to a Linux PATH_MAX).
+constexpr size_t kMaxPathBytes = 4096;
+
 [[noreturn]] void fail(const std::string& message) {
     // One line, whatever the message holds.
     std::string line = message;
@@ -92,9 +95,9 @@ int main(int argc, char** argv) {
         text.assign(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
     } else {
         std::ifstream in(path, std::ios::binary);
-        if (!in) fail("cannot open " + flatep::json::printable(path));
+        if (!in) fail("cannot open " + flatep::json::printable(path, kMaxPathBytes));
         text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-        if (in.bad()) fail("cannot read " + flatep::json::printable(path));
+        if (in.bad()) fail("cannot read " + flatep::json::printable(path, kMaxPathBytes));
     }
     try {
         flatep::PlanRequest req;

@@ -358,11 +358,11 @@ class Parser {
     }
 
   public:
-    // Printable, one-line form of a byte string for error messages (non-printable bytes as \xNN, cut at 40 bytes).
-    static std::string printable(std::string_view in) {
+    // Printable, one-line form of a byte string for error messages (non-printable bytes as \xNN, cut at max_bytes).
+    static std::string printable(std::string_view in, size_t max_bytes = 40) {
         static const char* hex = "0123456789abcdef";
         std::string out;
-        for (size_t i = 0; i < in.size() && i < 40; ++i) {
+        for (size_t i = 0; i < in.size() && i < max_bytes; ++i) {
             const unsigned char u = static_cast<unsigned char>(in[i]);
             if (u >= 0x20 && u < 0x7f && u != '"' && u != '\\') {
                 out += char(u);
@@ -372,7 +372,7 @@ class Parser {
                 out += hex[u & 15];
             }
         }
-        if (in.size() > 40) out += "...";
+        if (in.size() > max_bytes) out += "...";
         return out;
     }
 };
@@ -382,8 +382,11 @@ class Parser {
 // Parses a whole document (one value, surrounding whitespace allowed).
 inline ParseResult parse(std::string_view text) { return detail::Parser(text).run(); }
 
-// One-line printable form of a byte string (for error messages that quote keys).
-inline std::string printable(std::string_view text) { return detail::Parser::printable(text); }
+// One-line printable form of a byte string for error messages: quoted input (keys, option values) is cut at 40 bytes;
+// pass a larger max_bytes for text the user needs whole, such as a file path.
+inline std::string printable(std::string_view text, size_t max_bytes = 40) {
+    return detail::Parser::printable(text, max_bytes);
+}
 
 // JSON writer: compact, or indented with arrays of scalars on one line.
 class Writer {

@@ -81,3 +81,6 @@ expect_error(valid_partial_slack.json "tpe row 1 sums to 6, expected S*K = 8 (us
 expect_error(valid_small.json "unknown planner \"fastest\" (expected greedy or balanced)" --planner fastest)
 expect_error(valid_small.json "unknown option --verbose" --verbose)
 expect_error(does_not_exist.json "cannot open ${DATA}/does_not_exist.json")
+# A path longer than the 40 bytes quoted input is cut at must still be printed whole.
+set(long_name "a_missing_request_file_whose_name_is_much_longer_than_forty_bytes.json")
+expect_error(${long_name} "cannot open ${DATA}/${long_name}")
