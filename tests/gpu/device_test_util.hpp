@@ -1,5 +1,6 @@
 // Small CUDA helpers of the plain-main GPU tests (no GoogleTest on the device machine): a check that exits with
-// the failing call's text, and synchronous copies of vectors to and from device memory.
+// the failing call's text, synchronous copies of vectors to and from device memory, and the ipc tests' command line
+// and device choice (one GPU for all rank processes, or one GPU per rank).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,6 +9,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #define CUDA_OK(expr)                                                               \
@@ -36,6 +38,44 @@ std::vector<T> from_device(const T* p, int64_t n) {
     std::vector<T> v(static_cast<size_t>(n));
     CUDA_OK(cudaMemcpy(v.data(), p, size_t(n) * sizeof(T), cudaMemcpyDeviceToHost));
     return v;
+}
+
+// Command line of the ipc GPU tests: `[--gpu-per-rank] [R ...]`. Returns false (after printing the usage) on an
+// unknown flag or a rank count below 1.
+struct IpcTestArgs {
+    bool gpu_per_rank = false;  // rank r on device r % device count; default: every rank on device 0
+    std::vector<int> rank_counts;
+};
+
+inline bool parse_ipc_test_args(int argc, char** argv, const std::vector<int>& default_counts, IpcTestArgs& out) {
+    out = IpcTestArgs{};
+    for (int i = 1; i < argc; ++i) {
+        if (std::strcmp(argv[i], "--gpu-per-rank") == 0) {
+            out.gpu_per_rank = true;
+            continue;
+        }
+        const int count = std::atoi(argv[i]);
+        if (count < 1) {
+            std::fprintf(stderr, "%s: unknown argument '%s'\nusage: %s [--gpu-per-rank] [R ...]\n", argv[0], argv[i],
+                         argv[0]);
+            return false;
+        }
+        out.rank_counts.push_back(count);
+    }
+    if (out.rank_counts.empty()) out.rank_counts = default_counts;
+    return true;
+}
+
+// Device of `rank`: r % cudaGetDeviceCount() with gpu_per_rank, else 0. Makes it current and initialises its primary
+// context now, so the ipc transport (which allocates on the current context's device) and later runtime calls agree.
+// Call it in the rank's process before creating the transport.
+inline int use_rank_device(int rank, bool gpu_per_rank) {
+    int count = 0;
+    CUDA_OK(cudaGetDeviceCount(&count));
+    const int device = gpu_per_rank ? rank % count : 0;
+    CUDA_OK(cudaSetDevice(device));
+    CUDA_OK(cudaFree(nullptr));
+    return device;
 }
 
 }  // namespace flatep::gpu_test

@@ -1,9 +1,10 @@
 // L1c: the GPU data plane through flatep::Buffer with R processes sharing one GPU over the ipc transport (CUDA VMM
 // regions passed as file descriptors), against the CPU backend (R threads, host memory) on the same inputs:
 // plan arrays, dispatch rows and weights, weighted and unweighted combine and entry_values must be bitwise equal.
+// With --gpu-per-rank (L2), rank r runs on GPU r % device count, so rows cross NVLink between the processes' GPUs.
 // Plain main (the device machine has no GoogleTest); exits 0 with "SKIP" where there is no GPU.
 //
-//   ipc_buffer_gpu_main [R ...]     (default: 2 4)
+//   ipc_buffer_gpu_main [--gpu-per-rank] [R ...]     (default: 2 4)
 //
 // The parent computes the CPU reference before forking and never initialises CUDA; each child checks its own rank.
 #include <cuda_runtime.h>
@@ -161,8 +162,8 @@ int first_mismatch_rows(const std::vector<uint16_t>& a, const std::vector<uint16
     return -1;
 }
 
-int child(int R, int rank, std::shared_ptr<Bootstrap> boot, const RankData& ref) {
-    CUDA_OK(cudaSetDevice(0));
+int child(int R, int rank, std::shared_ptr<Bootstrap> boot, const RankData& ref, bool gpu_per_rank) {
+    const int device = gpu_test::use_rank_device(rank, gpu_per_rank);
     auto transport = make_ipc_transport(boot, MemoryKind::kDevice, 60.0);
     Buffer buffer(config_for(R, rank), std::shared_ptr<Transport>(std::move(transport)));
     const Layout& l = buffer.layout();
@@ -226,9 +227,9 @@ int child(int R, int rank, std::shared_ptr<Bootstrap> boot, const RankData& ref)
     const PlanStats& st = *reinterpret_cast<const PlanStats*>(ref.plan_words.data() + make_plan_sizes(l).stats);
     if (failures == 0) {
         std::printf(
-            "R=%d rank %d: PASS (rows %d, replicas %d, P %d; plan, dispatch, combine x2, entry_values "
+            "R=%d rank %d (GPU %d): PASS (rows %d, replicas %d, P %d; plan, dispatch, combine x2, entry_values "
             "bitwise equal to the CPU backend)\n",
-            R, rank, rows_end, st.total_replicas, st.makespan);
+            R, rank, device, rows_end, st.total_replicas, st.makespan);
     }
     return failures == 0 ? 0 : 1;
 }
@@ -236,13 +237,13 @@ int child(int R, int rank, std::shared_ptr<Bootstrap> boot, const RankData& ref)
 }  // namespace
 
 int main(int argc, char** argv) {
+    gpu_test::IpcTestArgs args;
+    if (!gpu_test::parse_ipc_test_args(argc, argv, {2, 4}, args)) return 2;
     if (access("/dev/nvidiactl", F_OK) != 0) {
         std::printf("SKIP: no CUDA device (/dev/nvidiactl missing)\n");
         return 0;
     }
-    std::vector<int> sizes;
-    for (int i = 1; i < argc; ++i) sizes.push_back(std::atoi(argv[i]));
-    if (sizes.empty()) sizes = {2, 4};
+    const std::vector<int>& sizes = args.rank_counts;
     int failed = 0;
     for (int R : sizes) {
         std::vector<RankData> data(R);
@@ -252,13 +253,21 @@ int main(int argc, char** argv) {
         options.timeout_s = 60;
         options.deadline_s = 300;
         const std::vector<int> codes = run_forked(
-            R, [&](int rank, std::shared_ptr<Bootstrap> boot) { return child(R, rank, boot, data[rank]); }, options);
+            R,
+            [&](int rank, std::shared_ptr<Bootstrap> boot) {
+                return child(R, rank, boot, data[rank], args.gpu_per_rank);
+            },
+            options);
+        bool all_zero = true;
         for (int r = 0; r < R; ++r) {
             if (codes[r] != 0) {
                 std::printf("R=%d rank %d: exit code %d\n", R, r, codes[r]);
                 ++failed;
+                all_zero = false;
             }
         }
+        if (!all_zero)
+            std::printf("  repro: %s%s %d\n", "ipc_buffer_gpu_main", args.gpu_per_rank ? " --gpu-per-rank" : "", R);
     }
     std::printf("%s\n", failed == 0 ? "ipc_buffer_gpu_main: all PASS" : "ipc_buffer_gpu_main: FAILED");
     return failed == 0 ? 0 : 1;

@@ -1,8 +1,9 @@
 // L1c: R processes sharing one GPU through the ipc transport on device memory (CUDA VMM regions exported as POSIX
-// file descriptors, passed over the socket mesh, imported and mapped by every peer). Plain main, no GoogleTest:
-// prints what it checked, returns non-zero on failure, exits 0 with a message when there is no GPU.
+// file descriptors, passed over the socket mesh, imported and mapped by every peer). With --gpu-per-rank (L2), rank
+// r uses GPU r % device count, so every peer mapping of another rank's region is memory of another GPU. Plain main,
+// no GoogleTest: prints what it checked, returns non-zero on failure, exits 0 with a message when there is no GPU.
 //
-//   ipc_gpu_main [R ...]          (default: 2 4; FLATEP_TIMEOUT_S bounds every collective, default here 60 s)
+//   ipc_gpu_main [--gpu-per-rank] [R ...]   (default: 2 4; FLATEP_TIMEOUT_S bounds every collective, default 60 s)
 //
 // Without MPS the processes' work on one GPU time-slices; this test never spins on the GPU (every cross-process
 // wait is a host bootstrap barrier), so it only needs generous timeouts, not co-residency.
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "common/check.hpp"
+#include "device_test_util.hpp"
 #include "flatep/error.hpp"
 #include "flatep/ipc.hpp"
 #include "transport/cuda/cu_driver.hpp"
@@ -44,8 +46,8 @@ uint32_t pattern(int owner, size_t word_idx) {
     return uint32_t(owner + 1) * 0x9e3779b9u ^ uint32_t(word_idx * 2654435761u);
 }
 
-// Runs in a child: the GPU is only touched after fork.
-int probe_gpu() {
+// Runs in a child: the GPU is only touched after fork. Checks device 0, or every device with gpu_per_rank.
+int probe_gpu(bool gpu_per_rank) {
     std::string why;
     if (flatep::cu_driver(&why) == nullptr) {
         std::printf("no CUDA driver: %s\n", why.c_str());
@@ -55,25 +57,32 @@ int probe_gpu() {
     if (drv->cuInit(0) != CUDA_SUCCESS) return kNoGpu;
     int count = 0;
     if (drv->cuDeviceGetCount(&count) != CUDA_SUCCESS || count == 0) return kNoGpu;
-    CUdevice device = 0;
-    int vmm = 0, posix_fd = 0;
-    drv->cuDeviceGet(&device, 0);
-    drv->cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device);
-    drv->cuDeviceGetAttribute(&posix_fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device);
-    char name[256] = {};
-    drv->cuDeviceGetName(name, sizeof(name), device);
-    std::printf("GPU 0: %s (VMM %d, POSIX fd handles %d)\n", name, vmm, posix_fd);
-    return vmm && posix_fd ? 0 : kNoGpu;
+    bool usable = true;
+    for (int ordinal = 0; ordinal < (gpu_per_rank ? count : 1); ++ordinal) {
+        CUdevice device = 0;
+        int vmm = 0, posix_fd = 0;
+        drv->cuDeviceGet(&device, ordinal);
+        drv->cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device);
+        drv->cuDeviceGetAttribute(&posix_fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device);
+        char name[256] = {};
+        drv->cuDeviceGetName(name, sizeof(name), device);
+        std::printf("GPU %d of %d: %s (VMM %d, POSIX fd handles %d)\n", ordinal, count, name, vmm, posix_fd);
+        usable = usable && vmm && posix_fd;
+    }
+    return usable ? 0 : kNoGpu;
 }
 
-int run_rank(int rank, std::shared_ptr<Bootstrap> boot, double timeout_s) {
+int run_rank(int rank, std::shared_ptr<Bootstrap> boot, double timeout_s, bool gpu_per_rank) {
     const int num_ranks = boot->size();
     drv = flatep::cu_driver();
     FLATEP_CHECK_RUNTIME(drv != nullptr, "no CUDA driver");
     CU(cuInit(0));
+    int num_devices = 0;
+    CU(cuDeviceGetCount(&num_devices));
+    const int ordinal = gpu_per_rank ? rank % num_devices : 0;
     CUdevice device = 0;
     CUcontext context = nullptr;
-    CU(cuDeviceGet(&device, 0));
+    CU(cuDeviceGet(&device, ordinal));
     CU(cuDevicePrimaryCtxRetain(&context, device));
     CU(cuCtxSetCurrent(context));
 
@@ -135,15 +144,16 @@ int run_rank(int rank, std::shared_ptr<Bootstrap> boot, double timeout_s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-    std::vector<int> rank_counts;
-    for (int i = 1; i < argc; ++i) rank_counts.push_back(std::atoi(argv[i]));
-    if (rank_counts.empty()) rank_counts = {2, 4};
+    flatep::gpu_test::IpcTestArgs args;
+    if (!flatep::gpu_test::parse_ipc_test_args(argc, argv, {2, 4}, args)) return 2;
+    const std::vector<int>& rank_counts = args.rank_counts;
+    const bool gpu_per_rank = args.gpu_per_rank;
     const char* env_timeout = std::getenv("FLATEP_TIMEOUT_S");
     const double timeout_s = env_timeout != nullptr ? std::atof(env_timeout) : 60.0;
 
     // Probe in a child: a process that initialised CUDA cannot fork children that use it.
-    const std::vector<int> probe =
-        flatep::run_forked(1, [](int, std::shared_ptr<Bootstrap>) { return probe_gpu(); }, {timeout_s, 120.0});
+    const std::vector<int> probe = flatep::run_forked(
+        1, [&](int, std::shared_ptr<Bootstrap>) { return probe_gpu(gpu_per_rank); }, {timeout_s, 120.0});
     std::fflush(stdout);
     if (probe[0] == kNoGpu) {
         std::printf("SKIP ipc_gpu_main: no GPU with VMM POSIX-fd handles\n");
@@ -157,18 +167,19 @@ int main(int argc, char** argv) {
     for (const int num_ranks : rank_counts) {
         const auto start = std::chrono::steady_clock::now();
         const std::vector<int> codes = flatep::run_forked(
-            num_ranks, [&](int rank, std::shared_ptr<Bootstrap> boot) { return run_rank(rank, boot, timeout_s); },
+            num_ranks,
+            [&](int rank, std::shared_ptr<Bootstrap> boot) { return run_rank(rank, boot, timeout_s, gpu_per_rank); },
             {timeout_s, 4 * timeout_s + 60});
         const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         bool ok = true;
         for (int r = 0; r < num_ranks; ++r) ok = ok && codes[r] == 0;
         std::string text;
         for (int r = 0; r < num_ranks; ++r) text += (r ? "," : "") + std::to_string(codes[r]);
-        std::printf("%s ipc device regions R=%d (%.2f s; exit codes %s)\n", ok ? "PASS" : "FAIL", num_ranks, seconds,
-                    text.c_str());
+        std::printf("%s ipc device regions R=%d%s (%.2f s; exit codes %s)\n", ok ? "PASS" : "FAIL", num_ranks,
+                    gpu_per_rank ? " one GPU per rank" : "", seconds, text.c_str());
         if (!ok) {
             ++failures;
-            std::printf("  repro: ipc_gpu_main %d\n", num_ranks);
+            std::printf("  repro: ipc_gpu_main%s %d\n", gpu_per_rank ? " --gpu-per-rank" : "", num_ranks);
         }
     }
     std::printf("%s\n", failures == 0 ? "ipc_gpu_main: all passed" : "ipc_gpu_main: FAILED");

@@ -4,9 +4,10 @@
 //     pools (a second layer's view shows the first one's slots; own_grads / reduce_pool equal the grads view halves),
 //   - prefetch fills the slot pools and reduce_grad the owners' grads (and zeroes the consumed slots) bitwise equal
 //     to the CPU backend, over the whole [2*epn] views of every projection.
+// With --gpu-per-rank (L2), rank r runs on GPU r % device count: replicas' weights and gradients cross NVLink.
 // Plain main (the device machine has no GoogleTest); exits 0 with "SKIP" where there is no GPU.
 //
-//   ipc_pools_gpu_main [R ...]     (default: 2 4)
+//   ipc_pools_gpu_main [--gpu-per-rank] [R ...]     (default: 2 4)
 //
 // The parent computes the CPU reference before forking and never initialises CUDA; each child checks its own rank.
 #include <cuda_runtime.h>
@@ -150,8 +151,8 @@ int64_t first_difference(const std::vector<T>& a, const std::vector<T>& b) {
     return -1;
 }
 
-int child(int R, int rank, std::shared_ptr<Bootstrap> boot, const RankData& ref) {
-    CUDA_OK(cudaSetDevice(0));
+int child(int R, int rank, std::shared_ptr<Bootstrap> boot, const RankData& ref, bool gpu_per_rank) {
+    const int device = gpu_test::use_rank_device(rank, gpu_per_rank);
     std::shared_ptr<Transport> transport = make_ipc_transport(boot, MemoryKind::kDevice, 60.0);
     Buffer buffer(config_for(R, rank), transport);
     ExpertPools pools(transport, kEpn, {kShapes[0], kShapes[1]});
@@ -228,9 +229,9 @@ int child(int R, int rank, std::shared_ptr<Bootstrap> boot, const RankData& ref)
     CUDA_OK(cudaStreamDestroy(stream));
     if (failures == 0) {
         std::printf(
-            "R=%d rank %d: PASS (%d replicas; views alias layer memory and pools; prefetch and reduce_grad "
-            "bitwise equal to the CPU backend)\n",
-            R, rank, replicas);
+            "R=%d rank %d (GPU %d): PASS (%d replicas; views alias layer memory and pools; prefetch and "
+            "reduce_grad bitwise equal to the CPU backend)\n",
+            R, rank, device, replicas);
     }
     return failures == 0 ? 0 : 1;
 }
@@ -240,9 +241,9 @@ int child(int R, int rank, std::shared_ptr<Bootstrap> boot, const RankData& ref)
 int main(int argc, char** argv) {
     // Without a GPU only the CPU reference runs (it must place replicas), then the test skips.
     const bool have_gpu = access("/dev/nvidiactl", F_OK) == 0;
-    std::vector<int> sizes;
-    for (int i = 1; i < argc; ++i) sizes.push_back(std::atoi(argv[i]));
-    if (sizes.empty()) sizes = {2, 4};
+    gpu_test::IpcTestArgs args;
+    if (!gpu_test::parse_ipc_test_args(argc, argv, {2, 4}, args)) return 2;
+    const std::vector<int>& sizes = args.rank_counts;
     int failed = 0;
     for (int R : sizes) {
         std::vector<RankData> data(R);
@@ -263,13 +264,21 @@ int main(int argc, char** argv) {
         options.timeout_s = 60;
         options.deadline_s = 300;
         const std::vector<int> codes = run_forked(
-            R, [&](int rank, std::shared_ptr<Bootstrap> boot) { return child(R, rank, boot, data[rank]); }, options);
+            R,
+            [&](int rank, std::shared_ptr<Bootstrap> boot) {
+                return child(R, rank, boot, data[rank], args.gpu_per_rank);
+            },
+            options);
+        bool all_zero = true;
         for (int r = 0; r < R; ++r) {
             if (codes[r] != 0) {
                 std::printf("R=%d rank %d: exit code %d\n", R, r, codes[r]);
                 ++failed;
+                all_zero = false;
             }
         }
+        if (!all_zero)
+            std::printf("  repro: %s%s %d\n", "ipc_pools_gpu_main", args.gpu_per_rank ? " --gpu-per-rank" : "", R);
     }
     if (!have_gpu && failed == 0) {
         std::printf("SKIP: no CUDA device (/dev/nvidiactl missing)\n");
