@@ -9,6 +9,7 @@ ranks' batches with the same init and optimizer; the two loss curves must agree 
 
     /usr/bin/python3 examples/train_moe.py                  # 2 processes on the CPU, 20 steps
     /usr/bin/python3 examples/train_moe.py --ranks 4 --steps 50 --capacity-factor 1.25
+    python3 examples/train_moe.py --device cuda             # rank r on GPU r % device count (ranks may share one)
     torchrun --nproc-per-node 4 examples/train_moe.py       # launched by torchrun instead of spawning
 
 Prints per step the loss, the reference's loss and the rows each rank computed (FlatEP keeps them equal in exact
@@ -43,7 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--capacity-factor", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu, cuda, or auto (cuda when present)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
+                   help="cpu, cuda (rank r on GPU r %% device count; FlatEP built with CUDA) or auto (cuda if present)")
     p.add_argument("--tolerance", type=float, default=2e-2, help="max relative loss difference to the reference")
     return p.parse_args(argv)
 
@@ -86,6 +88,12 @@ def train(rank, R, args):
         capacity_factor=args.capacity_factor, seed=args.seed, device=device,
     )
     opt = torch.optim.Adam(moe.parameters(), lr=args.lr)
+    if rank == 0:
+        print(
+            f"train_moe: R={R} device={device.type} S={args.tokens} H={args.hidden} F={args.ffn} E={args.experts} "
+            f"K={args.topk} align={args.align} capacity_factor={args.capacity_factor}",
+            flush=True,
+        )
     losses = []
     for step in range(args.steps):
         x = batch(args, step, rank, device)
@@ -137,6 +145,7 @@ def _spawned(rank, R, init_file, args, codes):
         codes[rank] = run(rank, R, args)
         dist.barrier()
     finally:
+        flatep.testing.release_all()  # FlatEP's memory goes while CUDA is up, not at interpreter exit
         dist.destroy_process_group()
 
 
@@ -144,10 +153,14 @@ def main(argv=None):
     args = parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() and flatep._C.has_cuda else "cpu"
+    if args.device == "cuda" and not (torch.cuda.is_available() and flatep._C.has_cuda):
+        why = "FlatEP was built without CUDA" if not flatep._C.has_cuda else "torch sees no CUDA device"
+        sys.exit(f"train_moe: --device cuda is not available here ({why}); use --device cpu")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         dist.init_process_group("gloo")
         code = run(dist.get_rank(), dist.get_world_size(), args)
         dist.barrier()
+        flatep.testing.release_all()
         dist.destroy_process_group()
         return code
     import torch.multiprocessing as mp

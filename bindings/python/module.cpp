@@ -279,6 +279,7 @@ void bind_pools(py::module_& m) {
     py::class_<ExpertLayer>(m, "ExpertLayer", "C++ flatep::ExpertLayer; pointers as ints, see flatep.ExpertLayer.")
         .def_property_readonly("num_projections", &ExpertLayer::num_projections)
         .def_property_readonly("pools_id", &ExpertLayer::pools_id)
+        .def_property_readonly("on_device", &ExpertLayer::on_device)
         .def("weights", [](const ExpertLayer& l, int p) { return reinterpret_cast<uintptr_t>(l.weights(p)); })
         .def("grads", [](const ExpertLayer& l, int p) { return reinterpret_cast<uintptr_t>(l.grads(p)); })
         .def("own_weights", [](const ExpertLayer& l, int p) { return reinterpret_cast<uintptr_t>(l.own_weights(p)); })
@@ -297,6 +298,10 @@ void bind_pools(py::module_& m) {
         .def("register_layer", &ExpertPools::register_layer)
         .def("prefetch", &ExpertPools::prefetch, py::arg("plan"), py::arg("layer"), Release())
         .def("reduce_grad", &ExpertPools::reduce_grad, py::arg("plan"), py::arg("layer"), Release())
+        .def_property_readonly("on_device", &ExpertPools::on_device)
+        .def(
+            "set_stream", [](ExpertPools& p, uintptr_t stream) { p.set_stream(reinterpret_cast<void*>(stream)); },
+            py::arg("stream"))
         .def_property_readonly("id", &ExpertPools::id)
         .def_property_readonly("experts_per_rank", &ExpertPools::experts_per_rank)
         .def_property_readonly("num_projections", &ExpertPools::num_projections)

@@ -15,7 +15,7 @@ def check_tensor(op, name, value, dtypes, shape, device, shape_names=None):
     dimension: any size; checked by the caller) on `device`. Returns it contiguous."""
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.device.type != device.type:
+    if value.device.type != device.type or (device.type == "cuda" and value.device != device):
         raise ValueError(
             f"{op}: {name} is on {value.device}, but this object runs on {device} "
             + ("(the CPU backend: host memory); pass CPU tensors" if device.type == "cpu" else "")

@@ -15,23 +15,20 @@ dispatch and combine are autograd-aware (design §3): combine's backward is a di
 the saved plan, dispatch's backward an unweighted combine of the row gradients; the routing weights' gradient
 returns to the tokens' ranks through the plan (entry_values). Every call is collective over the group: all ranks
 call the same ops in the same order.
+
+On a CUDA device (FlatEP built with CUDA) every op is enqueued on ``torch.cuda.current_stream(device)`` at the time of
+the call and never synchronises with the host; inputs must be ready in that stream's order (as for any torch op).
+Only the Plan's diagnostic accessors (stats, tpe_all, alloc, entry_ranks, entry_rows, real_rows, *_of) copy a device
+plan to the host, which waits for the device.
 """
 
 import torch
 
 from . import _C
 from ._tensors import address, check_tensor, shape_text, tensor_at
-from .distributed import group_rank_size, transport_for
+from .distributed import device_guard, group_rank_size, resolve_device, transport_for
 
 _PLANNERS = ("balanced", "greedy")
-
-
-class _no_context:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 class Plan:
@@ -130,7 +127,8 @@ class Buffer:
         capacity_factor (float): 1.0 = exact mode (every rank receives S*K entries); in (1, 4] = slack mode (at most
             ceil(capacity_factor*S*K)).
         planner (str): 'balanced' (default) or 'greedy' (the one-donor baseline).
-        device: where tensors live; only 'cpu' (the CPU backend) is built so far.
+        device: where tensors live: 'cpu' (the CPU backend, default) or a CUDA device (FlatEP built with CUDA; 'cuda'
+            means the current device). Processes may share one GPU.
         timeout_s (float): bound on every cross-rank wait (default: FLATEP_TIMEOUT_S or 100 s).
 
     Attributes: rank, num_ranks, num_tokens, hidden, num_experts, topk, experts_per_rank, capacity (C),
@@ -164,13 +162,13 @@ class Buffer:
             raise ValueError(f"Buffer: capacity_factor must be a float, got {capacity_factor!r}")
         if planner not in _PLANNERS:
             raise ValueError(f"Buffer: planner must be 'balanced' or 'greedy', got {planner!r}")
-        self.device = torch.device("cpu") if device is None else torch.device(device)
         self.group = group
         self.rank, self.num_ranks = group_rank_size(group)
         self.num_tokens, self.hidden, self.num_experts, self.topk = num_tokens, hidden, num_experts, topk
         self.align, self.capacity_factor, self.planner = align, float(capacity_factor), planner
-        transport = transport_for(group, self.device, timeout_s)
-        with torch.cuda.device(self.device) if self.device.type == "cuda" else _no_context():
+        transport = transport_for(group, device, timeout_s)  # validates the device first
+        self.device = resolve_device(device)
+        with device_guard(self.device):
             self._buffer = _C.Buffer(
                 transport, num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner
             )
@@ -186,9 +184,10 @@ class Buffer:
         Args:
             topk_idx (torch.Tensor): [s, K] int32 or int64, s <= S; expert ids in [0, E).
         Returns:
-            Plan. An id outside [0, E) raises ValueError naming the first bad id (the CPU backend checks at once).
+            Plan. An id outside [0, E) raises ValueError naming the first bad id: the CPU backend checks at once, a
+            CUDA buffer at the next check_status() (or at once with FLATEP_DEBUG=1).
         """
-        b = self._live("plan")
+        self._live("plan")  # a destroyed Buffer fails first
         idx = check_tensor(
             "plan", "topk_idx", topk_idx, (torch.int32, torch.int64), (None, self.topk), self.device,
             f"[s, K={self.topk}] with s <= S={self.num_tokens}",
@@ -198,10 +197,12 @@ class Buffer:
                 f"plan: topk_idx must have shape [s, K={self.topk}] with s <= S={self.num_tokens}, "
                 f"got {shape_text(idx.shape)}"
             )
-        cplan = b.plan(address(idx), idx.element_size(), idx.shape[0])
-        if not b.on_device:
-            b.check_status()  # host backend: reporting now costs no device synchronisation
-        return Plan(self, cplan)
+        with device_guard(self.device):
+            b = self._live("plan")
+            cplan = b.plan(address(idx), idx.element_size(), idx.shape[0])
+            if not b.on_device:
+                b.check_status()  # host backend: reporting now costs no device synchronisation
+            return Plan(self, cplan)
 
     def dispatch(self, plan, x, topk_weights=None):
         """Sends every token row to the rows of its K experts (collective; autograd-aware).
@@ -278,15 +279,23 @@ class Buffer:
     # ---- raw ops (no checks beyond the plan, no autograd): used by the autograd functions ----
 
     def _live(self, op):
-        """The C++ buffer, with the current CUDA stream set on a device buffer (every op is enqueued on it)."""
+        """The C++ buffer, with the current CUDA stream set on a device buffer (every op is enqueued on it). Call the
+        op inside device_guard(self.device): the kernels launch on the current device."""
         if self._buffer is None:
             raise RuntimeError(f"{op}: this Buffer was destroyed")
         if self.device.type == "cuda":
             self._buffer.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
         return self._buffer
 
+    def check_status(self):
+        """Raises the first error an op recorded since the last check (an invalid expert id: ValueError naming it; a
+        timed-out wait: RuntimeError). On a CUDA device this waits for the current stream (a synchronising point)."""
+        with device_guard(self.device):
+            self._live("check_status").check_status()
+
     def _check_plan(self, op, plan):
-        self._live(op)
+        if self._buffer is None:
+            raise RuntimeError(f"{op}: this Buffer was destroyed")
         if not isinstance(plan, Plan):
             raise ValueError(f"{op}: plan must be a flatep.Plan from Buffer.plan(), got {type(plan).__name__}")
         if plan._buffer is not self:
@@ -295,16 +304,20 @@ class Buffer:
     def _dispatch_raw(self, plan, x, topk_weights, want_weights=True):
         recv_x = torch.zeros(self.num_recv_rows, self.hidden, dtype=torch.bfloat16, device=self.device)
         recv_w = torch.zeros(self.num_recv_rows, dtype=torch.float32, device=self.device) if want_weights else None
-        self._live("dispatch").dispatch(plan._plan, address(x), address(topk_weights), address(recv_x), address(recv_w))
+        with device_guard(self.device):
+            self._live("dispatch").dispatch(
+                plan._plan, address(x), address(topk_weights), address(recv_x), address(recv_w)
+            )
         return recv_x, recv_w
 
     def _combine_raw(self, plan, y, weights):
         out = torch.empty(plan.num_tokens, self.hidden, dtype=torch.bfloat16, device=self.device)
-        self._live("combine").combine(plan._plan, address(y), address(weights), address(out))
+        with device_guard(self.device):
+            self._live("combine").combine(plan._plan, address(y), address(weights), address(out))
         return out
 
     def _entry_values_raw(self, plan, row_values):
-        b = self._live("entry_values")
         out = torch.empty(plan.num_tokens, self.topk, dtype=torch.float32, device=self.device)
-        b.entry_values(plan._plan, address(row_values), address(out))
+        with device_guard(self.device):
+            self._live("entry_values").entry_values(plan._plan, address(row_values), address(out))
         return out

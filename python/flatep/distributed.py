@@ -6,6 +6,7 @@ host memory; CUDA VMM handles for device memory) and needs only a small all-gath
 gloo on CPU). Every process of the group must create its FlatEP objects in the same order (they are collective).
 """
 
+import contextlib
 import threading
 
 import torch
@@ -48,6 +49,20 @@ class SingleProcessBootstrap(_C.Bootstrap):
         return [bytes(blob)]
 
 
+def resolve_device(device):
+    """torch.device of `device` (None: the CPU); a CUDA device without an index becomes the current CUDA device, so
+    that 'cuda' and 'cuda:<current>' name the same transport and pools."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def device_guard(device):
+    """Context manager making `device` the current CUDA device (a no-op for the CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def group_rank_size(group):
     """(rank, size) of `group`; (0, 1) when group is None and torch.distributed is not initialised."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
@@ -63,21 +78,27 @@ def transport_for(group=None, device=None, timeout_s=None):
     """The process's ipc transport for `group` and memory kind of `device` (created on first use, collectively,
     then cached: every FlatEP object of the group shares it)."""
     device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or a CUDA device, got {device}")
     memory = "host" if device.type == "cpu" else "device"
     if memory == "device" and not _C.has_cuda:
         raise ValueError(
             f"device {device} needs FlatEP built with CUDA; this build has the CPU backend only (use device='cpu')"
         )
+    if memory == "device" and not torch.cuda.is_available():
+        raise ValueError(f"device {device}: no CUDA device is usable here (torch.cuda.is_available() is False)")
+    device = resolve_device(device)
     single = group is None and not (dist.is_available() and dist.is_initialized())
     key = ("single" if single else id(group if group is not None else dist.group.WORLD), str(device))
     with _lock:
         entry = _transports.get(key)
         if entry is None:
             bootstrap = SingleProcessBootstrap() if single else TorchBootstrap(group)
-            if memory == "device":  # device regions live on the current device
-                with torch.cuda.device(device):
-                    transport = _C.make_ipc_transport(bootstrap, memory, 0.0)
-            else:
+            with device_guard(device):  # device regions live on the current device
+                if memory == "device":
+                    # The transport adopts the thread's current CUDA context: make it torch's (the primary context of
+                    # `device`), which a device guard alone does not create.
+                    torch.empty(1, device=device)
                 transport = _C.make_ipc_transport(bootstrap, memory, 0.0)
             entry = (group, bootstrap, transport)  # keep the group object alive: its id is the key
             _transports[key] = entry

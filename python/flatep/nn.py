@@ -4,6 +4,10 @@ Per rank: x [s, H] -> router (fp32 softmax, top-K, weights renormalised to sum 1
 prefetch replicas -> expert FFN y = silu(x @ W1) @ W2 over the compute views with offs = cu_seqlens (bf16 values,
 fp32 accumulation; torch._grouped_mm on GPU when available, a loop over groups elsewhere) -> weighted combine.
 
+On a CUDA device with torch._grouped_mm the whole layer (forward and backward) runs without a host synchronisation:
+the grouped GEMMs read the compute views with offs = cu_seqlens in device memory. (Without torch._grouped_mm the
+loop reads cu_seqlens on the host, a synchronisation.)
+
 Parameters (fp32 master copies; the bf16 compute copies live in ExpertPools):
     router.weight [E, H]     replicated on every rank: all-reduce its gradient like any data-parallel parameter
                              (MoE.replicated_parameters()).
@@ -15,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .buffer import Buffer
-from .distributed import group_rank_size
+from .distributed import group_rank_size, resolve_device
 from .pools import shared_pools
 
 _BF16 = torch.bfloat16
@@ -62,7 +66,7 @@ def route(x, router_weight, topk, topk_idx=None):
     if topk_idx is None:
         weights, idx = probs.topk(topk, dim=-1)
     else:
-        idx = topk_idx.long()
+        idx = topk_idx.to(device=probs.device, dtype=torch.long)
         weights = probs.gather(1, idx)
     return weights / weights.sum(dim=-1, keepdim=True), idx
 
@@ -122,10 +126,18 @@ class _ExpertsFunction(torch.autograd.Function):
         inputs = [w1_leaf, w2_leaf] + ([x_leaf] if x_leaf.requires_grad else [])
         grads = torch.autograd.grad(y, inputs, grad_y.to(y.dtype))
         with torch.no_grad():
-            layer.grads(0).copy_(grads[0])
-            layer.grads(1).copy_(grads[1])
+            # A group without rows gets exactly zero gradient (a grouped GEMM need not write it); device-side masks,
+            # no synchronisation.
+            ends = plan.cu_seqlens.to(device=grads[0].device, dtype=torch.int64)
+            starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+            empty = (ends == starts).view(-1, 1, 1)
+            layer.grads(0).copy_(grads[0].masked_fill(empty, 0))
+            layer.grads(1).copy_(grads[1].masked_fill(empty, 0))
         pools.reduce_grad(plan, layer)
         grad_x = grads[2] if len(grads) > 2 else None
+        if grad_x is not None and ctx.on_views:  # rows past the last group end are unspecified: make them zero
+            past_end = torch.arange(grad_x.shape[0], device=grad_x.device) >= ends[-1]
+            grad_x = grad_x.masked_fill(past_end.unsqueeze(1), 0)
         return None, None, grad_x, layer.own_grads(0).clone(), layer.own_grads(1).clone()
 
 
@@ -142,6 +154,8 @@ class MoE(torch.nn.Module):
         align, capacity_factor, planner: see flatep.Buffer.
         seed (int): init seed; every rank must pass the same (see init_expert_weights).
         pools (ExpertPools or None): share one across layers; None: the process's shared pools for this shape.
+        device: 'cpu' (default) or a CUDA device (FlatEP built with CUDA); parameters, Buffer and pools live there
+            and x must be on it.
 
     forward(x [s, H] float tensor, topk_idx=None [s, K] int) -> [s, H] in x's dtype. topk_idx overrides the router's
     choice (the weights are still the router's probabilities of those experts, renormalised). After a call,
@@ -172,7 +186,7 @@ class MoE(torch.nn.Module):
             )
         self.hidden, self.ffn, self.num_experts, self.topk = hidden, ffn, num_experts, topk
         self.group, self.align, self.capacity_factor, self.planner = group, align, capacity_factor, planner
-        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.device = resolve_device(device)
         self.experts_per_rank = num_experts // self.num_ranks
         self.expert_offset = self.rank * self.experts_per_rank
         self.router = torch.nn.Linear(hidden, num_experts, bias=False, device=self.device)
@@ -188,6 +202,8 @@ class MoE(torch.nn.Module):
         shapes = [(hidden, ffn), (ffn, hidden)]
         if self.pools.projections != shapes or self.pools.experts_per_rank != self.experts_per_rank:
             raise ValueError(f"MoE: pools must have epn={self.experts_per_rank} and projections {shapes}")
+        if self.pools.device != self.device:
+            raise ValueError(f"MoE: pools are on {self.pools.device}, the layer on {self.device}")
         self.expert_layer = self.pools.register_layer()
         self.buffer = None
         self.num_tokens = num_tokens
@@ -218,6 +234,8 @@ class MoE(torch.nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
             shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"MoE: x must be a [s, H={self.hidden}] tensor, got {shape}")
+        if x.device != self.device:
+            raise ValueError(f"MoE: x is on {x.device}, but the layer is on {self.device}")
         if self.buffer is None:
             self._make_buffer(int(x.shape[0]))
         weights, idx = route(x, self.router.weight, self.topk, topk_idx)

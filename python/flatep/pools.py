@@ -16,6 +16,11 @@ gradient into grads(p), then ``pools.reduce_grad(plan, layer)`` (collective: rep
 owners' own_grads in ascending (rank, slot) order and the consumed slots are zeroed).
 
 The tensors are valid while the ExpertLayer (and its ExpertPools) object lives: keep a reference.
+
+On a CUDA device (FlatEP built with CUDA) the memory is device memory (CUDA VMM: each compute view is one contiguous
+virtual range over the layer's allocation followed by the pool's), and prefetch / reduce_grad are enqueued on
+``torch.cuda.current_stream(device)`` at the time of the call, like flatep.Buffer's ops, without a host
+synchronisation. The plan must come from a Buffer on the same device.
 """
 
 import torch
@@ -23,7 +28,7 @@ import torch
 from . import _C
 from ._tensors import tensor_at
 from .buffer import Plan
-from .distributed import group_rank_size, transport_for
+from .distributed import device_guard, group_rank_size, resolve_device, transport_for
 
 
 class ExpertLayer:
@@ -71,7 +76,9 @@ class ExpertPools:
         experts_per_rank (int): epn = E / R of the Buffers whose plans are used.
         projections (list of (rows, cols)): per projection, the shape of one expert's weight matrix, e.g.
             [(H, F), (F, H)] for an FFN x @ W1 -> act -> @ W2.
-        device: only 'cpu' (the CPU backend) is built so far.
+        device: 'cpu' (the CPU backend, default) or a CUDA device (FlatEP built with CUDA; 'cuda' means the current
+            device). Plans must come from Buffers on the same device.
+        timeout_s (float): bound on every cross-rank wait (default: FLATEP_TIMEOUT_S or 100 s).
     """
 
     def __init__(self, group, experts_per_rank, projections, *, device=None, timeout_s=None):
@@ -85,19 +92,28 @@ class ExpertPools:
         if not shapes:
             raise ValueError("ExpertPools: at least one projection is needed")
         self.group = group
-        self.device = torch.device("cpu") if device is None else torch.device(device)
         self.rank, self.num_ranks = group_rank_size(group)
         self.experts_per_rank = experts_per_rank
         self.projections = shapes
-        transport = transport_for(group, self.device, timeout_s)
-        self._pools = _C.ExpertPools(transport, experts_per_rank, shapes)
+        transport = transport_for(group, device, timeout_s)  # validates the device first
+        self.device = resolve_device(device)
+        with device_guard(self.device):
+            self._pools = _C.ExpertPools(transport, experts_per_rank, shapes)
         self.layers = []
 
     def register_layer(self):
         """A new layer's zero-filled weights and grads with their compute views (local, not collective)."""
-        layer = ExpertLayer(self, self._pools.register_layer())
+        with device_guard(self.device):  # a device layer's memory is allocated on the current device
+            layer = ExpertLayer(self, self._pools.register_layer())
         self.layers.append(layer)
         return layer
+
+    def _live(self):
+        """The C++ pools, with the current CUDA stream set on device pools (prefetch / reduce_grad are enqueued on
+        it). Call the op inside device_guard(self.device)."""
+        if self.device.type == "cuda":
+            self._pools.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
+        return self._pools
 
     def _resolve(self, op, plan, layer):
         if not isinstance(plan, Plan):
@@ -108,17 +124,24 @@ class ExpertPools:
             layer = self.layers[0]
         if not isinstance(layer, ExpertLayer) or layer.pools is not self:
             raise ValueError(f"{op}: layer must be an ExpertLayer registered with these pools")
+        if plan._buffer.device != self.device:
+            raise ValueError(f"{op}: plan was made by a Buffer on {plan._buffer.device}, but these pools are on "
+                             f"{self.device}")
         return plan._plan, layer._layer
 
     def prefetch(self, plan, layer=None):
         """Collective: owners push this step's replicas (plan.slot_expert of every rank) of every projection into the
         slot pools, i.e. into every layer's weights(p)[epn:]. Call after writing own_weights and before the GEMM."""
-        self._pools.prefetch(*self._resolve("prefetch", plan, layer))
+        args = self._resolve("prefetch", plan, layer)
+        with device_guard(self.device):
+            self._live().prefetch(*args)
 
     def reduce_grad(self, plan, layer=None):
         """Collective: adds the replicas' gradients (grads(p)[epn:] of every rank) into the owners' own_grads(p) in
         ascending (rank, slot) order in fp32, then zeroes the consumed slots."""
-        self._pools.reduce_grad(*self._resolve("reduce_grad", plan, layer))
+        args = self._resolve("reduce_grad", plan, layer)
+        with device_guard(self.device):
+            self._live().reduce_grad(*args)
 
     def slot_pool(self, p):
         """bf16 [epn, rows, cols]: this rank's slot pool of projection p."""
@@ -138,7 +161,7 @@ _shared = {}
 
 def shared_pools(group, experts_per_rank, projections, device=None):
     """The process's ExpertPools for (group, epn, projections, device), created on first use (collective then)."""
-    device = torch.device("cpu") if device is None else torch.device(device)
+    device = resolve_device(device)
     key = (id(group), experts_per_rank, tuple(tuple(p) for p in projections), str(device))
     entry = _shared.get(key)
     if entry is None:

@@ -121,12 +121,24 @@ def _worker(rank, world_size, init_file, fn, args):
         fn(rank, world_size, *args)
         dist.barrier()
     finally:
-        from .distributed import release_transports
-        from .pools import release_shared_pools
-
-        release_shared_pools()
-        release_transports()
+        release_all()
         dist.destroy_process_group()
+
+
+def release_all():
+    """Drops the process's shared pools and transports and collects the FlatEP objects that only reference cycles
+    still hold (layers and their pools), so their memory is released now, while CUDA is still up, rather than at
+    interpreter exit. Call at the end of a process's work, before destroy_process_group."""
+    import gc
+
+    from .distributed import release_transports
+    from .pools import release_shared_pools
+
+    release_shared_pools()
+    release_transports()
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def spawn(fn, world_size, *args):
