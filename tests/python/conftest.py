@@ -13,3 +13,10 @@ if importlib.util.find_spec("flatep") is None:
     for path in (os.path.join(ROOT, build, "python"), os.path.join(ROOT, "python")):
         if os.path.isdir(path) and path not in sys.path:
             sys.path.insert(0, path)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cuda: needs a CUDA GPU and FlatEP built with CUDA (skipped with the reason elsewhere); -m cuda "
+        "selects only these"
+    )

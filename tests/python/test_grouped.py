@@ -33,6 +33,7 @@ def test_loop_matches_per_group_ffn():
     assert (y[64:] == 0).all()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and hasattr(torch, "_grouped_mm")), reason="needs CUDA and torch._grouped_mm"
 )

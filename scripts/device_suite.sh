@@ -1,0 +1,230 @@
+#!/usr/bin/env bash
+# Every GPU check of FlatEP in one run, for the device machine (one or more H200s, nvcc 13, CMake, Ninja, python3 with
+# a CUDA torch, pybind11, pytest, numpy; no GoogleTest, no network):
+#
+#   build        configure + build the CUDA build in build-cuda (Ninja; only the GPU test binaries, the Python
+#                extension flatep._C for this python3, and what they need)
+#   gpu_ops      build-cuda/tests/gpu/test_gpu_ops: every kernel bitwise against the CPU backend on virtual ranks
+#   ipc_gpu      ipc_gpu_main 2 4: R processes sharing GPU 0 through CUDA VMM fds
+#   ipc_buffer   ipc_buffer_gpu_main 2 4 8: flatep::Buffer on device memory, R processes, bitwise vs the CPU backend
+#   ipc_pools    ipc_pools_gpu_main: ExpertPools compute views, prefetch and reduce_grad on device memory
+#   pytest_cuda  python3 -m pytest tests/python -m cuda: the multi-process Python tests on cuda:0 (MoE output and
+#                gradients vs the dense reference, every op bitwise vs the CPU backend), train_moe on cuda, grouped_mm
+#   train_cuda   examples/train_moe.py --device cuda, 4 processes on the GPU, slack mode
+#   pytest_cpu   python3 -m pytest tests/python -m "not cuda": the CPU tests under this torch (last: the least news)
+#
+#   scripts/device_suite.sh                                   # every step, logs in ${OUT:-/tmp/out}
+#   SUITE_STEPS="build pytest_cuda" scripts/device_suite.sh   # a subset, run in the order above
+#
+# Never stops at a failure: each step has its own log ($OUT/<step>.log), a timeout, and one PASS / FAIL / SKIP line
+# (SKIP: the step ran but found no usable GPU, which on the device machine is a failure too); $OUT/summary.txt grows
+# step by step and ends with the table of step, result and seconds. Exit status: 0 when every selected step passed.
+# The whole run stays within SUITE_DEADLINE_S (default 540 s): a step gets at most the time that is left.
+#
+# Environment: OUT, SUITE_STEPS, SUITE_CLEAN=1 (delete build-cuda first), SUITE_JOBS (build jobs, default 16),
+# SUITE_DEADLINE_S, PYTHON (default python3), FLATEP_TIMEOUT_S (default here 60), CUDA_MODULE_LOADING (default
+# EAGER). An existing build-cuda is reused only when this script configured it with the same source path and
+# toolchain (a stamp file); any other build-cuda (e.g. copied from another machine) is deleted and rebuilt.
+# shellcheck disable=SC2317  # the step functions are called indirectly ("$SELF" __run FUNCTION)
+set -uo pipefail
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+cd "$(dirname "$SELF")/.." || exit 2
+ROOT=$PWD
+if ! command -v nvcc >/dev/null && [[ -x /usr/local/cuda/bin/nvcc ]]; then
+    export PATH=/usr/local/cuda/bin:$PATH
+fi
+
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+BUILD=build-cuda
+JOBS=${SUITE_JOBS:-16}
+DEADLINE_S=${SUITE_DEADLINE_S:-540}
+PY=$(command -v "${PYTHON:-python3}" || true)
+ALL_STEPS="build gpu_ops ipc_gpu ipc_buffer ipc_pools pytest_cuda train_cuda pytest_cpu"
+STEPS=${SUITE_STEPS:-$ALL_STEPS}
+
+export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}
+export NCCL_NVLS_ENABLE=0
+export FLATEP_TIMEOUT_S=${FLATEP_TIMEOUT_S:-60}
+export FLATEP_BUILD_DIR=$BUILD
+export PYTHONPATH="$ROOT/python:$ROOT/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONDONTWRITEBYTECODE=1
+
+START=$(date +%s.%N)
+SUMMARY=$OUT/summary.txt
+declare -a ROWS=()
+FAILED=0
+
+now() { date +%s.%N; }
+elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
+left_s() { awk -v s="$START" -v n="$(now)" -v d="$DEADLINE_S" 'BEGIN { printf "%d", d - (n - s) }'; }
+say() { echo "$*" | tee -a "$SUMMARY"; }
+
+# run_step NAME TIMEOUT_S COMMAND...: runs the command (a program, or one of this script's functions through
+# "$SELF __run FUNCTION") with a timeout (its whole process group is killed at the limit), logs to $OUT/NAME.log and
+# records PASS / FAIL / SKIP. A GPU step that exits 0 but skipped (a line starting with SKIP, or pytest's "N skipped")
+# is recorded as SKIP.
+run_step() {
+    local name=$1 limit=$2
+    shift 2
+    local log=$OUT/$name.log left
+    left=$(left_s)
+    if ((left < 15)); then
+        ROWS+=("$name|NOT RUN (suite deadline)|0.0")
+        say "NOT RUN $name: less than 15 s left of SUITE_DEADLINE_S=$DEADLINE_S"
+        FAILED=1
+        return
+    fi
+    ((limit > left)) && limit=$left
+    echo "==> $name (timeout ${limit} s): $*"
+    {
+        echo "# step $name: $*"
+        echo "# cwd $ROOT; timeout ${limit} s; $(date -u +%FT%TZ)"
+    } >"$log"
+    local t0 rc result
+    t0=$(now)
+    timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    local secs
+    secs=$(elapsed "$t0")
+    if ((rc == 0)); then
+        result=PASS
+        if [[ $name != build && $name != pytest_cpu ]] &&
+            { grep -Eq '^SKIP' "$log" || tail -n 3 "$log" | grep -Eq '[0-9]+ skipped'; }; then
+            result=SKIP  # rc 0 but nothing (or not everything) ran on the GPU
+        fi
+    elif ((rc == 124 || rc == 137)); then
+        result="FAIL (timeout ${limit} s)"
+    else
+        result="FAIL (exit $rc)"
+    fi
+    [[ $result == PASS ]] || FAILED=1
+    ROWS+=("$name|$result|$secs")
+    say "$result $name (${secs} s) log: $log"
+    if [[ $result != PASS ]]; then
+        tail -n 25 "$log" | sed 's/^/    /'
+        echo
+    fi
+}
+
+# ---- build ----
+
+toolchain_stamp() {
+    echo "root $ROOT"
+    echo "python $PY"
+    "$PY" -c 'import sys, torch as t; print("python", sys.version.split()[0], "torch", t.__version__, t.version.cuda)'
+    echo "nvcc $(command -v nvcc) $(nvcc --version 2>&1 | tail -n 1)"
+    echo "c++ $(command -v "${CXX:-c++}") $("${CXX:-c++}" --version 2>&1 | head -n 1)"
+    echo "cmake $(cmake --version | head -n 1); ninja $(ninja --version)"
+}
+
+build_all() {
+    local stamp=$BUILD/.device_suite_stamp want
+    want=$(toolchain_stamp)
+    if [[ ${SUITE_CLEAN:-0} == 1 && -d $BUILD ]]; then
+        echo "SUITE_CLEAN=1: removing $BUILD"
+        rm -rf "$BUILD"
+    elif [[ -d $BUILD ]] && ! diff -q <(echo "$want") "$stamp" >/dev/null 2>&1; then
+        # Not configured by this script with this source path and toolchain (e.g. copied from another machine):
+        # its CMake cache and objects cannot be trusted.
+        echo "$BUILD was not configured by device_suite.sh with this source path and toolchain: removing it"
+        [[ -f $stamp ]] && diff <(echo "$want") "$stamp"
+        rm -rf "$BUILD"
+    fi
+    echo "$want"
+    cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLATEP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
+        -DFLATEP_BUILD_TESTS=ON -DFLATEP_BUILD_TOOLS=OFF -DFLATEP_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PY" || return 1
+    echo "$want" >"$stamp"
+    cmake --build "$BUILD" -j"$JOBS" --target test_gpu_ops ipc_gpu_main ipc_buffer_gpu_main ipc_pools_gpu_main \
+        flatep_python || return 1
+    ls -l "$BUILD"/tests/gpu/test_gpu_ops "$BUILD"/tests/gpu/ipc_*_main "$BUILD"/python/flatep/_C*.so
+}
+
+# ---- steps ----
+
+cuda_preflight() {
+    # What pytest's cuda parameters need; fails loudly instead of letting them skip.
+    "$PY" - <<'EOF'
+import torch, flatep
+print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())
+print("flatep._C", flatep._C.__file__, "has_cuda", flatep._C.has_cuda)
+print("torch._grouped_mm", hasattr(torch, "_grouped_mm"))
+assert flatep._C.has_cuda, "flatep._C was built without CUDA"
+assert torch.cuda.is_available(), "torch sees no CUDA device"
+print("device 0:", torch.cuda.get_device_name(0))
+EOF
+}
+
+pytest_cuda() {
+    cuda_preflight || return 1
+    "$PY" -m pytest tests/python -q -rs -m cuda -p no:cacheprovider
+}
+
+pytest_cpu() {
+    "$PY" -m pytest tests/python -q -rs -m "not cuda" -p no:cacheprovider
+}
+
+GPU_BIN=$BUILD/tests/gpu
+
+# Internal: "$SELF __run FUNCTION" runs one of the functions above (so that `timeout` can bound it).
+if [[ ${1:-} == __run ]]; then
+    shift
+    "$@"
+    exit $?
+fi
+
+for s in $STEPS; do
+    case " $ALL_STEPS " in
+        *" $s "*) ;;
+        *) echo "device_suite: unknown step '$s' in SUITE_STEPS (steps: $ALL_STEPS)"; exit 2 ;;
+    esac
+done
+: >"$SUMMARY"
+
+{
+    echo "# device_suite.sh $(date -u +%FT%TZ) at $ROOT; steps: $STEPS"
+    echo "# CUDA_MODULE_LOADING=$CUDA_MODULE_LOADING NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE" \
+        "FLATEP_TIMEOUT_S=$FLATEP_TIMEOUT_S"
+    echo "# PYTHONPATH=$PYTHONPATH"
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv 2>&1
+    else
+        echo "# no nvidia-smi on PATH"
+    fi
+    echo "# python: ${PY:-none}"
+    git log -1 --format='# commit %H %s' 2>/dev/null
+    git status --short 2>/dev/null | head -n 40
+} >"$OUT/env.log" 2>&1
+cat "$OUT/env.log"
+if [[ -z $PY ]]; then
+    say "device_suite: no ${PYTHON:-python3} on PATH"
+    exit 2
+fi
+
+for step in $ALL_STEPS; do  # in this order, whatever the order of SUITE_STEPS
+    [[ " $STEPS " == *" $step "* ]] || continue
+    case $step in
+        build) run_step build 420 "$SELF" __run build_all ;;
+        gpu_ops) run_step gpu_ops 300 "$GPU_BIN"/test_gpu_ops ;;
+        ipc_gpu) run_step ipc_gpu 150 "$GPU_BIN"/ipc_gpu_main 2 4 ;;
+        ipc_buffer) run_step ipc_buffer 240 "$GPU_BIN"/ipc_buffer_gpu_main 2 4 8 ;;
+        ipc_pools) run_step ipc_pools 180 "$GPU_BIN"/ipc_pools_gpu_main ;;
+        pytest_cuda) run_step pytest_cuda 360 "$SELF" __run pytest_cuda ;;
+        pytest_cpu) run_step pytest_cpu 300 "$SELF" __run pytest_cpu ;;
+        train_cuda)
+            run_step train_cuda 180 "$PY" examples/train_moe.py --device cuda --ranks 4 --steps 8 --tokens 64 \
+                --experts 16 --capacity-factor 1.25
+            ;;
+    esac
+done
+
+{
+    echo
+    printf '%-12s %-34s %8s\n' step result seconds
+    for row in "${ROWS[@]+"${ROWS[@]}"}"; do
+        IFS='|' read -r n r s <<<"$row"
+        printf '%-12s %-34s %8s\n' "$n" "$r" "$s"
+    done
+    printf '%-12s %-34s %8s\n' total "$( ((FAILED)) && echo FAILED || echo 'all passed')" "$(elapsed "$START")"
+} | tee -a "$SUMMARY"
+exit "$FAILED"
