@@ -9,10 +9,11 @@
 //                     moves. "combine" is the same exchange in reverse; it moves rows and sums nothing
 //   nccl_a2a_entries  the same with one row per (token, expert) entry: Megatron's permute + all_to_all_single
 // Baselines send to the experts' home ranks (no replicas); FlatEP sends to the ranks its plan chose.
-// Timing: per op, --warmup runs, then --iters runs each timed with CUDA events on the rank's stream, each starting
-// after a GPU-side barrier of all ranks (so no rank is timed while it waits for a late peer's host). The step time of
-// an iteration is the max over ranks; the reported time is its median (and min). Host launch work inside the op is
-// included (Buffer::plan allocates the plan's device words).
+// Timing: per op, --warmup runs, then --iters runs each timed with CUDA events on the rank's stream. Each iteration
+// holds the stream until the host has enqueued the op (so host launch work, e.g. Buffer::plan's allocation of the
+// plan's words, is not timed; an enqueue slower than 100 ms releases the hold and counts as host-bound), then runs a
+// GPU barrier of all ranks (no rank is timed while it waits for a late peer), then start event, op, stop event. The
+// step time of an iteration is the max over ranks; the reported time is its median (and min).
 // Checks (every run; a failure prints FAIL with the first bad row and makes the exit status 1):
 //   - the GPU plan equals the host planner's (global arrays and this rank's entry routing), bitwise;
 //   - every receive row of FlatEP's dispatch holds its (source, token) row and routing weight, padding rows zero;
@@ -171,6 +172,13 @@ __global__ void check_combine_kernel(const uint16_t* out, int src, int num_token
 }
 
 constexpr int kCheckBlocks = 1024, kCheckThreads = 256;
+
+// Holds the stream until the host has enqueued the op to time (host-side launch work stays out of the timed range),
+// at most sync.timeout_s: then the iteration is counted as host-bound (its time includes host work) and runs.
+__global__ void hold_kernel(SyncArgs sync, const uint64_t* release, uint64_t value, int32_t* host_bound) {
+    if (!kernels::wait_flag_at_least(sync, kOpNone, sync.rank, release, value)) atomicAdd(host_bound, 1);
+}
+constexpr double kHoldTimeoutS = 0.1;
 
 // ---- Small host helpers ----
 
@@ -443,6 +451,7 @@ struct RankSummary {  // trivially copyable: sent as bytes through the bootstrap
     double maxvio;
     int32_t replicas, makespan, max_load_before;
     RowCounts rows[kNumOps];
+    int32_t host_bound[kNumOps];  // timed iterations whose host enqueue outlasted the hold (kHoldTimeoutS)
 };
 
 struct Options {
@@ -480,26 +489,46 @@ class RankBench {
         gate_.rank = rank_;
         gate_.num_ranks = R_;
         gate_.timeout_s = options_.timeout_s;
+        // The host's release word of the hold (host-mapped), the hold's own status words and host-bound counter.
+        FLATEP_CUDA_CHECK(cudaHostAlloc(&hold_host_, sizeof(uint64_t), cudaHostAllocMapped));
+        *hold_host_ = 0;
+        FLATEP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&hold_device_), hold_host_, 0));
+        hold_status_ = DeviceArray<int32_t>(4);
+        host_bound_ = DeviceArray<int32_t>(1);
+        hold_ = SyncArgs{};
+        hold_.status = hold_status_.get();
+        hold_.rank = rank_;
+        hold_.num_ranks = R_;
+        hold_.timeout_s = kHoldTimeoutS;
         FLATEP_CUDA_CHECK(cudaEventCreate(&start_));
         FLATEP_CUDA_CHECK(cudaEventCreate(&stop_));
     }
     ~RankBench() {
         cudaEventDestroy(start_);
         cudaEventDestroy(stop_);
+        cudaFreeHost(hold_host_);
         transport_->release(flags_);
     }
 
     RankSummary run(const Case& c, std::vector<std::vector<float>>& times);
 
   private:
-    // Times `op` on the stream: warm-up, then iterations, each after the GPU barrier of all ranks.
-    std::vector<float> time_op(const std::function<void()>& op) {
+    // Times `op` on the stream: warm-up, then iterations. Each iteration: the stream is held until the host has
+    // enqueued everything, then a GPU barrier of all ranks, then the start event, the op and the stop event.
+    // Returns the times (us) and sets host_bound to the timed iterations whose hold timed out.
+    std::vector<float> time_op(const std::function<void()>& op, int32_t& host_bound) {
         std::vector<float> us;
         for (int it = 0; it < options_.warmup + options_.iters; ++it) {
+            if (it == options_.warmup) FLATEP_CUDA_CHECK(cudaMemsetAsync(host_bound_.get(), 0, 4, stream_));
+            FLATEP_CUDA_CHECK(cudaMemsetAsync(hold_status_.get(), 0, hold_status_.bytes(), stream_));
+            ++hold_value_;
+            hold_kernel<<<1, 1, 0, stream_>>>(hold_, hold_device_, hold_value_, host_bound_.get());
+            FLATEP_CUDA_CHECK_LAUNCH();
             kernels::launch_barrier(gate_, kOpNone, stream_);
             FLATEP_CUDA_CHECK(cudaEventRecord(start_, stream_));
             op();
             FLATEP_CUDA_CHECK(cudaEventRecord(stop_, stream_));
+            __atomic_store_n(hold_host_, hold_value_, __ATOMIC_RELEASE);  // everything is enqueued: let it run
             FLATEP_CUDA_CHECK(cudaEventSynchronize(stop_));
             float ms = 0;
             FLATEP_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
@@ -509,6 +538,7 @@ class RankBench {
         FLATEP_CUDA_CHECK(cudaMemcpy(status, status_.get(), sizeof(status), cudaMemcpyDeviceToHost));
         FLATEP_CHECK_RUNTIME(status[kStatusCode] == kStatusOk, "rank ", rank_,
                              ": the GPU start barrier timed out waiting for rank ", status[kStatusPeer]);
+        FLATEP_CUDA_CHECK(cudaMemcpy(&host_bound, host_bound_.get(), sizeof(int32_t), cudaMemcpyDeviceToHost));
         return us;
     }
 
@@ -543,6 +573,11 @@ class RankBench {
     DeviceArray<uint64_t> epoch_;
     DeviceArray<int32_t> status_;
     SyncArgs gate_{};
+    uint64_t* hold_host_ = nullptr;    // host-mapped release word of the hold
+    uint64_t* hold_device_ = nullptr;  // the same word as the device sees it
+    uint64_t hold_value_ = 0;
+    DeviceArray<int32_t> hold_status_, host_bound_;
+    SyncArgs hold_{};
     cudaEvent_t start_ = nullptr, stop_ = nullptr;
     int failures_ = 0;
 };
@@ -712,14 +747,21 @@ RankSummary RankBench::run(const Case& c, std::vector<std::vector<float>>& times
         // Plans live until every iteration is timed: freeing one (cudaFree) would synchronise inside the timed region.
         std::vector<Plan> timed;
         timed.reserve(size_t(options_.warmup + options_.iters));
-        times[kPlanFlat] = time_op([&] { timed.push_back(buffer.plan(topk.get(), 4, S)); });
+        times[kPlanFlat] =
+            time_op([&] { timed.push_back(buffer.plan(topk.get(), 4, S)); }, summary.host_bound[kPlanFlat]);
     }
-    times[kDispatchFlat] = time_op([&] { buffer.dispatch(plan, x.get(), w.get(), recv_x, recv_w); });
-    times[kCombineFlat] = time_op([&] { buffer.combine(plan, y.get(), y_w.get(), out.get()); });
-    times[kDispatchDedup] = time_op([&] { nccl_exchange(dedup, H, false, comm_, stream_); });
-    times[kCombineDedup] = time_op([&] { nccl_exchange(dedup, H, true, comm_, stream_); });
-    times[kDispatchEntries] = time_op([&] { nccl_exchange(entries, H, false, comm_, stream_); });
-    times[kCombineEntries] = time_op([&] { nccl_exchange(entries, H, true, comm_, stream_); });
+    times[kDispatchFlat] =
+        time_op([&] { buffer.dispatch(plan, x.get(), w.get(), recv_x, recv_w); }, summary.host_bound[kDispatchFlat]);
+    times[kCombineFlat] =
+        time_op([&] { buffer.combine(plan, y.get(), y_w.get(), out.get()); }, summary.host_bound[kCombineFlat]);
+    times[kDispatchDedup] =
+        time_op([&] { nccl_exchange(dedup, H, false, comm_, stream_); }, summary.host_bound[kDispatchDedup]);
+    times[kCombineDedup] =
+        time_op([&] { nccl_exchange(dedup, H, true, comm_, stream_); }, summary.host_bound[kCombineDedup]);
+    times[kDispatchEntries] =
+        time_op([&] { nccl_exchange(entries, H, false, comm_, stream_); }, summary.host_bound[kDispatchEntries]);
+    times[kCombineEntries] =
+        time_op([&] { nccl_exchange(entries, H, true, comm_, stream_); }, summary.host_bound[kCombineEntries]);
     buffer.check_status();
     FLATEP_CUDA_CHECK(cudaStreamSynchronize(stream_));
     summary.failures = failures_;
@@ -731,7 +773,7 @@ RankSummary RankBench::run(const Case& c, std::vector<std::vector<float>>& times
 constexpr const char* kCsvHeader =
     "config,R,maxvio_target,maxvio,op,impl,time_us,time_us_min,time_us_per_rank,logical_rows_per_rank,"
     "logical_bytes_max,nvlink_out_bytes_per_rank,nvlink_in_bytes_per_rank,nvlink_bytes_max,logical_GBps,nvlink_GBps,"
-    "nvlink_ratio_450,time_vs_nccl_dedup,replicas,makespan,check";
+    "nvlink_ratio_450,time_vs_nccl_dedup,replicas,makespan,host_bound_iters,check";
 
 void report(const Case& c, int R, int iters, const std::vector<RankSummary>& ranks,
             const std::vector<std::vector<std::vector<float>>>& times, FILE* csv) {
@@ -763,6 +805,8 @@ void report(const Case& c, int R, int iters, const std::vector<RankSummary>& ran
     for (int op = 0; op < kNumOps; ++op) {
         std::vector<double> per_rank_us, logical_rows, out_bytes, in_bytes, nvlink_gbps_rank;
         double logical_max = 0, nvlink_max = 0;
+        int host_bound = 0;
+        for (int r = 0; r < R; ++r) host_bound = std::max(host_bound, int(ranks[r].host_bound[op]));
         for (int r = 0; r < R; ++r) {
             const RowCounts& rc = ranks[r].rows[op];
             const double rank_us = median_of(times[r][op]);
@@ -782,9 +826,10 @@ void report(const Case& c, int R, int iters, const std::vector<RankSummary>& ran
         const double vs = base >= 0 && step_us[base] > 0 ? step_us[op] / step_us[base] : 0.0;
         char vs_text[32] = "";
         if (base >= 0) std::snprintf(vs_text, sizeof(vs_text), "%.3f", vs);
-        std::printf("  %-8s %-16s %9.1f %9.1f %11.1f %11.1f %9.0f %9.0f %6.3f %9s\n", kOpName[op], kImplName[op],
+        std::printf("  %-8s %-16s %9.1f %9.1f %11.1f %11.1f %9.0f %9.0f %6.3f %9s%s\n", kOpName[op], kImplName[op],
                     step_us[op], step_min_us[op], logical_max / 1e6, nvlink_max / 1e6, logical_gbps, nvlink_gbps,
-                    nvlink_gbps / kNvlinkGBps, vs_text);
+                    nvlink_gbps / kNvlinkGBps, vs_text,
+                    host_bound > 0 ? "  (some iterations host-bound: see host_bound_iters)" : "");
         for (int r = 0; r < R; ++r) {
             std::printf(
                 "    rank %d (GPU %d): %9.1f us, logical %8.1f MB, NVLink out %8.1f MB, in %8.1f MB: %6.0f GB/s "
@@ -793,12 +838,12 @@ void report(const Case& c, int R, int iters, const std::vector<RankSummary>& ran
                 in_bytes[r] / 1e6, nvlink_gbps_rank[r], nvlink_gbps_rank[r] / kNvlinkGBps);
         }
         if (csv != nullptr) {
-            std::fprintf(csv, "%s,%d,%s,%.4f,%s,%s,%.2f,%.2f,%s,%s,%.0f,%s,%s,%.0f,%.1f,%.1f,%.4f,%s,%d,%d,%s\n",
+            std::fprintf(csv, "%s,%d,%s,%.4f,%s,%s,%.2f,%.2f,%s,%s,%.0f,%s,%s,%.0f,%.1f,%.1f,%.4f,%s,%d,%d,%d,%s\n",
                          c.config.c_str(), R, target, r0.maxvio, kOpName[op], kImplName[op], step_us[op],
                          step_min_us[op], join(per_rank_us, "%.2f").c_str(), join(logical_rows, "%.0f").c_str(),
                          logical_max, join(out_bytes, "%.0f").c_str(), join(in_bytes, "%.0f").c_str(), nvlink_max,
                          logical_gbps, nvlink_gbps, nvlink_gbps / kNvlinkGBps, vs_text, r0.replicas, r0.makespan,
-                         failures == 0 ? "PASS" : "FAIL");
+                         host_bound, failures == 0 ? "PASS" : "FAIL");
         }
     }
     std::fflush(stdout);
