@@ -4,7 +4,9 @@
 // memory once, local rows included), aggregate bandwidth over all ranks against a device-to-device copy measured in
 // the same run. Planner: the planner kernel alone and the whole plan op. CSV out.
 //
-//   ops_bench [--csv out.csv] [--iters 20] [--warmup 3] [--hp 1024] [--quick]
+//   ops_bench [--csv out.csv] [--iters 20] [--warmup 3] [--hp 1024] [--quick] [--planner-only]
+// --planner-only: only the planner kernels on the host-generated counts of each config (no data plane, no cross-rank
+// barrier, so it also runs under a kernel profiler), graph-timed, with the plan's P and replicas.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -72,6 +74,36 @@ Timing time_op(LocalDeviceGroup& group, int iters, int warmup, const std::functi
     cudaEventDestroy(stop);
     cudaEventDestroy(fork);
     for (int r = 0; r < R; ++r) cudaEventDestroy(join[r]);
+    return Timing{median(times), *std::min_element(times.begin(), times.end())};
+}
+
+// Device time of a single-stream op without host launch latency: `batch` launches of op captured in one CUDA graph,
+// the graph replayed; per-op time = replay time / batch (kernel-to-kernel gaps inside the graph included).
+Timing time_graph(cudaStream_t stream, int iters, int warmup, int batch, const std::function<void()>& op) {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    FLATEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    FLATEP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < batch; ++i) op();
+    FLATEP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    FLATEP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    cudaEvent_t start, stop;
+    FLATEP_CUDA_CHECK(cudaEventCreate(&start));
+    FLATEP_CUDA_CHECK(cudaEventCreate(&stop));
+    std::vector<float> times;
+    for (int it = 0; it < warmup + iters; ++it) {
+        FLATEP_CUDA_CHECK(cudaEventRecord(start, stream));
+        FLATEP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+        FLATEP_CUDA_CHECK(cudaEventRecord(stop, stream));
+        FLATEP_CUDA_CHECK(cudaEventSynchronize(stop));
+        float ms = 0;
+        FLATEP_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        if (it >= warmup) times.push_back(ms * 1000.f / float(batch));
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
     return Timing{median(times), *std::min_element(times.begin(), times.end())};
 }
 
@@ -156,6 +188,51 @@ Config make_config(int R, int E, int S, int K, int H) {
     return c;
 }
 
+// Planner kernels alone on the counts of the MoonEP config (maxvio 0.2/1/10/20, 3 seeds) and the DeepEP config.
+int planner_bench(int iters, int warmup) {
+    std::printf("%-7s %6s %4s %8s %3s %4s %12s %12s\n", "config", "maxvio", "seed", "realised", "P", "reps",
+                "balanced_us", "greedy_us");
+    cudaStream_t stream = nullptr;
+    FLATEP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    for (double mv : {0.2, 1.0, 10.0, 20.0, -1.0}) {
+        const Config c = mv < 0 ? make_config(8, 256, 4096, 8, 7168) : make_config(8, 384, 8192, 8, 7168);
+        const Layout l = make_layout(c);
+        const size_t words = size_t(make_plan_sizes(l).total_words);
+        int32_t* d_plan = nullptr;
+        void* ws = nullptr;
+        FLATEP_CUDA_CHECK(cudaMalloc(&d_plan, words * 4));
+        FLATEP_CUDA_CHECK(cudaMalloc(&ws, kernels::plan_workspace_bytes(l)));
+        for (uint64_t seed : {42u, 43u, 44u}) {
+            const double sigma =
+                mv < 0 ? 0.0 : routing::sigma_for_maxvio(mv, l.num_ranks, l.num_experts, l.num_tokens, l.topk, seed);
+            const std::vector<int32_t> tpe =
+                routing::generate_counts(l.num_ranks, l.num_experts, l.num_tokens, l.topk, sigma, seed);
+            std::vector<int32_t> init(words, 0);
+            std::copy(tpe.begin(), tpe.end(), init.begin() + make_plan_sizes(l).tpe_all);
+            FLATEP_CUDA_CHECK(cudaMemcpy(d_plan, init.data(), words * 4, cudaMemcpyHostToDevice));
+            const PlanView view = make_plan_view(l, d_plan);
+            auto planner = [&](PlannerKind kind) {
+                return [&, kind] {
+                    kernels::launch_planner(l, kind, view, ws, kernels::PlannerEngine::kParallel, stream);
+                };
+            };
+            const Timing greedy = time_graph(stream, iters, warmup, 10, planner(PlannerKind::kGreedy));
+            const Timing balanced = time_graph(stream, iters, warmup, 10, planner(PlannerKind::kBalanced));
+            FLATEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+            std::vector<int32_t> out(words);
+            FLATEP_CUDA_CHECK(cudaMemcpy(out.data(), d_plan, words * 4, cudaMemcpyDeviceToHost));
+            const PlanStats& st = *make_plan_view(l, out.data()).stats;
+            std::printf("%-7s %6.1f %4d %8.2f %3d %4d %12.1f %12.1f\n", mv < 0 ? "deepep" : "moonep", mv, int(seed),
+                        routing::maxvio(tpe.data(), l.num_ranks, l.num_experts), st.makespan, st.total_replicas,
+                        balanced.median_us, greedy.median_us);
+        }
+        cudaFree(d_plan);
+        cudaFree(ws);
+    }
+    cudaStreamDestroy(stream);
+    return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -168,14 +245,16 @@ int main(int argc, char** argv) {
     }
     std::string csv_path = "ops_bench.csv";
     int iters = 20, warmup = 3, hp = 1024;
-    bool quick = false;
+    bool quick = false, planner_only = false;
     for (int i = 1; i < argc; ++i) {
+        if (!std::strcmp(argv[i], "--planner-only")) planner_only = true;
         if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv_path = argv[++i];
         if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::atoi(argv[++i]);
         if (!std::strcmp(argv[i], "--warmup") && i + 1 < argc) warmup = std::atoi(argv[++i]);
         if (!std::strcmp(argv[i], "--hp") && i + 1 < argc) hp = std::atoi(argv[++i]);
         if (!std::strcmp(argv[i], "--quick")) quick = true;
     }
+    if (planner_only) return planner_bench(iters, warmup);
     const double copy_gbps = copy_bandwidth_gbps(10);
     std::printf("device-to-device copy: %.0f GB/s (read + write)\n", copy_gbps);
     FILE* csv = std::fopen(csv_path.c_str(), "w");
@@ -297,12 +376,13 @@ int main(int argc, char** argv) {
         const Timing t_plan = time_op(group, iters, warmup, [&] {
             for (int r = 0; r < R; ++r) kernels::launch(plan_args(r), group.stream(r));
         });
-        // Planner kernel alone (rank 0's counts; every rank runs the same planner on the same input).
-        const Timing t_planner = time_op(group, iters, warmup, [&] {
+        // Planner kernels alone (rank 0's counts; every rank runs the same planner on the same input), device time
+        // from a graph of 10 back-to-back planners (as in a captured step; no host launch latency).
+        const Timing t_planner = time_graph(group.stream(0), iters, warmup, 10, [&] {
             kernels::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.ranks[0].plan),
                                     dev.ranks[0].workspace, kernels::PlannerEngine::kParallel, group.stream(0));
         });
-        const Timing t_planner_greedy = time_op(group, iters, warmup, [&] {
+        const Timing t_planner_greedy = time_graph(group.stream(0), iters, warmup, 10, [&] {
             kernels::launch_planner(l, PlannerKind::kGreedy, make_plan_view(l, dev.ranks[0].plan),
                                     dev.ranks[0].workspace, kernels::PlannerEngine::kParallel, group.stream(0));
         });

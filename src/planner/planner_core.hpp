@@ -75,6 +75,56 @@ FLATEP_HD Workspace make_workspace(const Layout& l, int32_t* base) {
     return w;
 }
 
+// Executors. Every function below takes an executor `x` that says who runs it:
+//   SerialExec: one thread (the host planner, tests, the serial GPU reference);
+//   a warp executor (kernels/plan/plan.cu): the 32 lanes of a warp run the same code with the same scalars, split
+//   the scans and loops below among themselves and reduce with warp instructions.
+// An executor provides:
+//   x.for_each(n, f)   f(i) for every i in [0, n), spread over the lanes; f writes only cells of its own i
+//   x.sum(n, f)        sum of f(i) over [0, n) (int64)
+//   x.arg_max(n, key)  the i in [0, n) with the largest key(i) (uint64; 0 = not eligible), ties to the lower i; -1
+//                      when no i is eligible
+//   x.single(f)        f() once (shared state: loads, rooms, allocation cells), visible to every lane afterwards
+//   x.add(p, v)        *p += v, safe when several lanes add to the same word inside for_each or sum
+// So every selection of design §4 ("the largest ..., ties to the lower index") is one arg_max with the same key on
+// every executor, and the plans are bitwise equal by construction.
+struct SerialExec {
+    FLATEP_HD void sync() const {}
+    template <class F>
+    FLATEP_HD void single(F&& f) const {
+        f();
+    }
+    template <class F>
+    FLATEP_HD void for_each(int n, F&& f) const {
+        for (int i = 0; i < n; ++i) f(i);
+    }
+    template <class F>
+    FLATEP_HD int64_t sum(int n, F&& f) const {
+        int64_t s = 0;
+        for (int i = 0; i < n; ++i) s += int64_t(f(i));
+        return s;
+    }
+    template <class K>
+    FLATEP_HD int arg_max(int n, K&& key) const {
+        uint64_t best = 0;
+        int at = -1;
+        for (int i = 0; i < n; ++i) {
+            const uint64_t k = key(i);
+            if (k > best) {
+                best = k;
+                at = i;
+            }
+        }
+        return at;
+    }
+    FLATEP_HD void add(int32_t* p, int32_t v) const { *p += v; }
+};
+
+// Keys of arg_max. A positive int32 value, larger first.
+FLATEP_HD uint64_t key_larger(int32_t v) { return v > 0 ? uint64_t(v) : 0; }
+// A positive int32 value, smaller first (still > 0).
+FLATEP_HD uint64_t key_smaller(int32_t v) { return uint64_t(int64_t(INT32_MAX) - v) + 1; }
+
 // Quality of an allocation: objectives 1-3 of design §4, compared lexicographically.
 struct PlanQuality {
     int32_t makespan;        // P
@@ -88,24 +138,29 @@ FLATEP_HD bool better_than(const PlanQuality& a, const PlanQuality& b) {
     return a.entries_moved < b.entries_moved;
 }
 
-FLATEP_HD PlanQuality evaluate_alloc(const Layout& l, const int32_t* tpe_all, const int32_t* alloc, int32_t* num_in,
-                                     int32_t* num_out) {
+template <class X>
+FLATEP_HD PlanQuality evaluate_alloc(const X& x, const Layout& l, const int32_t* tpe_all, const int32_t* alloc,
+                                     int32_t* num_in, int32_t* num_out) {
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
-    for (int r = 0; r < R; ++r) num_in[r] = num_out[r] = 0;
-    int64_t total = 0, kept = 0;
-    for (int d = 0; d < R; ++d) {
-        for (int e = 0; e < E; ++e) {
+    x.for_each(R, [&](int r) { num_in[r] = num_out[r] = 0; });
+    const int64_t moved = x.sum(E, [&](int e) {
+        const int h = e / epn;
+        int32_t copies = 0;
+        int64_t off = 0;
+        for (int d = 0; d < R; ++d) {
             const int32_t a = alloc[d * E + e];
             const int32_t t = tpe_all[d * E + e];
-            total += t;
-            kept += t < a ? t : a;
-            if (a > 0 && e / epn != d) {
-                ++num_in[d];
-                ++num_out[e / epn];
+            off += t - (t < a ? t : a);
+            if (a > 0 && d != h) {
+                x.add(&num_in[d], 1);
+                ++copies;
             }
         }
-    }
-    PlanQuality q{0, 0, total - kept};
+        if (copies != 0) x.add(&num_out[h], copies);
+        return off;
+    });
+    x.sync();
+    PlanQuality q{0, 0, moved};
     for (int r = 0; r < R; ++r) {
         q.total_replicas += num_in[r];
         q.makespan = max_of(q.makespan, max_of(num_in[r], num_out[r]));
@@ -113,29 +168,33 @@ FLATEP_HD PlanQuality evaluate_alloc(const Layout& l, const int32_t* tpe_all, co
     return q;
 }
 
+FLATEP_HD PlanQuality evaluate_alloc(const Layout& l, const int32_t* tpe_all, const int32_t* alloc, int32_t* num_in,
+                                     int32_t* num_out) {
+    return evaluate_alloc(SerialExec{}, l, tpe_all, alloc, num_in, num_out);
+}
+
 // Home allocation (no replicas) into alloc; fills w.total and w.load (= group loads G_r). Returns N.
-FLATEP_HD int64_t init_home(const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w) {
+template <class X>
+FLATEP_HD int64_t init_home(const X& x, const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w) {
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
-    int64_t n = 0;
-    for (int e = 0; e < E; ++e) {
+    const int64_t n = x.sum(E, [&](int e) {
         int32_t t = 0;
         for (int s = 0; s < R; ++s) t += tpe_all[s * E + e];
         w.total[e] = t;
-        n += t;
-    }
-    for (int d = 0; d < R; ++d) {
+        const int h = e / epn;
+        for (int d = 0; d < R; ++d) alloc[d * E + e] = d == h ? t : 0;
+        return t;
+    });
+    x.sync();
+    x.for_each(R, [&](int d) {
         int32_t g = 0;
-        for (int e = 0; e < E; ++e) {
-            const bool home = e / epn == d;
-            alloc[d * E + e] = home ? w.total[e] : 0;
-            if (home) g += w.total[e];
-        }
+        for (int e = d * epn; e < (d + 1) * epn; ++e) g += w.total[e];
         w.load[d] = g;
-    }
+    });
     return n;
 }
 
-// Fixed per-rank targets (greedy). Requires w.load = group loads.
+// Fixed per-rank targets (greedy). Requires w.load = group loads. Serial (O(R) words).
 FLATEP_HD void fixed_targets(const Layout& l, int64_t n, const Workspace& w) {
     const int R = l.num_ranks;
     if (l.exact) {
@@ -161,13 +220,22 @@ FLATEP_HD void fixed_targets(const Layout& l, int64_t n, const Workspace& w) {
     }
 }
 
-// Moves `m` entries of expert e from its home rank to rank d.
+// Moves `m` entries of expert e from its home rank to rank d (inside x.single).
 FLATEP_HD void move_entries(const Layout& l, int32_t* alloc, const Workspace& w, int e, int d, int32_t m) {
     const int E = l.num_experts, h = e / l.experts_per_rank;
     alloc[h * E + e] -= m;
     alloc[d * E + e] += m;
     w.load[h] -= m;
     w.load[d] += m;
+}
+
+// The home expert of `dn` with the largest remaining allocation (ties to the lower id), -1 when none is left.
+template <class X>
+FLATEP_HD int largest_home_expert(const X& x, const Layout& l, const int32_t* alloc, int dn) {
+    const int E = l.num_experts, epn = l.experts_per_rank;
+    const int32_t* home = alloc + int64_t(dn) * E + int64_t(dn) * epn;
+    const int i = x.arg_max(epn, [&](int j) { return key_larger(home[j]); });
+    return i < 0 ? -1 : dn * epn + i;
 }
 
 // One-donor greedy (design §4, constraint 3), the reference baseline. Repeat: the most-deficient rank (largest
@@ -185,70 +253,58 @@ FLATEP_HD void move_entries(const Layout& l, int32_t* alloc, const Workspace& w,
 //    target_dn + excess_dn = load_dn (targets differ by at most one). Slack mode: only ranks above C are donors
 //    and their target is C, so D <= target_rc <= C < load_dn.
 //  * Sum of targets == N == sum of loads, so when no rank is deficient no rank is overloaded: the plan balances.
-FLATEP_HD void greedy_alloc(const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w) {
+template <class X>
+FLATEP_HD void greedy_alloc(const X& x, const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w) {
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
-    const int64_t n = init_home(l, tpe_all, alloc, w);
-    fixed_targets(l, n, w);
+    const int64_t n = init_home(x, l, tpe_all, alloc, w);
+    x.single([&] { fixed_targets(l, n, w); });
     for (int fill = 0; fill < R; ++fill) {
-        int rc = -1, dn = -1;
-        for (int r = 0; r < R; ++r) {
-            const int32_t deficit = w.target[r] - w.load[r];
-            const int32_t surplus = w.load[r] - w.target[r];
-            if (deficit > 0 && (rc < 0 || deficit > w.target[rc] - w.load[rc])) rc = r;
-            if (surplus > 0 && (dn < 0 || surplus > w.load[dn] - w.target[dn])) dn = r;
-        }
+        const int rc = x.arg_max(R, [&](int r) { return key_larger(w.target[r] - w.load[r]); });
+        const int dn = x.arg_max(R, [&](int r) { return key_larger(w.load[r] - w.target[r]); });
         if (rc < 0 || dn < 0) break;
         int32_t need = w.target[rc] - w.load[rc];
         for (int taken = 0; need > 0 && taken < epn; ++taken) {
-            int best = -1;
-            for (int e = dn * epn; e < (dn + 1) * epn; ++e)
-                if (alloc[dn * E + e] > 0 && (best < 0 || alloc[dn * E + e] > alloc[dn * E + best])) best = e;
+            const int best = largest_home_expert(x, l, alloc, dn);
             if (best < 0) break;  // unreachable (see the feasibility argument)
             const int32_t m = min_of(need, alloc[dn * E + best]);
-            move_entries(l, alloc, w, best, rc, m);
+            x.single([&] { move_entries(l, alloc, w, best, rc, m); });
             need -= m;
         }
     }
 }
 
+FLATEP_HD void greedy_alloc(const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w) {
+    greedy_alloc(SerialExec{}, l, tpe_all, alloc, w);
+}
+
 // Home allocation plus the donors' excess and every rank's room (exact: fixed targets; slack: C).
-FLATEP_HD void init_donors(const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w) {
-    const int64_t n = init_home(l, tpe_all, alloc, w);
-    if (l.exact) fixed_targets(l, n, w);
-    for (int r = 0; r < l.num_ranks; ++r) {
+template <class X>
+FLATEP_HD void init_donors(const X& x, const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w) {
+    const int64_t n = init_home(x, l, tpe_all, alloc, w);
+    if (l.exact) x.single([&] { fixed_targets(l, n, w); });
+    x.for_each(l.num_ranks, [&](int r) {
         const int32_t cap = l.exact ? w.target[r] : l.capacity;
         w.excess[r] = w.load[r] > cap ? w.load[r] - cap : 0;
         w.room[r] = w.load[r] < cap ? cap - w.load[r] : 0;
         w.num_in[r] = w.num_out[r] = 0;
-    }
+    });
 }
 
 // A home expert of donor `dn` with entries still at home, to cut the next piece from. prefer_covering: the smallest
 // one holding at least `need` entries, else the largest; otherwise the largest. Ties to the lower expert id; -1 when
 // the donor has nothing left at home.
-FLATEP_HD int pick_home_expert(const Layout& l, const int32_t* alloc, int dn, int32_t need, bool prefer_covering) {
+template <class X>
+FLATEP_HD int pick_home_expert(const X& x, const Layout& l, const int32_t* alloc, int dn, int32_t need,
+                               bool prefer_covering) {
+    if (!prefer_covering) return largest_home_expert(x, l, alloc, dn);
     const int E = l.num_experts, epn = l.experts_per_rank;
-    int e = -1;
-    for (int i = dn * epn; i < (dn + 1) * epn; ++i) {
-        const int32_t a = alloc[dn * E + i];
-        if (a <= 0) continue;
-        if (e < 0) {
-            e = i;
-            continue;
-        }
-        const int32_t b = alloc[dn * E + e];
-        if (prefer_covering) {
-            const bool a_cov = a >= need, b_cov = b >= need;
-            if (a_cov != b_cov) {
-                if (a_cov) e = i;
-            } else if (a_cov ? a < b : a > b) {
-                e = i;
-            }
-        } else if (a > b) {
-            e = i;
-        }
-    }
-    return e;
+    const int32_t* home = alloc + int64_t(dn) * E + int64_t(dn) * epn;
+    const int i = x.arg_max(epn, [&](int j) {
+        const int32_t a = home[j];
+        if (a <= 0) return uint64_t(0);
+        return a >= need ? (uint64_t(1) << 32) | key_smaller(a) : uint64_t(a);
+    });
+    return i < 0 ? -1 : dn * epn + i;
 }
 
 // Transport candidate of the balanced planner for a makespan budget: every rank sends at most `budget` replica
@@ -264,56 +320,50 @@ FLATEP_HD int pick_home_expert(const Layout& l, const int32_t* alloc, int dn, in
 //           the receiver itself, then smallest room; else the largest room); 2 = largest room. Ties to lower rank.
 // The piece is min(expert remaining, excess, receiver room). Returns false when a budget would be exceeded.
 // Donors and receivers are disjoint, so no rank both sends and takes, and no replica is ever moved again.
-FLATEP_HD bool transport_candidate(const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w,
-                                   int budget, int variant) {
+template <class X>
+FLATEP_HD bool transport_candidate(const X& x, const Layout& l, const int32_t* tpe_all, int32_t* alloc,
+                                   const Workspace& w, int budget, int variant) {
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
-    init_donors(l, tpe_all, alloc, w);
+    init_donors(x, l, tpe_all, alloc, w);
     const int in_budget = min_of(budget, epn);
     const int expert_rule = variant % 2, receiver_rule = variant / 2;
     // Each step either finishes a donor, an expert's home allocation or a receiver's room, or adds a replica; the
     // bound below is only a guard against an inconsistent input.
     const int max_steps = 4 * R * (epn + 1) + 4 * R;
     for (int step = 0; step < max_steps; ++step) {
-        int dn = -1;
-        for (int r = 0; r < R; ++r)
-            if (w.excess[r] > 0 && (dn < 0 || w.excess[r] > w.excess[dn])) dn = r;
+        const int dn = x.arg_max(R, [&](int r) { return key_larger(w.excess[r]); });
         if (dn < 0) return true;
-        const int32_t x = w.excess[dn];
-        const int e = pick_home_expert(l, alloc, dn, x, expert_rule == 1);
+        const int32_t xs = w.excess[dn];
+        const int e = pick_home_expert(x, l, alloc, dn, xs, expert_rule == 1);
         if (e < 0) return false;  // the donor has nothing left at home (cannot happen: load_dn > its target >= 0)
-        const int32_t piece = min_of(x, alloc[dn * E + e]);
-        int rc = -1;
-        for (int r = 0; r < R; ++r)  // a receiver that already hosts e: no new replica
-            if (r != dn && w.room[r] > 0 && alloc[r * E + e] > 0) {
-                rc = r;
-                break;
-            }
-        const bool free_move = rc >= 0;
-        if (!free_move) {
+        const int32_t piece = min_of(xs, alloc[dn * E + e]);
+        // A receiver that already hosts e: no new replica.
+        int rc = x.arg_max(R, [&](int r) { return uint64_t(r != dn && w.room[r] > 0 && alloc[r * E + e] > 0); });
+        if (rc < 0) {
             if (w.num_out[dn] >= budget) return false;
-            int fit = -1, big = -1;
-            for (int r = 0; r < R; ++r) {
-                if (r == dn || w.room[r] <= 0 || w.num_in[r] >= in_budget) continue;
-                if (big < 0 || w.room[r] > w.room[big]) big = r;
-                if (w.room[r] < piece) continue;
-                if (fit < 0) {
-                    fit = r;
-                } else if (receiver_rule == 1) {
-                    const int32_t lr = tpe_all[r * E + e], lf = tpe_all[fit * E + e];
-                    if (lr > lf || (lr == lf && w.room[r] < w.room[fit])) fit = r;
-                } else if (w.room[r] < w.room[fit]) {
-                    fit = r;
-                }
+            auto open = [&](int r) { return r != dn && w.room[r] > 0 && w.num_in[r] < in_budget; };
+            const int big = x.arg_max(R, [&](int r) { return open(r) ? key_larger(w.room[r]) : 0; });
+            int fit = -1;
+            if (receiver_rule != 2) {
+                fit = x.arg_max(R, [&](int r) {
+                    if (!open(r) || w.room[r] < piece) return uint64_t(0);
+                    const uint64_t smaller = key_smaller(w.room[r]);
+                    return receiver_rule == 1 ? (uint64_t(tpe_all[r * E + e]) << 32) | smaller : smaller;
+                });
             }
-            rc = (receiver_rule == 2 || fit < 0) ? big : fit;
+            rc = fit < 0 ? big : fit;
             if (rc < 0) return false;
-            ++w.num_out[dn];
-            ++w.num_in[rc];
+            x.single([&] {
+                ++w.num_out[dn];
+                ++w.num_in[rc];
+            });
         }
         const int32_t m = min_of(piece, w.room[rc]);
-        move_entries(l, alloc, w, e, rc, m);
-        w.excess[dn] -= m;
-        w.room[rc] -= m;
+        x.single([&] {
+            move_entries(l, alloc, w, e, rc, m);
+            w.excess[dn] -= m;
+            w.room[rc] -= m;
+        });
     }
     return false;
 }
@@ -326,101 +376,83 @@ FLATEP_HD bool transport_candidate(const Layout& l, const int32_t* tpe_all, int3
 //   pass 2: the remaining items, in descending size (variant bit 1 clear) or in donor order (bit 1 set), are poured
 //          into the receivers with the largest room first (ties to the lower rank), split where a room fills up.
 // Every piece of an item on one receiver is one replica. Returns false when a budget would be exceeded.
-FLATEP_HD bool pack_candidate(const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w, int budget,
-                              int variant) {
+template <class X>
+FLATEP_HD bool pack_candidate(const X& x, const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w,
+                              int budget, int variant) {
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
-    init_donors(l, tpe_all, alloc, w);
+    init_donors(x, l, tpe_all, alloc, w);
     const int in_budget = min_of(budget, epn);
     int num_items = 0;
-    for (int e = 0; e < E; ++e) w.itemized[e] = 0;
+    x.for_each(E, [&](int e) { w.itemized[e] = 0; });
     for (int dn = 0; dn < R; ++dn) {
-        int32_t x = w.excess[dn];
-        while (x > 0) {
-            int best = -1;
-            for (int e = dn * epn; e < (dn + 1) * epn; ++e)
-                if (!w.itemized[e] && alloc[dn * E + e] > 0 && (best < 0 || alloc[dn * E + e] > alloc[dn * E + best]))
-                    best = e;
-            if (best < 0) return false;  // unreachable: a donor's home allocation exceeds its excess
-            w.itemized[best] = 1;
-            w.item_expert[num_items] = best;
-            w.item_size[num_items] = min_of(x, alloc[dn * E + best]);
-            w.item_state[num_items] = 0;
-            x -= w.item_size[num_items];
+        int32_t xs = w.excess[dn];
+        const int32_t* home = alloc + int64_t(dn) * E + int64_t(dn) * epn;
+        while (xs > 0) {
+            const int i = x.arg_max(epn, [&](int j) { return w.itemized[dn * epn + j] ? 0 : key_larger(home[j]); });
+            if (i < 0) return false;  // unreachable: a donor's home allocation exceeds its excess
+            const int best = dn * epn + i;
+            const int32_t size = min_of(xs, home[i]);
+            x.single([&] {
+                w.itemized[best] = 1;
+                w.item_expert[num_items] = best;
+                w.item_size[num_items] = size;
+                w.item_state[num_items] = 0;
+            });
+            xs -= size;
             ++num_items;
         }
     }
     if (variant & 1) {
         for (int pass = 0; pass < num_items; ++pass) {
-            int it = -1;
-            for (int i = 0; i < num_items; ++i)
-                if (w.item_state[i] == 0 && (it < 0 || w.item_size[i] > w.item_size[it])) it = i;
+            const int it =
+                x.arg_max(num_items, [&](int i) { return w.item_state[i] == 0 ? key_larger(w.item_size[i]) : 0; });
             if (it < 0) break;
-            w.item_state[it] = 1;
+            x.single([&] { w.item_state[it] = 1; });
             const int e = w.item_expert[it], dn = e / epn;
+            const int32_t size = w.item_size[it];
             if (w.num_out[dn] >= budget) continue;
-            int rc = -1;
-            for (int r = 0; r < R; ++r)
-                if (r != dn && w.num_in[r] < in_budget && w.room[r] >= w.item_size[it] &&
-                    (rc < 0 || w.room[r] < w.room[rc]))
-                    rc = r;
+            const int rc = x.arg_max(R, [&](int r) {
+                return r != dn && w.num_in[r] < in_budget && w.room[r] >= size ? key_smaller(w.room[r]) : 0;
+            });
             if (rc < 0) continue;
-            move_entries(l, alloc, w, e, rc, w.item_size[it]);
-            w.room[rc] -= w.item_size[it];
-            ++w.num_in[rc];
-            ++w.num_out[dn];
-            w.item_state[it] = 2;
+            x.single([&] {
+                move_entries(l, alloc, w, e, rc, size);
+                w.room[rc] -= size;
+                ++w.num_in[rc];
+                ++w.num_out[dn];
+                w.item_state[it] = 2;
+            });
         }
     }
     for (int pass = 0; pass < num_items; ++pass) {
-        int it = -1;
-        for (int i = 0; i < num_items; ++i) {
-            if (w.item_state[i] == 2) continue;
-            if (it < 0 || (!(variant & 2) && w.item_size[i] > w.item_size[it])) it = i;
-        }
+        const int it = x.arg_max(num_items, [&](int i) {
+            if (w.item_state[i] == 2) return uint64_t(0);
+            return (variant & 2) ? uint64_t(1) : key_larger(w.item_size[i]);
+        });
         if (it < 0) break;
-        w.item_state[it] = 2;
+        x.single([&] { w.item_state[it] = 2; });
         const int e = w.item_expert[it], dn = e / epn;
         int32_t left = w.item_size[it];
         while (left > 0) {
-            int rc = -1;
-            for (int r = 0; r < R; ++r)
-                if (r != dn && w.num_in[r] < in_budget && w.room[r] > 0 && (rc < 0 || w.room[r] > w.room[rc])) rc = r;
+            const int rc =
+                x.arg_max(R, [&](int r) { return r != dn && w.num_in[r] < in_budget ? key_larger(w.room[r]) : 0; });
             if (rc < 0 || w.num_out[dn] >= budget) return false;
             const int32_t m = min_of(left, w.room[rc]);
-            move_entries(l, alloc, w, e, rc, m);
-            w.room[rc] -= m;
+            x.single([&] {
+                move_entries(l, alloc, w, e, rc, m);
+                w.room[rc] -= m;
+                ++w.num_in[rc];
+                ++w.num_out[dn];
+            });
             left -= m;
-            ++w.num_in[rc];
-            ++w.num_out[dn];
         }
     }
     return true;
 }
 
-// Path (cascade) candidate of the balanced planner. The ranks whose load differs from their fixed target (as for
-// the greedy) are put on a path; the flow between neighbours is the running sum of surplus (load - target) along
-// it, sent by whichever neighbour is upstream, as pieces of its home experts, largest remaining allocation first.
-// At low skew every flow is smaller than one expert, so each rank sends and receives at most one replica (P = 1).
-// Path order: variant 0 = descending surplus (all flows go forward); variant 1 = start at the largest surplus, then
-// always append the rank that brings the running sum closest to zero (ties to the larger surplus, then the lower
-// rank); variants 2 and 3 = always append a rank that keeps the running sum p' >= 0 and within its largest home
-// expert, so every flow goes forward as one piece (P = 1 when such an order is found), taking the smallest (2) or
-// largest (3) such p', else the smallest |p'|. Ties to the lower rank. Returns false when a rank would exceed epn
-// replicas or run out of home entries.
-FLATEP_HD bool path_candidate(const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w,
-                              int variant) {
-    const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
-    const int64_t n = init_home(l, tpe_all, alloc, w);
-    fixed_targets(l, n, w);
-    int32_t* order = w.item_expert;  // [R] path order (E >= R)
-    int32_t* used = w.item_state;
-    for (int r = 0; r < R; ++r) {
-        used[r] = 0;
-        w.excess[r] = w.load[r] - w.target[r];  // signed surplus
-        w.room[r] = 0;                          // largest home expert (variants 2 and 3)
-        for (int e = r * epn; e < (r + 1) * epn; ++e) w.room[r] = max_of(w.room[r], w.total[e]);
-        w.num_in[r] = w.num_out[r] = 0;
-    }
+// Path order of path_candidate (serial: O(R^2) over the ranks' surpluses). Writes order[0, m) and returns m.
+FLATEP_HD int path_order(const Layout& l, const Workspace& w, int variant, int32_t* order, int32_t* used) {
+    const int R = l.num_ranks;
     int m = 0;
     int64_t prefix = 0;
     for (int step = 0; step < R; ++step) {
@@ -456,7 +488,37 @@ FLATEP_HD bool path_candidate(const Layout& l, const int32_t* tpe_all, int32_t* 
         order[m++] = pick;
         prefix += w.excess[pick];
     }
-    prefix = 0;
+    return m;
+}
+
+// Path (cascade) candidate of the balanced planner. The ranks whose load differs from their fixed target (as for
+// the greedy) are put on a path; the flow between neighbours is the running sum of surplus (load - target) along
+// it, sent by whichever neighbour is upstream, as pieces of its home experts, largest remaining allocation first.
+// At low skew every flow is smaller than one expert, so each rank sends and receives at most one replica (P = 1).
+// Path order: variant 0 = descending surplus (all flows go forward); variant 1 = start at the largest surplus, then
+// always append the rank that brings the running sum closest to zero (ties to the larger surplus, then the lower
+// rank); variants 2 and 3 = always append a rank that keeps the running sum p' >= 0 and within its largest home
+// expert, so every flow goes forward as one piece (P = 1 when such an order is found), taking the smallest (2) or
+// largest (3) such p', else the smallest |p'|. Ties to the lower rank. Returns false when a rank would exceed epn
+// replicas or run out of home entries.
+template <class X>
+FLATEP_HD bool path_candidate(const X& x, const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w,
+                              int variant) {
+    const int R = l.num_ranks, epn = l.experts_per_rank;
+    const int64_t n = init_home(x, l, tpe_all, alloc, w);
+    x.single([&] { fixed_targets(l, n, w); });
+    int32_t* order = w.item_expert;  // [R] path order (E >= R)
+    int32_t* used = w.item_state;
+    x.for_each(R, [&](int r) {
+        used[r] = 0;
+        w.excess[r] = w.load[r] - w.target[r];  // signed surplus
+        w.room[r] = 0;                          // largest home expert (variants 2 and 3)
+        for (int e = r * epn; e < (r + 1) * epn; ++e) w.room[r] = max_of(w.room[r], w.total[e]);
+        w.num_in[r] = w.num_out[r] = 0;
+    });
+    x.single([&] { w.item_size[0] = path_order(l, w, variant, order, used); });
+    const int m = w.item_size[0];
+    int64_t prefix = 0;
     for (int i = 0; i + 1 < m; ++i) {
         prefix += w.excess[order[i]];
         if (prefix == 0) continue;
@@ -464,15 +526,15 @@ FLATEP_HD bool path_candidate(const Layout& l, const int32_t* tpe_all, int32_t* 
         const int dst = prefix > 0 ? order[i + 1] : order[i];
         int32_t need = int32_t(prefix > 0 ? prefix : -prefix);
         while (need > 0) {
-            int best = -1;
-            for (int e = src * epn; e < (src + 1) * epn; ++e)
-                if (alloc[src * E + e] > 0 && (best < 0 || alloc[src * E + e] > alloc[src * E + best])) best = e;
+            const int best = largest_home_expert(x, l, alloc, src);
             if (best < 0 || w.num_in[dst] >= epn) return false;
-            const int32_t piece = min_of(need, alloc[src * E + best]);
-            move_entries(l, alloc, w, best, dst, piece);
+            const int32_t piece = min_of(need, alloc[src * l.num_experts + best]);
+            x.single([&] {
+                move_entries(l, alloc, w, best, dst, piece);
+                ++w.num_in[dst];
+                ++w.num_out[src];
+            });
             need -= piece;
-            ++w.num_in[dst];
-            ++w.num_out[src];
         }
     }
     return true;
@@ -500,80 +562,69 @@ FLATEP_HD bool path_candidate(const Layout& l, const int32_t* tpe_all, int32_t* 
 //       x - (cap - load) is smallest among those with a home allocation covering it (so it can pass the overshoot on
 //       as one piece); else as above. Every copy goes to a rank that has not sent yet, so the replicas stay acyclic.
 // A receiver already hosting the chosen expert costs no new replica. Returns false when a budget would be exceeded.
-FLATEP_HD bool tree_candidate(const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w, int budget,
-                              int variant) {
+template <class X>
+FLATEP_HD bool tree_candidate(const X& x, const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w,
+                              int budget, int variant) {
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
-    init_donors(l, tpe_all, alloc, w);
+    init_donors(x, l, tpe_all, alloc, w);
     const int in_budget = min_of(budget, epn);
     const int receiver_rule = variant % 2, expert_rule = (variant / 2) % 2, relay_rule = variant / 4;
     // Guard only: each step finishes a donor, fills a room or exhausts a home expert (see above).
     const int max_steps = 3 * R + E + 4;
     for (int step = 0; step < max_steps; ++step) {
-        int dn = -1;
-        for (int r = 0; r < R; ++r)
-            if (w.excess[r] > 0 && (dn < 0 || w.excess[r] > w.excess[dn])) dn = r;
+        const int dn = x.arg_max(R, [&](int r) { return key_larger(w.excess[r]); });
         if (dn < 0) return true;
-        const int32_t x = w.excess[dn];
+        const int32_t xs = w.excess[dn];
         const int left = budget - w.num_out[dn];
         if (left <= 0) return false;
         const bool last = left == 1;
-        int fit = -1, big = -1;
-        for (int r = 0; r < R; ++r) {
-            if (r == dn || w.room[r] <= 0 || w.num_in[r] >= in_budget) continue;
-            if (w.room[r] >= x) {
-                if (fit < 0 || w.room[r] < w.room[fit]) fit = r;
-            } else if (!last || w.num_out[r] < budget) {
-                if (big < 0 || w.room[r] > w.room[big]) big = r;
-            }
-        }
+        auto open = [&](int r) { return r != dn && w.room[r] > 0 && w.num_in[r] < in_budget; };
+        const int fit = x.arg_max(R, [&](int r) { return open(r) && w.room[r] >= xs ? key_smaller(w.room[r]) : 0; });
+        const int big = x.arg_max(R, [&](int r) {
+            return open(r) && w.room[r] < xs && (!last || w.num_out[r] < budget) ? key_larger(w.room[r]) : 0;
+        });
         int rc;
         if (last || receiver_rule == 1) {
             rc = fit >= 0 ? fit : big;
+        } else if (fit >= 0) {
+            // Largest room overall: the largest fitting room (it is above every non-fitting one).
+            rc = x.arg_max(R, [&](int r) { return open(r) && w.room[r] >= xs ? key_larger(w.room[r]) : 0; });
         } else {
-            // Largest room overall: the largest fitting room if any (it is above every non-fitting one).
             rc = big;
-            if (fit >= 0) {
-                rc = fit;
-                for (int r = 0; r < R; ++r)
-                    if (r != dn && w.room[r] > w.room[rc] && w.num_in[r] < in_budget) rc = r;
-            }
         }
         if (last && fit < 0 && relay_rule == 1) {
             // Overshoot target by forward fit: the rank (other than dn, not having sent yet, with a free slot) whose
             // forward amount f = x - (cap - load) is smallest among those with a home allocation covering f; ranks
             // at or above their cap (donors that have not sent yet) may relay. Ties to the lower rank.
-            int best = -1;
-            int32_t best_f = 0;
-            for (int r = 0; r < R; ++r) {
-                if (r == dn || w.num_out[r] != 0 || w.num_in[r] >= in_budget) continue;
-                const int32_t f = x - w.room[r] + w.excess[r];
+            const int best = x.arg_max(R, [&](int r) {
+                if (r == dn || w.num_out[r] != 0 || w.num_in[r] >= in_budget) return uint64_t(0);
+                const int32_t f = xs - w.room[r] + w.excess[r];
                 int32_t biggest = 0;
                 for (int i = r * epn; i < (r + 1) * epn; ++i) biggest = max_of(biggest, alloc[r * E + i]);
-                if (f > biggest) continue;
-                if (best < 0 || f < best_f) {
-                    best = r;
-                    best_f = f;
-                }
-            }
+                return f > biggest ? uint64_t(0) : uint64_t((int64_t(1) << 33) - int64_t(f));
+            });
             if (best >= 0) rc = best;
         }
         if (rc < 0) return false;
-        const int32_t amount = last ? x : min_of(x, w.room[rc]);
-        const int e = pick_home_expert(l, alloc, dn, amount, expert_rule == 0);
+        const int32_t amount = last ? xs : min_of(xs, w.room[rc]);
+        const int e = pick_home_expert(x, l, alloc, dn, amount, expert_rule == 0);
         if (e < 0) return false;  // cannot happen: a donor's home allocation exceeds its excess
         const int32_t piece = min_of(amount, alloc[dn * E + e]);
-        if (alloc[rc * E + e] == 0) {
-            ++w.num_out[dn];
-            ++w.num_in[rc];
-        }
-        move_entries(l, alloc, w, e, rc, piece);
-        w.excess[dn] -= piece;
-        if (piece <= w.room[rc]) {
-            w.room[rc] -= piece;
-        } else {
-            w.excess[rc] += piece - w.room[rc];
-            w.room[rc] = 0;
-        }
+        const bool new_replica = alloc[rc * E + e] == 0;
+        x.single([&] {
+            if (new_replica) {
+                ++w.num_out[dn];
+                ++w.num_in[rc];
+            }
+            move_entries(l, alloc, w, e, rc, piece);
+            w.excess[dn] -= piece;
+            if (piece <= w.room[rc]) {
+                w.room[rc] -= piece;
+            } else {
+                w.excess[rc] += piece - w.room[rc];
+                w.room[rc] = 0;
+            }
+        });
     }
     return false;
 }
@@ -588,14 +639,20 @@ FLATEP_HD int num_candidates(int greedy_makespan) { return kNumPathVariants + kV
 // Builds candidate `index` into `cand` ([R*E]) using workspace `w`; false when that candidate yields no plan. A
 // candidate reads only tpe_all and writes only cand and w, so candidates may be built in any order or in parallel,
 // each with its own workspace.
-FLATEP_HD bool build_candidate(const Layout& l, const int32_t* tpe_all, int32_t* cand, const Workspace& w, int index) {
-    if (index < kNumPathVariants) return path_candidate(l, tpe_all, cand, w, index);
+template <class X>
+FLATEP_HD bool build_candidate(const X& x, const Layout& l, const int32_t* tpe_all, int32_t* cand, const Workspace& w,
+                               int index) {
+    if (index < kNumPathVariants) return path_candidate(x, l, tpe_all, cand, w, index);
     const int budget = (index - kNumPathVariants) / kVariantsPerBudget + 1;
     const int variant = (index - kNumPathVariants) % kVariantsPerBudget;
     const int v = variant - kNumTransportVariants;
-    return variant < kNumTransportVariants ? transport_candidate(l, tpe_all, cand, w, budget, variant)
-           : v < kNumPackVariants          ? pack_candidate(l, tpe_all, cand, w, budget, v)
-                                           : tree_candidate(l, tpe_all, cand, w, budget, v - kNumPackVariants);
+    return variant < kNumTransportVariants ? transport_candidate(x, l, tpe_all, cand, w, budget, variant)
+           : v < kNumPackVariants          ? pack_candidate(x, l, tpe_all, cand, w, budget, v)
+                                           : tree_candidate(x, l, tpe_all, cand, w, budget, v - kNumPackVariants);
+}
+
+FLATEP_HD bool build_candidate(const Layout& l, const int32_t* tpe_all, int32_t* cand, const Workspace& w, int index) {
+    return build_candidate(SerialExec{}, l, tpe_all, cand, w, index);
 }
 
 // Marks a candidate that yielded no plan in a quality list.
@@ -638,18 +695,19 @@ FLATEP_HD int select_candidate(const PlanQuality& greedy, const PlanQuality* qua
 // select_candidate's rule (which this serial loop follows step by step, building each candidate only when the rule
 // reaches it). So the balanced plan is never worse than the greedy on P or on total replicas.
 // Every candidate reads only tpe_all and writes only its own allocation and scratch, so a GPU may build them in
-// parallel (one block each) and apply select_candidate to their qualities. Cost: O(R*E) per candidate (reset and
+// parallel (one warp each) and apply select_candidate to their qualities. Cost: O(R*E) per candidate (reset and
 // evaluation) plus O(R*epn^2) for cutting experts and O(E) per tree step; at most num_candidates(P_greedy).
 FLATEP_HD void plan_alloc(const Layout& l, PlannerKind kind, const int32_t* tpe_all, int32_t* alloc, int32_t* ws) {
+    const SerialExec x{};
     const Workspace w = make_workspace(l, ws);
-    greedy_alloc(l, tpe_all, alloc, w);
+    greedy_alloc(x, l, tpe_all, alloc, w);
     if (kind != PlannerKind::kBalanced) return;
     const int R = l.num_ranks, E = l.num_experts;
-    const PlanQuality greedy = evaluate_alloc(l, tpe_all, alloc, w.num_in, w.num_out);
+    const PlanQuality greedy = evaluate_alloc(x, l, tpe_all, alloc, w.num_in, w.num_out);
     PlanQuality best = greedy;
     auto consider = [&](int index, bool& found) {
-        if (!build_candidate(l, tpe_all, w.cand, w, index)) return;
-        const PlanQuality q = evaluate_alloc(l, tpe_all, w.cand, w.num_in, w.num_out);
+        if (!build_candidate(x, l, tpe_all, w.cand, w, index)) return;
+        const PlanQuality q = evaluate_alloc(x, l, tpe_all, w.cand, w.num_in, w.num_out);
         if (q.makespan > greedy.makespan || q.total_replicas > greedy.total_replicas) return;
         found = true;
         if (!better_than(q, best)) return;

@@ -3,6 +3,9 @@
 // and every candidate of the balanced planner run by its own warp. Integer arithmetic only, so the plan is bitwise
 // the host planner's.
 #include <atomic>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "common/check.hpp"
 #include "kernels/common/barrier.cuh"
@@ -32,19 +35,28 @@ struct PlanWorkspace {
     int32_t* serial_ws;             // planner_core workspace (serial engine)
     planner_core::PlanQuality* cand_quality;  // [max_candidates] quality of every balanced-planner candidate
     int32_t* cand_meta;                       // [kMetaWords] the greedy's quality and the number of candidates
+    int32_t* stored_alloc;                    // [stored_candidates][R*E] allocations of the first candidates
 };
 
 // cand_meta words.
 enum CandidateMeta : int { kMetaMakespan = 0, kMetaReplicas, kMetaMovedLo, kMetaMovedHi, kMetaCount, kMetaWords = 8 };
 
 // Upper bound of the greedy's makespan: a rank hosts at most epn replicas and the E experts have at most E copies.
-int max_candidates(const Layout& l) { return planner_core::num_candidates(l.num_experts); }
+FLATEP_HD int max_candidates_hd(const Layout& l) { return planner_core::num_candidates(l.num_experts); }
+int max_candidates(const Layout& l) { return max_candidates_hd(l); }
+// Candidates whose allocation the candidate kernel keeps (the first pass of its grid, within 16 MiB); the winner is
+// copied from there, or rebuilt when its index is beyond.
+constexpr int kMaxStoredCandidates = 4 + 18 * 6;
+int stored_candidates(const Layout& l) {
+    const int64_t re = int64_t(l.num_ranks) * l.num_experts;
+    return int(min_of<int64_t>(min_of(kMaxStoredCandidates, max_candidates(l)), (int64_t(4) << 20) / re));
+}
 
 int segment_tokens(const Layout& l) { return l.topk >= kSegmentEntries ? 1 : kSegmentEntries / l.topk; }
 int num_segments(const Layout& l) { return ceil_div(l.num_tokens, segment_tokens(l)); }
 
 struct WorkspaceSizes {
-    int64_t tpe_local, seg_counts, first_bad, serial_ws, cand_quality, cand_meta, total;
+    int64_t tpe_local, seg_counts, first_bad, serial_ws, cand_quality, cand_meta, stored_alloc, total;
 };
 
 WorkspaceSizes workspace_sizes(const Layout& l) {
@@ -61,6 +73,7 @@ WorkspaceSizes workspace_sizes(const Layout& l) {
     s.serial_ws = take(int64_t(l.num_ranks) * l.num_experts + planner_core::planner_workspace_words(l));
     s.cand_quality = take(int64_t(max_candidates(l)) * int64_t(sizeof(planner_core::PlanQuality) / 4));
     s.cand_meta = take(kMetaWords);
+    s.stored_alloc = take(int64_t(stored_candidates(l)) * l.num_ranks * l.num_experts);
     s.total = at;
     return s;
 }
@@ -75,6 +88,7 @@ PlanWorkspace make_plan_workspace(const Layout& l, void* base) {
     p.serial_ws = w + s.serial_ws;
     p.cand_quality = reinterpret_cast<planner_core::PlanQuality*>(w + s.cand_quality);
     p.cand_meta = w + s.cand_meta;
+    p.stored_alloc = w + s.stored_alloc;
     return p;
 }
 
@@ -185,7 +199,9 @@ struct PlannerShared {
 };
 
 // derive_plan, spread over the block.
-FLATEP_DEVICE void derive_plan_block(const Layout& l, const PlanView& p, PlannerShared& sh, int tid, int nthreads) {
+// tpe and alloc: the counts and the allocation to derive from (p.tpe_all / p.alloc, or copies in shared memory).
+FLATEP_DEVICE void derive_plan_block(const Layout& l, const PlanView& p, PlannerShared& sh, int tid, int nthreads,
+                                     const int32_t* tpe, const int32_t* alloc) {
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
     const int lane = tid % 32, warp = tid / 32, num_warps = nthreads / 32;
     if (tid < kMaxRanks) {
@@ -193,36 +209,74 @@ FLATEP_DEVICE void derive_plan_block(const Layout& l, const PlanView& p, Planner
     }
     if (tid == 0) sh.on_source = sh.kept = 0;
     __syncthreads();
-    for (int e = tid; e < E; e += nthreads) {
-        int32_t spill = 0, take = 0, total = 0, kept = 0;
-        const int h = e / epn;
-        for (int d = 0; d < R; ++d) {
-            const int32_t t = p.tpe_all[d * E + e], a = p.alloc[d * E + e];
-            const int32_t k = t < a ? t : a;
-            p.keep[d * E + e] = k;
-            p.spill_start[d * E + e] = spill;
-            p.take_start[d * E + e] = take;
-            spill += t - k;
-            take += a - k;
-            total += t;
-            kept += k;
-            if (a != 0) atomicAdd(&sh.loads_after[d], a);
-            if (a > 0 && h != d) {
-                atomicAdd(&sh.num_in[d], 1);
-                atomicAdd(&sh.num_out[h], 1);
+    // One expert per lane; per-rank sums are reduced over the warp first, so each shared counter takes one atomic
+    // per warp instead of one per expert (same-address shared atomics serialise).
+    constexpr int kChunk = 8;  // ranks whose cells are loaded before any is stored (loads in flight)
+    for (int e0 = warp * 32; e0 < E; e0 += num_warps * 32) {
+        const int e = e0 + lane;
+        const bool valid = e < E;
+        const int h = valid ? e / epn : -1;
+        int32_t spill = 0, take = 0, total = 0, copies = 0;
+        int64_t kept = 0;
+        for (int d0 = 0; d0 < R; d0 += kChunk) {
+            int32_t tc[kChunk], ac[kChunk];
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j) {
+                const int d = d0 + j;
+                tc[j] = valid && d < R ? tpe[d * E + e] : 0;
+                ac[j] = valid && d < R ? alloc[d * E + e] : 0;
+            }
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j) {
+                const int d = d0 + j;
+                if (d >= R) break;  // uniform over the warp
+                const int32_t t = tc[j], a = ac[j];
+                const int32_t k = t < a ? t : a;
+                if (valid) {
+                    p.keep[d * E + e] = k;
+                    p.spill_start[d * E + e] = spill;
+                    p.take_start[d * E + e] = take;
+                }
+                spill += t - k;
+                take += a - k;
+                total += t;
+                kept += k;
+                const bool replica = a > 0 && h != d;
+                copies += replica;
+                const unsigned after = __reduce_add_sync(kFull, unsigned(a));
+                const unsigned in = __popc(__ballot_sync(kFull, replica));
+                if (lane == 0) {
+                    if (after != 0) atomicAdd(&sh.loads_after[d], int32_t(after));
+                    if (in != 0) atomicAdd(&sh.num_in[d], int32_t(in));
+                }
             }
         }
-        if (total != 0) atomicAdd(&sh.loads_before[h], total);
-        atomicAdd(&sh.on_source, (unsigned long long)kept);
-        atomicAdd(&sh.kept, (unsigned long long)total);  // kept doubles as entries_total here
+        // Lanes of the same home rank: one atomic per rank and warp.
+        const unsigned same = __match_any_sync(kFull, h);
+        const unsigned group_total = __reduce_add_sync(same, unsigned(total));
+        const unsigned group_copies = __reduce_add_sync(same, unsigned(copies));
+        if (valid && lane == __ffs(same) - 1) {
+            if (group_total != 0) atomicAdd(&sh.loads_before[h], int32_t(group_total));
+            if (group_copies != 0) atomicAdd(&sh.num_out[h], int32_t(group_copies));
+        }
+        int64_t sum_kept = kept, sum_total = total;
+        for (int o = 16; o > 0; o >>= 1) {
+            sum_kept += __shfl_xor_sync(kFull, sum_kept, o);
+            sum_total += __shfl_xor_sync(kFull, sum_total, o);
+        }
+        if (lane == 0) {
+            atomicAdd(&sh.on_source, (unsigned long long)sum_kept);
+            atomicAdd(&sh.kept, (unsigned long long)sum_total);  // kept doubles as entries_total here
+        }
     }
+    __syncthreads();
     for (int64_t i = tid; i < int64_t(R) * E; i += nthreads) p.group_row[i] = -1;
     // Slots: replica experts of rank d in ascending id, then -1.
     for (int d = warp; d < R; d += num_warps) {
         int count = 0;
         for (int base = 0; base < E; base += 32) {
             const int e = base + lane;
-            const bool pred = e < E && p.alloc[d * E + e] > 0 && e / epn != d;
+            const bool pred = e < E && alloc[d * E + e] > 0 && e / epn != d;
             const unsigned b = __ballot_sync(kFull, pred);
             const int pos = count + __popc(b & ((1u << lane) - 1u));
             if (pred && pos < epn) p.slot_expert[d * epn + pos] = e;
@@ -231,40 +285,54 @@ FLATEP_DEVICE void derive_plan_block(const Layout& l, const PlanView& p, Planner
         for (int j = count + lane; j < epn; j += 32) p.slot_expert[d * epn + j] = -1;
     }
     __syncthreads();
-    for (int d = tid; d < R; d += nthreads) {
-        int32_t row = 0;
-        for (int g = 0; g < 2 * epn; ++g) {
-            const int e = g < epn ? d * epn + g : p.slot_expert[d * epn + (g - epn)];
-            if (e >= 0) {
-                p.group_row[d * E + e] = row;
-                row += round_up(p.alloc[d * E + e], l.align);
+    // Group rows and cu_seqlens: one warp per rank, a warp scan over its 2*epn groups.
+    for (int d = warp; d < R; d += num_warps) {
+        int32_t base = 0;
+        for (int g0 = 0; g0 < 2 * epn; g0 += 32) {
+            const int g = g0 + lane;
+            int e = -1;
+            if (g < 2 * epn) e = g < epn ? d * epn + g : p.slot_expert[d * epn + (g - epn)];
+            const int32_t size = e >= 0 ? round_up(alloc[d * E + e], l.align) : 0;
+            int32_t incl = size;
+            for (int o = 1; o < 32; o <<= 1) {
+                const int32_t v = __shfl_up_sync(kFull, incl, o);
+                if (lane >= o) incl += v;
             }
-            p.cu_seqlens[d * 2 * epn + g] = row;
+            if (e >= 0) p.group_row[d * E + e] = base + incl - size;
+            if (g < 2 * epn) p.cu_seqlens[d * 2 * epn + g] = base + incl;
+            base += __shfl_sync(kFull, incl, 31);
         }
     }
+    // Statistics: per-rank arrays by one thread each, the scalars by thread 0 from shared memory (no global
+    // read-modify-write chains).
+    PlanStats& st = *p.stats;
+    for (int r = tid; r < kMaxRanks; r += nthreads) {
+        const bool in = r < R;
+        st.loads_before[r] = in ? sh.loads_before[r] : 0;
+        st.loads_after[r] = in ? sh.loads_after[r] : 0;
+        st.replicas_in[r] = in ? sh.num_in[r] : 0;
+        st.replicas_out[r] = in ? sh.num_out[r] : 0;
+    }
     if (tid == 0) {
-        PlanStats& st = *p.stats;
+        int32_t total_replicas = 0, max_before = 0, max_after = 0, min_after = 0, max_in = 0, max_out = 0;
+        for (int d = 0; d < R; ++d) {
+            total_replicas += sh.num_in[d];
+            max_before = max_of(max_before, sh.loads_before[d]);
+            max_after = max_of(max_after, sh.loads_after[d]);
+            min_after = d == 0 ? sh.loads_after[d] : min_of(min_after, sh.loads_after[d]);
+            max_in = max_of(max_in, sh.num_in[d]);
+            max_out = max_of(max_out, sh.num_out[d]);
+        }
         st.entries_total = int64_t(sh.kept);
         st.entries_on_source = int64_t(sh.on_source);
         st.entries_moved = st.entries_total - st.entries_on_source;
-        st.max_load_before = st.max_load_after = st.min_load_after = 0;
-        st.total_replicas = st.max_replicas_in = st.max_replicas_out = 0;
-        for (int r = 0; r < kMaxRanks; ++r) {
-            const bool in = r < R;
-            st.loads_before[r] = in ? sh.loads_before[r] : 0;
-            st.loads_after[r] = in ? sh.loads_after[r] : 0;
-            st.replicas_in[r] = in ? sh.num_in[r] : 0;
-            st.replicas_out[r] = in ? sh.num_out[r] : 0;
-        }
-        for (int d = 0; d < R; ++d) {
-            st.total_replicas += st.replicas_in[d];
-            st.max_load_before = max_of(st.max_load_before, st.loads_before[d]);
-            st.max_load_after = max_of(st.max_load_after, st.loads_after[d]);
-            st.min_load_after = d == 0 ? st.loads_after[d] : min_of(st.min_load_after, st.loads_after[d]);
-            st.max_replicas_in = max_of(st.max_replicas_in, st.replicas_in[d]);
-            st.max_replicas_out = max_of(st.max_replicas_out, st.replicas_out[d]);
-        }
-        st.makespan = max_of(st.max_replicas_in, st.max_replicas_out);
+        st.max_load_before = max_before;
+        st.max_load_after = max_after;
+        st.min_load_after = min_after;
+        st.total_replicas = total_replicas;
+        st.max_replicas_in = max_in;
+        st.max_replicas_out = max_out;
+        st.makespan = max_of(max_in, max_out);
     }
     __syncthreads();
 }
@@ -276,7 +344,7 @@ __global__ void __launch_bounds__(kPlannerThreads)
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     if (alloc_ready) {  // the candidate kernels below already wrote p.alloc (uniform branch: a kernel parameter)
-        derive_plan_block(l, p, sh, tid, blockDim.x);
+        derive_plan_block(l, p, sh, tid, blockDim.x, p.tpe_all, p.alloc);
         return;
     }
 
@@ -363,79 +431,207 @@ __global__ void __launch_bounds__(kPlannerThreads)
             for (int64_t i = tid; i < int64_t(R) * E; i += blockDim.x) p.alloc[i] = alloc_s[i];
         __syncthreads();
     }
-    derive_plan_block(l, p, sh, tid, blockDim.x);
+    derive_plan_block(l, p, sh, tid, blockDim.x, p.tpe_all, p.alloc);
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Balanced planner, candidate-parallel: the greedy and its quality (one block), then every candidate in its own
-// block over shared-memory copies of the counts and its own workspace, then select_candidate's rule and a rebuild of
-// the winner. planner_core's functions run as written (one thread per candidate), so the plan is the host's bitwise
-// (tests/unit/planner/test_planner_candidates.cpp checks the decomposition on the host).
-constexpr int kCandidateThreads = 128;
+// Balanced planner, candidate-parallel. Kernel 1 (one warp per block): every block loads the counts into shared
+// memory and runs the greedy and its quality (so it knows how many candidates select_candidate may look at), then
+// builds the candidates blockIdx.x, blockIdx.x + gridDim.x, ... with planner_core's own functions on the warp
+// executor below, writing each quality and (the first `stored` indices) each allocation. Kernel 2 (one block):
+// select_candidate's rule, the winner's allocation (copied, or rebuilt when it was not stored), derive_plan.
+// planner_core's code runs as written on both sides, so the plan is the host's bitwise; the host test
+// tests/unit/planner/test_planner_candidates.cpp checks the decomposition.
+constexpr int kSelectCached = 1024;                     // qualities select_derive_kernel reads from shared memory
+constexpr int kCandidateBlocks = kMaxStoredCandidates;  // num_candidates(6): one pass up to a greedy P of 6
 
 size_t candidate_smem_bytes(const Layout& l) {
     return (size_t(l.num_ranks) * l.num_experts + size_t(planner_core::planner_workspace_words(l))) * sizeof(int32_t);
+}
+
+// Warp executor of planner_core (see "Executors" there): the 32 lanes run the planner's scalar code together with
+// the same values; loops are split over the lanes and selections are warp reductions (redux.sync), except short
+// scans, which every lane does whole (shared-memory broadcast reads; cheaper than three reductions). Keys are
+// compared as (high word, low word), then the lower index wins, exactly like SerialExec's strict '>' scan.
+struct WarpExec {
+    static constexpr int kSerialScan = 16;  // arg_max over at most this many items: a redundant scan per lane
+    int lane;
+    FLATEP_HD void sync() const {
+#ifdef __CUDA_ARCH__
+        __syncwarp();
+#endif
+    }
+    template <class F>
+    FLATEP_HD void single(F&& f) const {
+        sync();
+        if (lane == 0) f();
+        sync();
+    }
+    template <class F>
+    FLATEP_HD void for_each(int n, F&& f) const {
+        sync();
+        for (int i = lane; i < n; i += 32) f(i);
+        sync();
+    }
+    template <class F>
+    FLATEP_HD int64_t sum(int n, F&& f) const {
+        sync();
+        int64_t s = 0;
+        for (int i = lane; i < n; i += 32) s += int64_t(f(i));
+#ifdef __CUDA_ARCH__
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
+#endif
+        return s;
+    }
+    template <class K>
+    FLATEP_HD int arg_max(int n, K&& key) const {
+        // Short scans (ranks): every lane scans all of it, no reduction needed.
+        if (n <= kSerialScan) return planner_core::SerialExec{}.arg_max(n, key);
+        uint64_t best = 0;
+        int at = -1;
+        for (int i = lane; i < n; i += 32) {
+            const uint64_t k = key(i);
+            if (k > best) {
+                best = k;
+                at = i;
+            }
+        }
+#ifdef __CUDA_ARCH__
+        const unsigned hi = __reduce_max_sync(kFull, unsigned(best >> 32));
+        const unsigned lo = __reduce_max_sync(kFull, unsigned(best >> 32) == hi ? unsigned(best) : 0u);
+        if (hi == 0 && lo == 0) return -1;
+        const bool mine = best == ((uint64_t(hi) << 32) | lo);
+        return int(__reduce_min_sync(kFull, mine ? unsigned(at) : 0xffffffffu));
+#else
+        return at;
+#endif
+    }
+    FLATEP_HD void add(int32_t* p, int32_t v) const {
+#ifdef __CUDA_ARCH__
+        atomicAdd(p, v);
+#else
+        *p += v;
+#endif
+    }
+};
+
+// Shared memory: the counts [R*E], then planner_core's workspace (its cand array holds the candidate).
+// Copies n int32 words with 16-byte accesses when both ends allow it, four loads in flight per thread.
+FLATEP_DEVICE void copy_words(int32_t* dst, const int32_t* src, int64_t n, int tid, int nthreads) {
+    int64_t done = 0;
+    if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0) {
+        const int4* s4 = reinterpret_cast<const int4*>(src);
+        int4* d4 = reinterpret_cast<int4*>(dst);
+        const int64_t n4 = n / 4;
+        int64_t i = tid;
+        for (; i + 3 * int64_t(nthreads) < n4; i += 4 * int64_t(nthreads)) {
+            const int4 a = s4[i], b = s4[i + nthreads], c = s4[i + 2 * nthreads], d = s4[i + 3 * nthreads];
+            d4[i] = a;
+            d4[i + nthreads] = b;
+            d4[i + 2 * nthreads] = c;
+            d4[i + 3 * nthreads] = d;
+        }
+        for (; i < n4; i += nthreads) d4[i] = s4[i];
+        done = n4 * 4;
+    }
+    for (int64_t i = done + tid; i < n; i += nthreads) dst[i] = src[i];
 }
 
 // Shared memory: the counts [R*E], then planner_core's workspace (its cand array holds the candidate).
 FLATEP_DEVICE planner_core::Workspace load_counts(const Layout& l, const PlanView& p, int32_t* smem, int tid,
                                                   int nthreads) {
     const int64_t re = int64_t(l.num_ranks) * l.num_experts;
-    for (int64_t i = tid; i < re; i += nthreads) smem[i] = p.tpe_all[i];
+    copy_words(smem, p.tpe_all, re, tid, nthreads);
     return planner_core::make_workspace(l, smem + re);
 }
 
-__global__ void __launch_bounds__(kCandidateThreads) greedy_quality_kernel(Layout l, PlanView p, PlanWorkspace ws) {
-    extern __shared__ int32_t smem[];
-    const planner_core::Workspace w = load_counts(l, p, smem, threadIdx.x, blockDim.x);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        planner_core::greedy_alloc(l, smem, w.cand, w);
-        const planner_core::PlanQuality q = planner_core::evaluate_alloc(l, smem, w.cand, w.num_in, w.num_out);
-        ws.cand_meta[kMetaMakespan] = q.makespan;
-        ws.cand_meta[kMetaReplicas] = q.total_replicas;
-        ws.cand_meta[kMetaMovedLo] = int32_t(uint32_t(uint64_t(q.entries_moved)));
-        ws.cand_meta[kMetaMovedHi] = int32_t(uint32_t(uint64_t(q.entries_moved) >> 32));
-        ws.cand_meta[kMetaCount] =
-            min_of(planner_core::num_candidates(q.makespan), planner_core::num_candidates(l.num_experts));
-    }
-    __syncthreads();
+// Main launch (first == 0, gridDim.x = G + 1): block G runs the greedy (the plan when no candidate is kept, and
+// its quality, which bounds how many candidates select_candidate looks at); blocks [0, G) build candidate
+// blockIdx.x at once, whether or not the greedy's bound will include it, so nothing waits for the greedy.
+// Overflow launch (first == G): the candidates [G, count) the greedy's bound asks for, grid-stride; its blocks
+// return at once when count <= G (the usual case).
+__global__ void __launch_bounds__(32) candidates_kernel(Layout l, PlanView p, PlanWorkspace ws, int stored, int first) {
+    extern __shared__ int4 smem_words[];  // 16-byte aligned
+    int32_t* smem = reinterpret_cast<int32_t*>(smem_words);
+    const WarpExec x{int(threadIdx.x)};
     const int64_t re = int64_t(l.num_ranks) * l.num_experts;
-    for (int64_t i = threadIdx.x; i < re; i += blockDim.x) p.alloc[i] = w.cand[i];
-}
-
-__global__ void __launch_bounds__(kCandidateThreads) candidate_kernel(Layout l, PlanView p, PlanWorkspace ws) {
-    extern __shared__ int32_t smem[];
-    const int index = blockIdx.x;
-    if (index >= ws.cand_meta[kMetaCount]) return;  // uniform per block
-    const planner_core::Workspace w = load_counts(l, p, smem, threadIdx.x, blockDim.x);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        ws.cand_quality[index] = planner_core::build_candidate(l, smem, w.cand, w, index)
-                                     ? planner_core::evaluate_alloc(l, smem, w.cand, w.num_in, w.num_out)
-                                     : planner_core::PlanQuality{planner_core::kNoCandidate, 0, 0};
+    const bool greedy_block = first == 0 && blockIdx.x == gridDim.x - 1;
+    int begin = 0, end = 0, step = 1;
+    if (first == 0) {
+        begin = blockIdx.x;
+        end = min_of(begin + 1, max_candidates_hd(l));
+    } else {
+        begin = first + blockIdx.x;
+        end = ws.cand_meta[kMetaCount];
+        step = gridDim.x;
+    }
+    if (!greedy_block && begin >= end) return;
+    const planner_core::Workspace w = load_counts(l, p, smem, x.lane, 32);
+    __syncwarp();
+    if (greedy_block) {
+        planner_core::greedy_alloc(x, l, smem, w.cand, w);
+        const planner_core::PlanQuality greedy = planner_core::evaluate_alloc(x, l, smem, w.cand, w.num_in, w.num_out);
+        copy_words(p.alloc, w.cand, re, x.lane, 32);
+        if (x.lane == 0) {
+            ws.cand_meta[kMetaMakespan] = greedy.makespan;
+            ws.cand_meta[kMetaReplicas] = greedy.total_replicas;
+            ws.cand_meta[kMetaMovedLo] = int32_t(uint32_t(uint64_t(greedy.entries_moved)));
+            ws.cand_meta[kMetaMovedHi] = int32_t(uint32_t(uint64_t(greedy.entries_moved) >> 32));
+            ws.cand_meta[kMetaCount] = min_of(planner_core::num_candidates(greedy.makespan), max_candidates_hd(l));
+        }
+        return;
+    }
+    for (int index = begin; index < end; index += step) {
+        const bool ok = planner_core::build_candidate(x, l, smem, w.cand, w, index);
+        const planner_core::PlanQuality q = ok ? planner_core::evaluate_alloc(x, l, smem, w.cand, w.num_in, w.num_out)
+                                               : planner_core::PlanQuality{planner_core::kNoCandidate, 0, 0};
+        if (x.lane == 0) ws.cand_quality[index] = q;
+        if (ok && index < stored) copy_words(ws.stored_alloc + int64_t(index) * re, w.cand, re, x.lane, 32);
+        __syncwarp();
     }
 }
 
-__global__ void __launch_bounds__(kCandidateThreads) select_candidate_kernel(Layout l, PlanView p, PlanWorkspace ws) {
-    extern __shared__ int32_t smem[];
-    __shared__ int kept;
-    if (threadIdx.x == 0) {
+__global__ void __launch_bounds__(kPlannerThreads)
+    select_derive_kernel(Layout l, PlanView p, PlanWorkspace ws, int stored) {
+    extern __shared__ int4 smem_words[];
+    int32_t* smem = reinterpret_cast<int32_t*>(smem_words);
+    __shared__ PlannerShared sh;
+    __shared__ planner_core::PlanQuality quality[kSelectCached];  // the qualities, loaded in parallel
+    const int tid = threadIdx.x;
+    const int count = ws.cand_meta[kMetaCount];
+    for (int i = tid; i < min_of(count, kSelectCached); i += blockDim.x) quality[i] = ws.cand_quality[i];
+    __syncthreads();
+    if (tid == 0) {
         planner_core::PlanQuality greedy{};
         greedy.makespan = ws.cand_meta[kMetaMakespan];
         greedy.total_replicas = ws.cand_meta[kMetaReplicas];
         greedy.entries_moved = int64_t(uint64_t(uint32_t(ws.cand_meta[kMetaMovedLo])) |
                                        (uint64_t(uint32_t(ws.cand_meta[kMetaMovedHi])) << 32));
-        kept = planner_core::select_candidate(greedy, ws.cand_quality, ws.cand_meta[kMetaCount]);
+        sh.winner = planner_core::select_candidate(greedy, count <= kSelectCached ? quality : ws.cand_quality, count);
     }
     __syncthreads();
-    if (kept < 0) return;  // the greedy allocation is already in p.alloc
-    const planner_core::Workspace w = load_counts(l, p, smem, threadIdx.x, blockDim.x);
-    __syncthreads();
-    if (threadIdx.x == 0) planner_core::build_candidate(l, smem, w.cand, w, kept);
-    __syncthreads();
+    const int kept = sh.winner;
+    // Shared memory: the counts [R*E], then the allocation derived from (the winner's, or the greedy's).
     const int64_t re = int64_t(l.num_ranks) * l.num_experts;
-    for (int64_t i = threadIdx.x; i < re; i += blockDim.x) p.alloc[i] = w.cand[i];
+    int32_t* alloc_s = smem + re;
+    copy_words(smem, p.tpe_all, re, tid, blockDim.x);
+    if (kept >= 0 && kept < stored) {
+        copy_words(alloc_s, ws.stored_alloc + int64_t(kept) * re, re, tid, blockDim.x);
+        copy_words(p.alloc, ws.stored_alloc + int64_t(kept) * re, re, tid, blockDim.x);
+    } else if (kept < 0) {
+        copy_words(alloc_s, p.alloc, re, tid, blockDim.x);  // the greedy's, written by candidates_kernel
+    }
+    __syncthreads();
+    if (kept >= stored) {  // not stored: warp 0 rebuilds it next to the counts
+        const planner_core::Workspace w = planner_core::make_workspace(l, smem + re);
+        if (tid < 32) {
+            planner_core::build_candidate(WarpExec{tid}, l, smem, w.cand, w, kept);
+            copy_words(p.alloc, w.cand, re, tid, 32);
+        }
+        alloc_s = w.cand;
+        __syncthreads();
+    }
+    derive_plan_block(l, p, sh, tid, blockDim.x, smem, alloc_s);
 }
 
 __global__ void planner_serial_kernel(Layout l, PlannerKind kind, PlanView p, int32_t* ws) {
@@ -571,6 +767,25 @@ __global__ void unpack_kernel(Layout l, int rank, SymmetricLayout sym, PeerPoint
     }
 }
 
+// Raises a kernel's dynamic shared memory limit to at least `bytes` on the current device when its static plus
+// dynamic shared memory exceeds the default 48 KiB, once per (kernel, device, size): host calls stay off the
+// per-step launch path.
+void allow_smem(const void* kernel, size_t bytes) {
+    static std::mutex mu;
+    static std::map<std::pair<const void*, int>, size_t> raised;
+    int device = 0;
+    FLATEP_CUDA_CHECK(cudaGetDevice(&device));
+    std::lock_guard<std::mutex> lock(mu);
+    size_t& have = raised[{kernel, device}];
+    if (have >= bytes) return;
+    cudaFuncAttributes attr{};
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    if (attr.sharedSizeBytes + bytes > 48 * 1024) {  // beyond the default limit: opt in
+        FLATEP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    }
+    have = bytes;
+}
+
 void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, const PlanWorkspace& ws,
                          PlannerEngine engine, cudaStream_t stream) {
     if (engine == PlannerEngine::kSerial) {
@@ -579,22 +794,17 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
         const size_t cand_smem = candidate_smem_bytes(l);
         const bool candidates = kind == PlannerKind::kBalanced && cand_smem <= kMaxPlannerSmem;
         if (candidates) {
-            for (const void* f :
-                 {reinterpret_cast<const void*>(greedy_quality_kernel), reinterpret_cast<const void*>(candidate_kernel),
-                  reinterpret_cast<const void*>(select_candidate_kernel)}) {
-                if (cand_smem > 48 * 1024) {
-                    FLATEP_CUDA_CHECK(
-                        cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(cand_smem)));
-                }
+            allow_smem(reinterpret_cast<const void*>(candidates_kernel), cand_smem);
+            allow_smem(reinterpret_cast<const void*>(select_derive_kernel), cand_smem);
+            const int stored = stored_candidates(l);
+            const int blocks = min_of(kCandidateBlocks, max_candidates(l));
+            candidates_kernel<<<blocks + 1, 32, cand_smem, stream>>>(l, p, ws, stored, 0);
+            FLATEP_CUDA_CHECK_LAUNCH();
+            if (max_candidates(l) > blocks) {  // only when the greedy's P may exceed 6
+                candidates_kernel<<<blocks, 32, cand_smem, stream>>>(l, p, ws, stored, blocks);
+                FLATEP_CUDA_CHECK_LAUNCH();
             }
-            greedy_quality_kernel<<<1, kCandidateThreads, cand_smem, stream>>>(l, p, ws);
-            FLATEP_CUDA_CHECK_LAUNCH();
-            candidate_kernel<<<max_candidates(l), kCandidateThreads, cand_smem, stream>>>(l, p, ws);
-            FLATEP_CUDA_CHECK_LAUNCH();
-            select_candidate_kernel<<<1, kCandidateThreads, cand_smem, stream>>>(l, p, ws);
-            FLATEP_CUDA_CHECK_LAUNCH();
-            planner_parallel_kernel<<<1, kPlannerThreads, size_t(l.num_experts) * sizeof(int32_t), stream>>>(
-                l, kind, p, ws, false, true);
+            select_derive_kernel<<<1, kPlannerThreads, cand_smem, stream>>>(l, p, ws, stored);
             FLATEP_CUDA_CHECK_LAUNCH();
             return;
         }
@@ -603,10 +813,7 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
             sizeof(int32_t);
         const bool use_smem = kind == PlannerKind::kBalanced && core_smem <= kMaxPlannerSmem;
         const size_t smem = max_of(size_t(l.num_experts) * sizeof(int32_t), use_smem ? core_smem : size_t(0));
-        if (smem > 48 * 1024) {
-            FLATEP_CUDA_CHECK(
-                cudaFuncSetAttribute(planner_parallel_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-        }
+        allow_smem(reinterpret_cast<const void*>(planner_parallel_kernel), smem);
         planner_parallel_kernel<<<1, kPlannerThreads, smem, stream>>>(l, kind, p, ws, use_smem, false);
     }
     FLATEP_CUDA_CHECK_LAUNCH();
@@ -656,10 +863,7 @@ void launch(const PlanArgs& a, cudaStream_t stream) {
     launch_planner_impl(l, a.planner, a.plan, ws, PlannerEngine(g_engine.load()), stream);
     if (a.num_tokens > 0) {
         const size_t smem = sizeof(int32_t) * size_t(kRouteWarps) * E;
-        if (smem > 48 * 1024) {
-            FLATEP_CUDA_CHECK(
-                cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-        }
+        allow_smem(reinterpret_cast<const void*>(route_kernel), smem);
         const int route_blocks = grid_blocks(a.sync, ceil_div(a.num_tokens, seg_tokens), 2);
         route_kernel<<<route_blocks, kRouteThreads, smem, stream>>>(l, a.rank, a.topk_idx, a.index_bytes, a.num_tokens,
                                                                     seg_tokens, sym, peers, a.plan, ws);
@@ -677,9 +881,8 @@ void preload_plan_kernels() {
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, allgather_kernel));
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, planner_parallel_kernel));
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, planner_serial_kernel));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, greedy_quality_kernel));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, candidate_kernel));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, select_candidate_kernel));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, candidates_kernel));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, select_derive_kernel));
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, route_kernel));
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, unpack_kernel));
 }

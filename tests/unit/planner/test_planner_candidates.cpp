@@ -70,5 +70,76 @@ TEST(PlannerCandidates, IndependentBuildsAndSelectionEqualTheSerialPlanner) {
     EXPECT_GT(kept_non_greedy, 20);  // the comparison must exercise candidates, not only the greedy
 }
 
+// An executor that visits for_each / sum items in reverse and scans arg_max from the top (keeping the lower index
+// on ties). The GPU's warp executor runs for_each and sum bodies in an unspecified order across lanes, so the plan
+// must not depend on that order: every candidate and the greedy must come out as with SerialExec.
+struct ReverseExec : planner_core::SerialExec {
+    template <class F>
+    void for_each(int n, F&& f) const {
+        for (int i = n - 1; i >= 0; --i) f(i);
+    }
+    template <class F>
+    int64_t sum(int n, F&& f) const {
+        int64_t s = 0;
+        for (int i = n - 1; i >= 0; --i) s += int64_t(f(i));
+        return s;
+    }
+    template <class K>
+    int arg_max(int n, K&& key) const {
+        uint64_t best = 0;
+        int at = -1;
+        for (int i = n - 1; i >= 0; --i) {
+            const uint64_t k = key(i);
+            if (k != 0 && k >= best) {
+                best = k;
+                at = i;
+            }
+        }
+        return at;
+    }
+};
+
+TEST(PlannerCandidates, ExecutionOrderDoesNotChangeAnyCandidate) {
+    int compared = 0;
+    for (int R : {2, 5, 8}) {
+        for (int epn : {1, 4, 48}) {
+            for (double sigma : {0.0, 1.0, 3.0}) {
+                for (double factor : {1.0, 1.25}) {
+                    Config c;
+                    c.num_ranks = R, c.num_experts = R * epn, c.num_tokens = 256, c.topk = std::min(8, R * epn);
+                    c.capacity_factor = factor;
+                    const Layout l = make_layout(c);
+                    const std::vector<int32_t> tpe =
+                        routing::generate_counts(R, c.num_experts, c.num_tokens, c.topk, sigma, 7);
+                    const int64_t words = planner_core::planner_workspace_words(l);
+                    const int64_t re = int64_t(R) * c.num_experts;
+                    std::vector<int32_t> ws_a(words, -3), ws_b(words, -5), a(re), b(re);
+                    const planner_core::Workspace wa = planner_core::make_workspace(l, ws_a.data());
+                    const planner_core::Workspace wb = planner_core::make_workspace(l, ws_b.data());
+                    planner_core::greedy_alloc(planner_core::SerialExec{}, l, tpe.data(), a.data(), wa);
+                    planner_core::greedy_alloc(ReverseExec{}, l, tpe.data(), b.data(), wb);
+                    ASSERT_EQ(a, b) << "greedy R=" << R << " epn=" << epn << " sigma=" << sigma;
+                    const planner_core::PlanQuality qa = planner_core::evaluate_alloc(
+                        planner_core::SerialExec{}, l, tpe.data(), a.data(), wa.num_in, wa.num_out);
+                    const planner_core::PlanQuality qb =
+                        planner_core::evaluate_alloc(ReverseExec{}, l, tpe.data(), b.data(), wb.num_in, wb.num_out);
+                    ASSERT_EQ(qa.makespan, qb.makespan);
+                    ASSERT_EQ(qa.total_replicas, qb.total_replicas);
+                    ASSERT_EQ(qa.entries_moved, qb.entries_moved);
+                    for (int i = 0; i < planner_core::num_candidates(qa.makespan + 1); ++i) {
+                        const bool ok_a =
+                            planner_core::build_candidate(planner_core::SerialExec{}, l, tpe.data(), a.data(), wa, i);
+                        const bool ok_b = planner_core::build_candidate(ReverseExec{}, l, tpe.data(), b.data(), wb, i);
+                        ASSERT_EQ(ok_a, ok_b) << "candidate " << i << " R=" << R << " epn=" << epn;
+                        if (ok_a) ASSERT_EQ(a, b) << "candidate " << i << " R=" << R << " epn=" << epn;
+                        ++compared;
+                    }
+                }
+            }
+        }
+    }
+    EXPECT_GT(compared, 1000);
+}
+
 }  // namespace
 }  // namespace flatep
