@@ -1,7 +1,7 @@
-// CUDA plan op. See plan.cuh for the pipeline; the parallel planner below reproduces planner_core.hpp's
-// plan_alloc / derive_plan step by step (same selections, same tie rules), with the O(R*E) loops spread over a block
-// and every candidate of the balanced planner run by its own warp. Integer arithmetic only, so the plan is bitwise
-// the host planner's.
+// CUDA plan op. See plan.cuh for the pipeline. The planner runs planner_core.hpp's own functions on a warp executor
+// (every candidate of the balanced planner in its own one-warp block, the O(R*E) loops split over lanes, every
+// selection a warp reduction with the host's key and tie rule), then select_candidate and a block-parallel
+// derive_plan. Integer arithmetic only, so the plan is bitwise the host planner's.
 #include <atomic>
 #include <map>
 #include <mutex>

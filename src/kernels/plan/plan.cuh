@@ -24,7 +24,7 @@ void launch(const PlanArgs& args, cudaStream_t stream);
 
 // How the planner step runs on the GPU.
 enum class PlannerEngine : int {
-    kParallel = 0,  // one block: warp-parallel greedy and transport candidates (the default)
+    kParallel = 0,  // planner_core on warp executors: one warp per balanced-planner candidate (the default)
     kSerial = 1,    // one thread calling planner_core::plan_alloc / derive_plan as written (reference; slow)
 };
 
