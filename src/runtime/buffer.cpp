@@ -1,6 +1,7 @@
 #include "flatep/buffer.hpp"
 
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -329,7 +330,9 @@ void Buffer::check_status() {
     const int K = layout_->topk;
     switch (code) {
         case kStatusBadExpert:
+            // The status word holds int32: an int64 id beyond that range arrives clamped to INT32_MAX / INT32_MIN.
             FLATEP_THROW(ErrorCategory::kInvalidArgument, "rank ", config_.rank, ": invalid expert id ", value,
+                         value == INT32_MAX ? " or above" : (value == INT32_MIN ? " or below" : ""),
                          " at topk_idx flat index ", index, " (token ", index / K, ", k ", index % K,
                          "); ids must be in [0, E=", layout_->num_experts, "); the entry was skipped");
         case kStatusTimeout:

@@ -182,9 +182,10 @@ TEST(BadInput, BufferAndPlanCalls) {
              buffer.plan(bad, 8, 4);
              buffer.check_status();
          }},
-        // The status word holds an int32: ids beyond int32 are reported clamped.
+        // The status word holds an int32: ids beyond int32 are reported as a bound.
         {"plan: expert id = 2^40 (int64), then check_status", ErrorCategory::kInvalidArgument,
-         "rank 0: invalid expert id 2147483647 at topk_idx flat index 3 (token 3, k 0); ids must be in [0, E=2); "
+         "rank 0: invalid expert id 2147483647 or above at topk_idx flat index 3 (token 3, k 0); ids must be in [0, "
+         "E=2); "
          "the entry was skipped",
          [&] {
              const int64_t bad[4] = {0, 1, 1, int64_t(1) << 40};
