@@ -20,6 +20,8 @@ void record_status(int32_t* status, int32_t code, int32_t index, int32_t value, 
 // value is visible after the return). After sync.timeout_s seconds measured from `start_s` (a steady-clock time in
 // seconds, see now_s) records kStatusTimeout (index = op, value = observed, peer) and throws, e.g.
 //   "timeout in dispatch: rank 1 waited 2.0 s for peer 3 (flag 7 < expected 8)".
+// How it waits (barrier_host.cpp): spins up to 200 us while every rank can own a CPU and recent waits were short,
+// then sched_yield, then sleeps that grow with the time waited (20 us to 1 ms), checking the deadline after each.
 void wait_flag_at_least(const SyncArgs& sync, OpId op, int peer, const uint64_t* flag, uint64_t expected,
                         double start_s);
 
