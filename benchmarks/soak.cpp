@@ -8,11 +8,19 @@
 //   * memory and descriptors stay flat: anonymous RSS (/proc/self/status; shared RSS reported) and open fds after the
 //     warm-up vs at the end (and the anonymous RSS over the second half);
 //   * no step takes more than --max-step-ratio times the median step (per step: the slowest rank).
+// Slow steps are attributed, not excused: each rank also records its run-queue delay per step (time runnable but not
+// running, /proc/thread-self/schedstat), and a step over the ratio whose excess is covered by the largest delay of
+// any rank in it is counted as "held off the CPU by the OS" (oversubscription, other load, kernel threads). The check
+// fails on every step over the ratio either way. The same processes then run a baseline without FlatEP: each repeats
+// a fixed compute loop once per measured step (no communication), sized to its median step times its CPU share
+// (min(1, CPUs/R)), and the same statistics are printed for it: how many slow steps the machine makes on its own.
 // Prints the figures, appends one CSV row (--csv), exits 1 when a check fails. Not part of CI.
 //
 //   flatep-soak [--R 4] [--E 32] [--S 64] [--K 4] [--H 64] [--F 32] [--align 8] [--capacity-factor 1.0]
 //               [--steps 10000] [--warmup 200] [--replay-every 97] [--sigma-max 3.0] [--seed 1]
-//               [--max-step-ratio 3] [--timeout 30] [--csv soak.csv]
+//               [--max-step-ratio 3] [--timeout 30] [--baseline 1] [--csv soak.csv]
+#include <fcntl.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -48,6 +56,7 @@ struct Options {
     uint64_t seed = 1;
     double max_step_ratio = 3.0;
     double timeout_s = 30.0;
+    bool baseline = true;
     std::string csv = "soak.csv";
 };
 
@@ -110,6 +119,8 @@ Options parse(int argc, char** argv) {
             o.max_step_ratio = as_double();
         else if (flag == "--timeout")
             o.timeout_s = as_double();
+        else if (flag == "--baseline")
+            o.baseline = as_int() != 0;
         else if (flag == "--csv")
             o.csv = value;
         else
@@ -150,6 +161,30 @@ Rss rss_now() {
     return r;
 }
 
+// Run-queue delay of the calling thread in seconds: time it was runnable but not running (the second field of
+// /proc/thread-self/schedstat, in ns). One descriptor per rank, opened before the warm-up ends and read with pread.
+class RunQueueDelay {
+  public:
+    RunQueueDelay() : fd_(::open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC)) {}
+    ~RunQueueDelay() {
+        if (fd_ >= 0) ::close(fd_);
+    }
+    RunQueueDelay(const RunQueueDelay&) = delete;
+    RunQueueDelay& operator=(const RunQueueDelay&) = delete;
+    bool available() const { return fd_ >= 0; }
+    double seconds() const {
+        char text[128];
+        const ssize_t n = fd_ < 0 ? -1 : ::pread(fd_, text, sizeof(text) - 1, 0);
+        if (n <= 0) return 0;
+        text[n] = '\0';
+        unsigned long long on_cpu_ns = 0, waiting_ns = 0;
+        return std::sscanf(text, "%llu %llu", &on_cpu_ns, &waiting_ns) == 2 ? double(waiting_ns) * 1e-9 : 0;
+    }
+
+  private:
+    int fd_;
+};
+
 int open_fds() {
     int count = 0;
     DIR* dir = ::opendir("/proc/self/fd");
@@ -167,12 +202,41 @@ struct RankResult {
     int replayed, replay_mismatches, first_mismatch_step;
     double maxvio_min, maxvio_max, maxvio_sum;
     long replicas_total;
+    int run_queue_available;
     int done;
 };
 
-// One rank's run. step_seconds: [steps] this rank's wall time per step; hashes: [steps] scratch.
+// A fixed amount of integer work (a linear congruential chain the compiler cannot shorten).
+uint32_t busy_work(uint64_t iterations) {
+    volatile uint32_t sink = 1;
+    uint32_t x = sink;
+    for (uint64_t i = 0; i < iterations; ++i) x = x * 1664525u + 1013904223u;
+    sink = x;
+    return sink;
+}
+
+// The baseline of the step-time check: `count` repetitions of busy_work sized to take `target_s` (calibrated here,
+// fastest of 5), each timed into loop_seconds. No FlatEP call, no communication.
+void run_baseline(double target_s, int count, double* loop_seconds) {
+    const uint64_t probe = 20000;
+    double fastest = 1e300;
+    for (int i = 0; i < 5; ++i) {
+        const auto start = Clock::now();
+        busy_work(probe);
+        fastest = std::min(fastest, std::chrono::duration<double>(Clock::now() - start).count());
+    }
+    const uint64_t iterations = uint64_t(double(probe) * target_s / std::max(fastest, 1e-9)) + 1;
+    for (int i = 0; i < count; ++i) {
+        const auto start = Clock::now();
+        busy_work(iterations);
+        loop_seconds[i] = std::chrono::duration<double>(Clock::now() - start).count();
+    }
+}
+
+// One rank's run. step_seconds, step_delay: [steps] this rank's wall time and run-queue delay per step;
+// loop_seconds: [steps - warmup] the baseline's loop times.
 int run_rank(const Options& o, int rank, std::shared_ptr<flatep::Bootstrap> boot, RankResult* result,
-             double* step_seconds) {
+             double* step_seconds, double* step_delay, double* loop_seconds) {
     using namespace flatep;
     std::shared_ptr<Transport> transport = make_ipc_transport(boot, MemoryKind::kHost, o.timeout_s);
     Config cfg = o.config;
@@ -195,6 +259,8 @@ int run_rank(const Options& o, int rank, std::shared_ptr<flatep::Bootstrap> boot
     std::vector<uint16_t> recv_x(size_t(l.num_recv_rows) * H);
     std::vector<float> recv_w(size_t(l.num_recv_rows));
     std::vector<uint64_t> hashes(size_t(o.steps), 0);
+    const RunQueueDelay run_queue;
+    result->run_queue_available = run_queue.available() ? 1 : 0;
 
     auto run_step = [&](int step, bool measure) -> uint64_t {
         const uint64_t step_seed = routing::mix64(o.seed * 0x9e3779b97f4a7c15ull + uint64_t(step));
@@ -212,6 +278,7 @@ int run_rank(const Options& o, int rank, std::shared_ptr<flatep::Bootstrap> boot
         std::memset(own_grads, 0, sizeof(float) * size_t(epn * expert_elems));
         float* slot_grads = layer.grads(0) + epn * expert_elems;
 
+        const double delay_start = measure ? run_queue.seconds() : 0;
         const auto start = Clock::now();
         const Plan plan = buffer.plan(idx.data(), 4, s);
         buffer.dispatch(plan, x.data(), topk_weights.data(), recv_x.data(), recv_w.data());
@@ -227,7 +294,10 @@ int run_rank(const Options& o, int rank, std::shared_ptr<flatep::Bootstrap> boot
         pools.reduce_grad(plan, layer);
         buffer.check_status();
         const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-        if (measure) step_seconds[step] = seconds;
+        if (measure) {
+            step_seconds[step] = seconds;
+            step_delay[step] = run_queue.seconds() - delay_start;
+        }
 
         uint64_t h = 0xcbf29ce484222325ull;
         h = fnv(h, out.data(), sizeof(uint16_t) * size_t(s) * H);
@@ -271,8 +341,34 @@ int run_rank(const Options& o, int rank, std::shared_ptr<flatep::Bootstrap> boot
             ++result->replay_mismatches;
         }
     }
+    if (o.baseline) {
+        std::vector<double> own(step_seconds + o.warmup, step_seconds + o.steps);
+        std::nth_element(own.begin(), own.begin() + own.size() / 2, own.end());
+        cpu_set_t cpus;
+        CPU_ZERO(&cpus);
+        const int num_cpus = ::sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+        const double cpu_share = std::min(1.0, double(num_cpus) / cfg.num_ranks);
+        run_baseline(own[own.size() / 2] * cpu_share, o.steps - o.warmup, loop_seconds);
+    }
     result->done = 1;
     return result->replay_mismatches == 0 ? 0 : 1;
+}
+
+// Median, p99, max and the count over ratio*median of a series.
+struct TimeStats {
+    double median = 0, p99 = 0, max = 0;
+    long over = 0;
+};
+
+TimeStats time_stats(const std::vector<double>& series, double ratio) {
+    std::vector<double> sorted = series;
+    std::sort(sorted.begin(), sorted.end());
+    TimeStats t;
+    t.median = sorted[sorted.size() / 2];
+    t.p99 = sorted[std::min(sorted.size() - 1, sorted.size() * 99 / 100)];
+    t.max = sorted.back();
+    t.over = std::count_if(series.begin(), series.end(), [&](double x) { return x > ratio * t.median; });
+    return t;
 }
 
 }  // namespace
@@ -280,12 +376,16 @@ int run_rank(const Options& o, int rank, std::shared_ptr<flatep::Bootstrap> boot
 int main(int argc, char** argv) {
     const Options o = parse(argc, argv);
     const int R = o.config.num_ranks;
-    const size_t shared_bytes = sizeof(RankResult) * R + sizeof(double) * size_t(R) * o.steps;
+    const int num_measured = o.steps - o.warmup;
+    const size_t shared_bytes =
+        sizeof(RankResult) * R + sizeof(double) * size_t(R) * (2 * size_t(o.steps) + size_t(num_measured));
     void* shared = ::mmap(nullptr, shared_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (shared == MAP_FAILED) usage_error("mmap of the shared results failed");
     std::memset(shared, 0, shared_bytes);
     auto* results = static_cast<RankResult*>(shared);
     auto* times = reinterpret_cast<double*>(results + R);
+    double* delays = times + size_t(R) * o.steps;  // [R][steps] run-queue delay per rank and step
+    double* loops = delays + size_t(R) * o.steps;  // [R][steps - warmup] baseline loop times
 
     std::printf("flatep-soak: %s, F=%d, %d steps (warm-up %d), replay every %d, sigma in [0, %.2f], seed %llu\n",
                 o.config.to_string().c_str(), o.ffn, o.steps, o.warmup, o.replay_every, o.sigma_max,
@@ -295,7 +395,8 @@ int main(int argc, char** argv) {
     const std::vector<int> codes = flatep::run_forked(
         R,
         [&](int rank, std::shared_ptr<flatep::Bootstrap> boot) {
-            return run_rank(o, rank, boot, &results[rank], times + size_t(rank) * o.steps);
+            return run_rank(o, rank, boot, &results[rank], times + size_t(rank) * o.steps,
+                            delays + size_t(rank) * o.steps, loops + size_t(rank) * num_measured);
         },
         flatep::ForkOptions{o.timeout_s, 1e9});
     const double total_s = std::chrono::duration<double>(Clock::now() - start).count();
@@ -311,15 +412,36 @@ int main(int argc, char** argv) {
     std::vector<double> step_s(size_t(o.steps), 0.0);
     for (int s = 0; s < o.steps; ++s)
         for (int r = 0; r < R; ++r) step_s[size_t(s)] = std::max(step_s[size_t(s)], times[size_t(r) * o.steps + s]);
-    std::vector<double> measured(step_s.begin() + o.warmup, step_s.end());
-    std::vector<double> sorted = measured;
-    std::sort(sorted.begin(), sorted.end());
-    const double median = sorted[sorted.size() / 2];
-    const double p99 = sorted[std::min(sorted.size() - 1, sorted.size() * 99 / 100)];
-    const double worst = sorted.back();
-    const long over =
-        std::count_if(measured.begin(), measured.end(), [&](double t) { return t > o.max_step_ratio * median; });
+    const TimeStats steps_stats =
+        time_stats(std::vector<double>(step_s.begin() + o.warmup, step_s.end()), o.max_step_ratio);
+    const double median = steps_stats.median, p99 = steps_stats.p99, worst = steps_stats.max;
+    const long over = steps_stats.over;
+    // Baseline: per repetition, the slowest rank (as for steps).
+    TimeStats base;
+    if (o.baseline) {
+        std::vector<double> loop_s(size_t(num_measured), 0.0);
+        for (int i = 0; i < num_measured; ++i)
+            for (int r = 0; r < R; ++r)
+                loop_s[size_t(i)] = std::max(loop_s[size_t(i)], loops[size_t(r) * num_measured + i]);
+        base = time_stats(loop_s, o.max_step_ratio);
+    }
     const double worst_all = *std::max_element(step_s.begin(), step_s.end());
+    // Slow steps held off the CPU: the step minus the largest run-queue delay of any rank in it is within the ratio.
+    bool run_queue_available = true;
+    for (int r = 0; r < R; ++r) run_queue_available = run_queue_available && results[r].run_queue_available;
+    std::vector<double> step_delay(size_t(o.steps), 0.0);  // per step: the largest run-queue delay of a rank
+    for (int s = 0; s < o.steps; ++s)
+        for (int r = 0; r < R; ++r)
+            step_delay[size_t(s)] = std::max(step_delay[size_t(s)], delays[size_t(r) * o.steps + s]);
+    long over_held_off = 0;
+    std::vector<int> slowest;  // indices of the slowest measured steps, slowest first (at most 5)
+    for (int s = o.warmup; s < o.steps; ++s) {
+        if (step_s[size_t(s)] <= o.max_step_ratio * median) continue;
+        if (step_s[size_t(s)] - step_delay[size_t(s)] <= o.max_step_ratio * median) ++over_held_off;
+        slowest.push_back(s);
+    }
+    std::sort(slowest.begin(), slowest.end(), [&](int a, int b) { return step_s[size_t(a)] > step_s[size_t(b)]; });
+    if (slowest.size() > 5) slowest.resize(5);
 
     long anon_start = 0, anon_drift = 0, anon_second_half = 0, shmem_start = 0, shmem_drift = 0;
     int fds_drift_max = 0, replayed = 0, mismatches = 0;
@@ -357,6 +479,24 @@ int main(int argc, char** argv) {
         "step time after warm-up: median %.3f ms, p99 %.3f ms, max %.3f ms (%.2fx median), %ld steps > %.1fx "
         "median; max incl. warm-up %.3f ms\n",
         median * 1e3, p99 * 1e3, worst * 1e3, worst / median, over, o.max_step_ratio, worst_all * 1e3);
+    if (over > 0 && run_queue_available) {
+        std::printf(
+            "steps > %.1fx median held off the CPU by the OS (excess covered by a rank's run-queue delay): %ld of "
+            "%ld\n",
+            o.max_step_ratio, over_held_off, over);
+        std::printf("slowest steps (step: time, largest run-queue delay of a rank):");
+        for (int s : slowest)
+            std::printf(" %d: %.3f ms, %.3f ms;", s, step_s[size_t(s)] * 1e3, step_delay[size_t(s)] * 1e3);
+        std::printf("\n");
+    } else if (over > 0) {
+        std::printf("run-queue delay not available (/proc/thread-self/schedstat): slow steps not attributed\n");
+    }
+    if (o.baseline)
+        std::printf(
+            "baseline (same %d processes, no FlatEP: a compute loop of each rank's median step x its CPU share): "
+            "median %.3f ms, p99 %.3f ms, max %.3f ms (%.2fx median), %ld of %d loops > %.1fx median\n",
+            R, base.median * 1e3, base.p99 * 1e3, base.max * 1e3, base.max / base.median, base.over, num_measured,
+            o.max_step_ratio);
     ok = ok && mismatches == 0 && fds_drift_max == 0 && over == 0;
     // Anonymous memory may settle by a few pages after the warm-up (allocator); growth in the second half, or more than
     // 256 KiB in all, is a leak. Shared memory only grows up to the mapped regions' size (reported, not checked).
@@ -369,14 +509,27 @@ int main(int argc, char** argv) {
                    "mismatches,rss_anon_start_kib,rss_anon_drift_kib,rss_anon_second_half_kib,rss_shmem_start_kib,"
                    "rss_shmem_drift_kib,fd_drift,median_ms,p99_ms,max_ms,max_"
                    "over_median,"
-                   "steps_over_ratio,ok\n";
+                   "steps_over_ratio,steps_over_ratio_held_off,baseline_median_ms,baseline_p99_ms,baseline_max_ms,"
+                   "baseline_over_ratio,ok\n";
         csv << R << ',' << o.config.num_experts << ',' << o.config.num_tokens << ',' << o.config.topk << ','
             << o.config.hidden << ',' << o.ffn << ',' << o.config.align << ',' << o.config.capacity_factor << ','
             << o.steps << ',' << o.warmup << ',' << o.seed << ',' << total_s << ',' << maxvio_min << ',' << maxvio_max
             << ',' << replayed << ',' << mismatches << ',' << anon_start << ',' << anon_drift << ',' << anon_second_half
             << ',' << shmem_start << ',' << shmem_drift << ',' << fds_drift_max << ',' << median * 1e3 << ','
-            << p99 * 1e3 << ',' << worst * 1e3 << ',' << worst / median << ',' << over << ',' << (ok ? 1 : 0) << '\n';
+            << p99 * 1e3 << ',' << worst * 1e3 << ',' << worst / median << ',' << over << ','
+            << (run_queue_available ? over_held_off : -1) << ',' << base.median * 1e3 << ',' << base.p99 * 1e3 << ','
+            << base.max * 1e3 << ',' << (o.baseline ? base.over : -1) << ',' << (ok ? 1 : 0) << '\n';
     }
-    std::printf("%s\n", ok ? "soak: ok" : "soak: FAILED");
+    std::string failed;  // every failed check, named
+    if (mismatches != 0) failed += " determinism;";
+    if (fds_drift_max != 0) failed += " open fds;";
+    if (anon_drift > 256 || anon_second_half > 64) failed += " RSS;";
+    if (over != 0) failed += " step time (" + std::to_string(over) + " steps over the ratio);";
+    for (int r = 0; r < R; ++r)
+        if (codes[r] != 0 || !results[r].done) failed += " rank " + std::to_string(r) + " exit;";
+    if (ok)
+        std::printf("soak: ok\n");
+    else
+        std::printf("soak: FAILED:%s\n", failed.c_str());
     return ok ? 0 : 1;
 }
