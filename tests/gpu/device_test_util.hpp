@@ -10,7 +10,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <vector>
+
+#include "flatep/ipc.hpp"
 
 #define CUDA_OK(expr)                                                               \
     do {                                                                            \
@@ -76,6 +80,25 @@ inline int use_rank_device(int rank, bool gpu_per_rank) {
     CUDA_OK(cudaSetDevice(device));
     CUDA_OK(cudaFree(nullptr));
     return device;
+}
+
+// Runs `child` in R forked rank processes (60 s collective timeout, 300 s deadline), prints every rank that did not
+// exit 0 and a repro line for `test` (the binary's name). Returns how many ranks failed.
+inline int run_rank_processes(const char* test, int R, bool gpu_per_rank,
+                              const std::function<int(int rank, std::shared_ptr<Bootstrap>)>& child) {
+    ForkOptions options;
+    options.timeout_s = 60;
+    options.deadline_s = 300;
+    const std::vector<int> codes = run_forked(R, child, options);
+    int failed = 0;
+    for (int r = 0; r < R; ++r) {
+        if (codes[r] != 0) {
+            std::printf("R=%d rank %d: exit code %d\n", R, r, codes[r]);
+            ++failed;
+        }
+    }
+    if (failed != 0) std::printf("  repro: %s%s %d\n", test, gpu_per_rank ? " --gpu-per-rank" : "", R);
+    return failed;
 }
 
 }  // namespace flatep::gpu_test

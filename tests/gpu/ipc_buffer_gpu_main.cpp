@@ -249,25 +249,10 @@ int main(int argc, char** argv) {
         std::vector<RankData> data(R);
         make_inputs(R, data);
         host_reference(R, data);
-        ForkOptions options;
-        options.timeout_s = 60;
-        options.deadline_s = 300;
-        const std::vector<int> codes = run_forked(
-            R,
-            [&](int rank, std::shared_ptr<Bootstrap> boot) {
-                return child(R, rank, boot, data[rank], args.gpu_per_rank);
-            },
-            options);
-        bool all_zero = true;
-        for (int r = 0; r < R; ++r) {
-            if (codes[r] != 0) {
-                std::printf("R=%d rank %d: exit code %d\n", R, r, codes[r]);
-                ++failed;
-                all_zero = false;
-            }
-        }
-        if (!all_zero)
-            std::printf("  repro: %s%s %d\n", "ipc_buffer_gpu_main", args.gpu_per_rank ? " --gpu-per-rank" : "", R);
+        failed += gpu_test::run_rank_processes("ipc_buffer_gpu_main", R, args.gpu_per_rank,
+                                               [&](int rank, std::shared_ptr<Bootstrap> boot) {
+                                                   return child(R, rank, boot, data[rank], args.gpu_per_rank);
+                                               });
     }
     std::printf("%s\n", failed == 0 ? "ipc_buffer_gpu_main: all PASS" : "ipc_buffer_gpu_main: FAILED");
     return failed == 0 ? 0 : 1;

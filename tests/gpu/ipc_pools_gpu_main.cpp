@@ -260,25 +260,10 @@ int main(int argc, char** argv) {
             std::printf("R=%d: CPU reference places %d replicas\n", R, replicas);
             continue;
         }
-        ForkOptions options;
-        options.timeout_s = 60;
-        options.deadline_s = 300;
-        const std::vector<int> codes = run_forked(
-            R,
-            [&](int rank, std::shared_ptr<Bootstrap> boot) {
-                return child(R, rank, boot, data[rank], args.gpu_per_rank);
-            },
-            options);
-        bool all_zero = true;
-        for (int r = 0; r < R; ++r) {
-            if (codes[r] != 0) {
-                std::printf("R=%d rank %d: exit code %d\n", R, r, codes[r]);
-                ++failed;
-                all_zero = false;
-            }
-        }
-        if (!all_zero)
-            std::printf("  repro: %s%s %d\n", "ipc_pools_gpu_main", args.gpu_per_rank ? " --gpu-per-rank" : "", R);
+        failed += gpu_test::run_rank_processes("ipc_pools_gpu_main", R, args.gpu_per_rank,
+                                               [&](int rank, std::shared_ptr<Bootstrap> boot) {
+                                                   return child(R, rank, boot, data[rank], args.gpu_per_rank);
+                                               });
     }
     if (!have_gpu && failed == 0) {
         std::printf("SKIP: no CUDA device (/dev/nvidiactl missing)\n");
