@@ -42,14 +42,14 @@ struct PlanWorkspace {
 enum CandidateMeta : int { kMetaMakespan = 0, kMetaReplicas, kMetaMovedLo, kMetaMovedHi, kMetaCount, kMetaWords = 8 };
 
 // Upper bound of the greedy's makespan: a rank hosts at most epn replicas and the E experts have at most E copies.
-FLATEP_HD int max_candidates_hd(const Layout& l) { return planner_core::num_candidates(l.num_experts); }
-int max_candidates(const Layout& l) { return max_candidates_hd(l); }
+FLATEP_HD int max_candidates(const Layout& l) { return planner_core::num_candidates(l.num_experts); }
+// The candidate kernel's grid: one pass covers every candidate up to a greedy P of 6 (num_candidates(6)).
+constexpr int kCandidateBlocks = 4 + 18 * 6;
 // Candidates whose allocation the candidate kernel keeps (the first pass of its grid, within 16 MiB); the winner is
 // copied from there, or rebuilt when its index is beyond.
-constexpr int kMaxStoredCandidates = 4 + 18 * 6;
 int stored_candidates(const Layout& l) {
     const int64_t re = int64_t(l.num_ranks) * l.num_experts;
-    return int(min_of<int64_t>(min_of(kMaxStoredCandidates, max_candidates(l)), (int64_t(4) << 20) / re));
+    return int(min_of<int64_t>(min_of(kCandidateBlocks, max_candidates(l)), (int64_t(4) << 20) / re));
 }
 
 int segment_tokens(const Layout& l) { return l.topk >= kSegmentEntries ? 1 : kSegmentEntries / l.topk; }
@@ -180,11 +180,8 @@ FLATEP_DEVICE uint64_t warp_max_u64(uint64_t v) {
 
 // Shared state of the planner block.
 struct PlannerShared {
-    int32_t load[kMaxRanks];        // greedy: current load
-    int32_t group_load[kMaxRanks];  // G_r
+    int32_t load[kMaxRanks];  // greedy: current load
     int32_t target[kMaxRanks];
-    int32_t room[kMaxRanks];  // unused by the parallel engine (planner_core::Workspace completeness)
-    int32_t excess[kMaxRanks];
     int32_t num_in[kMaxRanks];
     int32_t num_out[kMaxRanks];
     int32_t loads_after[kMaxRanks];
@@ -192,10 +189,7 @@ struct PlannerShared {
     unsigned long long n;
     unsigned long long kept;
     unsigned long long on_source;
-    int32_t greedy_makespan, greedy_replicas;
-    int64_t greedy_moved;
-    int32_t winner;  // warp holding the chosen candidate, -1 = keep the greedy
-    int32_t stop;
+    int32_t winner;  // index of the kept candidate, -1 = keep the greedy
 };
 
 // derive_plan, spread over the block.
@@ -338,15 +332,11 @@ FLATEP_DEVICE void derive_plan_block(const Layout& l, const PlanView& p, Planner
 }
 
 __global__ void __launch_bounds__(kPlannerThreads)
-    planner_parallel_kernel(Layout l, PlannerKind kind, PlanView p, PlanWorkspace ws, bool use_smem, bool alloc_ready) {
+    planner_parallel_kernel(Layout l, PlannerKind kind, PlanView p, PlanWorkspace ws, bool use_smem) {
     __shared__ PlannerShared sh;
     extern __shared__ int32_t total[];  // [E] T_e
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    if (alloc_ready) {  // the candidate kernels below already wrote p.alloc (uniform branch: a kernel parameter)
-        derive_plan_block(l, p, sh, tid, blockDim.x, p.tpe_all, p.alloc);
-        return;
-    }
 
     // init_home: T_e, the home allocation, group loads, N.
     if (tid < kMaxRanks) sh.load[tid] = 0;
@@ -365,7 +355,6 @@ __global__ void __launch_bounds__(kPlannerThreads)
     }
     __syncthreads();
     const int64_t n = int64_t(sh.n);
-    if (tid < R) sh.group_load[tid] = sh.load[tid];
     if (tid == 0) {
         planner_core::Workspace w{};
         w.load = sh.load;
@@ -442,8 +431,7 @@ __global__ void __launch_bounds__(kPlannerThreads)
 // select_candidate's rule, the winner's allocation (copied, or rebuilt when it was not stored), derive_plan.
 // planner_core's code runs as written on both sides, so the plan is the host's bitwise; the host test
 // tests/unit/planner/test_planner_candidates.cpp checks the decomposition.
-constexpr int kSelectCached = 1024;                     // qualities select_derive_kernel reads from shared memory
-constexpr int kCandidateBlocks = kMaxStoredCandidates;  // num_candidates(6): one pass up to a greedy P of 6
+constexpr int kSelectCached = 1024;  // qualities select_derive_kernel reads from shared memory
 
 size_t candidate_smem_bytes(const Layout& l) {
     return (size_t(l.num_ranks) * l.num_experts + size_t(planner_core::planner_workspace_words(l))) * sizeof(int32_t);
@@ -559,7 +547,7 @@ __global__ void __launch_bounds__(32) candidates_kernel(Layout l, PlanView p, Pl
     int begin = 0, end = 0, step = 1;
     if (first == 0) {
         begin = blockIdx.x;
-        end = min_of(begin + 1, max_candidates_hd(l));
+        end = min_of(begin + 1, max_candidates(l));
     } else {
         begin = first + blockIdx.x;
         end = ws.cand_meta[kMetaCount];
@@ -577,7 +565,7 @@ __global__ void __launch_bounds__(32) candidates_kernel(Layout l, PlanView p, Pl
             ws.cand_meta[kMetaReplicas] = greedy.total_replicas;
             ws.cand_meta[kMetaMovedLo] = int32_t(uint32_t(uint64_t(greedy.entries_moved)));
             ws.cand_meta[kMetaMovedHi] = int32_t(uint32_t(uint64_t(greedy.entries_moved) >> 32));
-            ws.cand_meta[kMetaCount] = min_of(planner_core::num_candidates(greedy.makespan), max_candidates_hd(l));
+            ws.cand_meta[kMetaCount] = min_of(planner_core::num_candidates(greedy.makespan), max_candidates(l));
         }
         return;
     }
@@ -814,7 +802,7 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
         const bool use_smem = kind == PlannerKind::kBalanced && core_smem <= kMaxPlannerSmem;
         const size_t smem = max_of(size_t(l.num_experts) * sizeof(int32_t), use_smem ? core_smem : size_t(0));
         allow_smem(reinterpret_cast<const void*>(planner_parallel_kernel), smem);
-        planner_parallel_kernel<<<1, kPlannerThreads, smem, stream>>>(l, kind, p, ws, use_smem, false);
+        planner_parallel_kernel<<<1, kPlannerThreads, smem, stream>>>(l, kind, p, ws, use_smem);
     }
     FLATEP_CUDA_CHECK_LAUNCH();
 }
