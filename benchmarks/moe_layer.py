@@ -57,7 +57,7 @@ PRESETS = {
 # Phases in execution order; a phase an implementation does not have is absent from its rows.
 PHASES = [
     "router_fwd", "plan", "dispatch_fwd", "prefetch", "gemm_fwd", "combine_fwd",
-    "combine_bwd", "prefetch_bwd", "gemm_bwd", "reduce_grad", "dispatch_bwd", "router_bwd",
+    "combine_bwd", "prefetch_bwd", "gemm_bwd", "wgrad_fp32", "reduce_grad", "dispatch_bwd", "router_bwd",
 ]
 IMPLS = ["baseline", "flatep"]
 
@@ -214,9 +214,20 @@ class Baseline:
         self.w1 = (st.w1 * (1.25 if st.inject_mismatch else 1.0)).requires_grad_()
         self.w2 = st.w2.clone().requires_grad_()
         self.router = st.router.clone().requires_grad_()
+        # fp32 main gradients of the experts, as Megatron keeps them in bf16 training: each step's bf16 weight
+        # gradients are added into them (FlatEP writes its GEMM gradients into the fp32 grads views, phase wgrad_fp32).
+        self.main_grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (self.w1, self.w2)]
 
     def grads(self):
         return self.router.grad, self.w1.grad, self.w2.grad
+
+    def after_backward(self):
+        T = self.st.timer
+        T.begin("wgrad_fp32")
+        with torch.no_grad():
+            for main, w in zip(self.main_grads, (self.w1, self.w2)):
+                main.add_(w.grad)
+        T.end("wgrad_fp32")
 
     def zero_grad(self):
         for t in (self.w1, self.w2, self.router):
@@ -305,10 +316,12 @@ class _FlatExperts(torch.autograd.Function):
         T.begin("gemm_bwd")
         g1, g2, gx = torch.autograd.grad(y, [w1, w2, x_leaf], grad_y.to(y.dtype))
         T.end("gemm_bwd")
-        T.begin("reduce_grad")
+        T.begin("wgrad_fp32")  # the GEMM's bf16 gradients into the fp32 grads views (own experts and slots)
         with torch.no_grad():
             layer.grads(0).copy_(g1)
             layer.grads(1).copy_(g2)
+        T.end("wgrad_fp32")
+        T.begin("reduce_grad")
         pools.reduce_grad(plan, layer)
         T.end("reduce_grad")
         return None, None, gx
@@ -332,6 +345,9 @@ class FlatEP:
 
     def zero_grad(self):
         self.router.grad = None
+
+    def after_backward(self):
+        pass  # the own experts' fp32 gradients are the grads views' first half (written in backward)
 
     def forward(self, x, topk_idx):
         st, T = self.st, self.st.timer
@@ -397,6 +413,7 @@ def run_rank(rank, R, args, result_path):
         st.timer.start(timed)
         out = impl.forward(x, topk_idx)
         out.backward(grad_out)
+        impl.after_backward()
         return out, x.grad, (st.timer.collect() if timed else {})
 
     for target in args.maxvio:
@@ -537,6 +554,16 @@ def write_outputs(args, R, data, backend):
         print(f"{t:8g} {b['maxvio']:8.2f} {b['median_ms']:10.3f} {f_['median_ms']:10.3f} "
               f"{b['median_ms'] / f_['median_ms']:7.2f}   {b['rows_max']:9d} {f_['rows_max']:9d}   "
               f"{'':>15}{bs['median_ms']:9.3f} {fs['median_ms']:9.3f} {bs['median_ms'] / fs['median_ms']:7.2f}")
+    print("\nper phase, slowest rank (ms): baseline / flatep")
+    print(f"{'phase':>13} " + " ".join(f"{'maxvio ' + format(t, 'g'):>19}" for t in targets))
+    for phase in PHASES + ["sum_phases", "layer"]:
+        cells = []
+        for t in targets:
+            b, f_ = by.get((t, "baseline", phase)), by.get((t, "flatep", phase))
+            fmt = lambda r: f"{r['median_ms']:8.3f}" if r else f"{'-':>8}"  # noqa: E731
+            cells.append(f"{fmt(b)} / {fmt(f_)}")
+        if any(by.get((t, i, phase)) for t in targets for i in IMPLS):
+            print(f"{phase:>13} " + " ".join(f"{c:>19}" for c in cells))
     if len(targets) >= 2:
         lo, hi = min(targets), max(targets)
         for impl in IMPLS:

@@ -17,6 +17,7 @@ STACK = [
     ("comm", ["dispatch_fwd", "dispatch_bwd", "combine_fwd", "combine_bwd"], None),
     ("planning", ["plan"], "//"),
     ("prefetch + reduce_grad", ["prefetch", "prefetch_bwd", "reduce_grad"], ".."),
+    ("fp32 weight grads", ["wgrad_fp32"], "xx"),
 ]
 
 
@@ -75,7 +76,7 @@ def plot(csv_path, prefix=None):
                    alpha=0.5 if hatch else 0.85, label=f"{impl}: {name}")
             bottom = [b + v for b, v in zip(bottom, h)]
     ax.set_ylim(0, 1.45 * max([1e-9] + [p.get_y() + p.get_height() for p in ax.patches]))  # room for the legend
-    ax.set_title("comm / planning / prefetch (slowest rank per phase, stacked)")
+    ax.set_title("comm / planning / prefetch / fp32 wgrad (stacked)")
     ax.set_ylabel("ms")
     ax.set_xticks(list(xs), labels)
     ax.set_xlabel("maxvio target (realised)")

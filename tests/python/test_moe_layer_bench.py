@@ -16,7 +16,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TINY = ["--device", "cpu", "--ranks", "2", "--tokens", "64", "--hidden", "64", "--ffn", "32", "--experts", "8",
         "--topk", "2", "--iters", "2", "--warmup", "1"]
 BASELINE_PHASES = {"router_fwd", "plan", "dispatch_fwd", "gemm_fwd", "combine_fwd", "combine_bwd", "gemm_bwd",
-                   "dispatch_bwd", "router_bwd", "sum_phases", "layer"}
+                   "dispatch_bwd", "router_bwd", "wgrad_fp32", "sum_phases", "layer"}
 # On the CPU FlatEP prefetches once (a GPU run prefetches again before backward: prefetch_bwd).
 FLATEP_PHASES = BASELINE_PHASES | {"prefetch", "reduce_grad"}
 
