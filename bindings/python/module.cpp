@@ -149,16 +149,17 @@ void bind_transport(py::module_& m) {
 
     m.def(
         "make_ipc_transport",
-        [](const py::object& bootstrap, const std::string& memory, double timeout_s) {
+        [](const py::object& bootstrap, const std::string& memory, double timeout_s, bool same_process) {
             FLATEP_CHECK(memory == "host" || memory == "device", "memory must be 'host' or 'device', got '", memory,
                          "'");
             std::shared_ptr<Bootstrap> boot = keep_python_alive(bootstrap);
             const MemoryKind kind = memory == "host" ? MemoryKind::kHost : MemoryKind::kDevice;
             py::gil_scoped_release release;  // the bootstrap's all_gather takes the GIL back
-            return std::shared_ptr<Transport>(make_ipc_transport(std::move(boot), kind, timeout_s));
+            return std::shared_ptr<Transport>(make_ipc_transport(std::move(boot), kind, timeout_s, same_process));
         },
-        py::arg("bootstrap"), py::arg("memory") = "host", py::arg("timeout_s") = 0.0,
-        "Collective over the bootstrap's ranks: the multi-process `ipc` transport (memfd regions for 'host').");
+        py::arg("bootstrap"), py::arg("memory") = "host", py::arg("timeout_s") = 0.0, py::arg("same_process") = false,
+        "Collective over the bootstrap's ranks: the multi-process `ipc` transport (memfd regions for 'host'); "
+        "same_process=True lets the ranks be threads of one process (flatep.virtual).");
 }
 
 void bind_plan(py::module_& m) {

@@ -53,8 +53,9 @@ std::shared_ptr<Bootstrap> make_socket_bootstrap_from_env(double timeout_s = 0);
 
 // Collective over the bootstrap's ranks. kHost: memfd regions (CPU backend); kDevice: CUDA VMM regions on the
 // calling thread's current device (call cudaSetDevice first; requires a build with CUDA). timeout_s <= 0:
-// FLATEP_TIMEOUT_S; it bounds every collective of the transport.
+// FLATEP_TIMEOUT_S; it bounds every collective of the transport. same_process: the ranks may be threads of one
+// process (virtual ranks for benchmarks and tests); otherwise two ranks with one pid are an error.
 std::unique_ptr<Transport> make_ipc_transport(std::shared_ptr<Bootstrap> bootstrap, MemoryKind kind,
-                                              double timeout_s = 0);
+                                              double timeout_s = 0, bool same_process = false);
 
 }  // namespace flatep

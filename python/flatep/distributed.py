@@ -65,6 +65,8 @@ def device_guard(device):
 
 def group_rank_size(group):
     """(rank, size) of `group`; (0, 1) when group is None and torch.distributed is not initialised."""
+    if _is_virtual(group):
+        return group.rank, group.size
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
@@ -74,9 +76,22 @@ _lock = threading.Lock()
 _transports = {}
 
 
+def _is_virtual(group):
+    from .virtual import VirtualRank
+
+    return isinstance(group, VirtualRank)
+
+
 def transport_for(group=None, device=None, timeout_s=None):
     """The process's ipc transport for `group` and memory kind of `device` (created on first use, collectively,
-    then cached: every FlatEP object of the group shares it)."""
+    then cached: every FlatEP object of the group shares it). A flatep.virtual.VirtualRank brings its own."""
+    if _is_virtual(group):
+        wanted = resolve_device(torch.device("cpu") if device is None else torch.device(device))
+        if wanted != group.device:
+            raise ValueError(f"device {wanted} differs from the virtual rank's device {group.device}")
+        if timeout_s is not None:
+            group.transport.timeout_s = float(timeout_s)
+        return group.transport
     device = torch.device("cpu") if device is None else torch.device(device)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or a CUDA device, got {device}")

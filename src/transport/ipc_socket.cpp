@@ -445,14 +445,19 @@ std::vector<Fd> build_mesh(const MeshSpec& spec, int listener, int* num_refused)
             refuse(fd, cred, detail::concat("uid ", cred.uid, " is not this job's uid ", my_uid));
             continue;
         }
-        int expected_rank = -1;
+        int expected_rank = -1;  // -1 after the pid check: several pending ranks share this pid (threads)
         if (!spec.expected_pids.empty()) {
+            int matches = 0;
             for (const int r : pending)
-                if (spec.expected_pids[r] == cred.pid) expected_rank = r;
-            if (expected_rank < 0) {
+                if (spec.expected_pids[r] == cred.pid) {
+                    expected_rank = r;
+                    ++matches;
+                }
+            if (matches == 0) {
                 refuse(fd, cred, "not a rank of this job (pid not among the expected peers)");
                 continue;
             }
+            if (matches > 1) expected_rank = -1;
         }
         Hello hello{};
         const Deadline hello_deadline = std::min(deadline, deadline_after(2.0));
@@ -460,7 +465,9 @@ std::vector<Fd> build_mesh(const MeshSpec& spec, int listener, int* num_refused)
             refuse(fd, cred, "no hello");
             continue;
         }
-        const std::string problem = check_hello(hello, spec, cred, expected_rank, &pending);
+        std::string problem = check_hello(hello, spec, cred, expected_rank, &pending);
+        if (problem.empty() && !spec.expected_pids.empty() && spec.expected_pids[hello.rank] != cred.pid)
+            problem = detail::concat("claims rank ", hello.rank, ", whose pid is ", spec.expected_pids[hello.rank]);
         if (!problem.empty()) {
             refuse(fd, cred, problem);
             continue;

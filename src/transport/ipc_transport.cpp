@@ -112,7 +112,7 @@ IpcTransport::IpcTransport(std::shared_ptr<Bootstrap> bootstrap, std::unique_ptr
         pids_[r] = announced[r].pid;
     }
     for (int r = 0; r < num_ranks_; ++r)
-        if (r != rank_ && pids_[r] == pids_[rank_])
+        if (r != rank_ && pids_[r] == pids_[rank_] && !options.same_process)
             FLATEP_THROW(ErrorCategory::kInvalidArgument, "ipc transport: ranks ", r, " and ", rank_,
                          " are the same process (pid ", pids_[r], "); use the local transport for threads");
     if (num_ranks_ == 1) return;
@@ -227,9 +227,11 @@ void IpcTransport::release(SymmetricRegion& region) noexcept {
     region = SymmetricRegion{};
 }
 
-std::unique_ptr<Transport> make_ipc_transport(std::shared_ptr<Bootstrap> bootstrap, MemoryKind kind, double timeout_s) {
+std::unique_ptr<Transport> make_ipc_transport(std::shared_ptr<Bootstrap> bootstrap, MemoryKind kind, double timeout_s,
+                                              bool same_process) {
     IpcOptions options;
     options.timeout_s = timeout_s;
+    options.same_process = same_process;
     std::unique_ptr<IpcMemory> memory;
     if (kind == MemoryKind::kHost) {
         memory = make_host_ipc_memory();

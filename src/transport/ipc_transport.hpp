@@ -22,7 +22,8 @@
 namespace flatep {
 
 struct IpcOptions {
-    double timeout_s = 0;  // <= 0: FLATEP_TIMEOUT_S
+    double timeout_s = 0;       // <= 0: FLATEP_TIMEOUT_S
+    bool same_process = false;  // ranks may share one pid (threads of one process: virtual ranks)
     // Test hook: called with this rank's socket name once it listens, before the ranks connect.
     std::function<void(const std::string& socket_name)> on_listening;
 };

@@ -64,3 +64,34 @@ def test_moe_layer_bench_equality_check_fails_loudly(tmp_path):
     assert proc.returncode != 0
     assert "EQUALITY CHECK FAILED" in proc.stdout + proc.stderr
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".csv")]
+
+
+def test_moe_layer_virtual_tiny_cpu(tmp_path):
+    """benchmarks/moe_layer_virtual.py: R=4 virtual ranks in one process, same CSV layout, the equality check passes;
+    'layer' is the sum over phases of the slowest rank."""
+    paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    args = list(TINY)
+    args[args.index("--ranks") + 1] = "4"
+    args[args.index("--experts") + 1] = "16"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "moe_layer_virtual.py"), *args, "--out", str(tmp_path),
+           "--no-plot"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "equality check passed" in proc.stdout, proc.stdout
+    csvs = [f for f in os.listdir(tmp_path) if f.endswith(".csv")]
+    assert len(csvs) == 1 and csvs[0].startswith("moe_layer_custom_R4_S64_E16_H64_K2_F32_"), csvs
+    assert csvs[0].endswith("-virtual.csv"), csvs
+    with open(tmp_path / csvs[0]) as f:
+        lines = f.readlines()
+    assert lines[0].startswith("# command: benchmarks/moe_layer_virtual.py")
+    assert "4 virtual ranks in one process" in lines[1]
+    rows = list(csv.DictReader(l for l in lines if not l.startswith("#")))
+    by = {(float(r["maxvio_target"]), r["impl"], r["phase"]): float(r["median_ms"]) for r in rows}
+    for m in (0.2, 1, 10, 20):
+        for impl, phases in (("baseline", BASELINE_PHASES), ("flatep", FLATEP_PHASES)):
+            got = {p for (t, i, p) in by if t == m and i == impl}
+            want = phases | ({"prefetch_bwd"} if impl == "flatep" else set())
+            assert got == want, (m, impl, sorted(got ^ want))
+            assert by[(m, impl, "layer")] == by[(m, impl, "sum_phases")]
+            assert by[(m, impl, "layer")] >= max(by[(m, impl, p)] for p in got if p not in ("layer", "sum_phases"))

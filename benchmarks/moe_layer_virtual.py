@@ -1,0 +1,541 @@
+#!/usr/bin/env python3
+"""One MoE layer forward + backward on R *virtual* ranks in one process (one GPU): FlatEP against the standard EP
+baseline, every rank's share of every phase timed, and the critical path (the slowest rank per phase) reported.
+
+    # one GPU, MoonEP's shape with H'=1024 (eight ranks' weights, pools and fp32 gradients must fit one GPU):
+    python3 benchmarks/moe_layer_virtual.py --config moonep --ffn 1024 --device cuda
+    python3 benchmarks/moe_layer_virtual.py --config deepep --ffn 1024 --device cuda
+    # CPU smoke run (its numbers are not results):
+    /usr/bin/python3 benchmarks/moe_layer_virtual.py --device cpu --ranks 4 --tokens 64 --hidden 64 --ffn 32 \\
+        --experts 16 --topk 2 --iters 2 --warmup 1 --out /tmp/moe_layer_virtual
+
+The layer and both implementations are those of benchmarks/moe_layer.py (router, grouped FFN y = silu(x W1) W2 per
+expert, weighted sum of each token's K outputs, fp32 expert gradients), written out phase by phase because the R
+ranks live in one process (flatep.virtual: R ranks over the ipc transport, one CUDA stream each). How a phase is
+timed depends on what it is:
+
+* local phases (router, permutes, expert GEMMs, gradient conversion): each rank runs alone on the whole GPU, one
+  after the other, and its time is what one real GPU would take;
+* communication phases (FlatEP's plan, dispatch, combine, prefetch, reduce_grad; the baseline's all-to-alls): all
+  ranks run at once, each on its own stream (FlatEP kernels with an SM budget of SMs / R blocks per launch, so that
+  every rank's kernels are co-resident), and a rank's time runs from the common start to the end of its part
+  (its own copies and its waits for the peers). The ranks share one GPU's HBM and SMs: a rank gets about 1/R of
+  the GPU's bandwidth (on an H200 about as much as one NVLink direction), not a GPU of its own;
+* the baseline's count exchange ends with the host learning the split sizes (a host sync), timed on the host.
+
+Phase time of a rank = the sum of its parts in that phase; the CSV reports per phase the slowest rank (median over
+--iters) and 'layer' = the sum over phases of the slowest rank (there is no end-to-end time on virtual ranks).
+Before timing, each maxvio's first iteration checks that FlatEP and the baseline agree (output, input gradient,
+router gradient, expert-weight gradients, within bf16 tolerance) on every rank.
+"""
+
+import math
+import os
+import statistics
+import sys
+import time
+
+# Before CUDA starts: every rank's stream on its own hardware queue (a spinning kernel must not block a peer's).
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+
+import flatep  # noqa: E402
+import moe_layer as ml  # noqa: E402
+from flatep import testing, virtual  # noqa: E402
+from flatep.nn import grouped_ffn, route  # noqa: E402
+
+BF16 = ml.BF16
+
+
+class Clock:
+    """Per-rank phase times of one iteration (ms), or nothing when disabled."""
+
+    def __init__(self, R, device):
+        self.R, self.cuda = R, device.type == "cuda"
+        self.streams = [torch.cuda.Stream(device=device) for _ in range(R)] if self.cuda else [None] * R
+        self.enabled = False
+        self.times = {}
+
+    def start(self, enabled):
+        self.enabled, self.times = enabled, {}
+
+    def _add(self, phase, r, ms):
+        if self.enabled:
+            self.times.setdefault(phase, [0.0] * self.R)[r] += ms
+
+    def stream(self, r):
+        return torch.cuda.stream(self.streams[r]) if self.cuda else _null()
+
+    def local(self, phase, fn):
+        """fn(r) for every rank, one rank at a time; returns [fn(r)]."""
+        out = [None] * self.R
+        for r in range(self.R):
+            if self.cuda:
+                s = self.streams[r]
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(s)
+                with torch.cuda.stream(s):
+                    out[r] = fn(r)
+                b.record(s)
+                b.synchronize()
+                self._add(phase, r, a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                out[r] = fn(r)
+                self._add(phase, r, (time.perf_counter() - t0) * 1e3)
+        return out
+
+    def together(self, phase, fn, finish=None):
+        """fn(r) for every rank at once (CUDA: enqueued rank by rank, each on its stream; CPU: R threads), then
+        finish(r) (on rank r's stream after every rank's fn: e.g. waiting for the peers' copies); returns [fn(r)]."""
+        if not self.cuda:
+            import threading
+
+            barrier = threading.Barrier(self.R)
+            times = [0.0] * self.R
+
+            def body(r):
+                barrier.wait()
+                t0 = time.perf_counter()
+                res = fn(r)
+                barrier.wait()  # a collective ends when every rank's part is done
+                if finish is not None:
+                    finish(r)
+                times[r] = (time.perf_counter() - t0) * 1e3
+                return res
+
+            out = virtual.run_threads(self.R, body)
+            for r in range(self.R):
+                self._add(phase, r, times[r])
+            return out
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.R)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.R)]
+        for r in range(self.R):
+            starts[r].record(self.streams[r])
+        out = [None] * self.R
+        for r in range(self.R):
+            with torch.cuda.stream(self.streams[r]):
+                out[r] = fn(r)
+        if finish is not None:
+            for r in range(self.R):
+                with torch.cuda.stream(self.streams[r]):
+                    finish(r)
+        for r in range(self.R):
+            ends[r].record(self.streams[r])
+        torch.cuda.synchronize()
+        for r in range(self.R):
+            self._add(phase, r, starts[r].elapsed_time(ends[r]))
+        return out
+
+    def host(self, phase, fn):
+        """fn() once (it involves every rank and a host sync); its host time counts for every rank."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        res = fn()
+        ms = (time.perf_counter() - t0) * 1e3
+        for r in range(self.R):
+            self._add(phase, r, ms)
+        return res
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+class World:
+    """Everything both implementations share: sizes, per-rank inputs and weights, the clock."""
+
+    def __init__(self, args, device):
+        self.args, self.device = args, device
+        self.R, self.S, self.H, self.F = args.ranks, args.tokens, args.hidden, args.ffn
+        self.E, self.K = args.experts, args.topk
+        self.epn = self.E // self.R
+        self.clock = Clock(self.R, device)
+        gr = torch.Generator(device=device).manual_seed(args.seed)
+        router = torch.randn(self.E, self.H, device=device, generator=gr) / self.H**0.5
+        self.routers = [router.clone() for _ in range(self.R)]  # replicated router: one copy per rank
+        self.x, self.grad_out = [], []
+        for r in range(self.R):
+            g = torch.Generator(device=device).manual_seed(args.seed * 7919 + r + 1)
+            self.x.append(torch.randn(self.S, self.H, device=device, generator=g).to(BF16))
+            self.grad_out.append(torch.randn(self.S, self.H, device=device, generator=g).to(BF16))
+
+    def route_fwd(self, r, topk_idx, router):
+        """Router of rank r with autograd (x and router leaves); returns (x_leaf, weights, idx, xb)."""
+        x = self.x[r].detach().requires_grad_()
+        with torch.enable_grad():
+            weights, idx = route(x, router, self.K, topk_idx)
+        return x, weights, idx, x.detach().to(BF16)
+
+
+class Baseline:
+    """Count exchange with a host sync, permute, exact-size all-to-all, grouped FFN, the reverse path."""
+
+    name = "baseline"
+
+    def __init__(self, w, own_weights, own_grads):
+        self.w = w
+        R = w.R
+        self.routers = [t.clone().requires_grad_() for t in w.routers]
+        self.w1 = [own_weights[r][0] for r in range(R)]  # the same expert weights as FlatEP's own experts
+        self.w2 = [own_weights[r][1] for r in range(R)]
+        self.main = own_grads  # fp32 main gradients (shared memory with FlatEP's own grads; timing only)
+
+    def a2a(self, phase, send, send_splits, recv_splits):
+        """send[r]: rows of rank r ordered by destination, send_splits[r][d] rows for d. Returns recv[d], rows by
+        source. Every rank copies its blocks into the destinations' buffers at once; a rank is done when every
+        block it receives has arrived."""
+        w, R = self.w, self.w.R
+        recv = [torch.empty(sum(recv_splits[d]), w.H, dtype=BF16, device=w.device) for d in range(R)]
+        sent_ev = [None] * R
+        in_off = [[sum(recv_splits[d][:s]) for s in range(R)] for d in range(R)]
+
+        def copy(r):
+            o = 0
+            for d in range(R):
+                n = send_splits[r][d]
+                if n:
+                    recv[d][in_off[d][r]:in_off[d][r] + n].copy_(send[r][o:o + n], non_blocking=True)
+                o += n
+            if w.clock.cuda:
+                sent_ev[r] = torch.cuda.Event()
+                sent_ev[r].record()
+
+        def wait_peers(d):
+            if w.clock.cuda:
+                for s in range(R):
+                    torch.cuda.current_stream().wait_event(sent_ev[s])
+
+        w.clock.together(phase, copy, wait_peers)
+        return recv
+
+    def step(self, topk_idx, timed):
+        w, R, K, epn, E = self.w, self.w.R, self.w.K, self.w.epn, self.w.E
+        c = w.clock
+        c.start(timed)
+        for r in range(R):
+            self.routers[r].grad = None
+        fwd = c.local("router_fwd", lambda r: w.route_fwd(r, topk_idx[r], self.routers[r]))
+        xs, weights, idxs, xbs = zip(*fwd)
+        counts_host = c.host("plan", lambda: [
+            t.tolist() for t in torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in idxs]).cpu()
+        ])
+        send_splits = [[sum(counts_host[r][d * epn:(d + 1) * epn]) for d in range(R)] for r in range(R)]
+        recv_matrix = [[counts_host[s][d * epn:(d + 1) * epn] for s in range(R)] for d in range(R)]  # [d][s][j]
+        recv_splits = [[sum(recv_matrix[d][s]) for s in range(R)] for d in range(R)]
+
+        def permute(r):
+            flat = idxs[r].reshape(-1)
+            order = torch.sort(flat, stable=True).indices
+            token_of = torch.div(order, K, rounding_mode="floor")
+            return order, token_of, xbs[r].index_select(0, token_of)
+
+        orders, token_ofs, sent = zip(*c.local("dispatch_fwd", permute))
+        recv = self.a2a("dispatch_fwd", sent, send_splits, recv_splits)
+
+        def regroup(d):
+            m = torch.tensor(recv_matrix[d], device=w.device)  # [s][j]
+            blocks = torch.repeat_interleave(torch.arange(R * epn, device=w.device), m.reshape(-1))
+            key = (blocks % epn) * R + torch.div(blocks, epn, rounding_mode="floor")
+            order = torch.sort(key, stable=True).indices
+            offs = torch.cumsum(m.sum(0), 0).to(torch.int32)
+            return order, offs, recv[d].index_select(0, order)
+
+        regroups, offs, recv_x = zip(*c.local("dispatch_fwd", regroup))
+        del recv
+
+        def gemm(d):
+            leaf = recv_x[d].detach().requires_grad_()
+            w1 = self.w1[d].detach().requires_grad_()
+            w2 = self.w2[d].detach().requires_grad_()
+            with torch.enable_grad():
+                y = grouped_ffn(leaf, w1, w2, offs[d])
+            return y, leaf, w1, w2
+
+        graphs = c.local("gemm_fwd", gemm)
+        del recv_x
+
+        def unpermute(d):
+            inverse = torch.empty_like(regroups[d])
+            inverse[regroups[d]] = torch.arange(regroups[d].numel(), device=w.device)
+            return graphs[d][0].detach().index_select(0, inverse)
+
+        back_send = c.local("combine_fwd", unpermute)
+        back = self.a2a("combine_fwd", back_send, recv_splits, send_splits)
+        del back_send
+        w_sorted = [weights[r].detach().reshape(-1).index_select(0, orders[r]) for r in range(R)]
+
+        def weighted_sum(r):
+            out = torch.zeros(w.S, w.H, dtype=torch.float32, device=w.device)
+            return out.index_add_(0, token_ofs[r], back[r].float() * w_sorted[r].unsqueeze(1)).to(BF16)
+
+        outs = c.local("combine_fwd", weighted_sum)
+
+        # ---- backward ----
+        def combine_bwd_local(r):
+            g = w.grad_out[r].float().index_select(0, token_ofs[r])
+            grad_w_sorted = (g * back[r].float()).sum(1)
+            grad_back = (g * w_sorted[r].unsqueeze(1)).to(BF16)
+            grad_w = torch.empty_like(grad_w_sorted)
+            grad_w[orders[r]] = grad_w_sorted
+            return grad_back, grad_w.view(w.S, K)
+
+        grad_back, grad_weights = zip(*c.local("combine_bwd", combine_bwd_local))
+        del back
+        grad_perm = self.a2a("combine_bwd", grad_back, send_splits, recv_splits)
+        del grad_back
+        grad_y = c.local("combine_bwd", lambda d: grad_perm[d].index_select(0, regroups[d]))
+        del grad_perm
+
+        def gemm_bwd(d):
+            y, leaf, w1, w2 = graphs[d]
+            return torch.autograd.grad(y, [w1, w2, leaf], grad_y[d])
+
+        gw = c.local("gemm_bwd", gemm_bwd)
+        del graphs, grad_y
+
+        def wgrad(d):
+            with torch.no_grad():
+                self.main[d][0].add_(gw[d][0])
+                self.main[d][1].add_(gw[d][1])
+
+        c.local("wgrad_fp32", wgrad)
+
+        def to_sources(d):
+            g = torch.empty_like(gw[d][2])
+            g[regroups[d]] = gw[d][2]
+            return g
+
+        grad_recv_perm = c.local("dispatch_bwd", to_sources)
+        grad_sent = self.a2a("dispatch_bwd", grad_recv_perm, recv_splits, send_splits)
+        del grad_recv_perm
+
+        def scatter_tokens(r):
+            g = torch.zeros(w.S, w.H, dtype=torch.float32, device=w.device)
+            return g.index_add_(0, token_ofs[r], grad_sent[r].float())
+
+        grad_xb = c.local("dispatch_bwd", scatter_tokens)
+        del grad_sent
+
+        def router_bwd(r):
+            torch.autograd.backward(weights[r], grad_weights[r])
+            return xs[r].grad.float() + grad_xb[r]
+
+        grad_x = c.local("router_bwd", router_bwd)
+        loads = [sum(recv_splits[d]) for d in range(R)]
+        result = dict(out=outs, grad_x=grad_x, grad_router=[t.grad for t in self.routers],
+                      grad_w1=[g[0] for g in gw], grad_w2=[g[1] for g in gw], rows_max=max(loads))
+        return result, c.times
+
+
+class FlatEP:
+    name = "flatep"
+
+    def __init__(self, w, ranks):
+        self.w = w
+        R, a = w.R, w.args
+        dev = w.device
+        self.routers = [t.clone().requires_grad_() for t in w.routers]
+        self.buffers = virtual.run_threads(
+            R, lambda r: flatep.Buffer(ranks[r], w.S, w.H, w.E, w.K, a.align, a.capacity_factor, device=dev))
+        self.pools = virtual.run_threads(
+            R, lambda r: flatep.ExpertPools(ranks[r], w.epn, [(w.H, w.F), (w.F, w.H)], device=dev))
+        self.layers = [p.register_layer() for p in self.pools]
+        for r in range(R):
+            g = torch.Generator(device=dev).manual_seed(a.seed * 7919 + 100 + r)
+            with torch.no_grad():
+                self.layers[r].own_weights(0).copy_(
+                    (torch.randn(w.epn, w.H, w.F, device=dev, generator=g) / w.H**0.5).to(BF16))
+                self.layers[r].own_weights(1).copy_(
+                    (torch.randn(w.epn, w.F, w.H, device=dev, generator=g) / w.F**0.5).to(BF16))
+        self.plans = None
+
+    def own_weights(self):
+        return [(L.own_weights(0), L.own_weights(1)) for L in self.layers]
+
+    def own_grads(self):
+        return [(L.own_grads(0), L.own_grads(1)) for L in self.layers]
+
+    def _combine_grad(self, r, plan, rows, y, recv_w):
+        buf = self.buffers[r]
+        if hasattr(buf, "_combine_grad_raw"):
+            return buf._combine_grad_raw(plan, rows, y, recv_w)
+        grad_y = (rows.float() * recv_w.unsqueeze(1)).to(BF16)  # what flatep.autograd does without the fused op
+        dots = (rows.float() * y.float()).sum(dim=1)
+        real = torch.arange(dots.shape[0], device=dots.device) < plan.cu_seqlens[-1]
+        return grad_y, torch.where(real, dots, torch.zeros_like(dots))
+
+    def _write_grads(self, r, plan, grads):
+        pools, layer = self.pools[r], self.layers[r]
+        if hasattr(pools, "write_grads"):
+            for p in range(2):
+                pools.write_grads(plan, layer, p, grads[p])
+            return
+        with torch.no_grad():
+            layer.grads(0).copy_(grads[0])
+            layer.grads(1).copy_(grads[1])
+
+    def step(self, topk_idx, timed):
+        w, R = self.w, self.w.R
+        c, B, P, L = w.clock, self.buffers, self.pools, self.layers
+        c.start(timed)
+        for r in range(R):
+            self.routers[r].grad = None
+        fwd = c.local("router_fwd", lambda r: w.route_fwd(r, topk_idx[r], self.routers[r]))
+        xs, weights, idxs, xbs = zip(*fwd)
+        plans = c.together("plan", lambda r: B[r].plan(idxs[r]))
+        self.plans = plans
+        recv = c.together("dispatch_fwd", lambda r: B[r]._dispatch_raw(plans[r], xbs[r], weights[r].detach()))
+        c.together("prefetch", lambda r: P[r].prefetch(plans[r], L[r]))
+
+        def gemm(r):
+            leaf = recv[r][0].detach().requires_grad_()
+            w1 = L[r].weights(0).detach().requires_grad_()
+            w2 = L[r].weights(1).detach().requires_grad_()
+            with torch.enable_grad():
+                y = grouped_ffn(leaf, w1, w2, plans[r].cu_seqlens)
+            return y, leaf, w1, w2
+
+        graphs = c.local("gemm_fwd", gemm)
+        outs = c.together("combine_fwd", lambda r: B[r]._combine_raw(plans[r], graphs[r][0].detach(), recv[r][1]))
+
+        # ---- backward ----
+        rows = c.together("combine_bwd", lambda r: B[r]._dispatch_raw(plans[r], w.grad_out[r], None,
+                                                                      want_weights=False)[0])
+        grads_y = c.local("combine_bwd", lambda r: self._combine_grad(r, plans[r], rows[r], graphs[r][0].detach(),
+                                                                      recv[r][1]))
+        del rows
+        c.together("prefetch_bwd", lambda r: P[r].prefetch(plans[r], L[r]))
+
+        def gemm_bwd(r):
+            y, leaf, w1, w2 = graphs[r]
+            return torch.autograd.grad(y, [w1, w2, leaf], grads_y[r][0])
+
+        gw = c.local("gemm_bwd", gemm_bwd)
+        del graphs
+        c.local("wgrad_fp32", lambda r: self._write_grads(r, plans[r], gw[r]))
+        c.together("reduce_grad", lambda r: P[r].reduce_grad(plans[r], L[r]))
+        grad_xb = c.together("dispatch_bwd", lambda r: B[r]._combine_raw(plans[r], gw[r][2].to(BF16).contiguous(),
+                                                                          None))
+        grad_w = c.together("dispatch_bwd", lambda r: B[r]._entry_values_raw(plans[r], grads_y[r][1]))
+
+        def router_bwd(r):
+            torch.autograd.backward(weights[r], grad_w[r])
+            return xs[r].grad.float() + grad_xb[r].float()
+
+        grad_x = c.local("router_bwd", router_bwd)
+        result = dict(out=outs, grad_x=grad_x, grad_router=[t.grad for t in self.routers],
+                      grad_w1=[L[r].own_grads(0) for r in range(R)], grad_w2=[L[r].own_grads(1) for r in range(R)],
+                      rows_max=S_K_rows(plans))
+        return result, c.times
+
+
+def S_K_rows(plans):
+    return max(plans[0].stats["loads"])
+
+
+def run(args):
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    R = args.ranks
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        os.environ.setdefault("FLATEP_SM_BUDGET", str(max(1, sms // R)))  # read when the Buffers are built
+    else:
+        torch.set_num_threads(1)
+    ranks = virtual.virtual_ranks(R, device, timeout_s=args.timeout)
+    w = World(args, device)
+    flat = FlatEP(w, ranks)
+    base = Baseline(w, flat.own_weights(), flat.own_grads())
+    impls = [base, flat]
+    records, checks = [], []
+    for target in args.maxvio:
+        reachable = 0.9 * (w.E / w.K - 1)
+        goal = min(target, reachable)
+        if target > reachable:
+            print(f"note: maxvio {target:g} is unreachable with E={w.E}, K={w.K}; using {reachable:g}", flush=True)
+        sigma = 0.0 if target == 0 else testing.sigma_for_maxvio(goal, R, w.E, w.S, w.K, seed=args.seed)
+        realised = testing.maxvio(testing.generate_counts(R, w.E, w.S, w.K, sigma=sigma, seed=args.seed))
+        topk_idx = [testing.sample_topk(w.E, w.S, w.K, r, sigma=sigma, seed=args.seed).to(device).long()
+                    for r in range(R)]
+        results = {}
+        for impl in impls:  # the check: same inputs, routing and weights for both
+            res, _ = impl.step(topk_idx, False)
+            results[impl.name] = {k: ([t.detach().float().clone() for t in v] if isinstance(v, list) else v)
+                                  for k, v in res.items()}
+            del res
+        worst = {}
+        for field in ["out", "grad_x", "grad_router", "grad_w1", "grad_w2"]:
+            worst[field] = max(ml.rel_l2(results["flatep"][field][r], results["baseline"][field][r]) for r in range(R))
+        rows = {name: results[name]["rows_max"] for name in results}
+        del results
+        checks.append((target, worst))
+        if any(not math.isfinite(v) or v > args.tolerance for v in worst.values()):
+            raise RuntimeError(f"EQUALITY CHECK FAILED at maxvio {target:g}: FlatEP vs baseline relative L2 errors "
+                               f"{ {k: f'{v:.2e}' for k, v in worst.items()} } exceed tolerance {args.tolerance:g}")
+        for impl in impls:
+            for _ in range(max(args.warmup - 1, 0)):
+                impl.step(topk_idx, False)
+        samples = {impl.name: [] for impl in impls}
+        for _ in range(args.iters):
+            for impl in impls:  # interleaved
+                _, times = impl.step(topk_idx, True)
+                samples[impl.name].append(times)
+        for name, its in samples.items():
+            per_phase = {}
+            for times in its:
+                for phase, per_rank in times.items():
+                    per_phase.setdefault(phase, []).append(per_rank)
+            crit = [sum(max(v) for v in times.values()) for times in its]
+            for phase in ml.PHASES:
+                if phase not in per_phase:
+                    continue
+                vals = per_phase[phase]
+                records.append(dict(maxvio_target=target, maxvio=round(realised, 4), sigma=round(sigma, 5),
+                                    impl=name, phase=phase, median_ms=statistics.median(max(v) for v in vals),
+                                    mean_rank_ms=statistics.median(sum(v) / len(v) for v in vals),
+                                    min_rank_ms=statistics.median(min(v) for v in vals), rows_max=rows[name]))
+            for phase in ("sum_phases", "layer"):
+                records.append(dict(maxvio_target=target, maxvio=round(realised, 4), sigma=round(sigma, 5),
+                                    impl=name, phase=phase, median_ms=statistics.median(crit),
+                                    mean_rank_ms=statistics.median(crit), min_rank_ms=statistics.median(crit),
+                                    rows_max=rows[name]))
+        print(f"maxvio {target:g} done", flush=True)
+    for impl in impls:
+        impl.__dict__.clear()
+    return {"records": records, "checks": checks}
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    timeout = 60.0
+    if "--timeout" in argv:
+        i = argv.index("--timeout")
+        timeout = float(argv[i + 1])
+        del argv[i:i + 2]
+    args = ml.parse_args(argv)
+    args.command = " ".join(["benchmarks/moe_layer_virtual.py"] + argv)
+    args.timeout = timeout
+    if args.device == "cuda" and not (torch.cuda.is_available() and flatep._C.has_cuda):
+        sys.exit("moe_layer_virtual: --device cuda needs a GPU and FlatEP built with CUDA; use --device cpu")
+    if args.tag is None:
+        args.tag = ml.slug(ml.device_name(args)) + "-virtual"
+    data = run(args)
+    ml.write_outputs(args, args.ranks, data, f"{args.ranks} virtual ranks in one process")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Virtual ranks: R FlatEP ranks in one process (for benchmarks and tests on one GPU or on the CPU).
+
+Production runs one process per rank (torch.distributed). Here the R ranks are threads of one process that share an
+``ipc`` transport world built through an in-process all-gather, so every Buffer / ExpertPools op is the real one:
+
+    ranks = flatep.virtual.virtual_ranks(8, device="cuda")       # collective set-up, done on R threads
+    buffers = flatep.virtual.run_threads(8, lambda r: flatep.Buffer(ranks[r], S, H, E, K, device="cuda"))
+    plans = [buffers[r].plan(idx[r]) for r in range(8)]          # CUDA: each call only enqueues (use one stream
+                                                                 # per rank); CPU: use run_threads, ops block
+
+A :class:`VirtualRank` stands where a torch.distributed group goes (``Buffer(group=...)``,
+``ExpertPools(group, ...)``). Constructors are collective, so they must run on R threads at once (run_threads). On
+a CUDA device the ops never block the host, so one thread may enqueue every rank's op, each on its own stream, as
+long as all ranks' kernels fit on the GPU together: set FLATEP_SM_BUDGET (thread blocks per launch, e.g.
+SMs / R) and CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts, or a kernel waiting for a peer can hold the SMs the
+peer needs (a timeout error then names the peer).
+"""
+
+import threading
+
+import torch
+
+from . import _C
+
+_MAX_RANKS = 64  # flatep::kMaxRanks
+
+
+class _Rendezvous:
+    """Shared state of R ThreadBootstraps: one slot per rank and a barrier."""
+
+    def __init__(self, size, timeout_s):
+        self.size = size
+        self.timeout_s = timeout_s
+        self.barrier = threading.Barrier(size)
+        self.slots = [None] * size
+
+
+class ThreadBootstrap(_C.Bootstrap):
+    """flatep._C.Bootstrap for rank `rank` of R threads sharing `rendezvous`."""
+
+    def __init__(self, rendezvous, rank):
+        super().__init__()
+        self._rv = rendezvous
+        self._rank = rank
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._rv.size
+
+    def all_gather(self, blob):
+        rv = self._rv
+        try:
+            rv.barrier.wait(rv.timeout_s)  # every rank has read the previous round
+            rv.slots[self._rank] = bytes(blob)
+            rv.barrier.wait(rv.timeout_s)  # every rank has written this round
+            return list(rv.slots)
+        except threading.BrokenBarrierError:
+            raise RuntimeError(
+                f"virtual rank {self._rank}: all_gather: not every one of {rv.size} ranks arrived within "
+                f"{rv.timeout_s:g} s"
+            ) from None
+
+
+class VirtualRank:
+    """Rank `rank` of `size` virtual ranks; pass it as the `group` of Buffer / ExpertPools."""
+
+    def __init__(self, rank, size, transport, device):
+        self.rank, self.size, self.transport, self.device = rank, size, transport, device
+
+    def __repr__(self):
+        return f"VirtualRank({self.rank}/{self.size}, {self.transport.name}, {self.device})"
+
+
+def run_threads(num_ranks, fn):
+    """[fn(0), ..., fn(num_ranks - 1)], each call on its own thread, all at once; re-raises the first error (by rank)
+    after every thread ended."""
+    results, errors = [None] * num_ranks, [None] * num_ranks
+
+    def body(r):
+        try:
+            results[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors[r] = e
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"flatep-virtual-{r}") for r in range(num_ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+def virtual_ranks(num_ranks, device="cpu", timeout_s=None):
+    """R VirtualRanks sharing one ipc transport world on `device` ('cpu': host memory, the CPU backend; a CUDA device:
+    device memory on that GPU). timeout_s bounds every cross-rank wait (default: FLATEP_TIMEOUT_S or 100 s)."""
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or not 1 <= num_ranks <= _MAX_RANKS:
+        raise ValueError(f"virtual_ranks: num_ranks must be an int in [1, {_MAX_RANKS}], got {num_ranks!r}")
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not _C.has_cuda:
+            raise ValueError(f"virtual_ranks: device {device} needs FlatEP built with CUDA")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(f"virtual_ranks: device must be 'cpu' or a CUDA device, got {device}")
+    memory = "device" if device.type == "cuda" else "host"
+    rv = _Rendezvous(num_ranks, 60.0 if timeout_s is None else float(timeout_s))
+
+    def make(r):
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # per thread: the transport adopts this thread's current context
+            torch.empty(1, device=device)
+        timeout = 0.0 if timeout_s is None else float(timeout_s)
+        return _C.make_ipc_transport(ThreadBootstrap(rv, r), memory, timeout, same_process=True)
+
+    transports = run_threads(num_ranks, make)
+    return [VirtualRank(r, num_ranks, transports[r], device) for r in range(num_ranks)]

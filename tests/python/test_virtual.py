@@ -1,0 +1,70 @@
+"""flatep.virtual: R ranks as threads of one process over the ipc transport (CPU backend here; the same code runs
+on one GPU in benchmarks/moe_layer_virtual.py).
+
+Reproduce: PYTHONPATH=python:build/python /usr/bin/python3 -m pytest -q tests/python/test_virtual.py
+"""
+
+import pytest
+import torch
+
+import flatep
+from flatep import _C, testing, virtual
+
+S, H, E, K = 24, 32, 16, 2
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_virtual_ranks_run_the_data_plane(R):
+    ranks = virtual.virtual_ranks(R, "cpu", timeout_s=20)
+    assert [(v.rank, v.size) for v in ranks] == [(r, R) for r in range(R)]
+    bufs = virtual.run_threads(R, lambda r: flatep.Buffer(ranks[r], S, H, E, K, align=8))
+    assert [b.rank for b in bufs] == list(range(R))
+    idx = [testing.sample_topk(E, S, K, r, sigma=1.5, seed=3).long() for r in range(R)]
+    x = [torch.randn(S, H, generator=torch.Generator().manual_seed(r)).bfloat16() for r in range(R)]
+    plans = virtual.run_threads(R, lambda r: bufs[r].plan(idx[r]))
+    assert plans[0].stats["loads"] == [S * K] * R  # exact mode: every rank computes S*K rows
+    with torch.no_grad():
+        recv = virtual.run_threads(R, lambda r: bufs[r].dispatch(plans[r], x[r], None))
+        # Unweighted combine of the dispatched rows themselves: each token gets its K copies back, summed in fp32:
+        # K * x exactly (K = 2 scales a bf16 value exactly).
+        out = virtual.run_threads(R, lambda r: bufs[r].combine(plans[r], recv[r][0]))
+    for r in range(R):
+        assert torch.equal(out[r], (x[r].float() * K).bfloat16()), r
+    pools = virtual.run_threads(R, lambda r: flatep.ExpertPools(ranks[r], E // R, [(H, 8)]))
+    layers = [p.register_layer() for p in pools]
+    epn = E // R
+    for r in range(R):
+        with torch.no_grad():
+            layers[r].own_weights(0).copy_(torch.arange(epn, dtype=torch.float32).view(epn, 1, 1) + 100 * r)
+    virtual.run_threads(R, lambda r: pools[r].prefetch(plans[r], layers[r]))
+    replicas = 0
+    for r in range(R):
+        for j, e in enumerate(plans[r].slot_expert.tolist()):
+            if e >= 0:  # slot j holds expert e: its owner's weights, whose value encodes (owner, local index)
+                replicas += 1
+                owner, local = divmod(e, epn)
+                assert torch.all(layers[r].weights(0)[epn + j] == 100 * owner + local), (r, j, e)
+    assert replicas == plans[0].stats["replicas"] and replicas > 0
+
+
+def test_same_process_ranks_need_the_opt_in():
+    rv = virtual._Rendezvous(2, 10.0)
+    with pytest.raises(ValueError, match=r"ranks 1 and 0 are the same process \(pid \d+\); use the local transport"):
+        virtual.run_threads(2, lambda r: _C.make_ipc_transport(virtual.ThreadBootstrap(rv, r), "host", 5.0))
+
+
+def test_virtual_ranks_arguments():
+    with pytest.raises(ValueError, match=r"virtual_ranks: num_ranks must be an int in \[1, 64\], got 0"):
+        virtual.virtual_ranks(0)
+    with pytest.raises(ValueError, match=r"virtual_ranks: device must be 'cpu' or a CUDA device, got meta"):
+        virtual.virtual_ranks(2, "meta")
+    ranks = virtual.virtual_ranks(1, "cpu")
+    with pytest.raises(ValueError, match=r"device cuda:0 differs from the virtual rank's device cpu"):
+        flatep.Buffer(ranks[0], S, H, E, K, device="cuda:0")
+
+
+def test_a_missing_virtual_rank_times_out():
+    rv = virtual._Rendezvous(2, 0.5)
+    boot = virtual.ThreadBootstrap(rv, 0)
+    with pytest.raises(RuntimeError, match=r"virtual rank 0: all_gather: not every one of 2 ranks arrived within 0.5 s"):
+        boot.all_gather(b"x")
