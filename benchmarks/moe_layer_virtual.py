@@ -74,22 +74,30 @@ class Clock:
 
     def local(self, phase, fn):
         """fn(r) for every rank, one rank at a time; returns [fn(r)]."""
+        return self.local_steps([(phase, fn)])
+
+    def local_steps(self, steps):
+        """For every rank in turn, each (phase, fn) of `steps` in order, each timed: fn(r, previous result) after the
+        first (fn(r)). A rank's temporaries die before the next rank starts. Returns [last result of rank r]."""
         out = [None] * self.R
         for r in range(self.R):
-            if self.cuda:
-                s = self.streams[r]
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record(s)
-                with torch.cuda.stream(s):
-                    out[r] = fn(r)
-                b.record(s)
-                b.synchronize()
-                self._add(phase, r, a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                out[r] = fn(r)
-                self._add(phase, r, (time.perf_counter() - t0) * 1e3)
+            res = None
+            for i, (phase, fn) in enumerate(steps):
+                if self.cuda:
+                    s = self.streams[r]
+                    torch.cuda.synchronize()
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record(s)
+                    with torch.cuda.stream(s):
+                        res = fn(r) if i == 0 else fn(r, res)
+                    b.record(s)
+                    b.synchronize()
+                    self._add(phase, r, a.elapsed_time(b))
+                else:
+                    t0 = time.perf_counter()
+                    res = fn(r) if i == 0 else fn(r, res)
+                    self._add(phase, r, (time.perf_counter() - t0) * 1e3)
+            out[r] = res
         return out
 
     def together(self, phase, fn, finish=None):
@@ -191,8 +199,11 @@ class Baseline:
         R = w.R
         self.routers = [t.clone().requires_grad_() for t in w.routers]
         self.w1 = [own_weights[r][0] for r in range(R)]  # the same expert weights as FlatEP's own experts
+        if w.args.inject_mismatch:  # tests: the equality check must catch a baseline that computes something else
+            self.w1 = [(t.float() * 1.25).to(BF16) for t in self.w1]
         self.w2 = [own_weights[r][1] for r in range(R)]
         self.main = own_grads  # fp32 main gradients (shared memory with FlatEP's own grads; timing only)
+        self.keep_grads = False  # the equality check sets it: keep fp32 copies of the weight gradients
 
     def a2a(self, phase, send, send_splits, recv_splits):
         """send[r]: rows of rank r ordered by destination, send_splits[r][d] rows for d. Returns recv[d], rows by
@@ -300,26 +311,30 @@ class Baseline:
         grad_y = c.local("combine_bwd", lambda d: grad_perm[d].index_select(0, regroups[d]))
         del grad_perm
 
+        gw_check = [None] * R
+
         def gemm_bwd(d):
             y, leaf, w1, w2 = graphs[d]
-            return torch.autograd.grad(y, [w1, w2, leaf], grad_y[d])
-
-        gw = c.local("gemm_bwd", gemm_bwd)
-        del graphs, grad_y
-
-        def wgrad(d):
-            with torch.no_grad():
-                self.main[d][0].add_(gw[d][0])
-                self.main[d][1].add_(gw[d][1])
-
-        c.local("wgrad_fp32", wgrad)
-
-        def to_sources(d):
-            g = torch.empty_like(gw[d][2])
-            g[regroups[d]] = gw[d][2]
+            graphs[d] = None
+            g = torch.autograd.grad(y, [w1, w2, leaf], grad_y[d])
+            grad_y[d] = None
             return g
 
-        grad_recv_perm = c.local("dispatch_bwd", to_sources)
+        def wgrad(d, g):
+            with torch.no_grad():
+                self.main[d][0].add_(g[0])
+                self.main[d][1].add_(g[1])
+            if self.keep_grads:
+                gw_check[d] = (g[0], g[1])  # bf16, as computed
+            return g[2]
+
+        def to_sources(d, grad_recv):
+            g = torch.empty_like(grad_recv)
+            g[regroups[d]] = grad_recv
+            return g
+
+        graphs, grad_y = list(graphs), list(grad_y)
+        grad_recv_perm = c.local_steps([("gemm_bwd", gemm_bwd), ("wgrad_fp32", wgrad), ("dispatch_bwd", to_sources)])
         grad_sent = self.a2a("dispatch_bwd", grad_recv_perm, recv_splits, send_splits)
         del grad_recv_perm
 
@@ -337,7 +352,8 @@ class Baseline:
         grad_x = c.local("router_bwd", router_bwd)
         loads = [sum(recv_splits[d]) for d in range(R)]
         result = dict(out=outs, grad_x=grad_x, grad_router=[t.grad for t in self.routers],
-                      grad_w1=[g[0] for g in gw], grad_w2=[g[1] for g in gw], rows_max=max(loads))
+                      grad_w1=[g[0] for g in gw_check] if self.keep_grads else None,
+                      grad_w2=[g[1] for g in gw_check] if self.keep_grads else None, rows_max=max(loads))
         return result, c.times
 
 
@@ -420,16 +436,21 @@ class FlatEP:
         del rows
         c.together("prefetch_bwd", lambda r: P[r].prefetch(plans[r], L[r]))
 
+        graphs = list(graphs)
+
         def gemm_bwd(r):
             y, leaf, w1, w2 = graphs[r]
+            graphs[r] = None
             return torch.autograd.grad(y, [w1, w2, leaf], grads_y[r][0])
 
-        gw = c.local("gemm_bwd", gemm_bwd)
-        del graphs
-        c.local("wgrad_fp32", lambda r: self._write_grads(r, plans[r], gw[r]))
+        def wgrad(r, g):
+            self._write_grads(r, plans[r], g)
+            return g[2].to(BF16).contiguous()
+
+        grad_recv = c.local_steps([("gemm_bwd", gemm_bwd), ("wgrad_fp32", wgrad)])
         c.together("reduce_grad", lambda r: P[r].reduce_grad(plans[r], L[r]))
-        grad_xb = c.together("dispatch_bwd", lambda r: B[r]._combine_raw(plans[r], gw[r][2].to(BF16).contiguous(),
-                                                                          None))
+        grad_xb = c.together("dispatch_bwd", lambda r: B[r]._combine_raw(plans[r], grad_recv[r], None))
+        del grad_recv
         grad_w = c.together("dispatch_bwd", lambda r: B[r]._entry_values_raw(plans[r], grads_y[r][1]))
 
         def router_bwd(r):
@@ -470,17 +491,18 @@ def run(args):
         realised = testing.maxvio(testing.generate_counts(R, w.E, w.S, w.K, sigma=sigma, seed=args.seed))
         topk_idx = [testing.sample_topk(w.E, w.S, w.K, r, sigma=sigma, seed=args.seed).to(device).long()
                     for r in range(R)]
-        results = {}
-        for impl in impls:  # the check: same inputs, routing and weights for both
-            res, _ = impl.step(topk_idx, False)
-            results[impl.name] = {k: ([t.detach().float().clone() for t in v] if isinstance(v, list) else v)
-                                  for k, v in res.items()}
-            del res
+        # The check: same inputs, routing and weights for both; the baseline's results are kept (its weight gradients
+        # in bf16, as computed) while FlatEP's are compared where they live (its fp32 own grads are overwritten by
+        # the baseline's timing steps later, which share that memory).
+        base.keep_grads = True
+        ref, _ = base.step(topk_idx, False)
+        base.keep_grads = False
+        res, _ = flat.step(topk_idx, False)
         worst = {}
         for field in ["out", "grad_x", "grad_router", "grad_w1", "grad_w2"]:
-            worst[field] = max(ml.rel_l2(results["flatep"][field][r], results["baseline"][field][r]) for r in range(R))
-        rows = {name: results[name]["rows_max"] for name in results}
-        del results
+            worst[field] = max(ml.rel_l2(res[field][r], ref[field][r]) for r in range(R))
+        rows = {"baseline": ref["rows_max"], "flatep": res["rows_max"]}
+        del ref, res
         checks.append((target, worst))
         if any(not math.isfinite(v) or v > args.tolerance for v in worst.values()):
             raise RuntimeError(f"EQUALITY CHECK FAILED at maxvio {target:g}: FlatEP vs baseline relative L2 errors "

@@ -95,3 +95,13 @@ def test_moe_layer_virtual_tiny_cpu(tmp_path):
             assert got == want, (m, impl, sorted(got ^ want))
             assert by[(m, impl, "layer")] == by[(m, impl, "sum_phases")]
             assert by[(m, impl, "layer")] >= max(by[(m, impl, p)] for p in got if p not in ("layer", "sum_phases"))
+
+
+def test_moe_layer_virtual_check_catches_a_mismatch(tmp_path):
+    paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "moe_layer_virtual.py"), *TINY, "--out", str(tmp_path),
+           "--no-plot", "--maxvio", "1", "--inject-mismatch"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "EQUALITY CHECK FAILED at maxvio 1: FlatEP vs baseline relative L2 errors" in proc.stderr, proc.stderr
