@@ -56,11 +56,21 @@ BF16 = ml.BF16
 class Clock:
     """Per-rank phase times of one iteration (ms), or nothing when disabled."""
 
-    def __init__(self, R, device):
-        self.R, self.cuda = R, device.type == "cuda"
-        self.streams = [torch.cuda.Stream(device=device) for _ in range(R)] if self.cuda else [None] * R
+    def __init__(self, R, devices):
+        self.R, self.cuda = R, devices[0].type == "cuda"
+        self.devices = devices  # per rank
+        self.streams = [torch.cuda.Stream(device=d) for d in devices] if self.cuda else [None] * R
         self.enabled = False
         self.times = {}
+
+    def sync(self):
+        if self.cuda:
+            for d in sorted({d.index for d in self.devices}):
+                torch.cuda.synchronize(d)
+
+    def rank_stream(self, r):
+        """Context: rank r's device and stream current."""
+        return _RankStream(self.devices[r], self.streams[r]) if self.cuda else _null()
 
     def start(self, enabled):
         self.enabled, self.times = enabled, {}
@@ -85,10 +95,10 @@ class Clock:
             for i, (phase, fn) in enumerate(steps):
                 if self.cuda:
                     s = self.streams[r]
-                    torch.cuda.synchronize()
+                    self.sync()
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     a.record(s)
-                    with torch.cuda.stream(s):
+                    with self.rank_stream(r):
                         res = fn(r) if i == 0 else fn(r, res)
                     b.record(s)
                     b.synchronize()
@@ -123,36 +133,50 @@ class Clock:
             for r in range(self.R):
                 self._add(phase, r, times[r])
             return out
-        torch.cuda.synchronize()
+        self.sync()
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.R)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.R)]
         for r in range(self.R):
             starts[r].record(self.streams[r])
         out = [None] * self.R
         for r in range(self.R):
-            with torch.cuda.stream(self.streams[r]):
+            with self.rank_stream(r):
                 out[r] = fn(r)
         if finish is not None:
             for r in range(self.R):
-                with torch.cuda.stream(self.streams[r]):
+                with self.rank_stream(r):
                     finish(r)
         for r in range(self.R):
             ends[r].record(self.streams[r])
-        torch.cuda.synchronize()
+        self.sync()
         for r in range(self.R):
             self._add(phase, r, starts[r].elapsed_time(ends[r]))
         return out
 
     def host(self, phase, fn):
         """fn() once (it involves every rank and a host sync); its host time counts for every rank."""
-        if self.cuda:
-            torch.cuda.synchronize()
+        self.sync()
         t0 = time.perf_counter()
         res = fn()
         ms = (time.perf_counter() - t0) * 1e3
         for r in range(self.R):
             self._add(phase, r, ms)
         return res
+
+
+class _RankStream:
+    def __init__(self, device, stream):
+        self.dev, self.stream = torch.cuda.device(device), torch.cuda.stream(stream)
+
+    def __enter__(self):
+        self.dev.__enter__()
+        self.stream.__enter__()
+        return self
+
+    def __exit__(self, *a):
+        self.stream.__exit__(*a)
+        self.dev.__exit__(*a)
+        return False
 
 
 class _null:
@@ -166,20 +190,20 @@ class _null:
 class World:
     """Everything both implementations share: sizes, per-rank inputs and weights, the clock."""
 
-    def __init__(self, args, device):
-        self.args, self.device = args, device
+    def __init__(self, args, devices):
+        self.args, self.devices = args, devices  # devices[r]: rank r's
         self.R, self.S, self.H, self.F = args.ranks, args.tokens, args.hidden, args.ffn
         self.E, self.K = args.experts, args.topk
         self.epn = self.E // self.R
-        self.clock = Clock(self.R, device)
-        gr = torch.Generator(device=device).manual_seed(args.seed)
-        router = torch.randn(self.E, self.H, device=device, generator=gr) / self.H**0.5
-        self.routers = [router.clone() for _ in range(self.R)]  # replicated router: one copy per rank
+        self.clock = Clock(self.R, devices)
+        gr = torch.Generator(device=devices[0]).manual_seed(args.seed)
+        router = torch.randn(self.E, self.H, device=devices[0], generator=gr) / self.H**0.5
+        self.routers = [router.to(d, copy=True) for d in devices]  # replicated router: one copy per rank
         self.x, self.grad_out = [], []
-        for r in range(self.R):
-            g = torch.Generator(device=device).manual_seed(args.seed * 7919 + r + 1)
-            self.x.append(torch.randn(self.S, self.H, device=device, generator=g).to(BF16))
-            self.grad_out.append(torch.randn(self.S, self.H, device=device, generator=g).to(BF16))
+        for r, dev in enumerate(devices):
+            g = torch.Generator(device=dev).manual_seed(args.seed * 7919 + r + 1)
+            self.x.append(torch.randn(self.S, self.H, device=dev, generator=g).to(BF16))
+            self.grad_out.append(torch.randn(self.S, self.H, device=dev, generator=g).to(BF16))
 
     def route_fwd(self, r, topk_idx, router):
         """Router of rank r with autograd (x and router leaves); returns (x_leaf, weights, idx, xb)."""
@@ -210,7 +234,7 @@ class Baseline:
         source. Every rank copies its blocks into the destinations' buffers at once; a rank is done when every
         block it receives has arrived."""
         w, R = self.w, self.w.R
-        recv = [torch.empty(sum(recv_splits[d]), w.H, dtype=BF16, device=w.device) for d in range(R)]
+        recv = [torch.empty(sum(recv_splits[d]), w.H, dtype=BF16, device=w.devices[d]) for d in range(R)]
         sent_ev = [None] * R
         in_off = [[sum(recv_splits[d][:s]) for s in range(R)] for d in range(R)]
 
@@ -258,8 +282,8 @@ class Baseline:
         recv = self.a2a("dispatch_fwd", sent, send_splits, recv_splits)
 
         def regroup(d):
-            m = torch.tensor(recv_matrix[d], device=w.device)  # [s][j]
-            blocks = torch.repeat_interleave(torch.arange(R * epn, device=w.device), m.reshape(-1))
+            m = torch.tensor(recv_matrix[d], device=w.devices[d])  # [s][j]
+            blocks = torch.repeat_interleave(torch.arange(R * epn, device=w.devices[d]), m.reshape(-1))
             key = (blocks % epn) * R + torch.div(blocks, epn, rounding_mode="floor")
             order = torch.sort(key, stable=True).indices
             offs = torch.cumsum(m.sum(0), 0).to(torch.int32)
@@ -281,7 +305,7 @@ class Baseline:
 
         def unpermute(d):
             inverse = torch.empty_like(regroups[d])
-            inverse[regroups[d]] = torch.arange(regroups[d].numel(), device=w.device)
+            inverse[regroups[d]] = torch.arange(regroups[d].numel(), device=w.devices[d])
             return graphs[d][0].detach().index_select(0, inverse)
 
         back_send = c.local("combine_fwd", unpermute)
@@ -290,7 +314,7 @@ class Baseline:
         w_sorted = [weights[r].detach().reshape(-1).index_select(0, orders[r]) for r in range(R)]
 
         def weighted_sum(r):
-            out = torch.zeros(w.S, w.H, dtype=torch.float32, device=w.device)
+            out = torch.zeros(w.S, w.H, dtype=torch.float32, device=w.devices[r])
             return out.index_add_(0, token_ofs[r], back[r].float() * w_sorted[r].unsqueeze(1)).to(BF16)
 
         outs = c.local("combine_fwd", weighted_sum)
@@ -339,7 +363,7 @@ class Baseline:
         del grad_recv_perm
 
         def scatter_tokens(r):
-            g = torch.zeros(w.S, w.H, dtype=torch.float32, device=w.device)
+            g = torch.zeros(w.S, w.H, dtype=torch.float32, device=w.devices[r])
             return g.index_add_(0, token_ofs[r], grad_sent[r].float())
 
         grad_xb = c.local("dispatch_bwd", scatter_tokens)
@@ -363,14 +387,15 @@ class FlatEP:
     def __init__(self, w, ranks):
         self.w = w
         R, a = w.R, w.args
-        dev = w.device
+        devs = w.devices
         self.routers = [t.clone().requires_grad_() for t in w.routers]
         self.buffers = virtual.run_threads(
-            R, lambda r: flatep.Buffer(ranks[r], w.S, w.H, w.E, w.K, a.align, a.capacity_factor, device=dev))
+            R, lambda r: flatep.Buffer(ranks[r], w.S, w.H, w.E, w.K, a.align, a.capacity_factor, device=devs[r]))
         self.pools = virtual.run_threads(
-            R, lambda r: flatep.ExpertPools(ranks[r], w.epn, [(w.H, w.F), (w.F, w.H)], device=dev))
+            R, lambda r: flatep.ExpertPools(ranks[r], w.epn, [(w.H, w.F), (w.F, w.H)], device=devs[r]))
         self.layers = [p.register_layer() for p in self.pools]
         for r in range(R):
+            dev = devs[r]
             g = torch.Generator(device=dev).manual_seed(a.seed * 7919 + 100 + r)
             with torch.no_grad():
                 self.layers[r].own_weights(0).copy_(
@@ -469,15 +494,17 @@ def S_K_rows(plans):
 
 
 def run(args):
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     R = args.ranks
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        os.environ.setdefault("FLATEP_SM_BUDGET", str(max(1, sms // R)))  # read when the Buffers are built
+    if args.device == "cuda":
+        gpus = [torch.device("cuda", i) for i in range(args.gpus)]
+        sms = torch.cuda.get_device_properties(gpus[0]).multi_processor_count
+        per_gpu = R // args.gpus
+        os.environ.setdefault("FLATEP_SM_BUDGET", str(max(1, sms // per_gpu)))  # read when the Buffers are built
     else:
+        gpus = [torch.device("cpu")]
         torch.set_num_threads(1)
-    ranks = virtual.virtual_ranks(R, device, timeout_s=args.timeout)
-    w = World(args, device)
+    ranks = virtual.virtual_ranks(R, gpus, timeout_s=args.timeout)
+    w = World(args, [v.device for v in ranks])
     flat = FlatEP(w, ranks)
     base = Baseline(w, flat.own_weights(), flat.own_grads())
     impls = [base, flat]
@@ -489,7 +516,7 @@ def run(args):
             print(f"note: maxvio {target:g} is unreachable with E={w.E}, K={w.K}; using {reachable:g}", flush=True)
         sigma = 0.0 if target == 0 else testing.sigma_for_maxvio(goal, R, w.E, w.S, w.K, seed=args.seed)
         realised = testing.maxvio(testing.generate_counts(R, w.E, w.S, w.K, sigma=sigma, seed=args.seed))
-        topk_idx = [testing.sample_topk(w.E, w.S, w.K, r, sigma=sigma, seed=args.seed).to(device).long()
+        topk_idx = [testing.sample_topk(w.E, w.S, w.K, r, sigma=sigma, seed=args.seed).to(w.devices[r]).long()
                     for r in range(R)]
         # The check: same inputs, routing and weights for both; the baseline's results are kept (its weight gradients
         # in bf16, as computed) while FlatEP's are compared where they live (its fp32 own grads are overwritten by
@@ -542,20 +569,28 @@ def run(args):
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    timeout = 60.0
-    if "--timeout" in argv:
-        i = argv.index("--timeout")
-        timeout = float(argv[i + 1])
-        del argv[i:i + 2]
+    extra = {"--timeout": 60.0, "--gpus": 1}  # this script's own flags (the rest are moe_layer.py's)
+    command = ["benchmarks/moe_layer_virtual.py"] + argv
+    for flag, default in list(extra.items()):
+        extra[flag] = default
+        if flag in argv:
+            i = argv.index(flag)
+            extra[flag] = type(default)(argv[i + 1])
+            del argv[i:i + 2]
     args = ml.parse_args(argv)
-    args.command = " ".join(["benchmarks/moe_layer_virtual.py"] + argv)
-    args.timeout = timeout
+    args.command = " ".join(command)
+    args.timeout, args.gpus = extra["--timeout"], extra["--gpus"]
+    if args.device == "cuda" and (args.gpus < 1 or args.ranks % args.gpus or args.gpus > torch.cuda.device_count()):
+        sys.exit(f"moe_layer_virtual: --gpus {args.gpus} must divide --ranks {args.ranks} and be at most the "
+                 f"{torch.cuda.device_count()} GPUs here")
     if args.device == "cuda" and not (torch.cuda.is_available() and flatep._C.has_cuda):
         sys.exit("moe_layer_virtual: --device cuda needs a GPU and FlatEP built with CUDA; use --device cpu")
     if args.tag is None:
         args.tag = ml.slug(ml.device_name(args)) + "-virtual"
     data = run(args)
-    ml.write_outputs(args, args.ranks, data, f"{args.ranks} virtual ranks in one process")
+    where = "" if args.device == "cpu" else (f" on {args.gpus} GPUs ({args.ranks // args.gpus} per GPU)"
+                                             if args.gpus > 1 else " on one GPU")
+    ml.write_outputs(args, args.ranks, data, f"{args.ranks} virtual ranks in one process{where}")
     return 0
 
 

@@ -95,11 +95,7 @@ def run_threads(num_ranks, fn):
     return results
 
 
-def virtual_ranks(num_ranks, device="cpu", timeout_s=None):
-    """R VirtualRanks sharing one ipc transport world on `device` ('cpu': host memory, the CPU backend; a CUDA device:
-    device memory on that GPU). timeout_s bounds every cross-rank wait (default: FLATEP_TIMEOUT_S or 100 s)."""
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or not 1 <= num_ranks <= _MAX_RANKS:
-        raise ValueError(f"virtual_ranks: num_ranks must be an int in [1, {_MAX_RANKS}], got {num_ranks!r}")
+def _resolve(device):
     device = torch.device(device)
     if device.type == "cuda":
         if not _C.has_cuda:
@@ -108,10 +104,27 @@ def virtual_ranks(num_ranks, device="cpu", timeout_s=None):
             device = torch.device("cuda", torch.cuda.current_device())
     elif device.type != "cpu":
         raise ValueError(f"virtual_ranks: device must be 'cpu' or a CUDA device, got {device}")
-    memory = "device" if device.type == "cuda" else "host"
+    return device
+
+
+def virtual_ranks(num_ranks, device="cpu", timeout_s=None):
+    """R VirtualRanks sharing one ipc transport world on `device` ('cpu': host memory, the CPU backend; a CUDA device:
+    device memory on that GPU; a list of CUDA devices: the ranks in equal consecutive blocks, rank r on
+    devices[r * len(devices) // R], peers on other GPUs reached through peer mappings). timeout_s bounds every
+    cross-rank wait (default: FLATEP_TIMEOUT_S or 100 s)."""
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or not 1 <= num_ranks <= _MAX_RANKS:
+        raise ValueError(f"virtual_ranks: num_ranks must be an int in [1, {_MAX_RANKS}], got {num_ranks!r}")
+    devices = [_resolve(d) for d in (device if isinstance(device, (list, tuple)) else [device])]
+    if not devices or len(devices) > num_ranks or num_ranks % len(devices):
+        raise ValueError(f"virtual_ranks: {num_ranks} ranks cannot be split evenly over devices {devices}")
+    if len({d.type for d in devices}) != 1 or (devices[0].type == "cpu" and len(devices) != 1):
+        raise ValueError(f"virtual_ranks: devices must be one 'cpu' or CUDA devices only, got {devices}")
+    rank_device = [devices[r * len(devices) // num_ranks] for r in range(num_ranks)]
+    memory = "device" if devices[0].type == "cuda" else "host"
     rv = _Rendezvous(num_ranks, 60.0 if timeout_s is None else float(timeout_s))
 
     def make(r):
+        device = rank_device[r]
         if device.type == "cuda":
             torch.cuda.set_device(device)  # per thread: the transport adopts this thread's current context
             torch.empty(1, device=device)
@@ -119,4 +132,4 @@ def virtual_ranks(num_ranks, device="cpu", timeout_s=None):
         return _C.make_ipc_transport(ThreadBootstrap(rv, r), memory, timeout, same_process=True)
 
     transports = run_threads(num_ranks, make)
-    return [VirtualRank(r, num_ranks, transports[r], device) for r in range(num_ranks)]
+    return [VirtualRank(r, num_ranks, transports[r], rank_device[r]) for r in range(num_ranks)]
