@@ -4,9 +4,12 @@
 // memory once, local rows included), aggregate bandwidth over all ranks against a device-to-device copy measured in
 // the same run. Planner: the planner kernel alone and the whole plan op. CSV out.
 //
-//   ops_bench [--csv out.csv] [--iters 20] [--warmup 3] [--hp 1024] [--quick] [--planner-only]
+//   ops_bench [--csv out.csv] [--iters 20] [--warmup 3] [--hp 1024] [--quick] [--planner-only [--planner-profile]]
 // --planner-only: only the planner kernels on the host-generated counts of each config (no data plane, no cross-rank
 // barrier, so it also runs under a kernel profiler), graph-timed, with the plan's P and replicas.
+// --planner-profile: also where the planner's time goes, from device stamps (kernels::set_planner_profile): for each
+// config, medians over a graph of 10 back-to-back planners of the kernels' spans and of the phases of the candidate
+// blocks, the greedy block and select_derive_kernel, the slowest candidates, and the greedy planner kind's phases.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -188,8 +191,172 @@ Config make_config(int R, int E, int S, int K, int H) {
     return c;
 }
 
+// --planner-profile: the stamps of kProfileBatch back-to-back planners captured in one graph (as timed above),
+// replayed once to warm up and once more into cleared records.
+constexpr int kProfileBatch = 10;
+using kernels::PlannerProfileRecord;
+
+std::vector<PlannerProfileRecord> profile_planner(const Layout& l, PlannerKind kind, const PlanView& view, void* ws,
+                                                  cudaStream_t stream) {
+    const kernels::PlannerProfileSlots slots = kernels::planner_profile_slots(l);
+    const size_t count = size_t(slots.total) * kProfileBatch;
+    PlannerProfileRecord* records = nullptr;
+    FLATEP_CUDA_CHECK(cudaMalloc(&records, count * sizeof(PlannerProfileRecord)));
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    FLATEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    FLATEP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < kProfileBatch; ++i) {
+        kernels::set_planner_profile(records + size_t(i) * slots.total);
+        kernels::launch_planner(l, kind, view, ws, kernels::PlannerEngine::kParallel, stream);
+    }
+    kernels::set_planner_profile(nullptr);
+    FLATEP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    FLATEP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    FLATEP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    FLATEP_CUDA_CHECK(cudaMemsetAsync(records, 0, count * sizeof(PlannerProfileRecord), stream));
+    FLATEP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    FLATEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    std::vector<PlannerProfileRecord> host(count);
+    FLATEP_CUDA_CHECK(cudaMemcpy(host.data(), records, count * sizeof(PlannerProfileRecord), cudaMemcpyDeviceToHost));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaFree(records);
+    return host;
+}
+
+// Phase times of the records: SM clock deltas (one SM per record, fine-grained) converted to ns with the clock rate
+// fitted over all records against %globaltimer (whose resolution may be coarse), or the device's rated clock.
+struct ProfileClock {
+    double ns_per_cycle;
+    double phase_us(const PlannerProfileRecord& r, int from, int to) const {
+        if (r.globaltimer[from] == 0 || r.globaltimer[to] == 0) return 0;
+        return double(r.clock[to] - r.clock[from]) * ns_per_cycle * 1e-3;
+    }
+};
+ProfileClock fit_clock(const std::vector<PlannerProfileRecord>& recs, int last_stamp_candidate) {
+    double ns = 0, cycles = 0;
+    for (const PlannerProfileRecord& r : recs) {
+        const int last =
+            r.globaltimer[kernels::kStampDeriveEnd] != 0 ? int(kernels::kStampDeriveEnd) : last_stamp_candidate;
+        if (r.globaltimer[0] == 0 || r.globaltimer[last] == 0) continue;
+        const double span = double(r.globaltimer[last] - r.globaltimer[0]);
+        if (span < 2000) continue;
+        ns += span;
+        cycles += double(r.clock[last] - r.clock[0]);
+    }
+    int khz = 0;
+    cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0);
+    const double rated = khz > 0 ? 1e6 / khz : 1.0;
+    const double fitted = cycles > 0 ? ns / cycles : 0;
+    // Trust the fit only when it is plausible (0.5x .. 2x of the rated clock).
+    return ProfileClock{fitted > 0.5 * rated && fitted < 2 * rated ? fitted : rated};
+}
+
+double median_of(std::vector<double> v) { return v.empty() ? 0.0 : median(std::vector<float>(v.begin(), v.end())); }
+
+// Prints a few lines: balanced planner spans and phases, the slowest candidates, the greedy planner kind's phases.
+void print_planner_profile(const Layout& l, const std::vector<PlannerProfileRecord>& balanced,
+                           const std::vector<PlannerProfileRecord>& greedy_kind) {
+    using namespace kernels;
+    const PlannerProfileSlots slots = planner_profile_slots(l);
+    const ProfileClock clk = fit_clock(balanced, kStampEvaluated);
+    // Values kept per planner run (medians printed): spans, then the phases of the greedy block, of the mean
+    // candidate and of select_derive_kernel.
+    // clang-format off
+    enum { kCand, kGap, kSelect, kTotal, kBuilt, kRun, kGLoad, kGBuild, kGStore, kGEval, kGTotal, kCLoad, kCBuild,
+           kCStore, kCEval, kCTotal, kEarly, kSLoad, kSSelect, kSCopy, kSRebuild, kSSums, kSSlots, kSRows, kSStats,
+           kNum };
+    // clang-format on
+    std::vector<std::vector<double>> m(kNum);
+    std::vector<std::vector<double>> per_index(size_t(slots.candidates));
+    std::vector<int> kept(kProfileBatch, -2), counts(kProfileBatch, 0);
+    for (int i = 0; i < kProfileBatch; ++i) {
+        const PlannerProfileRecord* r = balanced.data() + size_t(i) * slots.total;
+        const PlannerProfileRecord& g = r[slots.greedy];
+        const PlannerProfileRecord& s = r[slots.select];
+        unsigned long long first_in = g.globaltimer[kStampEntry], last_out = g.globaltimer[kStampEvaluated];
+        double sum_load = 0, sum_build = 0, sum_store = 0, sum_eval = 0, sum_total = 0;
+        int run = 0, built = 0;
+        for (int c = 0; c < slots.candidates; ++c) {
+            const PlannerProfileRecord& cr = r[c];
+            if (cr.globaltimer[kStampEntry] == 0 || cr.globaltimer[kStampEvaluated] == 0) continue;
+            first_in = std::min(first_in, cr.globaltimer[kStampEntry]);
+            last_out = std::max(last_out, cr.globaltimer[kStampEvaluated]);
+            ++run;
+            built += cr.flags;
+            sum_load += clk.phase_us(cr, kStampEntry, kStampLoaded);
+            sum_build += clk.phase_us(cr, kStampLoaded, kStampBuilt);
+            sum_store += clk.phase_us(cr, kStampBuilt, kStampStored);
+            sum_eval += clk.phase_us(cr, kStampStored, kStampEvaluated);
+            const double total = clk.phase_us(cr, kStampEntry, kStampEvaluated);
+            sum_total += total;
+            per_index[size_t(c)].push_back(total);
+        }
+        // select_derive_kernel may start early (programmatic launch) and wait: its part of the planner begins when
+        // its wait returns.
+        const unsigned long long waited = s.globaltimer[kStampSelWaited];
+        m[kCand].push_back(double(last_out - first_in) * 1e-3);
+        m[kGap].push_back(waited > last_out ? double(waited - last_out) * 1e-3 : 0.0);
+        m[kSelect].push_back(clk.phase_us(s, kStampSelWaited, kStampDeriveEnd));
+        m[kEarly].push_back(clk.phase_us(s, kStampEntry, kStampSelWaited));
+        m[kTotal].push_back(double(s.globaltimer[kStampDeriveEnd] - first_in) * 1e-3);
+        m[kBuilt].push_back(built);
+        m[kRun].push_back(run);
+        m[kGLoad].push_back(clk.phase_us(g, kStampEntry, kStampLoaded));
+        m[kGBuild].push_back(clk.phase_us(g, kStampLoaded, kStampBuilt));
+        m[kGStore].push_back(clk.phase_us(g, kStampBuilt, kStampStored));
+        m[kGEval].push_back(clk.phase_us(g, kStampStored, kStampEvaluated));
+        m[kGTotal].push_back(clk.phase_us(g, kStampEntry, kStampEvaluated));
+        const double n = std::max(run, 1);
+        m[kCLoad].push_back(sum_load / n);
+        m[kCBuild].push_back(sum_build / n);
+        m[kCStore].push_back(sum_store / n);
+        m[kCEval].push_back(sum_eval / n);
+        m[kCTotal].push_back(sum_total / n);
+        const int stamps[] = {kStampSelWaited,  kStampSelLoaded,   kStampSelSelected, kStampSelCopied, kStampSelRebuilt,
+                              kStampDeriveSums, kStampDeriveSlots, kStampDeriveRows,  kStampDeriveEnd};
+        for (int k = 0; k < 8; ++k) m[size_t(kSLoad + k)].push_back(clk.phase_us(s, stamps[k], stamps[k + 1]));
+        kept[size_t(i)] = s.index;
+        counts[size_t(i)] = s.count;
+    }
+    auto md = [&](int k) { return median_of(m[size_t(k)]); };
+    std::printf("  profile (median of %d): planner %.1f us = candidates %.1f (first block in -> last out) + gap %.1f",
+                kProfileBatch, md(kTotal), md(kCand), md(kGap));
+    std::printf(" (-> select's wait returns) + select_derive %.1f; %d of %d candidates built; kept #%d of %d;",
+                md(kSelect), int(md(kBuilt)), int(md(kRun)), kept[0], counts[0]);
+    std::printf(" clock %.2f GHz\n", 1.0 / clk.ns_per_cycle);
+    std::printf("    greedy block %.1f us: load %.1f greedy %.1f store %.1f eval %.1f", md(kGTotal), md(kGLoad),
+                md(kGBuild), md(kGStore), md(kGEval));
+    std::printf(" | candidate mean %.1f us: load %.1f build %.1f store %.1f eval %.1f\n", md(kCTotal), md(kCLoad),
+                md(kCBuild), md(kCStore), md(kCEval));
+    std::vector<std::pair<double, int>> slow;
+    for (int c = 0; c < slots.candidates; ++c)
+        if (!per_index[size_t(c)].empty()) slow.push_back({median_of(per_index[size_t(c)]), c});
+    std::sort(slow.begin(), slow.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    std::printf("    slowest candidates (index: us):");
+    for (size_t k = 0; k < slow.size() && k < 6; ++k) std::printf(" #%d: %.1f", slow[k].second, slow[k].first);
+    std::printf("\n    select_derive %.1f us (started %.1f us before): load %.1f select %.1f copy %.1f rebuild %.1f",
+                md(kSelect), md(kEarly), md(kSLoad), md(kSSelect), md(kSCopy), md(kSRebuild));
+    std::printf(" | derive sums %.1f slots %.1f rows %.1f stats %.1f\n", md(kSSums), md(kSSlots), md(kSRows),
+                md(kSStats));
+    // Greedy planner kind: planner_parallel_kernel.
+    const ProfileClock gclk = fit_clock(greedy_kind, kStampEvaluated);
+    std::vector<std::vector<double>> gm(7);
+    const int gstamps[] = {kStampEntry,       kStampSelLoaded,  kStampSelSelected, kStampDeriveSums,
+                           kStampDeriveSlots, kStampDeriveRows, kStampDeriveEnd};
+    for (int i = 0; i < kProfileBatch; ++i) {
+        const PlannerProfileRecord& r = greedy_kind[size_t(i) * slots.total + size_t(slots.parallel)];
+        for (int k = 0; k < 6; ++k) gm[size_t(k)].push_back(gclk.phase_us(r, gstamps[k], gstamps[k + 1]));
+        gm[6].push_back(gclk.phase_us(r, kStampEntry, kStampDeriveEnd));
+    }
+    std::printf("    greedy kind %.1f us: home %.1f greedy %.1f | derive sums %.1f slots %.1f rows %.1f stats %.1f\n",
+                median_of(gm[6]), median_of(gm[0]), median_of(gm[1]), median_of(gm[2]), median_of(gm[3]),
+                median_of(gm[4]), median_of(gm[5]));
+}
+
 // Planner kernels alone on the counts of the MoonEP config (maxvio 0.2/1/10/20, 3 seeds) and the DeepEP config.
-int planner_bench(int iters, int warmup) {
+int planner_bench(int iters, int warmup, bool profile) {
     std::printf("%-7s %6s %4s %8s %3s %4s %12s %12s\n", "config", "maxvio", "seed", "realised", "P", "reps",
                 "balanced_us", "greedy_us");
     cudaStream_t stream = nullptr;
@@ -225,6 +392,12 @@ int planner_bench(int iters, int warmup) {
             std::printf("%-7s %6.1f %4d %8.2f %3d %4d %12.1f %12.1f\n", mv < 0 ? "deepep" : "moonep", mv, int(seed),
                         routing::maxvio(tpe.data(), l.num_ranks, l.num_experts), st.makespan, st.total_replicas,
                         balanced.median_us, greedy.median_us);
+            if (profile) {
+                const auto greedy_kind = profile_planner(l, PlannerKind::kGreedy, view, ws, stream);
+                const auto balanced_kind = profile_planner(l, PlannerKind::kBalanced, view, ws, stream);
+                print_planner_profile(l, balanced_kind, greedy_kind);
+            }
+            std::fflush(stdout);
         }
         cudaFree(d_plan);
         cudaFree(ws);
@@ -245,16 +418,17 @@ int main(int argc, char** argv) {
     }
     std::string csv_path = "ops_bench.csv";
     int iters = 20, warmup = 3, hp = 1024;
-    bool quick = false, planner_only = false;
+    bool quick = false, planner_only = false, planner_profile = false;
     for (int i = 1; i < argc; ++i) {
         if (!std::strcmp(argv[i], "--planner-only")) planner_only = true;
+        if (!std::strcmp(argv[i], "--planner-profile")) planner_profile = true;
         if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv_path = argv[++i];
         if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::atoi(argv[++i]);
         if (!std::strcmp(argv[i], "--warmup") && i + 1 < argc) warmup = std::atoi(argv[++i]);
         if (!std::strcmp(argv[i], "--hp") && i + 1 < argc) hp = std::atoi(argv[++i]);
         if (!std::strcmp(argv[i], "--quick")) quick = true;
     }
-    if (planner_only) return planner_bench(iters, warmup);
+    if (planner_only) return planner_bench(iters, warmup, planner_profile);
     const double copy_gbps = copy_bandwidth_gbps(10);
     std::printf("device-to-device copy: %.0f GB/s (read + write)\n", copy_gbps);
     FILE* csv = std::fopen(csv_path.c_str(), "w");

@@ -1,6 +1,6 @@
 // CUDA plan op. See plan.cuh for the pipeline. The planner runs planner_core.hpp's own functions on a warp executor
-// (every candidate of the balanced planner in its own one-warp block, the O(R*E) loops split over lanes, every
-// selection a warp reduction with the host's key and tie rule), then select_candidate and a block-parallel
+// (every candidate of the balanced planner built by warp 0 of its own block, the O(R*E) loops split over lanes,
+// every selection a warp reduction with the host's key and tie rule), then select_candidate and a block-parallel
 // derive_plan. Integer arithmetic only, so the plan is bitwise the host planner's.
 #include <atomic>
 #include <map>
@@ -25,6 +25,55 @@ constexpr int kPlannerThreads = 1024;
 constexpr size_t kMaxPlannerSmem = 200 * 1024;
 
 std::atomic<int> g_engine{int(PlannerEngine::kParallel)};
+std::atomic<PlannerProfileRecord*> g_profile{nullptr};  // set_planner_profile; null = off
+
+// ------------------------------------------------------------------------------------------------------------
+// Profile stamps (see plan.cuh). Every kernel takes its record pointer as an argument (null when profiling is off),
+// so a stamp costs one uniform branch on a kernel parameter when off.
+struct Stamp {
+    unsigned long long ns;
+    long long clock;
+};
+FLATEP_DEVICE Stamp stamp_now() {
+    Stamp t{};
+#ifdef __CUDA_ARCH__
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t.ns));
+    t.clock = clock64();
+#endif
+    return t;
+}
+FLATEP_DEVICE void put_stamp(PlannerProfileRecord* rec, int at, const Stamp& t) {
+    if (rec == nullptr) return;
+    rec->globaltimer[at] = t.ns;
+    rec->clock[at] = t.clock;
+}
+FLATEP_DEVICE void profile_stamp(PlannerProfileRecord* rec, int at) {
+    if (rec != nullptr) put_stamp(rec, at, stamp_now());
+}
+FLATEP_DEVICE int sm_id() {
+    unsigned id = 0;
+#ifdef __CUDA_ARCH__
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+#endif
+    return int(id);
+}
+
+// Programmatic dependent launch (sm_90): the planner's second and third kernels are launched with programmatic
+// stream serialisation (launch_programmatic), so they may start while the kernel before them still runs; each
+// calls wait_prior_grids() before it touches anything that kernel writes or reads.
+// Ordering contract: griddepcontrol.wait returns once every prerequisite grid has completed and its memory
+// operations are visible to this grid. It returns at once in a kernel launched without the attribute.
+// griddepcontrol.launch_dependents only allows the dependent grid to be scheduled early (it orders no memory).
+FLATEP_DEVICE void wait_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+FLATEP_DEVICE void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 // ------------------------------------------------------------------------------------------------------------
 // Workspace (int32 words, every array 64-word aligned).
@@ -45,11 +94,14 @@ enum CandidateMeta : int { kMetaMakespan = 0, kMetaReplicas, kMetaMovedLo, kMeta
 FLATEP_HD int max_candidates(const Layout& l) { return planner_core::num_candidates(l.num_experts); }
 // The candidate kernel's grid: one pass covers every candidate up to a greedy P of 6 (num_candidates(6)).
 constexpr int kCandidateBlocks = 4 + 18 * 6;
-// Candidates whose allocation the candidate kernel keeps (the first pass of its grid, within 16 MiB); the winner is
-// copied from there, or rebuilt when its index is beyond.
+// Candidates whose allocation the candidate kernels keep: every candidate of a greedy P up to kStoredMakespan (the
+// main launch's and the first overflow candidates), within 16 MiB. The winner is copied from there, or rebuilt
+// (serially, after every candidate) when its index is beyond.
+constexpr int kStoredMakespan = 10;
 int stored_candidates(const Layout& l) {
     const int64_t re = int64_t(l.num_ranks) * l.num_experts;
-    return int(min_of<int64_t>(min_of(kCandidateBlocks, max_candidates(l)), (int64_t(4) << 20) / re));
+    const int want = min_of(planner_core::num_candidates(kStoredMakespan), max_candidates(l));
+    return int(min_of<int64_t>(want, (int64_t(4) << 20) / re));
 }
 
 int segment_tokens(const Layout& l) { return l.topk >= kSegmentEntries ? 1 : kSegmentEntries / l.topk; }
@@ -194,8 +246,11 @@ struct PlannerShared {
 
 // derive_plan, spread over the block.
 // tpe and alloc: the counts and the allocation to derive from (p.tpe_all / p.alloc, or copies in shared memory).
+// slot_s: E words of shared memory the function may overwrite (the slot experts, read back by the group scan).
+// rec: profile record (null = off).
 FLATEP_DEVICE void derive_plan_block(const Layout& l, const PlanView& p, PlannerShared& sh, int tid, int nthreads,
-                                     const int32_t* tpe, const int32_t* alloc) {
+                                     const int32_t* tpe, const int32_t* alloc, int32_t* slot_s,
+                                     PlannerProfileRecord* rec) {
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
     const int lane = tid % 32, warp = tid / 32, num_warps = nthreads / 32;
     if (tid < kMaxRanks) {
@@ -264,6 +319,7 @@ FLATEP_DEVICE void derive_plan_block(const Layout& l, const PlanView& p, Planner
         }
     }
     __syncthreads();
+    if (tid == 0) profile_stamp(rec, kStampDeriveSums);
     for (int64_t i = tid; i < int64_t(R) * E; i += nthreads) p.group_row[i] = -1;
     // Slots: replica experts of rank d in ascending id, then -1.
     for (int d = warp; d < R; d += num_warps) {
@@ -273,19 +329,20 @@ FLATEP_DEVICE void derive_plan_block(const Layout& l, const PlanView& p, Planner
             const bool pred = e < E && alloc[d * E + e] > 0 && e / epn != d;
             const unsigned b = __ballot_sync(kFull, pred);
             const int pos = count + __popc(b & ((1u << lane) - 1u));
-            if (pred && pos < epn) p.slot_expert[d * epn + pos] = e;
+            if (pred && pos < epn) p.slot_expert[d * epn + pos] = slot_s[d * epn + pos] = e;
             count += __popc(b);
         }
-        for (int j = count + lane; j < epn; j += 32) p.slot_expert[d * epn + j] = -1;
+        for (int j = count + lane; j < epn; j += 32) p.slot_expert[d * epn + j] = slot_s[d * epn + j] = -1;
     }
     __syncthreads();
+    if (tid == 0) profile_stamp(rec, kStampDeriveSlots);
     // Group rows and cu_seqlens: one warp per rank, a warp scan over its 2*epn groups.
     for (int d = warp; d < R; d += num_warps) {
         int32_t base = 0;
         for (int g0 = 0; g0 < 2 * epn; g0 += 32) {
             const int g = g0 + lane;
             int e = -1;
-            if (g < 2 * epn) e = g < epn ? d * epn + g : p.slot_expert[d * epn + (g - epn)];
+            if (g < 2 * epn) e = g < epn ? d * epn + g : slot_s[d * epn + (g - epn)];
             const int32_t size = e >= 0 ? round_up(alloc[d * E + e], l.align) : 0;
             int32_t incl = size;
             for (int o = 1; o < 32; o <<= 1) {
@@ -296,6 +353,10 @@ FLATEP_DEVICE void derive_plan_block(const Layout& l, const PlanView& p, Planner
             if (g < 2 * epn) p.cu_seqlens[d * 2 * epn + g] = base + incl;
             base += __shfl_sync(kFull, incl, 31);
         }
+    }
+    if (rec != nullptr) {  // uniform: profiling only
+        __syncthreads();
+        if (tid == 0) profile_stamp(rec, kStampDeriveRows);
     }
     // Statistics: per-rank arrays by one thread each, the scalars by thread 0 from shared memory (no global
     // read-modify-write chains).
@@ -329,14 +390,25 @@ FLATEP_DEVICE void derive_plan_block(const Layout& l, const PlanView& p, Planner
         st.makespan = max_of(max_in, max_out);
     }
     __syncthreads();
+    if (tid == 0) profile_stamp(rec, kStampDeriveEnd);
 }
 
 __global__ void __launch_bounds__(kPlannerThreads)
-    planner_parallel_kernel(Layout l, PlannerKind kind, PlanView p, PlanWorkspace ws, bool use_smem) {
+    planner_parallel_kernel(Layout l, PlannerKind kind, PlanView p, PlanWorkspace ws, bool use_smem,
+                            PlannerProfileRecord* rec) {
     __shared__ PlannerShared sh;
-    extern __shared__ int32_t total[];  // [E] T_e
+    extern __shared__ int32_t total[];  // [E] T_e; greedy kind with use_smem: then the allocation [R*E]
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    if (rec != nullptr && tid == 0) {
+        profile_stamp(rec, kStampEntry);
+        rec->index = -1;
+        rec->sm = sm_id();
+    }
+    // The greedy works on its allocation in shared memory when it fits (its steps are dependent reads and writes of
+    // allocation cells: shared-memory latency instead of global), and copies it to the plan at the end.
+    const bool alloc_in_smem = kind == PlannerKind::kGreedy && use_smem;
+    int32_t* const alloc = alloc_in_smem ? total + E : p.alloc;
 
     // init_home: T_e, the home allocation, group loads, N.
     if (tid < kMaxRanks) sh.load[tid] = 0;
@@ -347,7 +419,7 @@ __global__ void __launch_bounds__(kPlannerThreads)
         for (int s = 0; s < R; ++s) t += p.tpe_all[s * E + e];
         total[e] = t;
         const int h = e / epn;
-        for (int d = 0; d < R; ++d) p.alloc[d * E + e] = d == h ? t : 0;
+        for (int d = 0; d < R; ++d) alloc[d * E + e] = d == h ? t : 0;
         if (t != 0) {
             atomicAdd(&sh.load[h], t);
             atomicAdd(&sh.n, (unsigned long long)t);
@@ -360,6 +432,7 @@ __global__ void __launch_bounds__(kPlannerThreads)
         w.load = sh.load;
         w.target = sh.target;
         planner_core::fixed_targets(l, n, w);
+        profile_stamp(rec, kStampSelLoaded);
     }
     __syncthreads();
 
@@ -380,7 +453,7 @@ __global__ void __launch_bounds__(kPlannerThreads)
             for (int taken = 0; need > 0 && taken < epn; ++taken) {
                 uint64_t kb = 0;
                 for (int e = dn * epn + lane; e < (dn + 1) * epn; e += 32) {
-                    const int32_t a = p.alloc[dn * E + e];
+                    const int32_t a = alloc[dn * E + e];
                     if (a > 0) kb = max_of(kb, arg_key(uint32_t(a), e));
                 }
                 kb = warp_max_u64(kb);
@@ -388,8 +461,8 @@ __global__ void __launch_bounds__(kPlannerThreads)
                 const int best = key_index(kb);
                 const int32_t m = min_of(need, int32_t(key_value(kb)));
                 if (lane == 0) {
-                    p.alloc[dn * E + best] -= m;
-                    p.alloc[rc * E + best] += m;
+                    alloc[dn * E + best] -= m;
+                    alloc[rc * E + best] += m;
                     sh.load[dn] -= m;
                     sh.load[rc] += m;
                 }
@@ -420,14 +493,23 @@ __global__ void __launch_bounds__(kPlannerThreads)
             for (int64_t i = tid; i < int64_t(R) * E; i += blockDim.x) p.alloc[i] = alloc_s[i];
         __syncthreads();
     }
-    derive_plan_block(l, p, sh, tid, blockDim.x, p.tpe_all, p.alloc);
+    if (tid == 0) {
+        profile_stamp(rec, kStampSelSelected);
+        profile_stamp(rec, kStampSelCopied);
+        profile_stamp(rec, kStampSelRebuilt);
+    }
+    if (alloc_in_smem) {
+        for (int64_t i = tid; i < int64_t(R) * E; i += blockDim.x) p.alloc[i] = alloc[i];
+    }
+    // total[] (T_e, and the counts' copy of the balanced planner) is no longer read: it holds the slot experts.
+    derive_plan_block(l, p, sh, tid, blockDim.x, p.tpe_all, alloc, total, rec);
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Balanced planner, candidate-parallel. Kernel 1 (one warp per block): every block loads the counts into shared
-// memory and runs the greedy and its quality (so it knows how many candidates select_candidate may look at), then
-// builds the candidates blockIdx.x, blockIdx.x + gridDim.x, ... with planner_core's own functions on the warp
-// executor below, writing each quality and (the first `stored` indices) each allocation. Kernel 2 (one block):
+// Balanced planner, candidate-parallel. Kernel 1 (kCandidateThreads per block): every block loads the counts into
+// shared memory; one runs the greedy and its quality (so select_candidate knows how many candidates to look at), the
+// others build the candidates blockIdx.x, blockIdx.x + gridDim.x, ... with planner_core's own functions on the warp
+// executor below (warp 0), writing each quality and (the first `stored` indices) each allocation. Kernel 2 (one block):
 // select_candidate's rule, the winner's allocation (copied, or rebuilt when it was not stored), derive_plan.
 // planner_core's code runs as written on both sides, so the plan is the host's bitwise; the host test
 // tests/unit/planner/test_planner_candidates.cpp checks the decomposition.
@@ -494,6 +576,9 @@ struct WarpExec {
         return at;
 #endif
     }
+    // Only planner_core::evaluate_alloc adds, and the kernels evaluate with evaluate_alloc_block (the whole block):
+    // kept for the executor contract, unreferenced.
+#pragma nv_diag_suppress 177
     FLATEP_HD void add(int32_t* p, int32_t v) const {
 #ifdef __CUDA_ARCH__
         atomicAdd(p, v);
@@ -501,28 +586,47 @@ struct WarpExec {
         *p += v;
 #endif
     }
+#pragma nv_diag_default 177
 };
 
-// Shared memory: the counts [R*E], then planner_core's workspace (its cand array holds the candidate).
-// Copies n int32 words with 16-byte accesses when both ends allow it, four loads in flight per thread.
-FLATEP_DEVICE void copy_words(int32_t* dst, const int32_t* src, int64_t n, int tid, int nthreads) {
+// Copies n int32 words with 16-byte accesses when both ends allow it. Each thread issues all the loads of a batch of
+// kBatch vectors before its stores, so a copy of up to kBatch * nthreads vectors is one memory round trip. Blocks of
+// 1024 threads (64 registers a thread) take kWideBatch: enough for their copies, and no spills. dst2 (optional): a
+// second destination written from the same loads.
+constexpr int kCopyBatch = 8;
+constexpr int kWideBatch = 2;
+template <int kBatch = kCopyBatch>
+FLATEP_DEVICE void copy_words(int32_t* dst, const int32_t* src, int64_t n, int tid, int nthreads,
+                              int32_t* dst2 = nullptr) {
     int64_t done = 0;
-    if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0) {
+    const uintptr_t ends =
+        reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(dst2);
+    if ((ends & 15) == 0) {
         const int4* s4 = reinterpret_cast<const int4*>(src);
         int4* d4 = reinterpret_cast<int4*>(dst);
+        int4* d4b = reinterpret_cast<int4*>(dst2);
         const int64_t n4 = n / 4;
-        int64_t i = tid;
-        for (; i + 3 * int64_t(nthreads) < n4; i += 4 * int64_t(nthreads)) {
-            const int4 a = s4[i], b = s4[i + nthreads], c = s4[i + 2 * nthreads], d = s4[i + 3 * nthreads];
-            d4[i] = a;
-            d4[i + nthreads] = b;
-            d4[i + 2 * nthreads] = c;
-            d4[i + 3 * nthreads] = d;
+        for (int64_t i0 = tid; i0 < n4; i0 += int64_t(kBatch) * nthreads) {
+            int4 v[kBatch];
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+                const int64_t i = i0 + int64_t(j) * nthreads;
+                if (i < n4) v[j] = s4[i];
+            }
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+                const int64_t i = i0 + int64_t(j) * nthreads;
+                if (i < n4) d4[i] = v[j];
+                if (i < n4 && d4b != nullptr) d4b[i] = v[j];
+            }
         }
-        for (; i < n4; i += nthreads) d4[i] = s4[i];
         done = n4 * 4;
     }
-    for (int64_t i = done + tid; i < n; i += nthreads) dst[i] = src[i];
+    for (int64_t i = done + tid; i < n; i += nthreads) {
+        const int32_t v = src[i];
+        dst[i] = v;
+        if (dst2 != nullptr) dst2[i] = v;
+    }
 }
 
 // Shared memory: the counts [R*E], then planner_core's workspace (its cand array holds the candidate).
@@ -533,93 +637,272 @@ FLATEP_DEVICE planner_core::Workspace load_counts(const Layout& l, const PlanVie
     return planner_core::make_workspace(l, smem + re);
 }
 
+// planner_core::evaluate_alloc over the whole block (every thread gets the quality). The quality is a count, a sum
+// and a maximum of integers, so any split of the work gives the same value. Uses num_in / num_out [R] as
+// evaluate_alloc does and `moved` (shared). Begins and ends with a block barrier.
+FLATEP_DEVICE planner_core::PlanQuality evaluate_alloc_block(const Layout& l, const int32_t* tpe_all,
+                                                             const int32_t* alloc, int32_t* num_in, int32_t* num_out,
+                                                             unsigned long long& moved, int tid, int nthreads) {
+    const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
+    for (int r = tid; r < R; r += nthreads) num_in[r] = num_out[r] = 0;
+    if (tid == 0) moved = 0;
+    __syncthreads();
+    int64_t off = 0;
+    for (int e = tid; e < E; e += nthreads) {
+        const int h = e / epn;
+        int32_t copies = 0;
+        for (int d = 0; d < R; ++d) {
+            const int32_t a = alloc[d * E + e];
+            const int32_t t = tpe_all[d * E + e];
+            off += t - (t < a ? t : a);
+            if (a > 0 && d != h) {
+                atomicAdd(&num_in[d], 1);
+                ++copies;
+            }
+        }
+        if (copies != 0) atomicAdd(&num_out[h], copies);
+    }
+    for (int o = 16; o > 0; o >>= 1) off += __shfl_xor_sync(kFull, off, o);
+    if (tid % 32 == 0 && off != 0) atomicAdd(&moved, (unsigned long long)off);
+    __syncthreads();
+    planner_core::PlanQuality q{0, 0, int64_t(moved)};
+    for (int r = 0; r < R; ++r) {
+        q.total_replicas += num_in[r];
+        q.makespan = max_of(q.makespan, max_of(num_in[r], num_out[r]));
+    }
+    __syncthreads();  // the workspace may be overwritten after this
+    return q;
+}
+
+// Candidate blocks: kCandidateThreads threads. Warp 0 builds the candidate (planner_core on the warp executor: its
+// sequential steps are latency-bound and gain nothing from more threads); the whole block loads the counts, stores
+// the allocation and evaluates it (the O(R*E) passes). Setting kCandidateThreads to 32 gives the one-warp blocks.
+constexpr int kCandidateThreads = 128;
+static_assert(kCandidateThreads % 32 == 0 && kCandidateThreads <= 1024, "whole warps");
+
 // Main launch (first == 0, gridDim.x = G + 1): block G runs the greedy (the plan when no candidate is kept, and
 // its quality, which bounds how many candidates select_candidate looks at); blocks [0, G) build candidate
 // blockIdx.x at once, whether or not the greedy's bound will include it, so nothing waits for the greedy.
 // Overflow launch (first == G): the candidates [G, count) the greedy's bound asks for, grid-stride; its blocks
 // return at once when count <= G (the usual case).
-__global__ void __launch_bounds__(32) candidates_kernel(Layout l, PlanView p, PlanWorkspace ws, int stored, int first) {
+// prof: the profile records (null = off): one per candidate index, then the greedy block's.
+__global__ void __launch_bounds__(kCandidateThreads)
+    candidates_kernel(Layout l, PlanView p, PlanWorkspace ws, int stored, int first, PlannerProfileRecord* prof) {
     extern __shared__ int4 smem_words[];  // 16-byte aligned
+    __shared__ unsigned long long moved;
+    __shared__ int built;
+    const Stamp entry = prof != nullptr ? stamp_now() : Stamp{};
     int32_t* smem = reinterpret_cast<int32_t*>(smem_words);
-    const WarpExec x{int(threadIdx.x)};
+    const int tid = threadIdx.x, nthreads = blockDim.x, warp = tid / 32;
+    const WarpExec x{tid % 32};
     const int64_t re = int64_t(l.num_ranks) * l.num_experts;
     const bool greedy_block = first == 0 && blockIdx.x == gridDim.x - 1;
+    allow_dependent_launch();  // the next kernel waits for this grid's completion itself (wait_prior_grids)
     int begin = 0, end = 0, step = 1;
     if (first == 0) {
         begin = blockIdx.x;
         end = min_of(begin + 1, max_candidates(l));
     } else {
+        wait_prior_grids();  // the main launch's candidates, and the greedy's count
         begin = first + blockIdx.x;
         end = ws.cand_meta[kMetaCount];
         step = gridDim.x;
     }
-    if (!greedy_block && begin >= end) return;
-    const planner_core::Workspace w = load_counts(l, p, smem, x.lane, 32);
-    __syncwarp();
+    if (!greedy_block && begin >= end) return;  // uniform over the block
+    const planner_core::Workspace w = load_counts(l, p, smem, tid, nthreads);
+    __syncthreads();
+    const Stamp loaded = prof != nullptr ? stamp_now() : Stamp{};
     if (greedy_block) {
-        planner_core::greedy_alloc(x, l, smem, w.cand, w);
-        const planner_core::PlanQuality greedy = planner_core::evaluate_alloc(x, l, smem, w.cand, w.num_in, w.num_out);
-        copy_words(p.alloc, w.cand, re, x.lane, 32);
-        if (x.lane == 0) {
+        PlannerProfileRecord* rec = prof != nullptr ? prof + max_candidates(l) : nullptr;
+        if (warp == 0) planner_core::greedy_alloc(x, l, smem, w.cand, w);
+        __syncthreads();
+        if (tid == 0) profile_stamp(rec, kStampBuilt);
+        copy_words(p.alloc, w.cand, re, tid, nthreads);
+        if (tid == 0) profile_stamp(rec, kStampStored);
+        const planner_core::PlanQuality greedy =
+            evaluate_alloc_block(l, smem, w.cand, w.num_in, w.num_out, moved, tid, nthreads);
+        if (tid == 0) {
+            const int count = min_of(planner_core::num_candidates(greedy.makespan), max_candidates(l));
             ws.cand_meta[kMetaMakespan] = greedy.makespan;
             ws.cand_meta[kMetaReplicas] = greedy.total_replicas;
             ws.cand_meta[kMetaMovedLo] = int32_t(uint32_t(uint64_t(greedy.entries_moved)));
             ws.cand_meta[kMetaMovedHi] = int32_t(uint32_t(uint64_t(greedy.entries_moved) >> 32));
-            ws.cand_meta[kMetaCount] = min_of(planner_core::num_candidates(greedy.makespan), max_candidates(l));
+            ws.cand_meta[kMetaCount] = count;
+            if (rec != nullptr) {
+                put_stamp(rec, kStampEntry, entry);
+                put_stamp(rec, kStampLoaded, loaded);
+                profile_stamp(rec, kStampEvaluated);
+                rec->index = -1;
+                rec->sm = sm_id();
+                rec->flags = 1;
+                rec->count = count;
+            }
         }
         return;
     }
+    Stamp start = entry;  // profile: where the current candidate's phases begin (tid 0)
     for (int index = begin; index < end; index += step) {
-        const bool ok = planner_core::build_candidate(x, l, smem, w.cand, w, index);
-        const planner_core::PlanQuality q = ok ? planner_core::evaluate_alloc(x, l, smem, w.cand, w.num_in, w.num_out)
-                                               : planner_core::PlanQuality{planner_core::kNoCandidate, 0, 0};
-        if (x.lane == 0) ws.cand_quality[index] = q;
-        if (ok && index < stored) copy_words(ws.stored_alloc + int64_t(index) * re, w.cand, re, x.lane, 32);
-        __syncwarp();
+        if (warp == 0) {
+            const bool ok = planner_core::build_candidate(x, l, smem, w.cand, w, index);
+            if (x.lane == 0) built = ok;
+        }
+        __syncthreads();
+        const bool ok = built != 0;  // uniform over the block
+        PlannerProfileRecord* rec = prof != nullptr ? prof + index : nullptr;
+        if (tid == 0) profile_stamp(rec, kStampBuilt);
+        // The copy first: its stores drain while the block evaluates.
+        if (ok && index < stored) copy_words(ws.stored_alloc + int64_t(index) * re, w.cand, re, tid, nthreads);
+        if (tid == 0) profile_stamp(rec, kStampStored);
+        const planner_core::PlanQuality q =
+            ok ? evaluate_alloc_block(l, smem, w.cand, w.num_in, w.num_out, moved, tid, nthreads)
+               : planner_core::PlanQuality{planner_core::kNoCandidate, 0, 0};
+        if (tid == 0) {
+            ws.cand_quality[index] = q;
+            if (rec != nullptr) {
+                // Grid-stride candidates after the first: entry = counts loaded = the end of the previous one.
+                const Stamp done = stamp_now();
+                put_stamp(rec, kStampEntry, start);
+                put_stamp(rec, kStampLoaded, index == begin ? loaded : start);
+                put_stamp(rec, kStampEvaluated, done);
+                rec->index = index;
+                rec->sm = sm_id();
+                rec->flags = ok;
+                start = done;
+            }
+        }
+        // evaluate_alloc_block ends with a barrier; without it, one here: warp 0 overwrites `built` and the
+        // workspace only after every warp has read them.
+        if (!ok) __syncthreads();
     }
 }
 
+// select_candidate's rule evaluated by one warp (every lane returns the same index). select_candidate keeps, in
+// index order, every acceptable candidate strictly better than the best so far; so it returns the first index of
+// the best acceptable quality among the candidates it scans when that quality beats the greedy's, else -1. It scans
+// the path candidates, then the candidates of the lowest budget in [1, best path (or greedy) makespan] that has an
+// acceptable one (it stops after that budget). This function finds that budget with a warp minimum and the best
+// candidate in it with a warp reduction under a total order (quality, then index), so the result is the same.
+// Setting kWarpSelect to false restores select_candidate on one thread.
+constexpr bool kWarpSelect = true;
+FLATEP_DEVICE int select_candidate_warp(const planner_core::PlanQuality& greedy,
+                                        const planner_core::PlanQuality* quality, int count, int lane) {
+    using planner_core::better_than;
+    using planner_core::PlanQuality;
+    auto acceptable = [&greedy](const PlanQuality& q) {
+        return q.makespan != planner_core::kNoCandidate && q.makespan <= greedy.makespan &&
+               q.total_replicas <= greedy.total_replicas;
+    };
+    // Path candidates: every lane scans them as select_candidate does.
+    PlanQuality best = greedy;
+    int kept = -1;
+    for (int i = 0; i < planner_core::kNumPathVariants && i < count; ++i) {
+        if (!acceptable(quality[i]) || !better_than(quality[i], best)) continue;
+        best = quality[i];
+        kept = i;
+    }
+    // The lowest budget in [1, best.makespan] with an acceptable candidate.
+    constexpr int kNone = 0x7fffffff;
+    int budget = kNone;
+    for (int i = planner_core::kNumPathVariants + lane; i < count; i += 32) {
+        const int b = (i - planner_core::kNumPathVariants) / planner_core::kVariantsPerBudget + 1;
+        if (b <= best.makespan && b < budget && acceptable(quality[i])) budget = b;
+    }
+    budget = int(__reduce_min_sync(kFull, unsigned(budget)));
+    if (budget == kNone) return kept;
+    // Its best candidate strictly better than `best`: per lane in index order (strict improvement keeps the first),
+    // then a butterfly under the total order (found first, quality, lower index).
+    const int lo = planner_core::kNumPathVariants + (budget - 1) * planner_core::kVariantsPerBudget;
+    const int hi = min_of(lo + planner_core::kVariantsPerBudget, count);
+    PlanQuality mine = best;
+    int at = -1;
+    for (int i = lo + lane; i < hi; i += 32) {
+        const PlanQuality q = quality[i];
+        if (acceptable(q) && better_than(q, mine)) {
+            mine = q;
+            at = i;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        PlanQuality other;
+        other.makespan = __shfl_xor_sync(kFull, mine.makespan, o);
+        other.total_replicas = __shfl_xor_sync(kFull, mine.total_replicas, o);
+        other.entries_moved = __shfl_xor_sync(kFull, (long long)mine.entries_moved, o);
+        const int other_at = __shfl_xor_sync(kFull, at, o);
+        const bool take =
+            other_at >= 0 && (at < 0 || better_than(other, mine) || (!better_than(mine, other) && other_at < at));
+        if (take) {
+            mine = other;
+            at = other_at;
+        }
+    }
+    return at >= 0 ? at : kept;
+}
+
+// prof: the select record (null = off).
 __global__ void __launch_bounds__(kPlannerThreads)
-    select_derive_kernel(Layout l, PlanView p, PlanWorkspace ws, int stored) {
+    select_derive_kernel(Layout l, PlanView p, PlanWorkspace ws, int stored, PlannerProfileRecord* rec) {
     extern __shared__ int4 smem_words[];
     int32_t* smem = reinterpret_cast<int32_t*>(smem_words);
     __shared__ PlannerShared sh;
     __shared__ planner_core::PlanQuality quality[kSelectCached];  // the qualities, loaded in parallel
-    const int tid = threadIdx.x;
+    const int tid = threadIdx.x, nthreads = blockDim.x;
+    if (tid == 0) profile_stamp(rec, kStampEntry);
+    const int64_t re = int64_t(l.num_ranks) * l.num_experts;
+    // The counts go to shared memory at once (the selection does not need them, and no planner kernel writes them),
+    // and the qualities of the main launch's candidates (every one written by this planner) without waiting for the
+    // count; those of the overflow candidates (greedy P above 6) once the count is known.
+    copy_words<kWideBatch>(smem, p.tpe_all, re, tid, nthreads);
+    wait_prior_grids();  // the candidate kernels: qualities, count, stored allocations, the greedy's plan.alloc
+    if (tid == 0) profile_stamp(rec, kStampSelWaited);
+    const int main_count = min_of(min_of(kCandidateBlocks, max_candidates(l)), kSelectCached);
+    for (int i = tid; i < main_count; i += nthreads) quality[i] = ws.cand_quality[i];
     const int count = ws.cand_meta[kMetaCount];
-    for (int i = tid; i < min_of(count, kSelectCached); i += blockDim.x) quality[i] = ws.cand_quality[i];
+    for (int i = main_count + tid; i < min_of(count, kSelectCached); i += nthreads) quality[i] = ws.cand_quality[i];
     __syncthreads();
-    if (tid == 0) {
+    if (tid == 0) profile_stamp(rec, kStampSelLoaded);
+    if (tid < 32) {
         planner_core::PlanQuality greedy{};
         greedy.makespan = ws.cand_meta[kMetaMakespan];
         greedy.total_replicas = ws.cand_meta[kMetaReplicas];
         greedy.entries_moved = int64_t(uint64_t(uint32_t(ws.cand_meta[kMetaMovedLo])) |
                                        (uint64_t(uint32_t(ws.cand_meta[kMetaMovedHi])) << 32));
-        sh.winner = planner_core::select_candidate(greedy, count <= kSelectCached ? quality : ws.cand_quality, count);
+        const planner_core::PlanQuality* q = count <= kSelectCached ? quality : ws.cand_quality;
+        if (kWarpSelect) {
+            const int winner = select_candidate_warp(greedy, q, count, tid);
+            if (tid == 0) sh.winner = winner;
+        } else if (tid == 0) {
+            sh.winner = planner_core::select_candidate(greedy, q, count);
+        }
     }
     __syncthreads();
     const int kept = sh.winner;
+    if (tid == 0) profile_stamp(rec, kStampSelSelected);
     // Shared memory: the counts [R*E], then the allocation derived from (the winner's, or the greedy's).
-    const int64_t re = int64_t(l.num_ranks) * l.num_experts;
     int32_t* alloc_s = smem + re;
-    copy_words(smem, p.tpe_all, re, tid, blockDim.x);
     if (kept >= 0 && kept < stored) {
-        copy_words(alloc_s, ws.stored_alloc + int64_t(kept) * re, re, tid, blockDim.x);
-        copy_words(p.alloc, ws.stored_alloc + int64_t(kept) * re, re, tid, blockDim.x);
+        copy_words<kWideBatch>(alloc_s, ws.stored_alloc + int64_t(kept) * re, re, tid, nthreads, p.alloc);
     } else if (kept < 0) {
-        copy_words(alloc_s, p.alloc, re, tid, blockDim.x);  // the greedy's, written by candidates_kernel
+        copy_words<kWideBatch>(alloc_s, p.alloc, re, tid, nthreads);  // the greedy's, written by candidates_kernel
     }
     __syncthreads();
+    if (tid == 0) profile_stamp(rec, kStampSelCopied);
     if (kept >= stored) {  // not stored: warp 0 rebuilds it next to the counts
         const planner_core::Workspace w = planner_core::make_workspace(l, smem + re);
         if (tid < 32) {
             planner_core::build_candidate(WarpExec{tid}, l, smem, w.cand, w, kept);
-            copy_words(p.alloc, w.cand, re, tid, 32);
+            copy_words<kWideBatch>(p.alloc, w.cand, re, tid, 32);
         }
         alloc_s = w.cand;
         __syncthreads();
     }
-    derive_plan_block(l, p, sh, tid, blockDim.x, smem, alloc_s);
+    if (rec != nullptr && tid == 0) {
+        profile_stamp(rec, kStampSelRebuilt);
+        rec->index = kept;
+        rec->sm = sm_id();
+        rec->count = count;
+    }
+    // The slot experts go right after the allocation: inside planner_core's workspace region either way.
+    derive_plan_block(l, p, sh, tid, nthreads, smem, alloc_s, alloc_s + re, rec);
 }
 
 __global__ void planner_serial_kernel(Layout l, PlannerKind kind, PlanView p, int32_t* ws) {
@@ -774,11 +1057,34 @@ void allow_smem(const void* kernel, size_t bytes) {
     have = bytes;
 }
 
+// The overflow candidates and select_derive_kernel start while the kernel before them drains (programmatic dependent
+// launch, see wait_prior_grids): this hides a kernel launch latency per boundary. false: ordinary launches (the
+// kernels' waits then return at once).
+constexpr bool kProgrammaticLaunch = true;
+
+template <class... Params, class... Args>
+void launch_programmatic(void (*kernel)(Params...), int blocks, int threads, size_t smem, cudaStream_t stream,
+                         Args&&... args) {
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(unsigned(blocks));
+    config.blockDim = dim3(unsigned(threads));
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cudaLaunchAttribute attr[1]{};
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attr;
+    config.numAttrs = kProgrammaticLaunch ? 1 : 0;
+    FLATEP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
 void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, const PlanWorkspace& ws,
                          PlannerEngine engine, cudaStream_t stream) {
     if (engine == PlannerEngine::kSerial) {
         planner_serial_kernel<<<1, 1, 0, stream>>>(l, kind, p, ws.serial_ws);
     } else {
+        PlannerProfileRecord* const prof = g_profile.load();
+        const PlannerProfileSlots slots = planner_profile_slots(l);
         const size_t cand_smem = candidate_smem_bytes(l);
         const bool candidates = kind == PlannerKind::kBalanced && cand_smem <= kMaxPlannerSmem;
         if (candidates) {
@@ -786,23 +1092,30 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
             allow_smem(reinterpret_cast<const void*>(select_derive_kernel), cand_smem);
             const int stored = stored_candidates(l);
             const int blocks = min_of(kCandidateBlocks, max_candidates(l));
-            candidates_kernel<<<blocks + 1, 32, cand_smem, stream>>>(l, p, ws, stored, 0);
+            candidates_kernel<<<blocks + 1, kCandidateThreads, cand_smem, stream>>>(l, p, ws, stored, 0, prof);
             FLATEP_CUDA_CHECK_LAUNCH();
             if (max_candidates(l) > blocks) {  // only when the greedy's P may exceed 6
-                candidates_kernel<<<blocks, 32, cand_smem, stream>>>(l, p, ws, stored, blocks);
-                FLATEP_CUDA_CHECK_LAUNCH();
+                launch_programmatic(candidates_kernel, blocks, kCandidateThreads, cand_smem, stream, l, p, ws, stored,
+                                    blocks, prof);
             }
-            select_derive_kernel<<<1, kPlannerThreads, cand_smem, stream>>>(l, p, ws, stored);
+            PlannerProfileRecord* const select_rec = prof != nullptr ? prof + slots.select : nullptr;
+            launch_programmatic(select_derive_kernel, 1, kPlannerThreads, cand_smem, stream, l, p, ws, stored,
+                                select_rec);
             FLATEP_CUDA_CHECK_LAUNCH();
             return;
         }
         const size_t core_smem =
             (2 * size_t(l.num_ranks) * l.num_experts + size_t(planner_core::planner_workspace_words(l))) *
             sizeof(int32_t);
-        const bool use_smem = kind == PlannerKind::kBalanced && core_smem <= kMaxPlannerSmem;
-        const size_t smem = max_of(size_t(l.num_experts) * sizeof(int32_t), use_smem ? core_smem : size_t(0));
+        // Greedy kind: T_e [E] and the allocation [R*E] in shared memory when they fit.
+        const size_t greedy_smem = (size_t(l.num_ranks) + 1) * l.num_experts * sizeof(int32_t);
+        const bool use_smem =
+            kind == PlannerKind::kBalanced ? core_smem <= kMaxPlannerSmem : greedy_smem <= kMaxPlannerSmem;
+        const size_t smem = max_of(size_t(l.num_experts) * sizeof(int32_t),
+                                   use_smem ? (kind == PlannerKind::kBalanced ? core_smem : greedy_smem) : size_t(0));
         allow_smem(reinterpret_cast<const void*>(planner_parallel_kernel), smem);
-        planner_parallel_kernel<<<1, kPlannerThreads, smem, stream>>>(l, kind, p, ws, use_smem);
+        planner_parallel_kernel<<<1, kPlannerThreads, smem, stream>>>(
+            l, kind, p, ws, use_smem, prof != nullptr ? prof + slots.parallel : nullptr);
     }
     FLATEP_CUDA_CHECK_LAUNCH();
 }
@@ -812,6 +1125,18 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
 size_t plan_workspace_bytes(const Layout& l) { return size_t(workspace_sizes(l).total) * sizeof(int32_t); }
 
 void set_planner_engine(PlannerEngine engine) { g_engine.store(int(engine)); }
+
+PlannerProfileSlots planner_profile_slots(const Layout& l) {
+    PlannerProfileSlots s{};
+    s.candidates = max_candidates(l);
+    s.greedy = s.candidates;
+    s.select = s.greedy + 1;
+    s.parallel = s.select + 1;
+    s.total = s.parallel + 1;
+    return s;
+}
+
+void set_planner_profile(PlannerProfileRecord* records) { g_profile.store(records); }
 
 void launch_planner(const Layout& l, PlannerKind kind, const PlanView& plan, void* workspace, PlannerEngine engine,
                     cudaStream_t stream) {

@@ -36,4 +36,48 @@ void launch_planner(const Layout& layout, PlannerKind kind, const PlanView& plan
 // Engine used by launch(const PlanArgs&) (process-wide; default kParallel).
 void set_planner_engine(PlannerEngine engine);
 
+// Planner profile (benchmarks only; off by default, and then free: the kernels test one null kernel argument).
+// While set_planner_profile(records) holds a non-null device array of planner_profile_slots(layout).total records,
+// every planner launched by launch_planner / launch (kParallel engine) writes %globaltimer (ns) and clock64 (SM
+// cycles) stamps of its blocks' phases there, one thread per block, each stamp taken after the block or warp
+// barrier that ends the phase. Records are overwritten by every planner launched while the array is set (so a graph
+// captures the pointer of its launch); stamps of phases not reached keep what was there (clear the array first).
+struct PlannerProfileRecord {
+    static constexpr int kStamps = 10;
+    unsigned long long globaltimer[kStamps];  // ns; 0 = phase not reached
+    long long clock[kStamps];                 // SM cycles
+    int32_t index;                            // candidate: its index; select: the kept index (-1 = greedy)
+    int32_t sm;                               // %smid of the block
+    int32_t flags;                            // candidate: 1 = built a plan (0 = infeasible for its budget)
+    int32_t count;                            // greedy / select: candidates select_candidate looks at
+};
+// Stamps of each record kind (index into globaltimer / clock); a phase lasts from the previous stamp to its own.
+enum PlannerProfileStamp : int {
+    // candidates_kernel, one record per candidate index (and the greedy block's record):
+    kStampEntry = 0,      // block entry
+    kStampLoaded = 1,     // counts loaded into shared memory
+    kStampBuilt = 2,      // candidate (or greedy) allocation built by warp 0
+    kStampStored = 3,     // allocation copy to global memory issued (stored candidates; the greedy's to the plan)
+    kStampEvaluated = 4,  // quality evaluated and written (end of the candidate)
+    // select_derive_kernel (and, for the greedy planner kind, planner_parallel_kernel):
+    kStampSelLoaded = 1,    // qualities (and counts) loaded; parallel kernel: home allocation
+    kStampSelSelected = 2,  // selection done; parallel kernel: greedy done
+    kStampSelCopied = 3,    // the winner's (or greedy's) allocation copied
+    kStampSelRebuilt = 4,   // the winner rebuilt when it was not stored (= kStampSelCopied otherwise)
+    kStampDeriveSums = 5,   // derive: keep / spill / take and per-rank sums
+    kStampDeriveSlots = 6,  // derive: slot experts
+    kStampDeriveRows = 7,   // derive: group rows and cu_seqlens
+    kStampDeriveEnd = 8,    // derive: statistics (end of the kernel)
+    kStampSelWaited = 9,    // select_derive_kernel: the candidate kernels done (its wait for them returned)
+};
+// Record slots: [0, candidates) one per candidate index, then the greedy block, select_derive_kernel, and
+// planner_parallel_kernel (greedy planner kind, or the balanced planner when its candidates do not fit in shared
+// memory).
+struct PlannerProfileSlots {
+    int candidates, greedy, select, parallel, total;
+};
+PlannerProfileSlots planner_profile_slots(const Layout& layout);
+// The records (device memory) the planners launched from now on write to; nullptr turns profiling off.
+void set_planner_profile(PlannerProfileRecord* records);
+
 }  // namespace flatep::kernels
