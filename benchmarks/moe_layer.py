@@ -316,10 +316,9 @@ class _FlatExperts(torch.autograd.Function):
         T.begin("gemm_bwd")
         g1, g2, gx = torch.autograd.grad(y, [w1, w2, x_leaf], grad_y.to(y.dtype))
         T.end("gemm_bwd")
-        T.begin("wgrad_fp32")  # the GEMM's bf16 gradients into the fp32 grads views (own experts and slots)
-        with torch.no_grad():
-            layer.grads(0).copy_(g1)
-            layer.grads(1).copy_(g2)
+        T.begin("wgrad_fp32")  # the GEMM's bf16 gradients into the fp32 grads views (own experts, used slots)
+        pools.write_grads(plan, layer, 0, g1)
+        pools.write_grads(plan, layer, 1, g2)
         T.end("wgrad_fp32")
         T.begin("reduce_grad")
         pools.reduce_grad(plan, layer)

@@ -260,6 +260,15 @@ void bind_buffer(py::module_& m) {
                 b.entry_values(plan, as_ptr<const float>(row_values), as_ptr<float>(out));
             },
             py::arg("plan"), py::arg("row_values"), py::arg("out"), Release())
+        .def(
+            "combine_grad",
+            [](Buffer& b, const Plan& plan, uintptr_t rows, uintptr_t y, uintptr_t weights, uintptr_t grad_y,
+               uintptr_t grad_weights) {
+                b.combine_grad(plan, as_ptr<const uint16_t>(rows), as_ptr<const uint16_t>(y),
+                               as_ptr<const float>(weights), as_ptr<uint16_t>(grad_y), as_ptr<float>(grad_weights));
+            },
+            py::arg("plan"), py::arg("rows"), py::arg("y"), py::arg("weights"), py::arg("grad_y"),
+            py::arg("grad_weights"), Release())
         .def("check_status", &Buffer::check_status, Release())
         .def_property_readonly("on_device", &Buffer::on_device)
         .def(
@@ -299,6 +308,11 @@ void bind_pools(py::module_& m) {
         .def("register_layer", &ExpertPools::register_layer)
         .def("prefetch", &ExpertPools::prefetch, py::arg("plan"), py::arg("layer"), Release())
         .def("reduce_grad", &ExpertPools::reduce_grad, py::arg("plan"), py::arg("layer"), Release())
+        .def(
+            "write_grads",
+            [](ExpertPools& p, const Plan& plan, const ExpertLayer& layer, int projection, uintptr_t grad,
+               int grad_bytes) { p.write_grads(plan, layer, projection, as_ptr<const void>(grad), grad_bytes); },
+            py::arg("plan"), py::arg("layer"), py::arg("projection"), py::arg("grad"), py::arg("grad_bytes"), Release())
         .def_property_readonly("on_device", &ExpertPools::on_device)
         .def(
             "set_stream", [](ExpertPools& p, uintptr_t stream) { p.set_stream(reinterpret_cast<void*>(stream)); },

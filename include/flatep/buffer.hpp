@@ -100,6 +100,18 @@ class Buffer {
     // out: [s][H] bf16, the sum of each token's K rows (design §6 numerics).
     void combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out);
 
+    // Local (not collective) rest of a weighted combine's backward, after the output gradient was dispatched back to
+    // the rows (dispatch(plan, grad_out, nullptr, rows, nullptr)). For every receive row i in [0, NvS) of this rank:
+    //   rows, y: [NvS][H] bf16; weights: [NvS] fp32 (the forward combine's y and weights);
+    //   grad_y: [NvS][H] bf16 out, grad_y[i][h] = bf16(float(rows[i][h]) * weights[i]) (one fp32 multiply, RNE);
+    //   grad_weights: [NvS] fp32 out, the dot of rows[i] and y[i] in a fixed fp32 order (both backends bitwise equal;
+    //   kernels/combine_grad/combine_grad_args.hpp defines it).
+    // Only real rows (holding an entry) are computed; padding rows and rows past the last group end get zeros and
+    // their rows / y / weights are never read. Either output may be null (not computed), not both; y may be null
+    // without grad_weights, weights without grad_y. Device buffers: enqueued on stream(), no host synchronisation.
+    void combine_grad(const Plan& plan, const uint16_t* rows, const uint16_t* y, const float* weights, uint16_t* grad_y,
+                      float* grad_weights);
+
     // The reverse path of one fp32 value per receive row: row_values [NvS] fp32 on every rank (e.g. dL/d(routing
     // weight) computed next to each expert output row); out [s][K] fp32 gets, for each entry (t, k) of this rank,
     // the value at its row on its destination rank (0 for an entry whose expert id was invalid).

@@ -13,6 +13,7 @@
 //   flatep::ExpertPools pools(transport, epn, {{H, Hp}, {Hp, H}});   // collective
 //   flatep::ExpertLayer layer = pools.register_layer();              // collective
 //   pools.prefetch(plan, layer);     // forward, before the GEMM: replicas' weights into the slot pools
+//   pools.write_grads(plan, layer, p, grad, 2);  // backward, per projection: the GEMM's bf16 grads into grads(p)
 //   pools.reduce_grad(plan, layer);  // backward, after the GEMM: replicas' grads into the owners', slots zeroed
 //
 // The slot and reduce pools are shared by every layer: prefetch a layer's replicas right before computing it
@@ -98,6 +99,13 @@ class ExpertPools {
     // Collective: owners add the replicas' fp32 grads (reduce pools) into the layer's own grads in ascending
     // (rank, slot) order; then every rank zeroes its consumed slots.
     void reduce_grad(const Plan& plan, const ExpertLayer& layer);
+    // Local (not collective), before reduce_grad: writes one projection's weight gradients as a grouped GEMM over the
+    // compute view computes them, grad [2*epn][rows][cols] (bf16: grad_bytes 2, or fp32: 4; group g < epn own expert
+    // g, group epn + j slot j), into layer.grads(projection) in the state reduce_grad expects: own groups always
+    // (converted exactly to fp32; zero for a group without rows this step, whatever grad holds there), slot groups
+    // only when the slot is used this step (plan.slot_expert(rank)[j] >= 0) and has rows; other slots are not
+    // touched (their reduce pool stays zero, as reduce_grad left it). Device pools: enqueued on stream().
+    void write_grads(const Plan& plan, const ExpertLayer& layer, int projection, const void* grad, int grad_bytes);
 
     int experts_per_rank() const { return experts_per_rank_; }
     int num_projections() const { return int(projections_.size()); }

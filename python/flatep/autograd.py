@@ -4,9 +4,11 @@ Forward                                   Backward (with the plan saved by the f
 dispatch(plan, x, w) -> recv_x, recv_w    grad_x = combine(plan, grad_recv_x)            (unweighted: sums K copies)
                                           grad_w = entry_values(plan, grad_recv_w)       (each entry reads its row)
 combine(plan, y, weights) -> out          rows = dispatch(plan, grad_out)                (rows go where they came from)
-                                          grad_y = rows * weights; grad_weights = <rows, y> on real rows
+                                          grad_y, grad_weights = combine_grad(plan, rows, y, weights)
+                                          (local: rows * weights and <rows, y> on real rows, zero elsewhere)
 
-Every backward op is collective: autograd runs the same graph on every rank, so the ranks meet in the same order.
+Every backward op but combine_grad (local) is collective: autograd runs the same graph on every rank, so the ranks meet
+in the same order.
 """
 
 import torch
@@ -43,18 +45,15 @@ class CombineFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         buffer, plan = ctx.buffer, ctx.plan
-        rows, _ = buffer._dispatch_raw(plan, grad_out.to(torch.bfloat16).contiguous(), None, want_weights=False)
+        # Weighted: rows only feed combine_grad, which never reads rows past the last group end, so they need no fill.
+        rows, _ = buffer._dispatch_raw(
+            plan, grad_out.to(torch.bfloat16).contiguous(), None, want_weights=False, zero_fill=not ctx.has_weights
+        )
         grad_y = grad_weights = None
         if not ctx.has_weights:
             return None, None, rows, None
         y, weights = ctx.saved_tensors
-        if ctx.needs_input_grad[2]:
-            grad_y = (rows.float() * weights.unsqueeze(1)).to(torch.bfloat16)
-        if ctx.needs_input_grad[3]:
-            dots = (rows.float() * y.float()).sum(dim=1)
-            if dots.is_cuda:  # no host synchronisation: mask the rows past the last group end (y is unspecified there)
-                real = torch.arange(dots.shape[0], device=dots.device) < plan.cu_seqlens[-1]
-            else:  # also masks padding rows inside groups
-                real = plan.real_rows
-            grad_weights = torch.where(real, dots, torch.zeros_like(dots))
+        want_y, want_weights = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        if want_y or want_weights:  # one fused local op; rows holding no entry get zeros (their y is never read)
+            grad_y, grad_weights = buffer._combine_grad_raw(plan, rows, y, weights, want_y, want_weights)
         return None, None, grad_y, grad_weights

@@ -301,8 +301,10 @@ class Buffer:
         if plan._buffer is not self:
             raise ValueError(f"{op}: plan was made by another Buffer; use the plan of this Buffer")
 
-    def _dispatch_raw(self, plan, x, topk_weights, want_weights=True):
-        recv_x = torch.zeros(self.num_recv_rows, self.hidden, dtype=torch.bfloat16, device=self.device)
+    def _dispatch_raw(self, plan, x, topk_weights, want_weights=True, zero_fill=True):
+        """zero_fill=False leaves recv_x's rows past the last group end unspecified (dispatch does not write them)."""
+        alloc = torch.zeros if zero_fill else torch.empty
+        recv_x = alloc(self.num_recv_rows, self.hidden, dtype=torch.bfloat16, device=self.device)
         recv_w = torch.zeros(self.num_recv_rows, dtype=torch.float32, device=self.device) if want_weights else None
         with device_guard(self.device):
             self._live("dispatch").dispatch(
@@ -315,6 +317,23 @@ class Buffer:
         with device_guard(self.device):
             self._live("combine").combine(plan._plan, address(y), address(weights), address(out))
         return out
+
+    def _combine_grad_raw(self, plan, rows, y, weights, want_grad_y=True, want_grad_weights=True):
+        """The local rest of a weighted combine's backward (no collective, no autograd). rows: [NvS, H] bf16, the
+        output gradient dispatched back to the rows; y: [NvS, H] bf16 and weights: [NvS] fp32, the forward combine's
+        inputs (all contiguous, on this Buffer's device). Returns (grad_y [NvS, H] bf16 = bf16(rows * weights) per
+        row, grad_weights [NvS] fp32 = <rows, y> per row in a fixed fp32 order, bitwise equal on both backends), None
+        for an output not wanted. Rows that hold no entry (padding, past the last group end) get zeros and their y is
+        never read."""
+        grad_y = torch.empty_like(rows) if want_grad_y else None
+        grad_weights = (
+            torch.empty(self.num_recv_rows, dtype=torch.float32, device=self.device) if want_grad_weights else None
+        )
+        with device_guard(self.device):
+            self._live("combine_grad").combine_grad(
+                plan._plan, address(rows), address(y), address(weights), address(grad_y), address(grad_weights)
+            )
+        return grad_y, grad_weights
 
     def _entry_values_raw(self, plan, row_values):
         out = torch.empty(plan.num_tokens, self.topk, dtype=torch.float32, device=self.device)

@@ -92,8 +92,8 @@ class _ExpertsFunction(torch.autograd.Function):
     """recv_x [NvS, H] bf16, w1 [epn, H, F], w2 [epn, F, H] (fp32 masters) -> y [NvS, H] bf16.
 
     Forward: masters -> own bf16 weights, prefetch (collective), grouped FFN over the compute views.
-    Backward: gradients of every group into the grads views (own experts and replica slots), reduce_grad
-    (collective), the masters' gradients = own_grads."""
+    Backward: the GEMM's weight gradients into the grads views (write_grads: own experts and the replica slots used
+    this step), reduce_grad (collective), the masters' gradients = own_grads."""
 
     @staticmethod
     def forward(ctx, moe, plan, recv_x, w1, w2):
@@ -125,18 +125,15 @@ class _ExpertsFunction(torch.autograd.Function):
             pools.prefetch(plan, layer)
         inputs = [w1_leaf, w2_leaf] + ([x_leaf] if x_leaf.requires_grad else [])
         grads = torch.autograd.grad(y, inputs, grad_y.to(y.dtype))
-        with torch.no_grad():
-            # A group without rows gets exactly zero gradient (a grouped GEMM need not write it); device-side masks,
-            # no synchronisation.
-            ends = plan.cu_seqlens.to(device=grads[0].device, dtype=torch.int64)
-            starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-            empty = (ends == starts).view(-1, 1, 1)
-            layer.grads(0).copy_(grads[0].masked_fill(empty, 0))
-            layer.grads(1).copy_(grads[1].masked_fill(empty, 0))
+        # Own groups (zero when without rows: a grouped GEMM need not write them) and the slots used this step; the
+        # plan decides on the device, no synchronisation. Unused slots keep their zero reduce pool.
+        pools.write_grads(plan, layer, 0, grads[0])
+        pools.write_grads(plan, layer, 1, grads[1])
         pools.reduce_grad(plan, layer)
         grad_x = grads[2] if len(grads) > 2 else None
         if grad_x is not None and ctx.on_views:  # rows past the last group end are unspecified: make them zero
-            past_end = torch.arange(grad_x.shape[0], device=grad_x.device) >= ends[-1]
+            end = plan.cu_seqlens[-1].to(device=grad_x.device, dtype=torch.int64)
+            past_end = torch.arange(grad_x.shape[0], device=grad_x.device) >= end
             grad_x = grad_x.masked_fill(past_end.unsqueeze(1), 0)
         return None, None, grad_x, layer.own_grads(0).clone(), layer.own_grads(1).clone()
 

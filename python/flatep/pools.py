@@ -11,9 +11,10 @@ C++ memory (no copies):
     layer.own_grads(p)    fp32 [epn, rows, cols]    aliases grads(p)[:epn]
 
 Per step: write the layer's own weights, ``pools.prefetch(plan, layer)`` (collective: owners push replicas into the
-slot pools), run the grouped GEMM over weights(p) with offs = plan.cu_seqlens; in backward write every group's
-gradient into grads(p), then ``pools.reduce_grad(plan, layer)`` (collective: replicas' grads are added into the
-owners' own_grads in ascending (rank, slot) order and the consumed slots are zeroed).
+slot pools), run the grouped GEMM over weights(p) with offs = plan.cu_seqlens; in backward write the GEMM's weight
+gradients into grads(p) with ``pools.write_grads(plan, layer, p, grad)`` (local: own groups, and the slots used this
+step), then ``pools.reduce_grad(plan, layer)`` (collective: replicas' grads are added into the owners' own_grads in
+ascending (rank, slot) order and the consumed slots are zeroed).
 
 The tensors are valid while the ExpertLayer (and its ExpertPools) object lives: keep a reference.
 
@@ -26,7 +27,7 @@ synchronisation. The plan must come from a Buffer on the same device.
 import torch
 
 from . import _C
-from ._tensors import tensor_at
+from ._tensors import address, check_tensor, tensor_at
 from .buffer import Plan
 from .distributed import device_guard, group_rank_size, resolve_device, transport_for
 
@@ -142,6 +143,28 @@ class ExpertPools:
         args = self._resolve("reduce_grad", plan, layer)
         with device_guard(self.device):
             self._live().reduce_grad(*args)
+
+    def write_grads(self, plan, layer, projection, grad):
+        """Local (not collective), in backward before reduce_grad: writes projection p's weight gradients as a grouped
+        GEMM over layer.weights(p) computes them into layer.grads(p), in the state reduce_grad expects.
+
+        Args:
+            grad (torch.Tensor): [2*epn, rows, cols] bf16 or fp32; group g < epn is own expert g, group epn + j slot j.
+        Own groups are always written (converted exactly to fp32; zero for a group without rows this step, whatever
+        grad holds there); slot j only when it is used this step (plan.slot_expert[j] >= 0) and has rows; other slots
+        are not touched (their reduce pool stays zero, as reduce_grad left it). Enqueued on the current stream on a
+        CUDA device (no host synchronisation)."""
+        args = self._resolve("write_grads", plan, layer)
+        n = len(self.projections)
+        if isinstance(projection, bool) or not isinstance(projection, int) or not 0 <= projection < n:
+            raise ValueError(f"write_grads: projection must be an int in [0, {n}), got {projection!r}")
+        rows, cols = self.projections[projection]
+        grad = check_tensor(
+            "write_grads", "grad", grad, (torch.bfloat16, torch.float32), (2 * self.experts_per_rank, rows, cols),
+            self.device,
+        )
+        with device_guard(self.device):
+            self._live().write_grads(*args, projection, address(grad), grad.element_size())
 
     def slot_pool(self, p):
         """bf16 [epn, rows, cols]: this rank's slot pool of projection p."""

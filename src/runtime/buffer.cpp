@@ -10,6 +10,7 @@
 #include "common/env.hpp"
 #include "common/log.hpp"
 #include "host/combine.hpp"
+#include "host/combine_grad.hpp"
 #include "host/dispatch.hpp"
 #include "host/entry_values.hpp"
 #include "host/plan_op.hpp"
@@ -305,6 +306,28 @@ void Buffer::entry_values(const Plan& plan, const float* row_values, float* out)
         device_->entry_values(args, stream_);
     } else {
         host::entry_values(args);
+    }
+    after_op();
+}
+
+void Buffer::combine_grad(const Plan& plan, const uint16_t* rows, const uint16_t* y, const float* weights,
+                          uint16_t* grad_y, float* grad_weights) {
+    check_plan(plan, "combine_grad");
+    CombineGradArgs args{};
+    args.layout = *layout_;
+    args.rank = config_.rank;
+    args.plan = plan.data().op_view();
+    args.rows = rows;
+    args.y = y;
+    args.weights = weights;
+    args.grad_y = grad_y;
+    args.grad_weights = grad_weights;
+    check_combine_grad_args(args);
+    if (device_ != nullptr) {
+        args.max_blocks = device_->max_blocks();
+        device_->combine_grad(args, stream_);
+    } else {
+        host::combine_grad(args);
     }
     after_op();
 }

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/combine/combine.cuh"
+#include "kernels/combine_grad/combine_grad.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/dispatch/dispatch.cuh"
 #include "kernels/entry_values/entry_values.cuh"
@@ -59,6 +60,9 @@ void Context::combine(const CombineArgs& args, void* stream) const { kernels::la
 void Context::entry_values(const EntryValuesArgs& args, void* stream) const {
     kernels::launch(args, as_stream(stream));
 }
+void Context::combine_grad(const CombineGradArgs& args, void* stream) const {
+    kernels::launch(args, as_stream(stream));
+}
 
 void Context::read(void* host_dst, const void* device_src, size_t bytes, void* stream) const {
     FLATEP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
@@ -108,6 +112,7 @@ void Context::plan(const PlanArgs&, void*) const { no_cuda(); }
 void Context::dispatch(const DispatchArgs&, void*) const { no_cuda(); }
 void Context::combine(const CombineArgs&, void*) const { no_cuda(); }
 void Context::entry_values(const EntryValuesArgs&, void*) const { no_cuda(); }
+void Context::combine_grad(const CombineGradArgs&, void*) const { no_cuda(); }
 void Context::read(void*, const void*, size_t, void*) const { no_cuda(); }
 void Context::zero(void*, size_t, void*) const { no_cuda(); }
 std::string Context::timeout_message() const { return ""; }

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kernels/combine/combine_args.hpp"
+#include "kernels/combine_grad/combine_grad_args.hpp"
 #include "kernels/dispatch/dispatch_args.hpp"
 #include "kernels/entry_values/entry_values_args.hpp"
 #include "kernels/plan/plan_args.hpp"
@@ -29,12 +30,14 @@ class Context {
     // Fills the CUDA-only fields of a SyncArgs (epoch pointer, wait record, SM budget).
     void fill_sync(SyncArgs& sync) const;
     void* workspace() const { return workspace_; }
+    int max_blocks() const { return max_blocks_; }  // SM budget per launch (0: no cap)
 
     // Launches on `stream` (a cudaStream_t; null = the legacy default stream).
     void plan(const PlanArgs& args, void* stream) const;
     void dispatch(const DispatchArgs& args, void* stream) const;
     void combine(const CombineArgs& args, void* stream) const;
     void entry_values(const EntryValuesArgs& args, void* stream) const;
+    void combine_grad(const CombineGradArgs& args, void* stream) const;  // local: no barrier
 
     // Synchronising reads for diagnostics (check_status, plan accessors): waits for `stream`, then copies.
     void read(void* host_dst, const void* device_src, size_t bytes, void* stream) const;

@@ -10,6 +10,7 @@
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/grad_reduce/grad_reduce.cuh"
 #include "kernels/prefetch/prefetch.cuh"
+#include "kernels/write_grads/write_grads.cuh"
 #include "transport/cuda/cu_driver.hpp"
 
 namespace flatep::kernels {
@@ -164,6 +165,10 @@ void PoolsContext::grad_reduce(const GradReduceArgs& args, void* stream) const {
     kernels::launch(args, static_cast<cudaStream_t>(stream));
 }
 
+void PoolsContext::write_grads(const WriteGradsArgs& args, void* stream) const {
+    kernels::launch(args, static_cast<cudaStream_t>(stream));
+}
+
 #else  // no CUDA in this build
 
 namespace {
@@ -179,6 +184,7 @@ PoolsContext::~PoolsContext() = default;
 void PoolsContext::fill_sync(SyncArgs&) const { no_cuda(); }
 void PoolsContext::prefetch(const PrefetchArgs&, void*) const { no_cuda(); }
 void PoolsContext::grad_reduce(const GradReduceArgs&, void*) const { no_cuda(); }
+void PoolsContext::write_grads(const WriteGradsArgs&, void*) const { no_cuda(); }
 
 #endif
 

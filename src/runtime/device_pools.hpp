@@ -9,6 +9,7 @@
 
 #include "kernels/grad_reduce/grad_reduce_args.hpp"
 #include "kernels/prefetch/prefetch_args.hpp"
+#include "kernels/write_grads/write_grads_args.hpp"
 
 namespace flatep::device {
 
@@ -41,6 +42,8 @@ class PoolsContext {
     // Launch on `stream` (a cudaStream_t; null = the legacy default stream).
     void prefetch(const PrefetchArgs& args, void* stream) const;
     void grad_reduce(const GradReduceArgs& args, void* stream) const;
+    void write_grads(const WriteGradsArgs& args, void* stream) const;  // local: no barrier
+    int max_blocks() const { return max_blocks_; }                     // SM budget per launch (0: no cap)
 
   private:
     uint64_t* epoch_ = nullptr;  // device

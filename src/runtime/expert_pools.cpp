@@ -9,6 +9,7 @@
 #include "common/env.hpp"
 #include "host/grad_reduce.hpp"
 #include "host/prefetch.hpp"
+#include "host/write_grads.hpp"
 #include "layout/layout.hpp"
 #include "planner/planner.hpp"
 #include "runtime/device_ops.hpp"
@@ -330,6 +331,34 @@ void ExpertPools::reduce_grad(const Plan& plan, const ExpertLayer& layer) {
             args.slot_expert = plan.host_plan().view.slot_expert;
             host::grad_reduce(args);
         }
+    }
+}
+
+void ExpertPools::write_grads(const Plan& plan, const ExpertLayer& layer, int projection, const void* grad,
+                              int grad_bytes) {
+    check_args(plan, layer, "write_grads");
+    FLATEP_CHECK(projection >= 0 && projection < num_projections(), "write_grads: projection must be in [0, ",
+                 num_projections(), "), got ", projection);
+    FLATEP_CHECK(grad_bytes == 2 || grad_bytes == 4, "write_grads: grad_bytes must be 2 (bf16) or 4 (fp32), got ",
+                 grad_bytes);
+    FLATEP_CHECK(grad != nullptr, "write_grads: grad is null");
+    const int rank = transport_->rank();
+    WriteGradsArgs args{};
+    args.experts_per_rank = experts_per_rank_;
+    args.expert_elems = projections_[projection].elems();
+    args.grad = grad;
+    args.grad_bytes = grad_bytes;
+    args.grads = layer.grads(projection);
+    if (device_ != nullptr) {
+        args.slot_expert = plan.device_slot_expert(rank);
+        args.cu_seqlens = plan.device_cu_seqlens(rank);
+        args.max_blocks = device_->max_blocks();
+        device_->write_grads(args, stream_);
+    } else {
+        const PlanView& view = plan.host_plan().view;
+        args.slot_expert = view.slot_expert + int64_t(rank) * experts_per_rank_;
+        args.cu_seqlens = view.cu_seqlens + int64_t(rank) * 2 * experts_per_rank_;
+        host::write_grads(args);
     }
 }
 

@@ -61,6 +61,25 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                 pa.sync = sync;
                 host::plan_op(pa);
 
+                if (c.backward) {  // write_grads (local) of a bf16 and an fp32 gradient into canary-filled views
+                    const int64_t ge = 2 * int64_t(epn) * c.grads_elems;
+                    for (int bytes : {2, 4}) {
+                        std::vector<float>& dst = bytes == 2 ? o.wgrads16 : o.wgrads32;
+                        dst.resize(size_t(ge));
+                        const uint32_t canary = DeviceCase::kCanaryF32;
+                        for (float& v : dst) std::memcpy(&v, &canary, 4);
+                        WriteGradsArgs wa{};
+                        wa.experts_per_rank = epn;
+                        wa.expert_elems = c.grads_elems;
+                        wa.slot_expert = plan.view.slot_expert + int64_t(r) * epn;
+                        wa.cu_seqlens = plan.view.cu_seqlens + int64_t(r) * l.num_groups();
+                        wa.grad = bytes == 2 ? static_cast<const void*>(in.wgrad16[r].data()) : in.wgrad32[r].data();
+                        wa.grad_bytes = bytes;
+                        wa.grads = dst.data();
+                        host::write_grads(wa);
+                    }
+                }
+
                 std::vector<uint16_t> recv_sep;
                 o.recv_w.assign(size_t(nvs), 0.0f);
                 DispatchArgs da{};
@@ -120,6 +139,20 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                     db.recv_w = nullptr;
                     host::dispatch(db);
                     o.recv_gx = std::move(recv_g);
+                    // combine_grad over the backward rows; y = the forward dispatch's rows when they are separate
+                    // (their rows past the last group end hold NaN canaries that must not be read), weights = recv_w.
+                    CombineGradArgs gg{};
+                    gg.layout = l;
+                    gg.rank = r;
+                    gg.plan = plan.view;
+                    gg.rows = o.recv_gx.data();
+                    gg.y = c.separate_recv ? o.recv_x.data() : in.y[r].data();
+                    gg.weights = o.recv_w.data();
+                    o.grad_y.assign(size_t(nvs * H), 0);
+                    o.grad_w.assign(size_t(nvs), 0.0f);
+                    gg.grad_y = o.grad_y.data();
+                    gg.grad_weights = o.grad_w.data();
+                    host::combine_grad(gg);
                     o.gx.assign(size_t(s * H), 0);
                     CombineArgs cb = ca;
                     cb.y = in.gy[r].data();
@@ -192,6 +225,13 @@ DeviceCase::DeviceCase(const CaseSpec& c, const Layout& l, LocalDeviceGroup& g)
             p.recv_gx = p.recv_galloc + kCanaryRows * H;
             FLATEP_CUDA_CHECK(cudaMalloc(&p.gy, size_t(nvs * H) * 2));
             FLATEP_CUDA_CHECK(cudaMalloc(&p.gx_alloc, size_t((S + kCanaryRows) * H) * 2));
+            FLATEP_CUDA_CHECK(cudaMalloc(&p.grad_y_alloc, recv_rows * H * 2));
+            FLATEP_CUDA_CHECK(cudaMalloc(&p.grad_w_alloc, recv_rows * 4));
+            const size_t ge = size_t(2 * epn) * size_t(c.grads_elems);
+            FLATEP_CUDA_CHECK(cudaMalloc(&p.wgrad16, ge * 2));
+            FLATEP_CUDA_CHECK(cudaMalloc(&p.wgrad32, ge * 4));
+            FLATEP_CUDA_CHECK(cudaMalloc(&p.wgrads16, ge * 4));
+            FLATEP_CUDA_CHECK(cudaMalloc(&p.wgrads32, ge * 4));
         }
         FLATEP_CUDA_CHECK(cudaMalloc(&p.expert_w, size_t(pe) * 2 + 16));
         FLATEP_CUDA_CHECK(cudaMalloc(&p.grads, size_t(pe) * 4 + 16));
@@ -206,6 +246,10 @@ DeviceCase::~DeviceCase() {
                           (void*)p.gy, (void*)p.gx_alloc, (void*)p.expert_w, (void*)p.grads}) {
             if (ptr != nullptr) cudaFree(ptr);
         }
+        for (void* ptr : {(void*)p.grad_y_alloc, (void*)p.grad_w_alloc, (void*)p.wgrad16, (void*)p.wgrad32,
+                          (void*)p.wgrads16, (void*)p.wgrads32}) {  // backward cases only
+            if (ptr != nullptr) cudaFree(ptr);
+        }
     }
     group.release(red_regions);
     group.release(slot_regions);
@@ -217,6 +261,10 @@ namespace {
 void fill_canary(uint16_t* dst, size_t n) {
     std::vector<uint16_t> host(n, DeviceCase::kCanary);
     FLATEP_CUDA_CHECK(cudaMemcpy(dst, host.data(), n * 2, cudaMemcpyHostToDevice));
+}
+void fill_canary_f32(float* dst, size_t n) {
+    std::vector<uint32_t> host(n, DeviceCase::kCanaryF32);
+    FLATEP_CUDA_CHECK(cudaMemcpy(dst, host.data(), n * 4, cudaMemcpyHostToDevice));
 }
 }  // namespace
 
@@ -245,6 +293,13 @@ void DeviceCase::upload(const StepInputs& in) {
             FLATEP_CUDA_CHECK(cudaMemcpy(p.gy, in.gy[r].data(), size_t(nvs * H) * 2, cudaMemcpyHostToDevice));
             fill_canary(p.recv_galloc, size_t((nvs + 2 * kCanaryRows) * H));
             fill_canary(p.gx_alloc, size_t((S + kCanaryRows) * H));
+            fill_canary(p.grad_y_alloc, size_t((nvs + 2 * kCanaryRows) * H));
+            fill_canary_f32(p.grad_w_alloc, size_t(nvs + 2 * kCanaryRows));
+            const size_t ge = size_t(2 * layout.experts_per_rank) * size_t(spec.grads_elems);
+            FLATEP_CUDA_CHECK(cudaMemcpy(p.wgrad16, in.wgrad16[r].data(), ge * 2, cudaMemcpyHostToDevice));
+            FLATEP_CUDA_CHECK(cudaMemcpy(p.wgrad32, in.wgrad32[r].data(), ge * 4, cudaMemcpyHostToDevice));
+            fill_canary_f32(p.wgrads16, ge);
+            fill_canary_f32(p.wgrads32, ge);
         }
         FLATEP_CUDA_CHECK(cudaMemcpy(p.expert_w, in.expert_w[r].data(), size_t(pe) * 2, cudaMemcpyHostToDevice));
         FLATEP_CUDA_CHECK(cudaMemcpy(p.grads, in.grads[r].data(), size_t(pe) * 4, cudaMemcpyHostToDevice));
@@ -275,6 +330,22 @@ void DeviceCase::enqueue_step() {
         a.sync = sync(r);
         a.workspace = ranks[r].workspace;
         kernels::launch(a, group.stream(r));
+    }
+    if (spec.backward) {  // write_grads: local, right after the plan (same inputs as run_host's)
+        for (int r = 0; r < R; ++r) {
+            for (int bytes : {2, 4}) {
+                WriteGradsArgs a{};
+                a.experts_per_rank = l.experts_per_rank;
+                a.expert_elems = spec.grads_elems;
+                a.slot_expert = plan_view(r).slot_expert + int64_t(r) * l.experts_per_rank;
+                a.cu_seqlens = plan_view(r).cu_seqlens + int64_t(r) * l.num_groups();
+                a.grad = bytes == 2 ? static_cast<const void*>(ranks[r].wgrad16) : ranks[r].wgrad32;
+                a.grad_bytes = bytes;
+                a.grads = bytes == 2 ? ranks[r].wgrads16 : ranks[r].wgrads32;
+                a.max_blocks = group.max_blocks();
+                kernels::launch(a, group.stream(r));
+            }
+        }
     }
     auto dispatch_args = [&](int r) {
         DispatchArgs a{};
@@ -322,6 +393,19 @@ void DeviceCase::enqueue_step() {
             a.topk_weights = nullptr;
             a.recv_x = ranks[r].recv_gx;
             a.recv_w = nullptr;
+            kernels::launch(a, group.stream(r));
+        }
+        for (int r = 0; r < R; ++r) {  // local: same inputs as run_host's combine_grad
+            CombineGradArgs a{};
+            a.layout = l;
+            a.rank = r;
+            a.plan = plan_view(r);
+            a.rows = ranks[r].recv_gx;
+            a.y = spec.separate_recv ? ranks[r].recv_x : ranks[r].y;
+            a.weights = ranks[r].recv_w;
+            a.grad_y = ranks[r].grad_y_alloc + kCanaryRows * l.hidden;
+            a.grad_weights = ranks[r].grad_w_alloc + kCanaryRows;
+            a.max_blocks = group.max_blocks();
             kernels::launch(a, group.stream(r));
         }
         for (int r = 0; r < R; ++r) {
@@ -373,6 +457,14 @@ std::vector<RankOutputs> DeviceCase::download() {
         if (spec.backward) {
             get16(o.recv_gx, p.recv_galloc, size_t((nvs + 2 * kCanaryRows) * H));
             get16(o.gx, p.gx_alloc, size_t((S + kCanaryRows) * H));
+            get16(o.grad_y, p.grad_y_alloc, size_t((nvs + 2 * kCanaryRows) * H));  // with canaries
+            o.grad_w.resize(size_t(nvs + 2 * kCanaryRows));
+            FLATEP_CUDA_CHECK(cudaMemcpy(o.grad_w.data(), p.grad_w_alloc, o.grad_w.size() * 4, cudaMemcpyDeviceToHost));
+            const size_t ge = size_t(2 * layout.experts_per_rank) * size_t(spec.grads_elems);
+            o.wgrads16.resize(ge);
+            o.wgrads32.resize(ge);
+            FLATEP_CUDA_CHECK(cudaMemcpy(o.wgrads16.data(), p.wgrads16, ge * 4, cudaMemcpyDeviceToHost));
+            FLATEP_CUDA_CHECK(cudaMemcpy(o.wgrads32.data(), p.wgrads32, ge * 4, cudaMemcpyDeviceToHost));
         }
         get16(o.slot_pool, slot_regions[r].local, size_t(pe));
         o.grads.resize(size_t(pe));

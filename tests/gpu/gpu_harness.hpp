@@ -13,16 +13,20 @@
 
 #include "flatep/config.hpp"
 #include "host/combine.hpp"
+#include "host/combine_grad.hpp"
 #include "host/dispatch.hpp"
 #include "host/grad_reduce.hpp"
 #include "host/plan_op.hpp"
 #include "host/prefetch.hpp"
+#include "host/write_grads.hpp"
 #include "kernels/combine/combine.cuh"
+#include "kernels/combine_grad/combine_grad.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/dispatch/dispatch.cuh"
 #include "kernels/grad_reduce/grad_reduce.cuh"
 #include "kernels/plan/plan.cuh"
 #include "kernels/prefetch/prefetch.cuh"
+#include "kernels/write_grads/write_grads.cuh"
 #include "layout/layout.hpp"
 #include "planner/plan.hpp"
 #include "routing/routing.hpp"
@@ -63,8 +67,9 @@ struct CaseSpec {
     int index_bytes = 4;
     bool weighted = true;
     bool separate_recv = true;    // recv_x outside the symmetric region (with canary rows around it)
-    bool backward = false;        // also combine-backward (dispatch) and dispatch-backward (combine)
+    bool backward = false;        // also combine-backward (dispatch, combine_grad) and dispatch-backward (combine)
     int64_t expert_elems = 1024;  // prefetch / reduce_grad size per expert (bf16 bytes = 2x, fp32 grads)
+    int64_t grads_elems = 1024;   // backward: write_grads size per expert (not a multiple of 8: the scalar kernel)
 };
 
 // Routing of every rank: topk_idx [R][s*K] as int64 (converted to the index width on upload).
@@ -105,6 +110,8 @@ struct StepInputs {
     std::vector<std::vector<uint16_t>> expert_w;  // [R][epn*expert_elems] bf16 weights
     std::vector<std::vector<float>> grads;        // [R][epn*expert_elems]
     std::vector<std::vector<float>> red_pool;     // [R][epn*expert_elems] replica gradients
+    std::vector<std::vector<uint16_t>> wgrad16;   // backward: [R][2*epn*grads_elems] GEMM weight grads, bf16
+    std::vector<std::vector<float>> wgrad32;      // backward: the same in fp32
 };
 
 inline StepInputs make_inputs(const CaseSpec& c, const Layout& l, uint64_t seed) {
@@ -120,6 +127,8 @@ inline StepInputs make_inputs(const CaseSpec& c, const Layout& l, uint64_t seed)
     in.expert_w.resize(R);
     in.grads.resize(R);
     in.red_pool.resize(R);
+    in.wgrad16.resize(R);
+    in.wgrad32.resize(R);
     std::vector<std::thread> threads;
     for (int r = 0; r < R; ++r) {
         threads.emplace_back([&, r] {
@@ -142,6 +151,13 @@ inline StepInputs make_inputs(const CaseSpec& c, const Layout& l, uint64_t seed)
             fill_f32(in.grads[r].data(), pe, base + 7, -1.f, 1.f);
             in.red_pool[r].resize(size_t(pe));
             fill_f32(in.red_pool[r].data(), pe, base + 8, -1.f, 1.f);
+            if (c.backward) {
+                const int64_t ge = 2 * int64_t(l.experts_per_rank) * c.grads_elems;
+                in.wgrad16[r].resize(size_t(ge));
+                fill_bf16(in.wgrad16[r].data(), ge, base + 9);
+                in.wgrad32[r].resize(size_t(ge));
+                fill_f32(in.wgrad32[r].data(), ge, base + 10, -1.f, 1.f);
+            }
         });
     }
     for (auto& t : threads) t.join();
@@ -156,9 +172,12 @@ struct RankOutputs {
     std::vector<uint16_t> out;        // [s*H]
     std::vector<uint16_t> recv_gx;    // backward: [NvS*H] combine-backward rows
     std::vector<uint16_t> gx;         // backward: [s*H] dispatch-backward sums
+    std::vector<uint16_t> grad_y;     // backward: combine_grad [NvS*H] (device: with canary rows around)
+    std::vector<float> grad_w;        // backward: combine_grad [NvS] (device: with canary rows around)
     std::vector<uint16_t> slot_pool;  // [epn*expert_elems] bf16
     std::vector<float> grads;
     std::vector<float> red_pool;
+    std::vector<float> wgrads16, wgrads32;  // backward: write_grads outputs [2*epn*grads_elems] (canary-prefilled)
     int32_t status[4];
 };
 
@@ -195,12 +214,19 @@ struct DeviceCase {
         uint16_t* recv_gx = nullptr;
         uint16_t* gy = nullptr;
         uint16_t* gx_alloc = nullptr;
+        uint16_t* grad_y_alloc = nullptr;  // combine_grad outputs with canary rows around
+        float* grad_w_alloc = nullptr;
+        uint16_t* wgrad16 = nullptr;  // write_grads inputs and outputs
+        float* wgrad32 = nullptr;
+        float* wgrads16 = nullptr;
+        float* wgrads32 = nullptr;
         uint16_t* expert_w = nullptr;
         float* grads = nullptr;
     };
     std::vector<PerRank> ranks;
     static constexpr int kCanaryRows = 4;
-    static constexpr uint16_t kCanary = 0x7fa5;  // a NaN pattern nothing writes
+    static constexpr uint16_t kCanary = 0x7fa5;         // a NaN pattern nothing writes
+    static constexpr uint32_t kCanaryF32 = 0x7fa5a5a5;  // an fp32 NaN pattern nothing writes
 };
 
 }  // namespace flatep::gpu_test

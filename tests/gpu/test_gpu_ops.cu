@@ -102,6 +102,27 @@ bool compare_outputs(const CaseSpec& c, const Layout& l, const std::vector<RankO
             const uint16_t* gg = g.recv_gx.data() + kc * H;
             if (!compare_words("combine-backward recv", r, gg, h.recv_gx.data(), end * H, H)) return false;
             if (!compare_words("dispatch-backward out", r, g.gx.data(), h.gx.data(), int64_t(s) * H, H)) return false;
+            // combine_grad writes every one of the NvS rows (zeros outside real rows) and nothing around them.
+            const uint16_t* ggy = g.grad_y.data() + kc * H;
+            if (!compare_words("combine_grad grad_y", r, ggy, h.grad_y.data(), nvs * H, H)) return false;
+            if (!compare_words("combine_grad grad_weights", r, g.grad_w.data() + kc, h.grad_w.data(), nvs, 1))
+                return false;
+            std::vector<uint16_t> canary(size_t(kc * H), DeviceCase::kCanary);
+            if (!compare_words("combine_grad grad_y canary before", r, g.grad_y.data(), canary.data(), kc * H, H,
+                               -kc) ||
+                !compare_words("combine_grad grad_y canary after", r, ggy + nvs * H, canary.data(), kc * H, H, nvs))
+                return false;
+            const std::vector<uint32_t> canary_w(size_t(kc), DeviceCase::kCanaryF32);
+            const auto* gw_bits = reinterpret_cast<const uint32_t*>(g.grad_w.data());
+            if (!compare_words("combine_grad grad_weights canary before", r, gw_bits, canary_w.data(), kc, 1, -kc) ||
+                !compare_words("combine_grad grad_weights canary after", r, gw_bits + kc + nvs, canary_w.data(), kc, 1,
+                               nvs))
+                return false;
+            // write_grads: own groups, used slots; untouched slots keep the canary on both backends.
+            const int64_t ge = 2 * int64_t(l.experts_per_rank) * c.grads_elems;
+            if (!compare_words("write_grads bf16", r, g.wgrads16.data(), h.wgrads16.data(), ge, c.grads_elems) ||
+                !compare_words("write_grads fp32", r, g.wgrads32.data(), h.wgrads32.data(), ge, c.grads_elems))
+                return false;
         }
         const int64_t pe = int64_t(l.experts_per_rank) * c.expert_elems;
         if (!compare_words("prefetch slot pool", r, g.slot_pool.data(), h.slot_pool.data(), pe, c.expert_elems))
@@ -335,6 +356,14 @@ int main(int argc, char** argv) {
         s.config = make_config(8, 64, 512, 8, 256, 32, 1.25);
         s.sigma = 2.5;
         add(s, /*graph=*/true);
+        s = CaseSpec{};
+        s.name = "r4_bwd_h264_odd_grads";  // 33 chunks per row (combine_grad), write_grads' element-wise kernel
+        s.config = make_config(4, 32, 200, 4, 264, 8, 1.25);
+        s.num_tokens = 170;
+        s.backward = true;
+        s.sigma = 2.0;
+        s.grads_elems = 1003;
+        add(s);
         s = CaseSpec{};
         s.name = "r8_deepep_like_h7168";
         s.config = make_config(8, 256, 1024, 8, 7168, 128);

@@ -143,12 +143,17 @@ def _run_backend(buffer, pools, layer, idx, x, w, y, row_values, weights, grads)
         "combine_unweighted": buffer.combine(plan, y.to(device)).cpu(),
         "entry_values": buffer.entry_values(plan, row_values.to(device)).cpu(),
     }
+    grad_y, grad_weights = buffer._combine_grad_raw(plan, recv_x, y.to(device), recv_w)
+    out["combine_grad_y"], out["combine_grad_weights"] = grad_y.cpu(), grad_weights.cpu()
     pools.prefetch(plan, layer)
     for p in range(2):
         out[f"weights_view{p}"] = layer.weights(p).cpu()  # own experts and the slots prefetch filled
     pools.reduce_grad(plan, layer)
     for p in range(2):
         out[f"grads_view{p}"] = layer.grads(p).cpu()  # owners' sums and zeroed consumed slots
+    for p in range(2):  # a bf16 GEMM gradient into the views: own groups and used slots written, the rest kept
+        pools.write_grads(plan, layer, p, grads[p].to(torch.bfloat16).to(device))
+        out[f"write_grads_view{p}"] = layer.grads(p).cpu()
     for name in ("tpe_all", "alloc", "entry_ranks", "entry_rows"):  # host copies of the plan (diagnostics)
         out[name] = getattr(plan, name)
     out["slot_expert_all"] = torch.stack([plan.slot_expert_of(r) for r in range(buffer.num_ranks)])
@@ -158,10 +163,10 @@ def _run_backend(buffer, pools, layer, idx, x, w, y, row_values, weights, grads)
 
 
 def check_backends(rank, R, device):
-    """Runs plan, dispatch, both combines, entry_values, prefetch and reduce_grad on `device` and on the CPU backend
-    with the same inputs; returns {'mismatches': [one line per differing output], 'replicas': [per case]}. On a GPU
-    the second case runs on a side stream (the ops must follow torch.cuda.current_stream). On the CPU this checks
-    determinism: two Buffers, the same bits."""
+    """Runs plan, dispatch, both combines, combine_grad, entry_values, prefetch, reduce_grad and write_grads on `device`
+    and on the CPU backend with the same inputs; returns {'mismatches': [one line per differing output], 'replicas':
+    [per case]}. On a GPU the second case runs on a side stream (the ops must follow torch.cuda.current_stream). On the
+    CPU this checks determinism: two Buffers, the same bits."""
     report = {"mismatches": [], "replicas": []}
     epn = E // R
     for c in BACKEND_CASES:

@@ -97,6 +97,46 @@ def test_autograd_matches_formulas(buffer):
     assert torch.allclose(x.grad, expected_gx, rtol=2**-6, atol=2**-6)
 
 
+def lane_order_dot(a, b):
+    """The combine_grad dot's order (kernels/combine_grad/combine_grad_args.hpp) in fp32 torch ops, row-wise: lane
+    c % 32 adds the products of chunk c (8 elements) in order, then the xor butterfly over offsets 16, 8, 4, 2, 1."""
+    n, h = a.shape
+    chunks = (a.float() * b.float()).view(n, h // 8, 8)  # bf16 * bf16 is exact in fp32
+    lanes = torch.zeros(n, 32)
+    for c in range(h // 8):
+        for e in range(8):
+            lanes[:, c % 32] = lanes[:, c % 32] + chunks[:, c, e]
+    for offset in (16, 8, 4, 2, 1):
+        lanes = lanes + lanes[:, torch.arange(32) ^ offset]
+    return lanes[:, 0]
+
+
+def test_combine_grad_is_the_lane_order_formula_on_real_rows_only():
+    h = 8 * 40  # 40 chunks: lanes 0..7 take two
+    buf = flatep.Buffer(None, S, h, E, K, align=8)
+    g = torch.Generator().manual_seed(11)
+    plan = buf.plan(sample_topk(E, S, K, 0, sigma=1.0, seed=11)[: S - 3])  # padding rows and rows past the end
+    n, real = buf.num_recv_rows, plan.real_rows
+    rows = (torch.randn(n, h, generator=g) * 8).to(BF16)
+    y = (torch.randn(n, h, generator=g) * 8).to(BF16)
+    w = torch.randn(n, generator=g)
+    rows[~real], y[~real], w[~real] = float("nan"), float("nan"), float("nan")  # must not leak
+    grad_y, grad_w = buf._combine_grad_raw(plan, rows, y, w)
+    want_y = torch.where(real.unsqueeze(1), (rows.float() * w.unsqueeze(1)).to(BF16), torch.zeros(n, h, dtype=BF16))
+    want_w = torch.where(real, lane_order_dot(rows, y), torch.zeros(n))
+    assert torch.equal(grad_y.view(torch.int16), want_y.view(torch.int16))
+    assert torch.equal(grad_w.view(torch.int32), want_w.view(torch.int32))
+    exact = (rows.double() * y.double()).sum(1)
+    assert torch.allclose(grad_w[real].double(), exact[real], rtol=1e-5, atol=1e-3)
+    only_y, none_w = buf._combine_grad_raw(plan, rows, None, w, want_grad_weights=False)
+    none_y, only_w = buf._combine_grad_raw(plan, rows, y, None, want_grad_y=False)
+    assert none_w is None and none_y is None
+    assert torch.equal(only_y.view(torch.int16), grad_y.view(torch.int16))
+    assert torch.equal(only_w.view(torch.int32), grad_w.view(torch.int32))
+    with pytest.raises(ValueError, match="combine_grad: y is null"):
+        buf._combine_grad_raw(plan, rows, None, w)
+
+
 def test_entry_values_reads_each_entry_row(buffer):
     idx, _, _ = make_inputs(5)
     plan = buffer.plan(idx)
@@ -121,6 +161,28 @@ def test_expert_pools_views_alias_cpp_memory():
     pools.prefetch(plan, layer)
     pools.reduce_grad(plan, layer)  # one rank: no replicas, own grads unchanged
     assert (layer.grads(1)[:2] == 2).all() and (layer.grads(1)[2:] == 0).all()
+
+
+def test_write_grads_converts_own_groups_and_zeroes_empty_ones():
+    pools = flatep.ExpertPools(None, 2, [(8, 4), (4, 8)])
+    layer = pools.register_layer()
+    buf = flatep.Buffer(None, 4, 8, 2, 1, align=1)
+    plan = buf.plan(torch.tensor([[1], [1], [1], [1]]))  # expert 0 gets no rows; one rank: no slot is used
+    assert plan.cu_seqlens.tolist() == [0, 4, 4, 4]
+    layer.grads(0).fill_(-3.0)
+    grad = torch.randn(4, 8, 4).to(BF16)
+    pools.write_grads(plan, layer, 0, grad)
+    assert (layer.grads(0)[0] == 0).all()  # own group without rows
+    assert torch.equal(layer.grads(0)[1], grad[1].float())  # exact conversion
+    assert (layer.grads(0)[2:] == -3.0).all()  # unused slots untouched
+    grad32 = torch.randn(4, 4, 8)
+    pools.write_grads(plan, layer, 1, grad32)
+    assert (layer.grads(1)[0] == 0).all() and torch.equal(layer.grads(1)[1], grad32[1])
+    raises(lambda: pools.write_grads(plan, layer, 2, grad), "write_grads: projection must be an int in [0, 2), got 2")
+    raises(lambda: pools.write_grads(plan, layer, 0, grad.double()), "write_grads: grad must be bfloat16 or float32, "
+           "got float64")
+    raises(lambda: pools.write_grads(plan, layer, 0, grad32), "write_grads: grad must have shape [4, 8, 4], got "
+           "[4, 4, 8]")
 
 
 def test_routing_generator():

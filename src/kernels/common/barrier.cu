@@ -25,6 +25,8 @@ void preload_all_kernels() {
     preload_prefetch_kernels();
     preload_grad_reduce_kernels();
     preload_entry_values_kernels();
+    preload_combine_grad_kernels();
+    preload_write_grads_kernels();
 }
 
 void launch_barrier(const SyncArgs& sync, int op, cudaStream_t stream) {
@@ -48,7 +50,11 @@ int device_sm_count() {
 }
 
 int grid_blocks(const SyncArgs& sync, int64_t work_blocks, int blocks_per_sm) {
-    const int64_t cap = sync.max_blocks > 0 ? sync.max_blocks : int64_t(device_sm_count()) * blocks_per_sm;
+    return grid_blocks(sync.max_blocks, work_blocks, blocks_per_sm);
+}
+
+int grid_blocks(int max_blocks, int64_t work_blocks, int blocks_per_sm) {
+    const int64_t cap = max_blocks > 0 ? max_blocks : int64_t(device_sm_count()) * blocks_per_sm;
     const int64_t n = work_blocks < cap ? work_blocks : cap;
     return n < 1 ? 1 : int(n);
 }

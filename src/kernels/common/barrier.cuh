@@ -60,6 +60,8 @@ void preload_combine_kernels();
 void preload_prefetch_kernels();
 void preload_grad_reduce_kernels();
 void preload_entry_values_kernels();
+void preload_combine_grad_kernels();
+void preload_write_grads_kernels();
 
 // Host: a one-block kernel running block_barrier on `stream` (between two kernels of an op).
 void launch_barrier(const SyncArgs& sync, int op, cudaStream_t stream);
@@ -70,6 +72,8 @@ int device_sm_count();
 // Host: blocks for a launch of `work_blocks` blocks of work under this rank's SM budget (sync.max_blocks, or
 // blocks_per_sm blocks on every multiprocessor when there is no budget); at least 1.
 int grid_blocks(const SyncArgs& sync, int64_t work_blocks, int blocks_per_sm);
+// The same for a local op (no SyncArgs): max_blocks is the SM budget (0: none).
+int grid_blocks(int max_blocks, int64_t work_blocks, int blocks_per_sm);
 
 // Host: a device scratch buffer of at least `bytes`, owned by the kernels library, one per (key, device); grows
 // on demand. Must first be called outside stream capture (allocation is not capturable); throws if it would need

@@ -1,8 +1,12 @@
 // ExpertPools on the CPU backend: the contiguous compute views alias the layer's memory and the shared pools,
 // prefetch pushes replicas' weights into the right slots, reduce_grad adds replicas' grads in (rank, slot) order
-// and zeroes the consumed slots.
+// and zeroes the consumed slots; write_grads puts a grouped GEMM's gradients into the grads view the way reduce_grad
+// expects them.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
+#include <sstream>
 #include <vector>
 
 #include "common/bf16.hpp"
@@ -142,6 +146,153 @@ TEST(ExpertPools, PrefetchAndReduceGradFollowThePlan) {
         }
     }
     EXPECT_GE(replicas, 2);  // the routing is skewed enough that the test exercises replicas
+}
+
+TEST(ExpertPools, WriteGradsWritesOwnGroupsAndUsedSlotsOnly) {
+    // Skewed routing: rank 0's experts get replicas, experts 2 (rank 1) and 4..7 (ranks 2, 3) get no rows. The GEMM
+    // gradient holds NaN in every group without rows (a grouped GEMM need not write them): own ones must come out
+    // zero, slot ones untouched (the test pre-fills the grads view with a sentinel). Projection 0 passes bf16,
+    // projection 1 fp32 (odd size).
+    const int R = 4, epn = 2, E = R * epn, S = 16, K = 2;
+    const ProjectionShape shapes[2] = {{3, 8}, {5, 3}};
+    const float kSentinel = -777.25f;
+    LocalHostWorld world(R, 10.0);
+    std::vector<std::string> mismatch(R);
+    std::vector<int> slots_used(R, 0), own_empty(R, 0);
+    const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
+        Config c;
+        c.num_ranks = R;
+        c.rank = rank;
+        c.num_experts = E;
+        c.num_tokens = S;
+        c.topk = K;
+        c.hidden = 8;
+        c.align = 4;
+        Buffer buffer(c, world.transport(rank));
+        ExpertPools pools(world.transport(rank), epn, {shapes[0], shapes[1]});
+        ExpertLayer layer = pools.register_layer();
+        std::vector<int32_t> idx(S * K);
+        for (int t = 0; t < S; ++t) {
+            idx[t * K] = 0;
+            idx[t * K + 1] = t % 4 == 0 ? 3 : 1;
+        }
+        const Plan plan = buffer.plan(idx.data(), 4, S);
+        const std::span<const int32_t> cu = plan.cu_seqlens(rank), slots = plan.slot_expert(rank);
+        auto has_rows = [&](int g) { return cu[g] > (g == 0 ? 0 : cu[g - 1]); };
+        auto value = [&](int p, int g, int64_t i) { return float(p * 1000 + rank * 100 + g * 10) + float(i) * 0.5f; };
+        std::ostringstream bad;
+        for (int p = 0; p < 2; ++p) {
+            const int64_t n = shapes[p].elems();
+            for (int64_t i = 0; i < 2 * epn * n; ++i) layer.grads(p)[i] = kSentinel;
+            std::vector<uint16_t> g16(size_t(2 * epn * n));
+            std::vector<float> g32(size_t(2 * epn * n));
+            for (int g = 0; g < 2 * epn; ++g) {
+                for (int64_t i = 0; i < n; ++i) {
+                    g16[g * n + i] = has_rows(g) ? float_to_bf16(value(p, g, i)) : uint16_t(0x7fc1);
+                    g32[g * n + i] = has_rows(g) ? value(p, g, i) : std::nanf("");
+                }
+            }
+            if (p == 0) {
+                pools.write_grads(plan, layer, p, g16.data(), 2);
+            } else {
+                pools.write_grads(plan, layer, p, g32.data(), 4);
+            }
+            for (int g = 0; g < 2 * epn; ++g) {
+                const bool own = g < epn, used = own || slots[g - epn] >= 0;
+                if (p == 0 && !own && used) ++slots_used[rank];
+                if (p == 0 && own && !has_rows(g)) ++own_empty[rank];
+                for (int64_t i = 0; i < n; ++i) {
+                    const float v = p == 0 ? bf16_to_float(float_to_bf16(value(p, g, i))) : value(p, g, i);
+                    const float want = !used ? kSentinel : (has_rows(g) ? v : 0.0f);
+                    const float got = layer.grads(p)[g * n + i];
+                    if (std::memcmp(&got, &want, 4) != 0 && bad.str().empty()) {
+                        bad << "projection " << p << " group " << g << " elem " << i << ": got " << got << " expected "
+                            << want;
+                    }
+                }
+            }
+        }
+        // reduce_grad on top: owners get own + replicas' grads; consumed slots zero, unused slots untouched.
+        pools.reduce_grad(plan, layer);
+        for (int p = 0; p < 2 && bad.str().empty(); ++p) {
+            const int64_t n = shapes[p].elems();
+            for (int j = 0; j < epn; ++j) {
+                const float want = slots[j] >= 0 ? 0.0f : kSentinel;
+                for (int64_t i = 0; i < n; ++i) {
+                    if (pools.reduce_pool(p)[j * n + i] != want && bad.str().empty())
+                        bad << "after reduce_grad: projection " << p << " slot " << j << " elem " << i;
+                }
+            }
+        }
+        mismatch[rank] = bad.str();
+        // Own gradients after the reduction (element 0 of every group is a small integer, exact in bf16).
+        for (int p = 0; p < 2; ++p) {
+            const int64_t n = shapes[p].elems();
+            for (int g = 0; g < epn; ++g) {
+                float expect = has_rows(g) ? value(p, g, 0) : 0.0f;
+                const int e = rank * epn + g;
+                for (int d = 0; d < R; ++d) {
+                    for (int j = 0; j < epn; ++j) {
+                        if (plan.slot_expert(d)[j] != e) continue;
+                        // Rank d's slot j group (epn + j) had rows (a used slot always does): its element 0 value.
+                        expect = expect + float(p * 1000 + d * 100 + (epn + j) * 10);
+                    }
+                }
+                if (layer.own_grads(p)[g * n] != expect && mismatch[rank].empty()) {
+                    std::ostringstream os;
+                    os << "after reduce_grad: projection " << p << " expert " << e << " elem 0: got "
+                       << layer.own_grads(p)[g * n] << " expected " << expect;
+                    mismatch[rank] = os.str();
+                }
+            }
+        }
+    });
+    ASSERT_EQ(failures(errors), "");
+    int used = 0, empty = 0;
+    for (int r = 0; r < R; ++r) {
+        EXPECT_EQ(mismatch[r], "") << "rank " << r;
+        used += slots_used[r];
+        empty += own_empty[r];
+    }
+    EXPECT_GE(used, 2);        // replicas exercised
+    EXPECT_GE(empty, 2);       // own groups without rows exercised
+    EXPECT_LT(used, R * epn);  // some slots unused (left untouched)
+}
+
+TEST(ExpertPools, WriteGradsRejectsBadArguments) {
+    LocalHostWorld world(1, 10.0);
+    Config c;
+    c.num_experts = 2;
+    c.num_tokens = 2;
+    c.hidden = 8;
+    c.align = 1;
+    Buffer buffer(c, world.transport(0));
+    ExpertPools pools(world.transport(0), 2, {{2, 2}});
+    ExpertPools other(world.transport(0), 2, {{2, 2}});
+    ExpertLayer layer = pools.register_layer();
+    ExpertLayer foreign = other.register_layer();
+    const int32_t idx[2] = {0, 1};
+    const Plan plan = buffer.plan(idx, 4, 2);
+    std::vector<uint16_t> grad(16);
+    auto message = [](auto&& fn) -> std::string {
+        try {
+            fn();
+        } catch (const Error& e) {
+            return e.message();
+        }
+        return "(no error)";
+    };
+    EXPECT_EQ(message([&] { pools.write_grads(plan, layer, 1, grad.data(), 2); }),
+              "write_grads: projection must be in [0, 1), got 1");
+    EXPECT_EQ(message([&] { pools.write_grads(plan, layer, 0, grad.data(), 8); }),
+              "write_grads: grad_bytes must be 2 (bf16) or 4 (fp32), got 8");
+    EXPECT_EQ(message([&] { pools.write_grads(plan, layer, 0, nullptr, 2); }), "write_grads: grad is null");
+    EXPECT_EQ(message([&] { pools.write_grads(Plan(), layer, 0, grad.data(), 2); }),
+              "write_grads: plan is empty (default-constructed); get one from Buffer::plan()");
+    EXPECT_EQ(message([&] { pools.write_grads(plan, foreign, 0, grad.data(), 2); }),
+              "write_grads: layer was registered with pools " + std::to_string(other.id()) +
+                  ", not with these pools (" + std::to_string(pools.id()) + ")");
+    EXPECT_EQ(message([&] { pools.write_grads(plan, layer, 0, grad.data(), 2); }), "(no error)");
 }
 
 TEST(ExpertPools, RejectsLayersOfOtherPoolsAndMismatchedPlans) {

@@ -1,0 +1,11 @@
+// CPU twin of ExpertPools' write_grads (contract in kernels/write_grads/write_grads_args.hpp).
+#pragma once
+
+#include "kernels/write_grads/write_grads_args.hpp"
+
+namespace flatep::host {
+
+// Local (not collective).
+void write_grads(const WriteGradsArgs& args);
+
+}  // namespace flatep::host

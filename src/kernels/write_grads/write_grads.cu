@@ -1,0 +1,93 @@
+#include "common/bf16.hpp"
+#include "common/check.hpp"
+#include "kernels/common/barrier.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/write_grads/write_grads.cuh"
+
+namespace flatep::kernels {
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kVecElems = 8;  // elements per vector step
+
+// 8 elements of the source as floats (exact conversion).
+FLATEP_DEVICE void load8(float (&v)[8], const uint16_t* src) {
+    const uint4 w = *reinterpret_cast<const uint4*>(src);
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = bf16_to_float(uint16_t(words[i] & 0xffffu));
+        v[2 * i + 1] = bf16_to_float(uint16_t(words[i] >> 16));
+    }
+}
+FLATEP_DEVICE void load8(float (&v)[8], const float* src) {
+    const float4 a = reinterpret_cast<const float4*>(src)[0], b = reinterpret_cast<const float4*>(src)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+FLATEP_DEVICE float load1(const uint16_t* src) { return bf16_to_float(*src); }
+FLATEP_DEVICE float load1(const float* src) { return *src; }
+
+// kVec: expert_elems % 8 == 0 and 16-byte aligned bases, so every group starts 16-byte aligned in both arrays.
+template <typename Src, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    write_grads_kernel(int epn, int64_t n, const int32_t* slot_expert, const int32_t* cu_seqlens, const Src* grad,
+                       float* grads) {
+    const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+    for (int g = 0; g < 2 * epn; ++g) {
+        const GroupGradAction action = group_grad_action(epn, slot_expert, cu_seqlens, g);
+        if (action == kGradSkip) continue;
+        float* dst = grads + int64_t(g) * n;
+        const Src* src = grad + int64_t(g) * n;
+        if constexpr (kVec) {
+            for (int64_t i = tid * kVecElems; i < n; i += stride * kVecElems) {
+                float v[8] = {};
+                if (action == kGradCopy) load8(v, src + i);
+                float4* out = reinterpret_cast<float4*>(dst + i);
+                out[0] = make_float4(v[0], v[1], v[2], v[3]);
+                out[1] = make_float4(v[4], v[5], v[6], v[7]);
+            }
+        } else {
+            for (int64_t i = tid; i < n; i += stride) dst[i] = action == kGradCopy ? load1(src + i) : 0.0f;
+        }
+    }
+}
+
+template <typename Src>
+void launch_typed(const WriteGradsArgs& a, cudaStream_t stream) {
+    const bool vec = a.expert_elems % kVecElems == 0 && reinterpret_cast<uintptr_t>(a.grad) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(a.grads) % 16 == 0;
+    const int64_t steps = vec ? a.expert_elems / kVecElems : a.expert_elems;  // per group
+    const int blocks = grid_blocks(a.max_blocks, ceil_div<int64_t>(steps, kThreads), 4);
+    const auto* grad = static_cast<const Src*>(a.grad);
+    if (vec) {
+        write_grads_kernel<Src, true><<<blocks, kThreads, 0, stream>>>(a.experts_per_rank, a.expert_elems,
+                                                                       a.slot_expert, a.cu_seqlens, grad, a.grads);
+    } else {
+        write_grads_kernel<Src, false><<<blocks, kThreads, 0, stream>>>(a.experts_per_rank, a.expert_elems,
+                                                                        a.slot_expert, a.cu_seqlens, grad, a.grads);
+    }
+}
+
+}  // namespace
+
+void launch(const WriteGradsArgs& a, cudaStream_t stream) {
+    check_write_grads_args(a);
+    if (a.grad_bytes == 2) {
+        launch_typed<uint16_t>(a, stream);
+    } else {
+        launch_typed<float>(a, stream);
+    }
+    FLATEP_CUDA_CHECK_LAUNCH();
+}
+
+void preload_write_grads_kernels() {
+    cudaFuncAttributes attr{};
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, write_grads_kernel<uint16_t, true>));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, write_grads_kernel<uint16_t, false>));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, write_grads_kernel<float, true>));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, write_grads_kernel<float, false>));
+}
+
+}  // namespace flatep::kernels

@@ -1,0 +1,16 @@
+// CUDA write_grads (ExpertPools): same contract and outputs as host::write_grads (bitwise: a conversion). The
+// contract is in write_grads_args.hpp.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/write_grads/write_grads_args.hpp"
+
+namespace flatep::kernels {
+
+// Local (no barrier). One kernel: every block walks the 2*epn groups, decides each group's action from the plan
+// arrays in device memory (no host synchronisation) and converts / zeroes it grid-stride, 8 elements per step
+// (16-byte bf16 loads, 32-byte fp32 stores) when the sizes and pointers allow, element by element otherwise.
+void launch(const WriteGradsArgs& args, cudaStream_t stream);
+
+}  // namespace flatep::kernels
