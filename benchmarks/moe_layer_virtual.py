@@ -266,7 +266,7 @@ class Baseline:
         fwd = c.local("router_fwd", lambda r: w.route_fwd(r, topk_idx[r], self.routers[r]))
         xs, weights, idxs, xbs = zip(*fwd)
         counts_host = c.host("plan", lambda: [
-            t.tolist() for t in torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in idxs]).cpu()
+            torch.bincount(i.reshape(-1), minlength=E).cpu().tolist() for i in idxs
         ])
         send_splits = [[sum(counts_host[r][d * epn:(d + 1) * epn]) for d in range(R)] for r in range(R)]
         recv_matrix = [[counts_host[s][d * epn:(d + 1) * epn] for s in range(R)] for d in range(R)]  # [d][s][j]
@@ -411,23 +411,11 @@ class FlatEP:
         return [(L.own_grads(0), L.own_grads(1)) for L in self.layers]
 
     def _combine_grad(self, r, plan, rows, y, recv_w):
-        buf = self.buffers[r]
-        if hasattr(buf, "_combine_grad_raw"):
-            return buf._combine_grad_raw(plan, rows, y, recv_w)
-        grad_y = (rows.float() * recv_w.unsqueeze(1)).to(BF16)  # what flatep.autograd does without the fused op
-        dots = (rows.float() * y.float()).sum(dim=1)
-        real = torch.arange(dots.shape[0], device=dots.device) < plan.cu_seqlens[-1]
-        return grad_y, torch.where(real, dots, torch.zeros_like(dots))
+        return self.buffers[r]._combine_grad_raw(plan, rows, y, recv_w)  # as flatep.autograd's combine backward
 
     def _write_grads(self, r, plan, grads):
-        pools, layer = self.pools[r], self.layers[r]
-        if hasattr(pools, "write_grads"):
-            for p in range(2):
-                pools.write_grads(plan, layer, p, grads[p])
-            return
-        with torch.no_grad():
-            layer.grads(0).copy_(grads[0])
-            layer.grads(1).copy_(grads[1])
+        for p in range(2):  # own experts and the slots used this step, as flatep.nn does
+            self.pools[r].write_grads(plan, self.layers[r], p, grads[p])
 
     def step(self, topk_idx, timed):
         w, R = self.w, self.w.R
@@ -455,7 +443,7 @@ class FlatEP:
 
         # ---- backward ----
         rows = c.together("combine_bwd", lambda r: B[r]._dispatch_raw(plans[r], w.grad_out[r], None,
-                                                                      want_weights=False)[0])
+                                                                      want_weights=False, zero_fill=False)[0])
         grads_y = c.local("combine_bwd", lambda r: self._combine_grad(r, plans[r], rows[r], graphs[r][0].detach(),
                                                                       recv[r][1]))
         del rows
