@@ -19,7 +19,8 @@ timed depends on what it is:
 * communication phases (FlatEP's plan, dispatch, combine, prefetch, reduce_grad; the baseline's all-to-alls): all
   ranks run at once, each on its own stream (FlatEP kernels with an SM budget of SMs / R blocks per launch, so that
   every rank's kernels are co-resident), and a rank's time runs from the common start to the end of its part
-  (its own copies and its waits for the peers). The ranks share one GPU's HBM and SMs: a rank gets about 1/R of
+  (its own copies and its waits for the peers); a 40 ms spin on every stream before the phase lets the host enqueue
+  every rank's part first, so the ranks start together rather than in launch order. The ranks share one GPU's HBM and SMs: a rank gets about 1/R of
   the GPU's bandwidth (on an H200 about as much as one NVLink direction), not a GPU of its own;
 * the baseline's count exchange ends with the host learning the split sizes (a host sync), timed on the host.
 
@@ -51,6 +52,7 @@ from flatep import testing, virtual  # noqa: E402
 from flatep.nn import grouped_ffn, route  # noqa: E402
 
 BF16 = ml.BF16
+GATE_S = 0.04  # seconds every rank's stream waits before a communication phase (covers the host's enqueueing)
 
 
 class Clock:
@@ -60,6 +62,10 @@ class Clock:
         self.R, self.cuda = R, devices[0].type == "cuda"
         self.devices = devices  # per rank
         self.streams = [torch.cuda.Stream(device=d) for d in devices] if self.cuda else [None] * R
+        if self.cuda:  # GATE_S of spinning (see together), from the SM clock
+            clock_khz = torch.cuda.get_device_properties(devices[0]).clock_rate if hasattr(
+                torch.cuda.get_device_properties(devices[0]), "clock_rate") else 1_980_000
+            self.gate_cycles = int(GATE_S * clock_khz * 1e3)
         self.enabled = False
         self.times = {}
 
@@ -136,7 +142,11 @@ class Clock:
         self.sync()
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.R)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.R)]
+        # A gate: every stream first spins for GATE_S, longer than the host takes to enqueue every rank's part, so the
+        # ranks start together (as R processes would) instead of in host launch order; the timing starts after it.
         for r in range(self.R):
+            with self.rank_stream(r):
+                torch.cuda._sleep(self.gate_cycles)
             starts[r].record(self.streams[r])
         out = [None] * self.R
         for r in range(self.R):

@@ -147,13 +147,14 @@ def _run_backend(buffer, pools, layer, idx, x, w, y, row_values, weights, grads)
     out["combine_grad_y"], out["combine_grad_weights"] = grad_y.cpu(), grad_weights.cpu()
     pools.prefetch(plan, layer)
     for p in range(2):
-        out[f"weights_view{p}"] = layer.weights(p).cpu()  # own experts and the slots prefetch filled
+        out[f"weights_view{p}"] = layer.weights(p).cpu().clone()  # own experts and the slots prefetch filled
     pools.reduce_grad(plan, layer)
     for p in range(2):
-        out[f"grads_view{p}"] = layer.grads(p).cpu()  # owners' sums and zeroed consumed slots
+        # A snapshot: on the CPU backend .cpu() would return the live view, which write_grads changes next.
+        out[f"grads_view{p}"] = layer.grads(p).cpu().clone()  # owners' sums and zeroed consumed slots
     for p in range(2):  # a bf16 GEMM gradient into the views: own groups and used slots written, the rest kept
         pools.write_grads(plan, layer, p, grads[p].to(torch.bfloat16).to(device))
-        out[f"write_grads_view{p}"] = layer.grads(p).cpu()
+        out[f"write_grads_view{p}"] = layer.grads(p).cpu().clone()
     for name in ("tpe_all", "alloc", "entry_ranks", "entry_rows"):  # host copies of the plan (diagnostics)
         out[name] = getattr(plan, name)
     out["slot_expert_all"] = torch.stack([plan.slot_expert_of(r) for r in range(buffer.num_ranks)])
