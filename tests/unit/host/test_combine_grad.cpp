@@ -92,15 +92,14 @@ struct RankResult {
 };
 
 RankResult run_rank(const Case& c, LocalHostWorld& world, int rank) {
-    Config cfg;
-    cfg.num_ranks = c.R;
-    cfg.rank = rank;
-    cfg.num_experts = c.R * c.epn;
-    cfg.num_tokens = c.S;
-    cfg.topk = c.K;
-    cfg.hidden = c.H;
-    cfg.align = c.align;
-    cfg.capacity_factor = c.capacity_factor;
+    const Config cfg{.num_ranks = c.R,
+                     .rank = rank,
+                     .num_experts = c.R * c.epn,
+                     .num_tokens = c.S,
+                     .topk = c.K,
+                     .hidden = c.H,
+                     .align = c.align,
+                     .capacity_factor = c.capacity_factor};
     Buffer buffer(cfg, world.transport(rank));
     const Layout& l = buffer.layout();
     const int H = c.H, nvs = l.num_recv_rows;
@@ -211,11 +210,7 @@ TEST(CombineGrad, MatchesTheLaneOrderReferenceAndNothingLeaksFromOtherRows) {
 
 TEST(CombineGrad, BadArgumentsNameTheArgument) {
     LocalHostWorld world(1, 10.0);
-    Config cfg;
-    cfg.num_experts = 2;
-    cfg.num_tokens = 2;
-    cfg.hidden = 8;
-    cfg.align = 1;
+    const Config cfg{.num_experts = 2, .num_tokens = 2, .hidden = 8, .align = 1};
     Buffer buffer(cfg, world.transport(0));
     Buffer other(cfg, world.transport(0));
     const int32_t idx[2] = {0, 1};

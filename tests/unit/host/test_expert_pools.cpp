@@ -70,14 +70,8 @@ TEST(ExpertPools, PrefetchAndReduceGradFollowThePlan) {
     std::vector<std::vector<std::vector<float>>> grads(R, std::vector<std::vector<float>>(2));
     std::vector<std::vector<std::vector<float>>> pools_after(R, std::vector<std::vector<float>>(2));
     const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
-        Config c;
-        c.num_ranks = R;
-        c.rank = rank;
-        c.num_experts = E;
-        c.num_tokens = S;
-        c.topk = K;
-        c.hidden = 8;
-        c.align = 1;
+        const Config c{
+            .num_ranks = R, .rank = rank, .num_experts = E, .num_tokens = S, .topk = K, .hidden = 8, .align = 1};
         Buffer buffer(c, world.transport(rank));
         ExpertPools pools(world.transport(rank), epn, {shapes[0], shapes[1]});
         ExpertLayer layer = pools.register_layer();
@@ -160,14 +154,8 @@ TEST(ExpertPools, WriteGradsWritesOwnGroupsAndUsedSlotsOnly) {
     std::vector<std::string> mismatch(R);
     std::vector<int> slots_used(R, 0), own_empty(R, 0);
     const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
-        Config c;
-        c.num_ranks = R;
-        c.rank = rank;
-        c.num_experts = E;
-        c.num_tokens = S;
-        c.topk = K;
-        c.hidden = 8;
-        c.align = 4;
+        const Config c{
+            .num_ranks = R, .rank = rank, .num_experts = E, .num_tokens = S, .topk = K, .hidden = 8, .align = 4};
         Buffer buffer(c, world.transport(rank));
         ExpertPools pools(world.transport(rank), epn, {shapes[0], shapes[1]});
         ExpertLayer layer = pools.register_layer();
@@ -261,11 +249,7 @@ TEST(ExpertPools, WriteGradsWritesOwnGroupsAndUsedSlotsOnly) {
 
 TEST(ExpertPools, WriteGradsRejectsBadArguments) {
     LocalHostWorld world(1, 10.0);
-    Config c;
-    c.num_experts = 2;
-    c.num_tokens = 2;
-    c.hidden = 8;
-    c.align = 1;
+    const Config c{.num_experts = 2, .num_tokens = 2, .hidden = 8, .align = 1};
     Buffer buffer(c, world.transport(0));
     ExpertPools pools(world.transport(0), 2, {{2, 2}});
     ExpertPools other(world.transport(0), 2, {{2, 2}});
@@ -297,11 +281,7 @@ TEST(ExpertPools, WriteGradsRejectsBadArguments) {
 
 TEST(ExpertPools, RejectsLayersOfOtherPoolsAndMismatchedPlans) {
     LocalHostWorld world(1, 10.0);
-    Config c;
-    c.num_experts = 2;
-    c.num_tokens = 2;
-    c.hidden = 8;
-    c.align = 1;
+    const Config c{.num_experts = 2, .num_tokens = 2, .hidden = 8, .align = 1};
     Buffer buffer(c, world.transport(0));
     ExpertPools a(world.transport(0), 2, {{2, 2}});
     ExpertPools b(world.transport(0), 2, {{2, 2}});
