@@ -206,6 +206,21 @@ def all_to_all_rows(x, out_splits, in_splits, group):
     return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
 
 
+def by_expert(idx, K):
+    """Entries of topk_idx [s, K] sorted by expert (= by destination rank), stably: (order, token of each)."""
+    order = torch.sort(idx.reshape(-1), stable=True).indices
+    return order, torch.div(order, K, rounding_mode="floor")
+
+
+def by_local_expert(recv_matrix):
+    """recv_matrix [R sources, epn local experts]: counts of rows that arrive ordered by [source][local expert].
+    Returns the order that regroups them by [local expert][source] and the grouped-GEMM offs (inclusive group ends)."""
+    R, epn = recv_matrix.shape
+    blocks = torch.repeat_interleave(torch.arange(R * epn, device=recv_matrix.device), recv_matrix.reshape(-1))
+    key = (blocks % epn) * R + torch.div(blocks, epn, rounding_mode="floor")
+    return torch.sort(key, stable=True).indices, torch.cumsum(recv_matrix.sum(0), 0).to(torch.int32)
+
+
 class Baseline:
     """Standard EP: count exchange with a host sync, permute, exact-size all-to-all, grouped FFN, reverse path."""
 
@@ -252,15 +267,11 @@ class Baseline:
         recv_splits = recv_matrix.sum(1).tolist()
         T.end("plan")
         T.begin("dispatch_fwd")
-        order = torch.sort(flat, stable=True).indices  # entries by expert (= by destination rank)
-        token_of = torch.div(order, K, rounding_mode="floor")
+        order, token_of = by_expert(idx, K)
         sent = xb.index_select(0, token_of)
         recv = all_to_all_rows(sent, recv_splits, send_splits, group)  # rows by [source][local expert]
-        blocks = torch.repeat_interleave(torch.arange(R * epn, device=recv.device), recv_matrix.reshape(-1))
-        key = (blocks % epn) * R + torch.div(blocks, epn, rounding_mode="floor")
-        regroup = torch.sort(key, stable=True).indices  # rows by [local expert][source]
+        regroup, offs = by_local_expert(recv_matrix)  # rows by [local expert][source]
         recv_x = recv.index_select(0, regroup)
-        offs = torch.cumsum(recv_matrix.sum(0), 0).to(torch.int32)
         T.end("dispatch_fwd")
         recv_x = Mark.apply(T, "gemm_bwd", "dispatch_bwd", recv_x)
         T.begin("gemm_fwd")

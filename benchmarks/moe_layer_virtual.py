@@ -30,6 +30,8 @@ Before timing, each maxvio's first iteration checks that FlatEP and the baseline
 router gradient, expert-weight gradients, within bf16 tolerance) on every rank.
 """
 
+import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -63,8 +65,7 @@ class Clock:
         self.devices = devices  # per rank
         self.streams = [torch.cuda.Stream(device=d) for d in devices] if self.cuda else [None] * R
         if self.cuda:  # GATE_S of spinning (see together), from the SM clock
-            clock_khz = torch.cuda.get_device_properties(devices[0]).clock_rate if hasattr(
-                torch.cuda.get_device_properties(devices[0]), "clock_rate") else 1_980_000
+            clock_khz = getattr(torch.cuda.get_device_properties(devices[0]), "clock_rate", 1_980_000)
             self.gate_cycles = int(GATE_S * clock_khz * 1e3)
         self.enabled = False
         self.times = {}
@@ -76,7 +77,7 @@ class Clock:
 
     def rank_stream(self, r):
         """Context: rank r's device and stream current."""
-        return _RankStream(self.devices[r], self.streams[r]) if self.cuda else _null()
+        return _RankStream(self.devices[r], self.streams[r]) if self.cuda else contextlib.nullcontext()
 
     def start(self, enabled):
         self.enabled, self.times = enabled, {}
@@ -84,9 +85,6 @@ class Clock:
     def _add(self, phase, r, ms):
         if self.enabled:
             self.times.setdefault(phase, [0.0] * self.R)[r] += ms
-
-    def stream(self, r):
-        return torch.cuda.stream(self.streams[r]) if self.cuda else _null()
 
     def local(self, phase, fn):
         """fn(r) for every rank, one rank at a time; returns [fn(r)]."""
@@ -189,14 +187,6 @@ class _RankStream:
         return False
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
 class World:
     """Everything both implementations share: sizes, per-rank inputs and weights, the clock."""
 
@@ -283,20 +273,14 @@ class Baseline:
         recv_splits = [[sum(recv_matrix[d][s]) for s in range(R)] for d in range(R)]
 
         def permute(r):
-            flat = idxs[r].reshape(-1)
-            order = torch.sort(flat, stable=True).indices
-            token_of = torch.div(order, K, rounding_mode="floor")
+            order, token_of = ml.by_expert(idxs[r], K)
             return order, token_of, xbs[r].index_select(0, token_of)
 
         orders, token_ofs, sent = zip(*c.local("dispatch_fwd", permute))
         recv = self.a2a("dispatch_fwd", sent, send_splits, recv_splits)
 
         def regroup(d):
-            m = torch.tensor(recv_matrix[d], device=w.devices[d])  # [s][j]
-            blocks = torch.repeat_interleave(torch.arange(R * epn, device=w.devices[d]), m.reshape(-1))
-            key = (blocks % epn) * R + torch.div(blocks, epn, rounding_mode="floor")
-            order = torch.sort(key, stable=True).indices
-            offs = torch.cumsum(m.sum(0), 0).to(torch.int32)
+            order, offs = ml.by_local_expert(torch.tensor(recv_matrix[d], device=w.devices[d]))  # [s][j]
             return order, offs, recv[d].index_select(0, order)
 
         regroups, offs, recv_x = zip(*c.local("dispatch_fwd", regroup))
@@ -483,12 +467,8 @@ class FlatEP:
         grad_x = c.local("router_bwd", router_bwd)
         result = dict(out=outs, grad_x=grad_x, grad_router=[t.grad for t in self.routers],
                       grad_w1=[L[r].own_grads(0) for r in range(R)], grad_w2=[L[r].own_grads(1) for r in range(R)],
-                      rows_max=S_K_rows(plans))
+                      rows_max=max(plans[0].stats["loads"]))
         return result, c.times
-
-
-def S_K_rows(plans):
-    return max(plans[0].stats["loads"])
 
 
 def run(args):
@@ -567,17 +547,13 @@ def run(args):
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = {"--timeout": 60.0, "--gpus": 1}  # this script's own flags (the rest are moe_layer.py's)
-    command = ["benchmarks/moe_layer_virtual.py"] + argv
-    for flag, default in list(extra.items()):
-        extra[flag] = default
-        if flag in argv:
-            i = argv.index(flag)
-            extra[flag] = type(default)(argv[i + 1])
-            del argv[i:i + 2]
-    args = ml.parse_args(argv)
-    args.command = " ".join(command)
-    args.timeout, args.gpus = extra["--timeout"], extra["--gpus"]
+    own = argparse.ArgumentParser(add_help=False)  # this script's flags; the rest are moe_layer.py's
+    own.add_argument("--gpus", type=int, default=1, help="GPUs the R ranks are spread over (equal blocks)")
+    own.add_argument("--timeout", type=float, default=60.0, help="seconds any cross-rank wait may take")
+    extra, rest = own.parse_known_args(argv)
+    args = ml.parse_args(rest)
+    args.command = " ".join(["benchmarks/moe_layer_virtual.py"] + argv)
+    args.timeout, args.gpus = extra.timeout, extra.gpus
     if args.device == "cuda" and (args.gpus < 1 or args.ranks % args.gpus or args.gpus > torch.cuda.device_count()):
         sys.exit(f"moe_layer_virtual: --gpus {args.gpus} must divide --ranks {args.ranks} and be at most the "
                  f"{torch.cuda.device_count()} GPUs here")
