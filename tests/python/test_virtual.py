@@ -58,6 +58,10 @@ def test_virtual_ranks_arguments():
         virtual.virtual_ranks(0)
     with pytest.raises(ValueError, match=r"virtual_ranks: device must be 'cpu' or a CUDA device, got meta"):
         virtual.virtual_ranks(2, "meta")
+    with pytest.raises(ValueError, match=r"virtual_ranks: 3 ranks cannot be split evenly over devices"):
+        virtual.virtual_ranks(3, ["cpu", "cpu"])
+    with pytest.raises(ValueError, match=r"virtual_ranks: devices must be one 'cpu' or CUDA devices only"):
+        virtual.virtual_ranks(2, ["cpu", "cpu"])
     ranks = virtual.virtual_ranks(1, "cpu")
     with pytest.raises(ValueError, match=r"device cuda:0 differs from the virtual rank's device cpu"):
         flatep.Buffer(ranks[0], S, H, E, K, device="cuda:0")
