@@ -86,6 +86,14 @@ FLATEP_HD Workspace make_workspace(const Layout& l, int32_t* base) {
 //                      when no i is eligible
 //   x.single(f)        f() once (shared state: loads, rooms, allocation cells), visible to every lane afterwards
 //   x.add(p, v)        *p += v, safe when several lanes add to the same word inside for_each or sum
+//   x.group_sum(g, size, v, out) / x.group_max(g, size, v, out)  for every group i in [0, g): out[i] = the sum / the
+//                      maximum (at least 0) of v[i*size, (i+1)*size); then synced
+//   x.ahead_sums(n, v, out)  for every i in [0, n): out[i] = -1 when v[i] <= 0, else the sum of the positive v[j]
+//                      that come before i in the order (larger value first, ties to the lower index); then synced
+//   x.home_ready(alloc, &n)  true when the executor has already put init_home's results (the home allocation in
+//                      alloc, w.total, w.load) in place and knows N; init_home then only returns n. SerialExec: never.
+//   x.targets_ready()  true when w.target already holds fixed_targets' result for the counts (the callers of
+//                      fixed_targets then skip it). SerialExec: never.
 // So every selection of design §4 ("the largest ..., ties to the lower index") is one arg_max with the same key on
 // every executor, and the plans are bitwise equal by construction.
 struct SerialExec {
@@ -118,6 +126,33 @@ struct SerialExec {
         return at;
     }
     FLATEP_HD void add(int32_t* p, int32_t v) const { *p += v; }
+    FLATEP_HD void group_sum(int groups, int size, const int32_t* v, int32_t* out) const {
+        for (int i = 0; i < groups; ++i) {
+            int32_t s = 0;
+            for (int j = 0; j < size; ++j) s += v[i * size + j];
+            out[i] = s;
+        }
+    }
+    FLATEP_HD void group_max(int groups, int size, const int32_t* v, int32_t* out) const {
+        for (int i = 0; i < groups; ++i) {
+            int32_t m = 0;
+            for (int j = 0; j < size; ++j) m = v[i * size + j] > m ? v[i * size + j] : m;
+            out[i] = m;
+        }
+    }
+    FLATEP_HD void ahead_sums(int n, const int32_t* v, int32_t* out) const {
+        for (int i = 0; i < n; ++i) {
+            int32_t s = -1;
+            if (v[i] > 0) {
+                s = 0;
+                for (int j = 0; j < n; ++j)
+                    if (v[j] > 0 && (v[j] > v[i] || (v[j] == v[i] && j < i))) s += v[j];
+            }
+            out[i] = s;
+        }
+    }
+    FLATEP_HD bool home_ready(const int32_t*, int64_t*) const { return false; }
+    FLATEP_HD bool targets_ready() const { return false; }
 };
 
 // Keys of arg_max. A positive int32 value, larger first.
@@ -177,6 +212,8 @@ FLATEP_HD PlanQuality evaluate_alloc(const Layout& l, const int32_t* tpe_all, co
 template <class X>
 FLATEP_HD int64_t init_home(const X& x, const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w) {
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
+    int64_t ready = 0;
+    if (x.home_ready(alloc, &ready)) return ready;
     const int64_t n = x.sum(E, [&](int e) {
         int32_t t = 0;
         for (int s = 0; s < R; ++s) t += tpe_all[s * E + e];
@@ -186,11 +223,7 @@ FLATEP_HD int64_t init_home(const X& x, const Layout& l, const int32_t* tpe_all,
         return t;
     });
     x.sync();
-    x.for_each(R, [&](int d) {
-        int32_t g = 0;
-        for (int e = d * epn; e < (d + 1) * epn; ++e) g += w.total[e];
-        w.load[d] = g;
-    });
+    x.group_sum(R, epn, w.total, w.load);
     return n;
 }
 
@@ -257,7 +290,7 @@ template <class X>
 FLATEP_HD void greedy_alloc(const X& x, const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w) {
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
     const int64_t n = init_home(x, l, tpe_all, alloc, w);
-    x.single([&] { fixed_targets(l, n, w); });
+    if (!x.targets_ready()) x.single([&] { fixed_targets(l, n, w); });
     for (int fill = 0; fill < R; ++fill) {
         const int rc = x.arg_max(R, [&](int r) { return key_larger(w.target[r] - w.load[r]); });
         const int dn = x.arg_max(R, [&](int r) { return key_larger(w.load[r] - w.target[r]); });
@@ -281,7 +314,7 @@ FLATEP_HD void greedy_alloc(const Layout& l, const int32_t* tpe_all, int32_t* al
 template <class X>
 FLATEP_HD void init_donors(const X& x, const Layout& l, const int32_t* tpe_all, int32_t* alloc, const Workspace& w) {
     const int64_t n = init_home(x, l, tpe_all, alloc, w);
-    if (l.exact) x.single([&] { fixed_targets(l, n, w); });
+    if (l.exact && !x.targets_ready()) x.single([&] { fixed_targets(l, n, w); });
     x.for_each(l.num_ranks, [&](int r) {
         const int32_t cap = l.exact ? w.target[r] : l.capacity;
         w.excess[r] = w.load[r] > cap ? w.load[r] - cap : 0;
@@ -339,7 +372,8 @@ FLATEP_HD bool transport_candidate(const X& x, const Layout& l, const int32_t* t
         const int32_t piece = min_of(xs, alloc[dn * E + e]);
         // A receiver that already hosts e: no new replica.
         int rc = x.arg_max(R, [&](int r) { return uint64_t(r != dn && w.room[r] > 0 && alloc[r * E + e] > 0); });
-        if (rc < 0) {
+        const bool new_replica = rc < 0;
+        if (new_replica) {
             if (w.num_out[dn] >= budget) return false;
             auto open = [&](int r) { return r != dn && w.room[r] > 0 && w.num_in[r] < in_budget; };
             const int big = x.arg_max(R, [&](int r) { return open(r) ? key_larger(w.room[r]) : 0; });
@@ -353,13 +387,13 @@ FLATEP_HD bool transport_candidate(const X& x, const Layout& l, const int32_t* t
             }
             rc = fit < 0 ? big : fit;
             if (rc < 0) return false;
-            x.single([&] {
-                ++w.num_out[dn];
-                ++w.num_in[rc];
-            });
         }
         const int32_t m = min_of(piece, w.room[rc]);
         x.single([&] {
+            if (new_replica) {
+                ++w.num_out[dn];
+                ++w.num_in[rc];
+            }
             move_entries(l, alloc, w, e, rc, m);
             w.excess[dn] -= m;
             w.room[rc] -= m;
@@ -450,45 +484,92 @@ FLATEP_HD bool pack_candidate(const X& x, const Layout& l, const int32_t* tpe_al
     return true;
 }
 
-// Path order of path_candidate (serial: O(R^2) over the ranks' surpluses). Writes order[0, m) and returns m.
-FLATEP_HD int path_order(const Layout& l, const Workspace& w, int variant, int32_t* order, int32_t* used) {
+// Key of rank r for the next place of the path (see path_candidate for the rules), after m ranks with running sum
+// `prefix`; 0 when r is placed already or has no surplus. Larger keys first, ties to the lower rank, so the path order
+// is one arg_max per place.
+FLATEP_HD uint64_t path_key(const Workspace& w, const int32_t* used, int variant, int m, int64_t prefix, int r) {
+    if (used[r] || w.excess[r] == 0) return 0;
+    const int64_t a = prefix + w.excess[r];                             // running sum after r; |a| <= 2N < 2^32 - 1
+    const uint64_t closer = uint64_t(0xffffffffll - (a < 0 ? -a : a));  // smaller |a| first
+    const uint64_t surplus = uint64_t(uint32_t(w.excess[r]) ^ 0x80000000u);  // larger (signed) surplus first
+    if (variant >= 2) {
+        // Feasible forward (0 <= a <= r's largest home expert) first; among them the smallest (2) or largest (3) a;
+        // else the smallest |a|.
+        if (a >= 0 && a <= w.room[r]) {
+            return (uint64_t(1) << 62) | (variant == 2 ? uint64_t(0xffffffffll - a) : uint64_t(a));
+        }
+        return (uint64_t(1) << 61) | closer;
+    }
+    if (variant == 0 || m == 0) return surplus + 1;
+    return (closer << 32) | surplus;  // closer >= 1
+}
+
+// Path order of path_candidate: writes order[0, m) and returns m. used: [R] scratch.
+template <class X>
+FLATEP_HD int path_order(const X& x, const Layout& l, const Workspace& w, int variant, int32_t* order, int32_t* used) {
     const int R = l.num_ranks;
     int m = 0;
     int64_t prefix = 0;
     for (int step = 0; step < R; ++step) {
-        int pick = -1;
-        for (int r = 0; r < R; ++r) {
-            if (used[r] || w.excess[r] == 0) continue;
-            if (pick < 0) {
-                pick = r;
-                continue;
-            }
-            if (variant >= 2) {
-                // Feasible forward: the new running sum p' stays >= 0 (flows keep one direction) and fits in one
-                // home expert of r (r forwards it as one piece). Feasible ranks first; among them the smallest p'
-                // (variant 2) or the largest (variant 3); else the smallest |p'|. Ties to the lower rank.
-                const int64_t a = prefix + w.excess[r], b = prefix + w.excess[pick];
-                const bool fa = a >= 0 && a <= w.room[r], fb = b >= 0 && b <= w.room[pick];
-                const int64_t abs_a = a < 0 ? -a : a, abs_b = b < 0 ? -b : b;
-                if (fa != fb) {
-                    if (fa) pick = r;
-                } else if (fa ? (variant == 2 ? a < b : a > b) : abs_a < abs_b) {
-                    pick = r;
-                }
-            } else if (variant == 0 || m == 0) {
-                if (w.excess[r] > w.excess[pick]) pick = r;
-            } else {
-                const int64_t a = prefix + w.excess[r], b = prefix + w.excess[pick];
-                const int64_t abs_a = a < 0 ? -a : a, abs_b = b < 0 ? -b : b;
-                if (abs_a < abs_b || (abs_a == abs_b && w.excess[r] > w.excess[pick])) pick = r;
-            }
-        }
+        const int pick = x.arg_max(R, [&](int r) { return path_key(w, used, variant, m, prefix, r); });
         if (pick < 0) break;
-        used[pick] = 1;
-        order[m++] = pick;
+        x.single([&] {
+            used[pick] = 1;
+            order[m] = pick;
+        });
+        ++m;
         prefix += w.excess[pick];
     }
     return m;
+}
+
+// Sends `need` entries from src's home experts to dst, largest remaining allocation first (ties to the lower expert
+// id), each expert whole except the last, one replica per expert. As a loop that takes one expert at a time, but
+// computed at once: expert j goes (min(a_j, need - ahead_j) of its a_j entries) when the experts ahead of it in that
+// order hold ahead_j < need entries. False (alloc and loads then unspecified) when src's home allocation cannot cover
+// need or dst would host more than epn replicas.
+template <class X>
+FLATEP_HD bool send_largest_first(const X& x, const Layout& l, int32_t* alloc, const Workspace& w, int src, int dst,
+                                  int32_t need) {
+    const int E = l.num_experts, epn = l.experts_per_rank;
+    const int32_t* home = alloc + int64_t(src) * E + int64_t(src) * epn;
+    // The usual case first: the largest home expert covers need (one piece).
+    const int top = largest_home_expert(x, l, alloc, src);
+    if (top < 0) return false;
+    if (alloc[int64_t(src) * E + top] >= need) {
+        if (w.num_in[dst] >= epn) return false;
+        x.single([&] {
+            move_entries(l, alloc, w, top, dst, need);
+            ++w.num_in[dst];
+            ++w.num_out[src];
+        });
+        return true;
+    }
+    // Entries ahead of each home expert (positive allocations before it in the order), or -1 when it holds none.
+    int32_t* const ahead = w.itemized;  // [epn] (E >= epn)
+    x.ahead_sums(epn, home, ahead);
+    int32_t* const sent = w.item_size;  // [epn] entries sent per home expert
+    // One sum: pieces (<= epn) above bit 40, the home allocation (< 2^31) below.
+    const int64_t both = x.sum(epn, [&](int j) {
+        const int32_t s = ahead[j];
+        const int32_t piece = s >= 0 && s < need ? min_of(home[j], need - s) : 0;
+        sent[j] = piece;
+        return (piece > 0 ? int64_t(1) << 40 : 0) + (home[j] > 0 ? home[j] : 0);
+    });
+    const int64_t pieces = both >> 40, available = both & ((int64_t(1) << 40) - 1);
+    if (available < need || pieces > epn - w.num_in[dst]) return false;
+    x.for_each(epn, [&](int j) {
+        const int e = src * epn + j;
+        alloc[int64_t(src) * E + e] -= sent[j];
+        alloc[int64_t(dst) * E + e] += sent[j];
+    });
+    x.single([&] {
+        w.load[src] -= need;
+        w.load[dst] += need;
+        w.num_in[dst] += int32_t(pieces);
+        w.num_out[src] += int32_t(pieces);
+    });
+    return true;
 }
 
 // Path (cascade) candidate of the balanced planner. The ranks whose load differs from their fixed target (as for
@@ -506,36 +587,23 @@ FLATEP_HD bool path_candidate(const X& x, const Layout& l, const int32_t* tpe_al
                               int variant) {
     const int R = l.num_ranks, epn = l.experts_per_rank;
     const int64_t n = init_home(x, l, tpe_all, alloc, w);
-    x.single([&] { fixed_targets(l, n, w); });
+    if (!x.targets_ready()) x.single([&] { fixed_targets(l, n, w); });
     int32_t* order = w.item_expert;  // [R] path order (E >= R)
     int32_t* used = w.item_state;
     x.for_each(R, [&](int r) {
         used[r] = 0;
         w.excess[r] = w.load[r] - w.target[r];  // signed surplus
-        w.room[r] = 0;                          // largest home expert (variants 2 and 3)
-        for (int e = r * epn; e < (r + 1) * epn; ++e) w.room[r] = max_of(w.room[r], w.total[e]);
         w.num_in[r] = w.num_out[r] = 0;
     });
-    x.single([&] { w.item_size[0] = path_order(l, w, variant, order, used); });
-    const int m = w.item_size[0];
+    x.group_max(R, epn, w.total, w.room);  // largest home expert (variants 2 and 3)
+    const int m = path_order(x, l, w, variant, order, used);
     int64_t prefix = 0;
     for (int i = 0; i + 1 < m; ++i) {
         prefix += w.excess[order[i]];
         if (prefix == 0) continue;
         const int src = prefix > 0 ? order[i] : order[i + 1];
         const int dst = prefix > 0 ? order[i + 1] : order[i];
-        int32_t need = int32_t(prefix > 0 ? prefix : -prefix);
-        while (need > 0) {
-            const int best = largest_home_expert(x, l, alloc, src);
-            if (best < 0 || w.num_in[dst] >= epn) return false;
-            const int32_t piece = min_of(need, alloc[src * l.num_experts + best]);
-            x.single([&] {
-                move_entries(l, alloc, w, best, dst, piece);
-                ++w.num_in[dst];
-                ++w.num_out[src];
-            });
-            need -= piece;
-        }
+        if (!send_largest_first(x, l, alloc, w, src, dst, int32_t(prefix > 0 ? prefix : -prefix))) return false;
     }
     return true;
 }

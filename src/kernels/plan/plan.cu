@@ -244,7 +244,9 @@ struct PlannerShared {
     int32_t winner;  // index of the kept candidate, -1 = keep the greedy
 };
 
-// derive_plan, spread over the block.
+// derive_plan, spread over the block: one pass of independent warp tasks, then the statistics. Task t < R is rank t
+// (its group_row row, slot experts, group rows and cu_seqlens, loads after and replicas in, all within the warp);
+// task R + c is the expert chunk [32c, 32c + 32) (keep / spill / take per cell, one expert per lane, and its sums).
 // tpe and alloc: the counts and the allocation to derive from (p.tpe_all / p.alloc, or copies in shared memory).
 // slot_s: E words of shared memory the function may overwrite (the slot experts, read back by the group scan).
 // rec: profile record (null = off).
@@ -253,16 +255,57 @@ FLATEP_DEVICE void derive_plan_block(const Layout& l, const PlanView& p, Planner
                                      PlannerProfileRecord* rec) {
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
     const int lane = tid % 32, warp = tid / 32, num_warps = nthreads / 32;
-    if (tid < kMaxRanks) {
-        sh.loads_after[tid] = sh.loads_before[tid] = sh.num_in[tid] = sh.num_out[tid] = 0;
-    }
+    if (tid < kMaxRanks) sh.loads_before[tid] = sh.num_out[tid] = 0;
     if (tid == 0) sh.on_source = sh.kept = 0;
     __syncthreads();
-    // One expert per lane; per-rank sums are reduced over the warp first, so each shared counter takes one atomic
-    // per warp instead of one per expert (same-address shared atomics serialise).
-    constexpr int kChunk = 8;  // ranks whose cells are loaded before any is stored (loads in flight)
-    for (int e0 = warp * 32; e0 < E; e0 += num_warps * 32) {
-        const int e = e0 + lane;
+    const int chunks = ceil_div(E, 32);
+    for (int task = warp; task < R + chunks; task += num_warps) {
+        if (task < R) {
+            const int d = task;
+            const int32_t* row = alloc + int64_t(d) * E;
+            int32_t* group_row = p.group_row + int64_t(d) * E;
+            // Slots: replica experts of rank d in ascending id, then -1; group_row -1 for every expert first.
+            int count = 0;
+            unsigned after = 0;
+            for (int base = 0; base < E; base += 32) {
+                const int e = base + lane;
+                const int32_t a = e < E ? row[e] : 0;
+                if (e < E) group_row[e] = -1;
+                after += unsigned(a);
+                const bool pred = a > 0 && (e < d * epn || e >= (d + 1) * epn);  // a replica on d
+                const unsigned b = __ballot_sync(kFull, pred);
+                const int pos = count + __popc(b & ((1u << lane) - 1u));
+                if (pred && pos < epn) p.slot_expert[d * epn + pos] = slot_s[d * epn + pos] = e;
+                count += __popc(b);
+            }
+            for (int j = count + lane; j < epn; j += 32) p.slot_expert[d * epn + j] = slot_s[d * epn + j] = -1;
+            after = __reduce_add_sync(kFull, after);
+            if (lane == 0) {
+                sh.loads_after[d] = int32_t(after);
+                sh.num_in[d] = count;
+            }
+            __syncwarp();  // slot_s and the -1 rows before the scan below
+            // Group rows and cu_seqlens: a warp scan over the 2*epn groups.
+            int32_t start = 0;
+            for (int g0 = 0; g0 < 2 * epn; g0 += 32) {
+                const int g = g0 + lane;
+                int e = -1;
+                if (g < 2 * epn) e = g < epn ? d * epn + g : slot_s[d * epn + (g - epn)];
+                const int32_t size = e >= 0 ? round_up(row[e], l.align) : 0;
+                int32_t incl = size;
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int32_t v = __shfl_up_sync(kFull, incl, o);
+                    if (lane >= o) incl += v;
+                }
+                if (e >= 0) group_row[e] = start + incl - size;
+                if (g < 2 * epn) p.cu_seqlens[d * 2 * epn + g] = start + incl;
+                start += __shfl_sync(kFull, incl, 31);
+            }
+            continue;
+        }
+        // Expert chunk: one expert per lane, the ranks in batches whose cells are loaded before any is stored.
+        constexpr int kChunk = 8;
+        const int e = (task - R) * 32 + lane;
         const bool valid = e < E;
         const int h = valid ? e / epn : -1;
         int32_t spill = 0, take = 0, total = 0, copies = 0;
@@ -290,14 +333,7 @@ FLATEP_DEVICE void derive_plan_block(const Layout& l, const PlanView& p, Planner
                 take += a - k;
                 total += t;
                 kept += k;
-                const bool replica = a > 0 && h != d;
-                copies += replica;
-                const unsigned after = __reduce_add_sync(kFull, unsigned(a));
-                const unsigned in = __popc(__ballot_sync(kFull, replica));
-                if (lane == 0) {
-                    if (after != 0) atomicAdd(&sh.loads_after[d], int32_t(after));
-                    if (in != 0) atomicAdd(&sh.num_in[d], int32_t(in));
-                }
+                copies += a > 0 && h != d;
             }
         }
         // Lanes of the same home rank: one atomic per rank and warp.
@@ -319,47 +355,16 @@ FLATEP_DEVICE void derive_plan_block(const Layout& l, const PlanView& p, Planner
         }
     }
     __syncthreads();
-    if (tid == 0) profile_stamp(rec, kStampDeriveSums);
-    for (int64_t i = tid; i < int64_t(R) * E; i += nthreads) p.group_row[i] = -1;
-    // Slots: replica experts of rank d in ascending id, then -1.
-    for (int d = warp; d < R; d += num_warps) {
-        int count = 0;
-        for (int base = 0; base < E; base += 32) {
-            const int e = base + lane;
-            const bool pred = e < E && alloc[d * E + e] > 0 && e / epn != d;
-            const unsigned b = __ballot_sync(kFull, pred);
-            const int pos = count + __popc(b & ((1u << lane) - 1u));
-            if (pred && pos < epn) p.slot_expert[d * epn + pos] = slot_s[d * epn + pos] = e;
-            count += __popc(b);
-        }
-        for (int j = count + lane; j < epn; j += 32) p.slot_expert[d * epn + j] = slot_s[d * epn + j] = -1;
-    }
-    __syncthreads();
-    if (tid == 0) profile_stamp(rec, kStampDeriveSlots);
-    // Group rows and cu_seqlens: one warp per rank, a warp scan over its 2*epn groups.
-    for (int d = warp; d < R; d += num_warps) {
-        int32_t base = 0;
-        for (int g0 = 0; g0 < 2 * epn; g0 += 32) {
-            const int g = g0 + lane;
-            int e = -1;
-            if (g < 2 * epn) e = g < epn ? d * epn + g : slot_s[d * epn + (g - epn)];
-            const int32_t size = e >= 0 ? round_up(alloc[d * E + e], l.align) : 0;
-            int32_t incl = size;
-            for (int o = 1; o < 32; o <<= 1) {
-                const int32_t v = __shfl_up_sync(kFull, incl, o);
-                if (lane >= o) incl += v;
-            }
-            if (e >= 0) p.group_row[d * E + e] = base + incl - size;
-            if (g < 2 * epn) p.cu_seqlens[d * 2 * epn + g] = base + incl;
-            base += __shfl_sync(kFull, incl, 31);
-        }
+    if (tid == 0) {
+        profile_stamp(rec, kStampDeriveSums);
+        profile_stamp(rec, kStampDeriveSlots);
     }
     if (rec != nullptr) {  // uniform: profiling only
         __syncthreads();
         if (tid == 0) profile_stamp(rec, kStampDeriveRows);
     }
-    // Statistics: per-rank arrays by one thread each, the scalars by thread 0 from shared memory (no global
-    // read-modify-write chains).
+    // Statistics: per-rank arrays by one thread each, the scalars by warp 0 (a reduction over the ranks) from shared
+    // memory (no global read-modify-write chains).
     PlanStats& st = *p.stats;
     for (int r = tid; r < kMaxRanks; r += nthreads) {
         const bool in = r < R;
@@ -368,26 +373,34 @@ FLATEP_DEVICE void derive_plan_block(const Layout& l, const PlanView& p, Planner
         st.replicas_in[r] = in ? sh.num_in[r] : 0;
         st.replicas_out[r] = in ? sh.num_out[r] : 0;
     }
-    if (tid == 0) {
-        int32_t total_replicas = 0, max_before = 0, max_after = 0, min_after = 0, max_in = 0, max_out = 0;
-        for (int d = 0; d < R; ++d) {
+    if (warp == 0) {
+        int32_t total_replicas = 0, max_before = 0, max_after = 0, min_after = INT32_MAX, max_in = 0, max_out = 0;
+        for (int d = lane; d < R; d += 32) {
             total_replicas += sh.num_in[d];
             max_before = max_of(max_before, sh.loads_before[d]);
             max_after = max_of(max_after, sh.loads_after[d]);
-            min_after = d == 0 ? sh.loads_after[d] : min_of(min_after, sh.loads_after[d]);
+            min_after = min_of(min_after, sh.loads_after[d]);
             max_in = max_of(max_in, sh.num_in[d]);
             max_out = max_of(max_out, sh.num_out[d]);
         }
-        st.entries_total = int64_t(sh.kept);
-        st.entries_on_source = int64_t(sh.on_source);
-        st.entries_moved = st.entries_total - st.entries_on_source;
-        st.max_load_before = max_before;
-        st.max_load_after = max_after;
-        st.min_load_after = min_after;
-        st.total_replicas = total_replicas;
-        st.max_replicas_in = max_in;
-        st.max_replicas_out = max_out;
-        st.makespan = max_of(max_in, max_out);
+        total_replicas = __reduce_add_sync(kFull, total_replicas);
+        max_before = __reduce_max_sync(kFull, max_before);
+        max_after = __reduce_max_sync(kFull, max_after);
+        min_after = __reduce_min_sync(kFull, min_after);
+        max_in = __reduce_max_sync(kFull, max_in);
+        max_out = __reduce_max_sync(kFull, max_out);
+        if (lane == 0) {
+            st.entries_total = int64_t(sh.kept);
+            st.entries_on_source = int64_t(sh.on_source);
+            st.entries_moved = st.entries_total - st.entries_on_source;
+            st.max_load_before = max_before;
+            st.max_load_after = max_after;
+            st.min_load_after = min_after;
+            st.total_replicas = total_replicas;
+            st.max_replicas_in = max_in;
+            st.max_replicas_out = max_out;
+            st.makespan = max_of(max_in, max_out);
+        }
     }
     __syncthreads();
     if (tid == 0) profile_stamp(rec, kStampDeriveEnd);
@@ -414,16 +427,23 @@ __global__ void __launch_bounds__(kPlannerThreads)
     if (tid < kMaxRanks) sh.load[tid] = 0;
     if (tid == 0) sh.n = 0;
     __syncthreads();
-    for (int e = tid; e < E; e += blockDim.x) {
+    // One expert per thread; the sums are reduced over the warp first (one shared atomic per rank and warp: atomics
+    // of a whole block on a few shared words serialise).
+    for (int e0 = tid - lane; e0 < E; e0 += blockDim.x) {
+        const int e = e0 + lane;
+        const bool valid = e < E;
         int32_t t = 0;
-        for (int s = 0; s < R; ++s) t += p.tpe_all[s * E + e];
-        total[e] = t;
-        const int h = e / epn;
-        for (int d = 0; d < R; ++d) alloc[d * E + e] = d == h ? t : 0;
-        if (t != 0) {
-            atomicAdd(&sh.load[h], t);
-            atomicAdd(&sh.n, (unsigned long long)t);
+        const int h = valid ? e / epn : -1;
+        if (valid) {
+            for (int s = 0; s < R; ++s) t += p.tpe_all[s * E + e];
+            total[e] = t;
+            for (int d = 0; d < R; ++d) alloc[d * E + e] = d == h ? t : 0;
         }
+        const unsigned same = __match_any_sync(kFull, h);
+        const unsigned group = __reduce_add_sync(same, unsigned(t));
+        if (valid && lane == __ffs(same) - 1 && group != 0) atomicAdd(&sh.load[h], int32_t(group));
+        const unsigned all = __reduce_add_sync(kFull, unsigned(t));
+        if (lane == 0 && all != 0) atomicAdd(&sh.n, (unsigned long long)all);
     }
     __syncthreads();
     const int64_t n = int64_t(sh.n);
@@ -520,12 +540,23 @@ size_t candidate_smem_bytes(const Layout& l) {
 }
 
 // Warp executor of planner_core (see "Executors" there): the 32 lanes run the planner's scalar code together with
-// the same values; loops are split over the lanes and selections are warp reductions (redux.sync), except short
-// scans, which every lane does whole (shared-memory broadcast reads; cheaper than three reductions). Keys are
-// compared as (high word, low word), then the lower index wins, exactly like SerialExec's strict '>' scan.
+// the same values; loops are split over the lanes and selections are warp reductions (redux.sync; up to 32 items, one
+// per lane, and the lowest lane holding the maximum by ballot). Keys are compared as (high word, low word), then the
+// lower index wins, exactly like SerialExec's strict '>' scan. (Every lane scanning the ranks itself was slower: 15.0
+// vs 22.5 us per MoonEP candidate on the H200.) home_ready: the candidate blocks compute init_home's results with the
+// whole block before warp 0 builds.
 struct WarpExec {
-    static constexpr int kSerialScan = 16;  // arg_max over at most this many items: a redundant scan per lane
     int lane;
+    int64_t home_n = -1;  // >= 0: init_home's results for home_alloc are in place (home_ready)
+    const int32_t* home_alloc = nullptr;
+    long long* trace = nullptr;  // profile: clock64 after every single() (lane 0), up to kTrace entries
+    int* trace_n = nullptr;
+    FLATEP_HD bool home_ready(const int32_t* alloc, int64_t* n) const {
+        if (home_n < 0 || alloc != home_alloc) return false;
+        *n = home_n;
+        return true;
+    }
+    FLATEP_HD bool targets_ready() const { return home_n >= 0; }  // computed by the block with the home allocation
     FLATEP_HD void sync() const {
 #ifdef __CUDA_ARCH__
         __syncwarp();
@@ -534,7 +565,12 @@ struct WarpExec {
     template <class F>
     FLATEP_HD void single(F&& f) const {
         sync();
-        if (lane == 0) f();
+        if (lane == 0) {
+            f();
+#ifdef __CUDA_ARCH__
+            if (trace != nullptr && *trace_n < PlannerProfileRecord::kTrace) trace[(*trace_n)++] = clock64();
+#endif
+        }
         sync();
     }
     template <class F>
@@ -555,8 +591,35 @@ struct WarpExec {
     }
     template <class K>
     FLATEP_HD int arg_max(int n, K&& key) const {
-        // Short scans (ranks): every lane scans all of it, no reduction needed.
-        if (n <= kSerialScan) return planner_core::SerialExec{}.arg_max(n, key);
+#ifdef __CUDA_ARCH__
+        if (n <= 32) {
+            // One item per lane (ranks, mostly): the largest key, then the lowest lane holding it (= the lowest index).
+            // Keys of 32 bits (most) need one reduction.
+            const uint64_t k = lane < n ? key(lane) : 0;
+            if (!__any_sync(kFull, (k >> 32) != 0)) {
+                const unsigned lo = __reduce_max_sync(kFull, unsigned(k));
+                return lo == 0 ? -1 : __ffs(__ballot_sync(kFull, unsigned(k) == lo)) - 1;
+            }
+            const unsigned hi = __reduce_max_sync(kFull, unsigned(k >> 32));
+            const unsigned lo = __reduce_max_sync(kFull, unsigned(k >> 32) == hi ? unsigned(k) : 0u);
+            if (hi == 0 && lo == 0) return -1;
+            return __ffs(__ballot_sync(kFull, k == ((uint64_t(hi) << 32) | lo))) - 1;
+        }
+        if (n <= 64) {
+            // Two items per lane (experts of a rank, mostly): the maximum as above, then the lowest index holding it:
+            // the lowest lane among the first items, else among the second.
+            const uint64_t k0 = key(lane);
+            const uint64_t k1 = lane + 32 < n ? key(lane + 32) : 0;
+            const uint64_t k = k1 > k0 ? k1 : k0;
+            const bool wide = __any_sync(kFull, (k >> 32) != 0);
+            const unsigned hi = wide ? __reduce_max_sync(kFull, unsigned(k >> 32)) : 0u;
+            const unsigned lo = __reduce_max_sync(kFull, unsigned(k >> 32) == hi ? unsigned(k) : 0u);
+            if (hi == 0 && lo == 0) return -1;
+            const uint64_t best = (uint64_t(hi) << 32) | lo;
+            const unsigned first = __ballot_sync(kFull, k0 == best);
+            return first != 0 ? __ffs(first) - 1 : 32 + __ffs(__ballot_sync(kFull, k1 == best)) - 1;
+        }
+#endif
         uint64_t best = 0;
         int at = -1;
         for (int i = lane; i < n; i += 32) {
@@ -579,14 +642,115 @@ struct WarpExec {
     // Only planner_core::evaluate_alloc adds, and the kernels evaluate with evaluate_alloc_block (the whole block):
     // kept for the executor contract, unreferenced.
 #pragma nv_diag_suppress 177
-    FLATEP_HD void add(int32_t* p, int32_t v) const {
-#ifdef __CUDA_ARCH__
-        atomicAdd(p, v);
-#else
-        *p += v;
-#endif
-    }
+    FLATEP_DEVICE void add(int32_t* p, int32_t v) const { atomicAdd(p, v); }
 #pragma nv_diag_default 177
+    // Up to 32 groups: one per lane (unrolled, so that the loads overlap); else one group after the other, its items
+    // over the lanes and a warp reduction.
+    FLATEP_DEVICE void group_sum(int groups, int size, const int32_t* v, int32_t* out) const {
+        sync();
+        if (groups <= 32) {
+            if (lane < groups) {
+                int32_t s = 0;
+#pragma unroll 8
+                for (int j = 0; j < size; ++j) s += v[lane * size + j];
+                out[lane] = s;
+            }
+            sync();
+            return;
+        }
+        for (int i = 0; i < groups; ++i) {
+            int32_t s = 0;
+            for (int j = lane; j < size; j += 32) s += v[i * size + j];
+            s = __reduce_add_sync(kFull, s);
+            if (lane == 0) out[i] = s;
+        }
+        sync();
+    }
+    FLATEP_DEVICE void group_max(int groups, int size, const int32_t* v, int32_t* out) const {
+        sync();
+        if (groups <= 32) {
+            if (lane < groups) {
+                int32_t m = 0;
+#pragma unroll 8
+                for (int j = 0; j < size; ++j) m = max_of(m, v[lane * size + j]);
+                out[lane] = m;
+            }
+            sync();
+            return;
+        }
+        for (int i = 0; i < groups; ++i) {
+            int32_t m = 0;
+            for (int j = lane; j < size; j += 32) m = max_of(m, v[i * size + j]);
+            m = __reduce_max_sync(kFull, m);
+            if (lane == 0) out[i] = m;
+        }
+        sync();
+    }
+    // Every lane its items, each against all n items (broadcast reads, unrolled so that the loads overlap). (Shuffling
+    // register copies of the items instead was slower on the H200.)
+    FLATEP_DEVICE void ahead_sums(int n, const int32_t* v, int32_t* out) const {
+        sync();
+        if (n <= 64) {  // both items of a lane in one pass
+            const int i0 = lane, i1 = lane + 32;
+            const int32_t v0 = i0 < n ? v[i0] : 0, v1 = i1 < n ? v[i1] : 0;
+            int32_t s0 = 0, s1 = 0;
+#pragma unroll 8
+            for (int j = 0; j < n; ++j) {
+                const int32_t a = v[j];
+                s0 += a > 0 && (a > v0 || (a == v0 && j < i0)) ? a : 0;
+                s1 += a > 0 && (a > v1 || (a == v1 && j < i1)) ? a : 0;
+            }
+            if (i0 < n) out[i0] = v0 > 0 ? s0 : -1;
+            if (i1 < n) out[i1] = v1 > 0 ? s1 : -1;
+            sync();
+            return;
+        }
+        for (int i = lane; i < n; i += 32) {
+            const int32_t vi = v[i];
+            int32_t s = 0;
+#pragma unroll 8
+            for (int j = 0; j < n; ++j) {
+                const int32_t a = v[j];
+                s += a > 0 && (a > vi || (a == vi && j < i)) ? a : 0;
+            }
+            out[i] = vi > 0 ? s : -1;
+        }
+        sync();
+    }
+};
+
+// Block executor for planner_core::init_home only (sum, sync, group_sum): the candidate blocks compute the home
+// allocation with all their threads before warp 0 builds (WarpExec::home_ready then skips it). red: 32 int64 words of
+// shared memory.
+struct BlockExec {
+    int tid, nthreads;
+    long long* red;
+    FLATEP_DEVICE void sync() const { __syncthreads(); }
+    template <class F>
+    FLATEP_DEVICE int64_t sum(int n, F&& f) const {
+        __syncthreads();
+        long long s = 0;
+        for (int i = tid; i < n; i += nthreads) s += (long long)f(i);
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
+        if (tid % 32 == 0) red[tid / 32] = s;
+        __syncthreads();
+        long long t = 0;
+        for (int w = 0; w < nthreads / 32; ++w) t += red[w];
+        __syncthreads();
+        return t;
+    }
+    // Warps take the groups in turn; items over the lanes, a warp reduction.
+    FLATEP_DEVICE void group_sum(int groups, int size, const int32_t* v, int32_t* out) const {
+        __syncthreads();
+        for (int i = tid / 32; i < groups; i += nthreads / 32) {
+            int32_t s = 0;
+            for (int j = tid % 32; j < size; j += 32) s += v[i * size + j];
+            s = __reduce_add_sync(kFull, s);
+            if (tid % 32 == 0) out[i] = s;
+        }
+        __syncthreads();
+    }
+    FLATEP_DEVICE bool home_ready(const int32_t*, int64_t*) const { return false; }
 };
 
 // Copies n int32 words with 16-byte accesses when both ends allow it. Each thread issues all the loads of a batch of
@@ -674,9 +838,20 @@ FLATEP_DEVICE planner_core::PlanQuality evaluate_alloc_block(const Layout& l, co
     return q;
 }
 
+// The home allocation (init_home) and the fixed targets of the counts in shared memory, computed by the whole block
+// for warp 0's candidate (x then reports them ready). Begins and ends with a block barrier.
+FLATEP_DEVICE void prepare_home(WarpExec& x, const BlockExec& bx, const Layout& l, const int32_t* counts,
+                                const planner_core::Workspace& w) {
+    x.home_n = planner_core::init_home(bx, l, counts, w.cand, w);
+    x.home_alloc = w.cand;
+    if (bx.tid == 0) planner_core::fixed_targets(l, x.home_n, w);
+    __syncthreads();
+}
+
 // Candidate blocks: kCandidateThreads threads. Warp 0 builds the candidate (planner_core on the warp executor: its
-// sequential steps are latency-bound and gain nothing from more threads); the whole block loads the counts, stores
-// the allocation and evaluates it (the O(R*E) passes). Setting kCandidateThreads to 32 gives the one-warp blocks.
+// sequential steps are latency-bound and gain nothing from more threads); the whole block loads the counts, computes
+// the home allocation (init_home on BlockExec), stores the allocation and evaluates it (the O(R*E) passes). Setting
+// kCandidateThreads to 32 gives the one-warp blocks.
 constexpr int kCandidateThreads = 128;
 static_assert(kCandidateThreads % 32 == 0 && kCandidateThreads <= 1024, "whole warps");
 
@@ -691,10 +866,13 @@ __global__ void __launch_bounds__(kCandidateThreads)
     extern __shared__ int4 smem_words[];  // 16-byte aligned
     __shared__ unsigned long long moved;
     __shared__ int built;
+    __shared__ long long red[32];
+    __shared__ int trace_n;
     const Stamp entry = prof != nullptr ? stamp_now() : Stamp{};
     int32_t* smem = reinterpret_cast<int32_t*>(smem_words);
     const int tid = threadIdx.x, nthreads = blockDim.x, warp = tid / 32;
-    const WarpExec x{tid % 32};
+    WarpExec x{tid % 32};
+    const BlockExec bx{tid, nthreads, red};
     const int64_t re = int64_t(l.num_ranks) * l.num_experts;
     const bool greedy_block = first == 0 && blockIdx.x == gridDim.x - 1;
     allow_dependent_launch();  // the next kernel waits for this grid's completion itself (wait_prior_grids)
@@ -714,6 +892,7 @@ __global__ void __launch_bounds__(kCandidateThreads)
     const Stamp loaded = prof != nullptr ? stamp_now() : Stamp{};
     if (greedy_block) {
         PlannerProfileRecord* rec = prof != nullptr ? prof + max_candidates(l) : nullptr;
+        prepare_home(x, bx, l, smem, w);  // the whole block; warp 0 then skips init_home and fixed_targets
         if (warp == 0) planner_core::greedy_alloc(x, l, smem, w.cand, w);
         __syncthreads();
         if (tid == 0) profile_stamp(rec, kStampBuilt);
@@ -742,13 +921,29 @@ __global__ void __launch_bounds__(kCandidateThreads)
     }
     Stamp start = entry;  // profile: where the current candidate's phases begin (tid 0)
     for (int index = begin; index < end; index += step) {
+        PlannerProfileRecord* rec = prof != nullptr ? prof + index : nullptr;
+        prepare_home(x, bx, l, smem, w);  // the whole block; warp 0 then skips init_home and fixed_targets
         if (warp == 0) {
+            if (rec != nullptr) {
+                x.trace = rec->trace;
+                x.trace_n = &trace_n;
+                if (x.lane == 0) {
+                    trace_n = 1;
+                    rec->trace[0] = clock64();
+                }
+                __syncwarp();
+            }
             const bool ok = planner_core::build_candidate(x, l, smem, w.cand, w, index);
-            if (x.lane == 0) built = ok;
+            if (x.lane == 0) {
+                built = ok;
+                if (rec != nullptr) {
+                    if (trace_n < PlannerProfileRecord::kTrace) rec->trace[trace_n++] = clock64();
+                    rec->trace_count = trace_n;
+                }
+            }
         }
         __syncthreads();
         const bool ok = built != 0;  // uniform over the block
-        PlannerProfileRecord* rec = prof != nullptr ? prof + index : nullptr;
         if (tid == 0) profile_stamp(rec, kStampBuilt);
         // The copy first: its stores drain while the block evaluates.
         if (ok && index < stored) copy_words(ws.stored_alloc + int64_t(index) * re, w.cand, re, tid, nthreads);
@@ -857,15 +1052,15 @@ __global__ void __launch_bounds__(kPlannerThreads)
     const int main_count = min_of(min_of(kCandidateBlocks, max_candidates(l)), kSelectCached);
     for (int i = tid; i < main_count; i += nthreads) quality[i] = ws.cand_quality[i];
     const int count = ws.cand_meta[kMetaCount];
+    planner_core::PlanQuality greedy{};  // loaded with the count (one memory round trip)
+    greedy.makespan = ws.cand_meta[kMetaMakespan];
+    greedy.total_replicas = ws.cand_meta[kMetaReplicas];
+    greedy.entries_moved = int64_t(uint64_t(uint32_t(ws.cand_meta[kMetaMovedLo])) |
+                                   (uint64_t(uint32_t(ws.cand_meta[kMetaMovedHi])) << 32));
     for (int i = main_count + tid; i < min_of(count, kSelectCached); i += nthreads) quality[i] = ws.cand_quality[i];
     __syncthreads();
     if (tid == 0) profile_stamp(rec, kStampSelLoaded);
     if (tid < 32) {
-        planner_core::PlanQuality greedy{};
-        greedy.makespan = ws.cand_meta[kMetaMakespan];
-        greedy.total_replicas = ws.cand_meta[kMetaReplicas];
-        greedy.entries_moved = int64_t(uint64_t(uint32_t(ws.cand_meta[kMetaMovedLo])) |
-                                       (uint64_t(uint32_t(ws.cand_meta[kMetaMovedHi])) << 32));
         const planner_core::PlanQuality* q = count <= kSelectCached ? quality : ws.cand_quality;
         if (kWarpSelect) {
             const int winner = select_candidate_warp(greedy, q, count, tid);

@@ -44,12 +44,16 @@ void set_planner_engine(PlannerEngine engine);
 // captures the pointer of its launch); stamps of phases not reached keep what was there (clear the array first).
 struct PlannerProfileRecord {
     static constexpr int kStamps = 10;
+    static constexpr int kTrace = 48;
     unsigned long long globaltimer[kStamps];  // ns; 0 = phase not reached
     long long clock[kStamps];                 // SM cycles
     int32_t index;                            // candidate: its index; select: the kept index (-1 = greedy)
     int32_t sm;                               // %smid of the block
     int32_t flags;                            // candidate: 1 = built a plan (0 = infeasible for its budget)
     int32_t count;                            // greedy / select: candidates select_candidate looks at
+    int32_t trace_count;                      // candidate: entries of trace
+    long long trace[kTrace];                  // candidate: clock64 at build start, then after every step of its
+                                              // warp (WarpExec::single), the last one at the build's end
 };
 // Stamps of each record kind (index into globaltimer / clock); a phase lasts from the previous stamp to its own.
 enum PlannerProfileStamp : int {
@@ -64,9 +68,9 @@ enum PlannerProfileStamp : int {
     kStampSelSelected = 2,  // selection done; parallel kernel: greedy done
     kStampSelCopied = 3,    // the winner's (or greedy's) allocation copied
     kStampSelRebuilt = 4,   // the winner rebuilt when it was not stored (= kStampSelCopied otherwise)
-    kStampDeriveSums = 5,   // derive: keep / spill / take and per-rank sums
-    kStampDeriveSlots = 6,  // derive: slot experts
-    kStampDeriveRows = 7,   // derive: group rows and cu_seqlens
+    kStampDeriveSums = 5,   // derive: its one pass (keep / spill / take, slot experts, group rows, sums)
+    kStampDeriveSlots = 6,  // (= kStampDeriveSums; kept for the record layout)
+    kStampDeriveRows = 7,   // (= kStampDeriveSums after one more block barrier)
     kStampDeriveEnd = 8,    // derive: statistics (end of the kernel)
     kStampSelWaited = 9,    // select_derive_kernel: the candidate kernels done (its wait for them returned)
 };
