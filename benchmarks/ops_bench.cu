@@ -4,8 +4,10 @@
 // memory once, local rows included), aggregate bandwidth over all ranks against a device-to-device copy measured in
 // the same run. Planner: the planner kernel alone and the whole plan op. CSV out.
 //
-//   ops_bench [--csv out.csv] [--iters 20] [--warmup 3] [--hp 1024] [--quick] [--planner-only [--planner-profile]]
-// --planner-only: only the planner kernels on the host-generated counts of each config (no data plane, no cross-rank
+//   ops_bench [--csv out.csv] [--iters 20] [--warmup 3] [--hp 1024] [--quick]
+//             [--planner-only [--planner-profile] [--maxvio 0.2,1,10,20,-1] [--seeds 3]]
+// --planner-only: only the planner kernels on the host-generated counts of each config (--maxvio: the MoonEP config's
+// maxvio targets, -1 = the DeepEP config; --seeds: routings per target) (no data plane, no cross-rank
 // barrier, so it also runs under a kernel profiler), graph-timed, with the plan's P and replicas.
 // --planner-profile: also where the planner's time goes, from device stamps (kernels::set_planner_profile): for each
 // config, medians over a graph of 10 back-to-back planners of the kernels' spans and of the phases of the candidate
@@ -336,10 +338,21 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
     std::sort(slow.begin(), slow.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
     std::printf("    slowest candidates (index: us):");
     for (size_t k = 0; k < slow.size() && k < 6; ++k) std::printf(" #%d: %.1f", slow[k].second, slow[k].first);
+    // Step traces of the three slowest candidates (last run of the batch): build start to every warp step
+    // (WarpExec::single) to the build's end.
+    const PlannerProfileRecord* last = balanced.data() + size_t(kProfileBatch - 1) * slots.total;
+    for (size_t k = 0; k < slow.size() && k < 3; ++k) {
+        const int c = slow[k].second;
+        const PlannerProfileRecord& cr = last[c];
+        if (cr.trace_count < 2) continue;
+        std::printf("\n    trace #%d (%d steps, %.1f us):", c, cr.trace_count - 2,
+                    double(cr.trace[cr.trace_count - 1] - cr.trace[0]) * clk.ns_per_cycle * 1e-3);
+        for (int k = 1; k < cr.trace_count; ++k)
+            std::printf(" %.2f", double(cr.trace[k] - cr.trace[k - 1]) * clk.ns_per_cycle * 1e-3);
+    }
     std::printf("\n    select_derive %.1f us (started %.1f us before): load %.1f select %.1f copy %.1f rebuild %.1f",
                 md(kSelect), md(kEarly), md(kSLoad), md(kSSelect), md(kSCopy), md(kSRebuild));
-    std::printf(" | derive sums %.1f slots %.1f rows %.1f stats %.1f\n", md(kSSums), md(kSSlots), md(kSRows),
-                md(kSStats));
+    std::printf(" | derive pass %.1f stats %.1f\n", md(kSSums) + md(kSSlots) + md(kSRows), md(kSStats));
     // Greedy planner kind: planner_parallel_kernel.
     const ProfileClock gclk = fit_clock(greedy_kind, kStampEvaluated);
     std::vector<std::vector<double>> gm(7);
@@ -350,18 +363,18 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
         for (int k = 0; k < 6; ++k) gm[size_t(k)].push_back(gclk.phase_us(r, gstamps[k], gstamps[k + 1]));
         gm[6].push_back(gclk.phase_us(r, kStampEntry, kStampDeriveEnd));
     }
-    std::printf("    greedy kind %.1f us: home %.1f greedy %.1f | derive sums %.1f slots %.1f rows %.1f stats %.1f\n",
-                median_of(gm[6]), median_of(gm[0]), median_of(gm[1]), median_of(gm[2]), median_of(gm[3]),
-                median_of(gm[4]), median_of(gm[5]));
+    std::printf("    greedy kind %.1f us: home %.1f greedy %.1f | derive pass %.1f stats %.1f\n", median_of(gm[6]),
+                median_of(gm[0]), median_of(gm[1]), median_of(gm[2]) + median_of(gm[3]) + median_of(gm[4]),
+                median_of(gm[5]));
 }
 
 // Planner kernels alone on the counts of the MoonEP config (maxvio 0.2/1/10/20, 3 seeds) and the DeepEP config.
-int planner_bench(int iters, int warmup, bool profile) {
+int planner_bench(int iters, int warmup, bool profile, const std::vector<double>& maxvios, int num_seeds) {
     std::printf("%-7s %6s %4s %8s %3s %4s %12s %12s\n", "config", "maxvio", "seed", "realised", "P", "reps",
                 "balanced_us", "greedy_us");
     cudaStream_t stream = nullptr;
     FLATEP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    for (double mv : {0.2, 1.0, 10.0, 20.0, -1.0}) {
+    for (double mv : maxvios) {
         const Config c = mv < 0 ? make_config(8, 256, 4096, 8, 7168) : make_config(8, 384, 8192, 8, 7168);
         const Layout l = make_layout(c);
         const size_t words = size_t(make_plan_sizes(l).total_words);
@@ -369,7 +382,7 @@ int planner_bench(int iters, int warmup, bool profile) {
         void* ws = nullptr;
         FLATEP_CUDA_CHECK(cudaMalloc(&d_plan, words * 4));
         FLATEP_CUDA_CHECK(cudaMalloc(&ws, kernels::plan_workspace_bytes(l)));
-        for (uint64_t seed : {42u, 43u, 44u}) {
+        for (uint64_t seed = 42; seed < 42 + uint64_t(num_seeds); ++seed) {
             const double sigma =
                 mv < 0 ? 0.0 : routing::sigma_for_maxvio(mv, l.num_ranks, l.num_experts, l.num_tokens, l.topk, seed);
             const std::vector<int32_t> tpe =
@@ -419,7 +432,19 @@ int main(int argc, char** argv) {
     std::string csv_path = "ops_bench.csv";
     int iters = 20, warmup = 3, hp = 1024;
     bool quick = false, planner_only = false, planner_profile = false;
+    std::vector<double> planner_maxvios = {0.2, 1.0, 10.0, 20.0, -1.0};  // -1: the DeepEP config
+    int planner_seeds = 3;
     for (int i = 1; i < argc; ++i) {
+        if (!std::strcmp(argv[i], "--maxvio") && i + 1 < argc) {
+            planner_maxvios.clear();
+            std::string list = argv[++i];
+            for (size_t at = 0; at <= list.size();) {
+                const size_t comma = std::min(list.find(',', at), list.size());
+                planner_maxvios.push_back(std::atof(list.substr(at, comma - at).c_str()));
+                at = comma + 1;
+            }
+        }
+        if (!std::strcmp(argv[i], "--seeds") && i + 1 < argc) planner_seeds = std::atoi(argv[++i]);
         if (!std::strcmp(argv[i], "--planner-only")) planner_only = true;
         if (!std::strcmp(argv[i], "--planner-profile")) planner_profile = true;
         if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv_path = argv[++i];
@@ -428,7 +453,7 @@ int main(int argc, char** argv) {
         if (!std::strcmp(argv[i], "--hp") && i + 1 < argc) hp = std::atoi(argv[++i]);
         if (!std::strcmp(argv[i], "--quick")) quick = true;
     }
-    if (planner_only) return planner_bench(iters, warmup, planner_profile);
+    if (planner_only) return planner_bench(iters, warmup, planner_profile, planner_maxvios, planner_seeds);
     const double copy_gbps = copy_bandwidth_gbps(10);
     std::printf("device-to-device copy: %.0f GB/s (read + write)\n", copy_gbps);
     FILE* csv = std::fopen(csv_path.c_str(), "w");
