@@ -179,5 +179,53 @@ TEST(SocketBootstrap, SingleRankNeedsNoPeers) {
     EXPECT_EQ(boot->all_gather("x"), std::vector<std::string>{"x"});
 }
 
+TEST(IpcMesh, RankClaimedFromAnotherRanksPidIsRefused) {
+    // Ranks 1 and 2 are expected as threads of this process (one pid for both), rank 3 from another pid. A
+    // connection from this pid matches no single rank by its pid; one that claims rank 3 passes the hello checks and
+    // must be refused by the pid of the rank it claims.
+    const pid_t me = ::getpid();
+    const pid_t other = me == 1 ? 2 : 1;
+    ipc::MeshSpec base;
+    base.name_prefix = "flatep-test-mesh-" + unique_job_id();
+    base.token = "job-token";
+    base.size = 4;
+    base.expected_pids = {me, me, me, other};
+    base.timeout_s = 1.5;
+    base.what = "test mesh";
+    auto spec_of = [&base](int rank) {
+        ipc::MeshSpec s = base;
+        s.rank = rank;
+        return s;
+    };
+    ipc::Fd listener0 = ipc::listen_abstract(ipc::mesh_socket_name(spec_of(0), 0), 8);
+    ipc::Fd listener3 = ipc::listen_abstract(ipc::mesh_socket_name(spec_of(3), 3), 8);
+    ::testing::internal::CaptureStderr();
+    int refused = 0;
+    std::string rank0_error, impostor_error;
+    std::thread rank0([&] {
+        try {
+            ipc::build_mesh(spec_of(0), listener0.get(), &refused);
+        } catch (const Error& e) {
+            rank0_error = e.what();
+        }
+    });
+    // The impostor connects while ranks 1 and 2 are both still pending at rank 0, and fails once rank 0 refuses it.
+    std::thread impostor([&] {
+        try {
+            ipc::build_mesh(spec_of(3), listener3.get(), nullptr);
+        } catch (const Error& e) {
+            impostor_error = e.what();
+        }
+    });
+    impostor.join();
+    rank0.join();
+    const std::string log = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(refused, 1);
+    EXPECT_NE(log.find("claims rank 3, whose pid is " + std::to_string(other)), std::string::npos) << log;
+    EXPECT_NE(impostor_error.find("closed the connection"), std::string::npos) << impostor_error;
+    EXPECT_NE(rank0_error.find("rank 3 (pid " + std::to_string(other) + ") did not connect"), std::string::npos)
+        << rank0_error;
+}
+
 }  // namespace
 }  // namespace flatep
