@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <string>
@@ -40,6 +41,29 @@ inline std::string failures(const std::vector<std::string>& errors) {
         if (!errors[r].empty()) out += "rank " + std::to_string(r) + ": " + errors[r] + "\n";
     }
     return out;
+}
+
+// The message of the flatep::Error fn() throws, or "(no error)".
+template <class F>
+std::string error_message(F&& fn) {
+    try {
+        fn();
+    } catch (const Error& e) {
+        return e.message();
+    }
+    return "(no error)";
+}
+
+// The bits of an fp32 value, and back.
+inline uint32_t bits_of(float f) {
+    uint32_t b;
+    std::memcpy(&b, &f, 4);
+    return b;
+}
+inline float float_of(uint32_t b) {
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
 }
 
 // Deterministic uniform float in [lo, hi) from (stream, index).

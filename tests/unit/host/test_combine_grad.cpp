@@ -20,24 +20,16 @@
 namespace flatep {
 namespace {
 
+using testing::bits_of;
+using testing::error_message;
 using testing::failures;
+using testing::float_of;
 using testing::run_ranks;
 
 constexpr int kCanaryRows = 2;
 constexpr uint16_t kCanaryY = 0x7fa5;          // a bf16 NaN nothing writes
 constexpr uint32_t kCanaryWBits = 0x7fc0beef;  // an fp32 NaN nothing writes
 constexpr uint16_t kNanBf16[2] = {0x7fc1, 0xffff};
-
-uint32_t bits_of(float f) {
-    uint32_t b;
-    std::memcpy(&b, &f, 4);
-    return b;
-}
-float float_of(uint32_t b) {
-    float f;
-    std::memcpy(&f, &b, 4);
-    return f;
-}
 
 // a * b rounded to fp32 on its own (the volatile store keeps any compiler from fusing it into the following add).
 float product(float a, float b) {
@@ -218,31 +210,25 @@ TEST(CombineGrad, BadArgumentsNameTheArgument) {
     const int nvs = buffer.layout().num_recv_rows;
     std::vector<uint16_t> rows(size_t(nvs) * 8), y(size_t(nvs) * 8), grad_y(size_t(nvs) * 8);
     std::vector<float> w(nvs), grad_w(nvs);
-    auto message = [](auto&& fn) -> std::string {
-        try {
-            fn();
-        } catch (const Error& e) {
-            return e.message();
-        }
-        return "(no error)";
-    };
-    EXPECT_EQ(message([&] { buffer.combine_grad(plan, nullptr, y.data(), w.data(), grad_y.data(), grad_w.data()); }),
-              "combine_grad: rows is null");
-    EXPECT_EQ(message([&] { buffer.combine_grad(plan, rows.data(), y.data(), w.data(), nullptr, nullptr); }),
+    EXPECT_EQ(
+        error_message([&] { buffer.combine_grad(plan, nullptr, y.data(), w.data(), grad_y.data(), grad_w.data()); }),
+        "combine_grad: rows is null");
+    EXPECT_EQ(error_message([&] { buffer.combine_grad(plan, rows.data(), y.data(), w.data(), nullptr, nullptr); }),
               "combine_grad: grad_y and grad_weights are both null (nothing to compute)");
-    EXPECT_EQ(message([&] { buffer.combine_grad(plan, rows.data(), y.data(), nullptr, grad_y.data(), nullptr); }),
+    EXPECT_EQ(error_message([&] { buffer.combine_grad(plan, rows.data(), y.data(), nullptr, grad_y.data(), nullptr); }),
               "combine_grad: weights is null (grad_y needs it)");
-    EXPECT_EQ(message([&] { buffer.combine_grad(plan, rows.data(), nullptr, w.data(), nullptr, grad_w.data()); }),
+    EXPECT_EQ(error_message([&] { buffer.combine_grad(plan, rows.data(), nullptr, w.data(), nullptr, grad_w.data()); }),
               "combine_grad: y is null (grad_weights needs it)");
-    EXPECT_EQ(message([&] { buffer.combine_grad(Plan(), rows.data(), y.data(), w.data(), grad_y.data(), nullptr); }),
-              "combine_grad: plan is empty (default-constructed); get one from Buffer::plan()");
-    EXPECT_EQ(message([&] { other.combine_grad(plan, rows.data(), y.data(), w.data(), grad_y.data(), nullptr); }),
+    EXPECT_EQ(
+        error_message([&] { buffer.combine_grad(Plan(), rows.data(), y.data(), w.data(), grad_y.data(), nullptr); }),
+        "combine_grad: plan is empty (default-constructed); get one from Buffer::plan()");
+    EXPECT_EQ(error_message([&] { other.combine_grad(plan, rows.data(), y.data(), w.data(), grad_y.data(), nullptr); }),
               "combine_grad: plan was made by buffer " + std::to_string(buffer.id()) + ", not by this buffer (" +
                   std::to_string(other.id()) + ")");
     // The allowed partial forms run.
-    EXPECT_EQ(message([&] { buffer.combine_grad(plan, rows.data(), nullptr, w.data(), grad_y.data(), nullptr); }),
+    EXPECT_EQ(error_message([&] { buffer.combine_grad(plan, rows.data(), nullptr, w.data(), grad_y.data(), nullptr); }),
               "(no error)");
-    EXPECT_EQ(message([&] { buffer.combine_grad(plan, rows.data(), y.data(), nullptr, nullptr, grad_w.data()); }),
+    EXPECT_EQ(error_message([&] { buffer.combine_grad(plan, rows.data(), y.data(), nullptr, nullptr, grad_w.data()); }),
               "(no error)");
 }
 

@@ -20,6 +20,7 @@
 namespace flatep {
 namespace {
 
+using testing::bits_of;
 using testing::random_bf16;
 using testing::random_floats;
 using testing::run_ranks;
@@ -28,16 +29,7 @@ constexpr int kCanaryRows = 3;
 constexpr uint16_t kCanaryX = 0xa5a5;
 constexpr uint32_t kCanaryWBits = 0xdeadbeef;
 
-float canary_w() {
-    float f;
-    std::memcpy(&f, &kCanaryWBits, 4);
-    return f;
-}
-uint32_t bits_of(float f) {
-    uint32_t b;
-    std::memcpy(&b, &f, 4);
-    return b;
-}
+float canary_w() { return testing::float_of(kCanaryWBits); }
 
 struct Case {
     int R, epn, S, K, H, align;

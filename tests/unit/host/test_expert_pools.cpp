@@ -19,6 +19,7 @@
 namespace flatep {
 namespace {
 
+using testing::error_message;
 using testing::failures;
 using testing::run_ranks;
 
@@ -258,25 +259,17 @@ TEST(ExpertPools, WriteGradsRejectsBadArguments) {
     const int32_t idx[2] = {0, 1};
     const Plan plan = buffer.plan(idx, 4, 2);
     std::vector<uint16_t> grad(16);
-    auto message = [](auto&& fn) -> std::string {
-        try {
-            fn();
-        } catch (const Error& e) {
-            return e.message();
-        }
-        return "(no error)";
-    };
-    EXPECT_EQ(message([&] { pools.write_grads(plan, layer, 1, grad.data(), 2); }),
+    EXPECT_EQ(error_message([&] { pools.write_grads(plan, layer, 1, grad.data(), 2); }),
               "write_grads: projection must be in [0, 1), got 1");
-    EXPECT_EQ(message([&] { pools.write_grads(plan, layer, 0, grad.data(), 8); }),
+    EXPECT_EQ(error_message([&] { pools.write_grads(plan, layer, 0, grad.data(), 8); }),
               "write_grads: grad_bytes must be 2 (bf16) or 4 (fp32), got 8");
-    EXPECT_EQ(message([&] { pools.write_grads(plan, layer, 0, nullptr, 2); }), "write_grads: grad is null");
-    EXPECT_EQ(message([&] { pools.write_grads(Plan(), layer, 0, grad.data(), 2); }),
+    EXPECT_EQ(error_message([&] { pools.write_grads(plan, layer, 0, nullptr, 2); }), "write_grads: grad is null");
+    EXPECT_EQ(error_message([&] { pools.write_grads(Plan(), layer, 0, grad.data(), 2); }),
               "write_grads: plan is empty (default-constructed); get one from Buffer::plan()");
-    EXPECT_EQ(message([&] { pools.write_grads(plan, foreign, 0, grad.data(), 2); }),
+    EXPECT_EQ(error_message([&] { pools.write_grads(plan, foreign, 0, grad.data(), 2); }),
               "write_grads: layer was registered with pools " + std::to_string(other.id()) +
                   ", not with these pools (" + std::to_string(pools.id()) + ")");
-    EXPECT_EQ(message([&] { pools.write_grads(plan, layer, 0, grad.data(), 2); }), "(no error)");
+    EXPECT_EQ(error_message([&] { pools.write_grads(plan, layer, 0, grad.data(), 2); }), "(no error)");
 }
 
 TEST(ExpertPools, RejectsLayersOfOtherPoolsAndMismatchedPlans) {
