@@ -81,8 +81,11 @@ FLATEP_HD Workspace make_workspace(const Layout& l, int32_t* base) {
 //   the scans and loops below among themselves and reduce with warp instructions.
 // An executor provides:
 //   x.for_each(n, f)   f(i) for every i in [0, n), spread over the lanes; f writes only cells of its own i
-//   x.sum(n, f)        sum of f(i) over [0, n) (int64)
+//   x.sum(n, f)        sum of f(i) over [0, n) (int64); f may write cells of its own i, as in for_each (visible to
+//                      every lane after the next single or sync)
 //   x.arg_max(n, key)  the i in [0, n) with the largest key(i) (uint64; 0 = not eligible), ties to the lower i; -1
+//   x.arg_max3(n, key, out)  three such selections over the same items at once: key(i) returns Keys3, out[j] =
+//                      arg_max(n, key(i).k[j]) (a warp runs the three reductions side by side)
 //                      when no i is eligible
 //   x.single(f)        f() once (shared state: loads, rooms, allocation cells), visible to every lane afterwards
 //   x.add(p, v)        *p += v, safe when several lanes add to the same word inside for_each or sum
@@ -94,8 +97,15 @@ FLATEP_HD Workspace make_workspace(const Layout& l, int32_t* base) {
 //                      alloc, w.total, w.load) in place and knows N; init_home then only returns n. SerialExec: never.
 //   x.targets_ready()  true when w.target already holds fixed_targets' result for the counts (the callers of
 //                      fixed_targets then skip it). SerialExec: never.
+//   x.home_ahead(r)    ahead_sums of rank r's home experts under the home allocation (w.total[r*epn, (r+1)*epn)),
+//                      when the executor has computed them for the whole candidate, else nullptr. SerialExec: nullptr.
 // So every selection of design §4 ("the largest ..., ties to the lower index") is one arg_max with the same key on
 // every executor, and the plans are bitwise equal by construction.
+// Three keys per item (x.arg_max3).
+struct Keys3 {
+    uint64_t k[3];
+};
+
 struct SerialExec {
     FLATEP_HD void sync() const {}
     template <class F>
@@ -125,6 +135,20 @@ struct SerialExec {
         }
         return at;
     }
+    template <class K>
+    FLATEP_HD void arg_max3(int n, K&& key, int* out) const {
+        uint64_t best[3] = {0, 0, 0};
+        out[0] = out[1] = out[2] = -1;
+        for (int i = 0; i < n; ++i) {
+            const Keys3 k = key(i);
+            for (int j = 0; j < 3; ++j) {
+                if (k.k[j] > best[j]) {
+                    best[j] = k.k[j];
+                    out[j] = i;
+                }
+            }
+        }
+    }
     FLATEP_HD void add(int32_t* p, int32_t v) const { *p += v; }
     FLATEP_HD void group_sum(int groups, int size, const int32_t* v, int32_t* out) const {
         for (int i = 0; i < groups; ++i) {
@@ -153,6 +177,7 @@ struct SerialExec {
     }
     FLATEP_HD bool home_ready(const int32_t*, int64_t*) const { return false; }
     FLATEP_HD bool targets_ready() const { return false; }
+    FLATEP_HD const int32_t* home_ahead(int) const { return nullptr; }
 };
 
 // Keys of arg_max. A positive int32 value, larger first.
@@ -292,8 +317,14 @@ FLATEP_HD void greedy_alloc(const X& x, const Layout& l, const int32_t* tpe_all,
     const int64_t n = init_home(x, l, tpe_all, alloc, w);
     if (!x.targets_ready()) x.single([&] { fixed_targets(l, n, w); });
     for (int fill = 0; fill < R; ++fill) {
-        const int rc = x.arg_max(R, [&](int r) { return key_larger(w.target[r] - w.load[r]); });
-        const int dn = x.arg_max(R, [&](int r) { return key_larger(w.load[r] - w.target[r]); });
+        int sel[3];  // receiver (largest deficit), donor (largest surplus)
+        x.arg_max3(
+            R,
+            [&](int r) {
+                return Keys3{{key_larger(w.target[r] - w.load[r]), key_larger(w.load[r] - w.target[r]), 0}};
+            },
+            sel);
+        const int rc = sel[0], dn = sel[1];
         if (rc < 0 || dn < 0) break;
         int32_t need = w.target[rc] - w.load[rc];
         for (int taken = 0; need > 0 && taken < epn; ++taken) {
@@ -370,22 +401,29 @@ FLATEP_HD bool transport_candidate(const X& x, const Layout& l, const int32_t* t
         const int e = pick_home_expert(x, l, alloc, dn, xs, expert_rule == 1);
         if (e < 0) return false;  // the donor has nothing left at home (cannot happen: load_dn > its target >= 0)
         const int32_t piece = min_of(xs, alloc[dn * E + e]);
-        // A receiver that already hosts e: no new replica.
-        int rc = x.arg_max(R, [&](int r) { return uint64_t(r != dn && w.room[r] > 0 && alloc[r * E + e] > 0); });
+        // Receivers, selected at once: a rank that already hosts e (no new replica); else the best fit, or the
+        // largest open room (see the rules above).
+        auto open = [&](int r) { return r != dn && w.room[r] > 0 && w.num_in[r] < in_budget; };
+        int sel[3];  // hosting, largest room, fit
+        x.arg_max3(
+            R,
+            [&](int r) {
+                Keys3 k{{uint64_t(r != dn && w.room[r] > 0 && alloc[r * E + e] > 0), 0, 0}};
+                if (open(r)) {
+                    k.k[1] = key_larger(w.room[r]);
+                    if (receiver_rule != 2 && w.room[r] >= piece) {
+                        const uint64_t smaller = key_smaller(w.room[r]);
+                        k.k[2] = receiver_rule == 1 ? (uint64_t(tpe_all[r * E + e]) << 32) | smaller : smaller;
+                    }
+                }
+                return k;
+            },
+            sel);
+        int rc = sel[0];
         const bool new_replica = rc < 0;
         if (new_replica) {
             if (w.num_out[dn] >= budget) return false;
-            auto open = [&](int r) { return r != dn && w.room[r] > 0 && w.num_in[r] < in_budget; };
-            const int big = x.arg_max(R, [&](int r) { return open(r) ? key_larger(w.room[r]) : 0; });
-            int fit = -1;
-            if (receiver_rule != 2) {
-                fit = x.arg_max(R, [&](int r) {
-                    if (!open(r) || w.room[r] < piece) return uint64_t(0);
-                    const uint64_t smaller = key_smaller(w.room[r]);
-                    return receiver_rule == 1 ? (uint64_t(tpe_all[r * E + e]) << 32) | smaller : smaller;
-                });
-            }
-            rc = fit < 0 ? big : fit;
+            rc = sel[2] < 0 ? sel[1] : sel[2];
             if (rc < 0) return false;
         }
         const int32_t m = min_of(piece, w.room[rc]);
@@ -528,41 +566,42 @@ FLATEP_HD int path_order(const X& x, const Layout& l, const Workspace& w, int va
 // computed at once: expert j goes (min(a_j, need - ahead_j) of its a_j entries) when the experts ahead of it in that
 // order hold ahead_j < need entries. False (alloc and loads then unspecified) when src's home allocation cannot cover
 // need or dst would host more than epn replicas.
+// Precondition: src's home allocation has changed only through its own sends (w.num_out[src] counts them), so before
+// its first send it is the home allocation and the executor's home_ahead(src), when it has one, gives the order.
 template <class X>
 FLATEP_HD bool send_largest_first(const X& x, const Layout& l, int32_t* alloc, const Workspace& w, int src, int dst,
                                   int32_t need) {
     const int E = l.num_experts, epn = l.experts_per_rank;
-    const int32_t* home = alloc + int64_t(src) * E + int64_t(src) * epn;
-    // The usual case first: the largest home expert covers need (one piece).
-    const int top = largest_home_expert(x, l, alloc, src);
-    if (top < 0) return false;
-    if (alloc[int64_t(src) * E + top] >= need) {
-        if (w.num_in[dst] >= epn) return false;
-        x.single([&] {
-            move_entries(l, alloc, w, top, dst, need);
-            ++w.num_in[dst];
-            ++w.num_out[src];
-        });
-        return true;
-    }
+    int32_t* const home = alloc + int64_t(src) * E + int64_t(src) * epn;
+    int32_t* const to = alloc + int64_t(dst) * E + int64_t(src) * epn;
     // Entries ahead of each home expert (positive allocations before it in the order), or -1 when it holds none.
-    int32_t* const ahead = w.itemized;  // [epn] (E >= epn)
-    x.ahead_sums(epn, home, ahead);
-    int32_t* const sent = w.item_size;  // [epn] entries sent per home expert
-    // One sum: pieces (<= epn) above bit 40, the home allocation (< 2^31) below.
+    const int32_t* ahead = w.num_out[src] == 0 ? x.home_ahead(src) : nullptr;
+    if (ahead == nullptr) {
+        // The usual case first: the largest home expert covers need (one piece).
+        const int top = largest_home_expert(x, l, alloc, src);
+        if (top < 0) return false;
+        if (alloc[int64_t(src) * E + top] >= need) {
+            if (w.num_in[dst] >= epn) return false;
+            x.single([&] {
+                move_entries(l, alloc, w, top, dst, need);
+                ++w.num_in[dst];
+                ++w.num_out[src];
+            });
+            return true;
+        }
+        x.ahead_sums(epn, home, w.itemized);  // [epn] (E >= epn)
+        ahead = w.itemized;
+    }
+    // One pass moves the pieces and sums them: pieces (<= epn) above bit 40, the home allocation (< 2^31) below.
     const int64_t both = x.sum(epn, [&](int j) {
-        const int32_t s = ahead[j];
-        const int32_t piece = s >= 0 && s < need ? min_of(home[j], need - s) : 0;
-        sent[j] = piece;
-        return (piece > 0 ? int64_t(1) << 40 : 0) + (home[j] > 0 ? home[j] : 0);
+        const int32_t s = ahead[j], a = home[j];
+        const int32_t piece = s >= 0 && s < need ? min_of(a, need - s) : 0;
+        home[j] = a - piece;
+        to[j] += piece;
+        return (piece > 0 ? int64_t(1) << 40 : 0) + (a > 0 ? a : 0);
     });
     const int64_t pieces = both >> 40, available = both & ((int64_t(1) << 40) - 1);
     if (available < need || pieces > epn - w.num_in[dst]) return false;
-    x.for_each(epn, [&](int j) {
-        const int e = src * epn + j;
-        alloc[int64_t(src) * E + e] -= sent[j];
-        alloc[int64_t(dst) * E + e] += sent[j];
-    });
     x.single([&] {
         w.load[src] -= need;
         w.load[dst] += need;
@@ -647,16 +686,27 @@ FLATEP_HD bool tree_candidate(const X& x, const Layout& l, const int32_t* tpe_al
         if (left <= 0) return false;
         const bool last = left == 1;
         auto open = [&](int r) { return r != dn && w.room[r] > 0 && w.num_in[r] < in_budget; };
-        const int fit = x.arg_max(R, [&](int r) { return open(r) && w.room[r] >= xs ? key_smaller(w.room[r]) : 0; });
-        const int big = x.arg_max(R, [&](int r) {
-            return open(r) && w.room[r] < xs && (!last || w.num_out[r] < budget) ? key_larger(w.room[r]) : 0;
-        });
+        // Selected at once: the smallest fitting room, the largest non-fitting one, the largest fitting one.
+        int sel[3];
+        x.arg_max3(
+            R,
+            [&](int r) {
+                Keys3 k{{0, 0, 0}};
+                if (open(r) && w.room[r] >= xs) {
+                    k.k[0] = key_smaller(w.room[r]);
+                    k.k[2] = key_larger(w.room[r]);
+                } else if (open(r) && (!last || w.num_out[r] < budget)) {
+                    k.k[1] = key_larger(w.room[r]);
+                }
+                return k;
+            },
+            sel);
+        const int fit = sel[0], big = sel[1];
         int rc;
         if (last || receiver_rule == 1) {
             rc = fit >= 0 ? fit : big;
         } else if (fit >= 0) {
-            // Largest room overall: the largest fitting room (it is above every non-fitting one).
-            rc = x.arg_max(R, [&](int r) { return open(r) && w.room[r] >= xs ? key_larger(w.room[r]) : 0; });
+            rc = sel[2];  // largest room overall: the largest fitting room (it is above every non-fitting one)
         } else {
             rc = big;
         }

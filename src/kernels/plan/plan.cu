@@ -354,6 +354,8 @@ FLATEP_DEVICE void derive_plan_block(const Layout& l, const PlanView& p, Planner
             atomicAdd(&sh.kept, (unsigned long long)sum_total);  // kept doubles as entries_total here
         }
     }
+    // Profile: every warp's end of its tasks (trace[8 + warp]).
+    if (rec != nullptr && lane == 0 && 8 + warp < PlannerProfileRecord::kTrace) rec->trace[8 + warp] = clock64();
     __syncthreads();
     if (tid == 0) {
         profile_stamp(rec, kStampDeriveSums);
@@ -535,8 +537,50 @@ __global__ void __launch_bounds__(kPlannerThreads)
 // tests/unit/planner/test_planner_candidates.cpp checks the decomposition.
 constexpr int kSelectCached = 1024;  // qualities select_derive_kernel reads from shared memory
 
+// The counts [R*E], planner_core's workspace, home_ahead's table [E].
 size_t candidate_smem_bytes(const Layout& l) {
-    return (size_t(l.num_ranks) * l.num_experts + size_t(planner_core::planner_workspace_words(l))) * sizeof(int32_t);
+    return (size_t(l.num_ranks + 1) * l.num_experts + size_t(planner_core::planner_workspace_words(l))) *
+           sizeof(int32_t);
+}
+
+// Named barrier (not 0, which __syncthreads uses) between warp 0 and the other warps of a candidate block: the
+// others arrive when home_ahead's table is written, warp 0 waits before its first read. bar.arrive orders the
+// arriving threads' earlier memory accesses before the barrier completes (PTX ISA, barrier); the fence only makes
+// the shared-memory stores' ordering explicit.
+constexpr int kAheadBarrier = 1;
+FLATEP_DEVICE void named_barrier_sync(int id, int threads) {
+#ifdef __CUDA_ARCH__
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+#endif
+}
+FLATEP_DEVICE void named_barrier_arrive(int id, int threads) {
+#ifdef __CUDA_ARCH__
+    __threadfence_block();
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+#endif
+}
+
+// Item i of SerialExec::ahead_sums over v[0, n): the positive items before it (larger first, ties to the lower
+// index) summed, -1 when v[i] <= 0. Every item is read in turn (broadcast reads, unrolled so that the loads overlap).
+FLATEP_DEVICE int32_t ahead_of(const int32_t* v, int n, int i) {
+    const int32_t vi = v[i];
+    int32_t s = 0;
+#pragma unroll 8
+    for (int j = 0; j < n; ++j) {
+        const int32_t a = v[j];
+        s += a > 0 && (a > vi || (a == vi && j < i)) ? a : 0;
+    }
+    return vi > 0 ? s : -1;
+}
+
+// home_ahead's table for every rank's home experts from T_e (SerialExec::ahead_sums per rank), by threads
+// [0, nthreads) of the caller (the block's warps other than warp 0).
+FLATEP_DEVICE void home_ahead_table(const Layout& l, const int32_t* total, int32_t* table, int t, int nthreads) {
+    const int E = l.num_experts, epn = l.experts_per_rank;
+    for (int e = t; e < E; e += nthreads) {
+        const int base = e / epn * epn;
+        table[e] = ahead_of(total + base, epn, e - base);
+    }
 }
 
 // Warp executor of planner_core (see "Executors" there): the 32 lanes run the planner's scalar code together with
@@ -549,8 +593,29 @@ struct WarpExec {
     int lane;
     int64_t home_n = -1;  // >= 0: init_home's results for home_alloc are in place (home_ready)
     const int32_t* home_alloc = nullptr;
-    long long* trace = nullptr;  // profile: clock64 after every single() (lane 0), up to kTrace entries
+    long long* trace = nullptr;  // profile: clock64 after every single(), sum() and arg_max() (lane 0), up to kTrace
     int* trace_n = nullptr;
+    FLATEP_HD void mark() const {
+#ifdef __CUDA_ARCH__
+        if (trace != nullptr && lane == 0 && *trace_n < PlannerProfileRecord::kTrace) trace[(*trace_n)++] = clock64();
+#endif
+    }
+    // Path candidates: the other warps of the block compute home_ahead's table ([E], epn words per rank) while warp 0
+    // starts, and arrive at named barrier kAheadBarrier; the first home_ahead() waits there (every lane).
+    const int32_t* ahead_table = nullptr;
+    int ahead_epn = 0;
+    int ahead_threads = 0;  // threads of the named barrier (the block)
+    mutable bool ahead_waited = false;
+    FLATEP_DEVICE const int32_t* home_ahead(int r) const {
+        if (ahead_table == nullptr) return nullptr;
+        wait_ahead_table();
+        return ahead_table + r * ahead_epn;
+    }
+    FLATEP_DEVICE void wait_ahead_table() const {
+        if (ahead_table == nullptr || ahead_waited) return;
+        named_barrier_sync(kAheadBarrier, ahead_threads);
+        ahead_waited = true;
+    }
     FLATEP_HD bool home_ready(const int32_t* alloc, int64_t* n) const {
         if (home_n < 0 || alloc != home_alloc) return false;
         *n = home_n;
@@ -565,12 +630,8 @@ struct WarpExec {
     template <class F>
     FLATEP_HD void single(F&& f) const {
         sync();
-        if (lane == 0) {
-            f();
-#ifdef __CUDA_ARCH__
-            if (trace != nullptr && *trace_n < PlannerProfileRecord::kTrace) trace[(*trace_n)++] = clock64();
-#endif
-        }
+        if (lane == 0) f();
+        mark();
         sync();
     }
     template <class F>
@@ -587,10 +648,42 @@ struct WarpExec {
 #ifdef __CUDA_ARCH__
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
 #endif
+        mark();
         return s;
     }
     template <class K>
     FLATEP_HD int arg_max(int n, K&& key) const {
+        const int at = arg_max_of(n, key);
+        mark();
+        return at;
+    }
+    // Up to 32 items: the three reductions side by side (each as in arg_max, without its 32-bit shortcut, so that
+    // no branch separates them); else three arg_max scans.
+    template <class K>
+    FLATEP_HD void arg_max3(int n, K&& key, int* out) const {
+#ifdef __CUDA_ARCH__
+        if (n <= 32) {
+            const planner_core::Keys3 k = lane < n ? key(lane) : planner_core::Keys3{{0, 0, 0}};
+            unsigned hi[3], lo[3];
+#pragma unroll
+            for (int j = 0; j < 3; ++j) hi[j] = __reduce_max_sync(kFull, unsigned(k.k[j] >> 32));
+#pragma unroll
+            for (int j = 0; j < 3; ++j)
+                lo[j] = __reduce_max_sync(kFull, unsigned(k.k[j] >> 32) == hi[j] ? unsigned(k.k[j]) : 0u);
+#pragma unroll
+            for (int j = 0; j < 3; ++j) {
+                const unsigned at = __ballot_sync(kFull, k.k[j] == ((uint64_t(hi[j]) << 32) | lo[j]));
+                out[j] = (hi[j] | lo[j]) == 0 ? -1 : __ffs(at) - 1;
+            }
+            mark();
+            return;
+        }
+#endif
+        for (int j = 0; j < 3; ++j) out[j] = arg_max_of(n, [&](int i) { return key(i).k[j]; });
+        mark();
+    }
+    template <class K>
+    FLATEP_HD int arg_max_of(int n, K&& key) const {
 #ifdef __CUDA_ARCH__
         if (n <= 32) {
             // One item per lane (ranks, mostly): the largest key, then the lowest lane holding it (= the lowest index).
@@ -705,16 +798,7 @@ struct WarpExec {
             sync();
             return;
         }
-        for (int i = lane; i < n; i += 32) {
-            const int32_t vi = v[i];
-            int32_t s = 0;
-#pragma unroll 8
-            for (int j = 0; j < n; ++j) {
-                const int32_t a = v[j];
-                s += a > 0 && (a > vi || (a == vi && j < i)) ? a : 0;
-            }
-            out[i] = vi > 0 ? s : -1;
-        }
+        for (int i = lane; i < n; i += 32) out[i] = ahead_of(v, n, i);
         sync();
     }
 };
@@ -888,6 +972,7 @@ __global__ void __launch_bounds__(kCandidateThreads)
     }
     if (!greedy_block && begin >= end) return;  // uniform over the block
     const planner_core::Workspace w = load_counts(l, p, smem, tid, nthreads);
+    int32_t* const ahead_s = smem + re + planner_core::planner_workspace_words(l);  // [E] home_ahead's table
     __syncthreads();
     const Stamp loaded = prof != nullptr ? stamp_now() : Stamp{};
     if (greedy_block) {
@@ -923,6 +1008,15 @@ __global__ void __launch_bounds__(kCandidateThreads)
     for (int index = begin; index < end; index += step) {
         PlannerProfileRecord* rec = prof != nullptr ? prof + index : nullptr;
         prepare_home(x, bx, l, smem, w);  // the whole block; warp 0 then skips init_home and fixed_targets
+        const bool path = index < planner_core::kNumPathVariants && nthreads > 32;
+        if (path && warp != 0) {
+            home_ahead_table(l, w.total, ahead_s, tid - 32, nthreads - 32);
+            named_barrier_arrive(kAheadBarrier, nthreads);
+        }
+        x.ahead_table = path ? ahead_s : nullptr;
+        x.ahead_epn = l.experts_per_rank;
+        x.ahead_threads = nthreads;
+        x.ahead_waited = false;
         if (warp == 0) {
             if (rec != nullptr) {
                 x.trace = rec->trace;
@@ -934,6 +1028,7 @@ __global__ void __launch_bounds__(kCandidateThreads)
                 __syncwarp();
             }
             const bool ok = planner_core::build_candidate(x, l, smem, w.cand, w, index);
+            x.wait_ahead_table();  // completes the named barrier when the build never read the table
             if (x.lane == 0) {
                 built = ok;
                 if (rec != nullptr) {
@@ -979,8 +1074,13 @@ __global__ void __launch_bounds__(kCandidateThreads)
 // candidate in it with a warp reduction under a total order (quality, then index), so the result is the same.
 // Setting kWarpSelect to false restores select_candidate on one thread.
 constexpr bool kWarpSelect = true;
+// trace (profile, null = off): clock64 after each of its four phases (lane 0).
 FLATEP_DEVICE int select_candidate_warp(const planner_core::PlanQuality& greedy,
-                                        const planner_core::PlanQuality* quality, int count, int lane) {
+                                        const planner_core::PlanQuality* quality, int count, int lane,
+                                        long long* trace = nullptr) {
+    auto mark = [&](int at) {
+        if (trace != nullptr && lane == 0) trace[at] = clock64();
+    };
     using planner_core::better_than;
     using planner_core::PlanQuality;
     auto acceptable = [&greedy](const PlanQuality& q) {
@@ -995,6 +1095,7 @@ FLATEP_DEVICE int select_candidate_warp(const planner_core::PlanQuality& greedy,
         best = quality[i];
         kept = i;
     }
+    mark(0);
     // The lowest budget in [1, best.makespan] with an acceptable candidate.
     constexpr int kNone = 0x7fffffff;
     int budget = kNone;
@@ -1003,6 +1104,7 @@ FLATEP_DEVICE int select_candidate_warp(const planner_core::PlanQuality& greedy,
         if (b <= best.makespan && b < budget && acceptable(quality[i])) budget = b;
     }
     budget = int(__reduce_min_sync(kFull, unsigned(budget)));
+    mark(1);
     if (budget == kNone) return kept;
     // Its best candidate strictly better than `best`: per lane in index order (strict improvement keeps the first),
     // then a butterfly under the total order (found first, quality, lower index).
@@ -1017,6 +1119,7 @@ FLATEP_DEVICE int select_candidate_warp(const planner_core::PlanQuality& greedy,
             at = i;
         }
     }
+    mark(2);
     for (int o = 16; o > 0; o >>= 1) {
         PlanQuality other;
         other.makespan = __shfl_xor_sync(kFull, mine.makespan, o);
@@ -1030,7 +1133,61 @@ FLATEP_DEVICE int select_candidate_warp(const planner_core::PlanQuality& greedy,
             at = other_at;
         }
     }
+    mark(3);
     return at >= 0 ? at : kept;
+}
+
+// select_candidate_warp with each quality as one 64-bit key, (P, total replicas, entries moved) in bits 56+, 40+ and
+// 0-39, so better_than(a, b) is key(a) < key(b): valid when the greedy's P < 256 and total replicas < 2^16 (an
+// acceptable candidate is at most that on both; entries moved <= N < 2^37 always). Every selection is then one warp
+// minimum of (key, index): the path candidates one per lane, the lowest acceptable budget, that budget's candidates
+// one per lane (kVariantsPerBudget <= 32). The same index as select_candidate_warp.
+static_assert(planner_core::kVariantsPerBudget <= 32 && planner_core::kNumPathVariants <= 32, "one per lane");
+FLATEP_DEVICE bool quality_keys_fit(const planner_core::PlanQuality& greedy) {
+    return greedy.makespan >= 0 && greedy.makespan < 256 && greedy.total_replicas >= 0 && greedy.total_replicas < 65536;
+}
+FLATEP_DEVICE uint64_t quality_key(const planner_core::PlanQuality& q) {
+    return (uint64_t(q.makespan) << 56) | (uint64_t(q.total_replicas) << 40) | uint64_t(q.entries_moved);
+}
+// The lowest lane holding the smallest key among the lanes with `has` (-1 when none); *best = that key.
+FLATEP_DEVICE int warp_min_key(bool has, uint64_t key, uint64_t* best) {
+    const unsigned hi = __reduce_min_sync(kFull, has ? unsigned(key >> 32) : 0xffffffffu);
+    const unsigned lo = __reduce_min_sync(kFull, has && unsigned(key >> 32) == hi ? unsigned(key) : 0xffffffffu);
+    const uint64_t k = (uint64_t(hi) << 32) | lo;
+    const unsigned at = __ballot_sync(kFull, has && key == k);
+    if (at == 0) return -1;
+    *best = k;
+    return __ffs(at) - 1;
+}
+FLATEP_DEVICE int select_candidate_keys(const planner_core::PlanQuality& greedy,
+                                        const planner_core::PlanQuality* quality, int count, int lane) {
+    using planner_core::PlanQuality;
+    constexpr int kPath = planner_core::kNumPathVariants, kPerBudget = planner_core::kVariantsPerBudget;
+    auto acceptable = [&greedy](const PlanQuality& q) {
+        return q.makespan != planner_core::kNoCandidate && q.makespan <= greedy.makespan &&
+               q.total_replicas <= greedy.total_replicas;
+    };
+    uint64_t best = quality_key(greedy);
+    int best_p = greedy.makespan;
+    PlanQuality q{};
+    if (lane < kPath && lane < count) q = quality[lane];
+    const uint64_t path_key = quality_key(q);
+    const int kept = warp_min_key(lane < kPath && lane < count && acceptable(q) && path_key < best, path_key, &best);
+    if (kept >= 0) best_p = int(best >> 56);
+    constexpr int kNone = 0x7fffffff;
+    int budget = kNone;
+    for (int i = kPath + lane; i < count; i += 32) {
+        const int b = (i - kPath) / kPerBudget + 1;
+        if (b <= best_p && b < budget && acceptable(quality[i])) budget = b;
+    }
+    budget = int(__reduce_min_sync(kFull, unsigned(budget)));
+    if (budget == kNone) return kept;
+    const int i = kPath + (budget - 1) * kPerBudget + lane;
+    const bool mine = lane < kPerBudget && i < count;
+    if (mine) q = quality[i];
+    const uint64_t key = quality_key(q);
+    const int at = warp_min_key(mine && acceptable(q) && key < best, key, &best);
+    return at >= 0 ? i - lane + at : kept;
 }
 
 // prof: the select record (null = off).
@@ -1063,7 +1220,12 @@ __global__ void __launch_bounds__(kPlannerThreads)
     if (tid < 32) {
         const planner_core::PlanQuality* q = count <= kSelectCached ? quality : ws.cand_quality;
         if (kWarpSelect) {
-            const int winner = select_candidate_warp(greedy, q, count, tid);
+            long long* trace = rec != nullptr ? rec->trace : nullptr;
+            if (trace != nullptr && tid == 0) trace[4] = clock64();
+            const int winner = quality_keys_fit(greedy) ? select_candidate_keys(greedy, q, count, tid)
+                                                        : select_candidate_warp(greedy, q, count, tid, trace);
+            if (trace != nullptr && tid == 0) trace[0] = trace[1] = trace[2] = trace[3] = clock64();
+            if (trace != nullptr && tid == 0) rec->trace_count = 5;
             if (tid == 0) sh.winner = winner;
         } else if (tid == 0) {
             sh.winner = planner_core::select_candidate(greedy, q, count);

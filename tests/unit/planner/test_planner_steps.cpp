@@ -35,6 +35,25 @@ TEST(PlannerSteps, GroupSumAndMax) {
     EXPECT_EQ(max, (std::vector<int32_t>{7, 0, 2}));  // at least 0
 }
 
+TEST(PlannerSteps, ArgMax3IsThreeArgMaxes) {
+    std::mt19937_64 rng(9);
+    for (int trial = 0; trial < 300; ++trial) {
+        const int n = 1 + int(rng() % 40);
+        std::vector<planner_core::Keys3> keys(n);
+        for (auto& k : keys)
+            for (uint64_t& v : k.k) v = rng() % 4 == 0 ? 0 : (rng() % 5) << (trial % 2 ? 33 : 0);  // ties and zeros
+        int out[3] = {7, 7, 7};
+        SerialExec{}.arg_max3(
+            n, [&](int i) { return keys[size_t(i)]; }, out);
+        for (int j = 0; j < 3; ++j) {
+            int want = -1;
+            for (int i = 0; i < n; ++i)
+                if (keys[size_t(i)].k[j] != 0 && (want < 0 || keys[size_t(i)].k[j] > keys[size_t(want)].k[j])) want = i;
+            ASSERT_EQ(out[j], want) << "trial " << trial << " key " << j;
+        }
+    }
+}
+
 // The flow of path_candidate as it was written before send_largest_first: one piece at a time.
 bool send_piece_by_piece(const Layout& l, int32_t* alloc, const planner_core::Workspace& w, int src, int dst,
                          int32_t need) {
@@ -160,6 +179,55 @@ TEST(PlannerSteps, PathOrderEqualsPairwiseScan) {
             }
         }
     }
+}
+
+// An executor with the precomputed home order of the GPU's path candidates (home_ahead), from the counts.
+struct HomeAheadExec : SerialExec {
+    const int32_t* table = nullptr;  // [E]
+    int* used = nullptr;             // calls that returned the table
+    int epn = 1;
+    const int32_t* home_ahead(int r) const {
+        ++*used;
+        return table + r * epn;
+    }
+};
+
+TEST(PlannerSteps, PathCandidatesWithHomeAheadTableAsWithout) {
+    int used = 0, multi = 0;
+    for (int R : {2, 5, 8}) {
+        for (int epn : {1, 4, 48}) {
+            for (double sigma : {0.0, 1.0, 3.0, 6.0}) {
+                for (double factor : {1.0, 1.25}) {
+                    Config c;
+                    c.num_ranks = R, c.num_experts = R * epn, c.topk = std::min(8, R * epn);
+                    c.num_tokens = 1024, c.capacity_factor = factor;
+                    const Layout l = make_layout(c);
+                    const int E = c.num_experts;
+                    const std::vector<int32_t> tpe = routing::generate_counts(R, E, c.num_tokens, c.topk, sigma, 3);
+                    std::vector<int32_t> total(E, 0), table(E, 0);
+                    for (int s = 0; s < R; ++s)
+                        for (int e = 0; e < E; ++e) total[e] += tpe[s * E + e];
+                    for (int r = 0; r < R; ++r) SerialExec{}.ahead_sums(epn, &total[r * epn], &table[r * epn]);
+                    HomeAheadExec x;
+                    x.table = table.data(), x.used = &used, x.epn = epn;
+                    std::vector<int32_t> ws_a(planner_core::planner_workspace_words(l)), ws_b(ws_a.size());
+                    const planner_core::Workspace wa = planner_core::make_workspace(l, ws_a.data());
+                    const planner_core::Workspace wb = planner_core::make_workspace(l, ws_b.data());
+                    for (int i = 0; i < planner_core::kNumPathVariants; ++i) {
+                        const bool ok_a = planner_core::build_candidate(x, l, tpe.data(), wa.cand, wa, i);
+                        const bool ok_b = planner_core::build_candidate(SerialExec{}, l, tpe.data(), wb.cand, wb, i);
+                        ASSERT_EQ(ok_a, ok_b) << "R " << R << " epn " << epn << " sigma " << sigma << " path " << i;
+                        if (!ok_a) continue;
+                        ASSERT_TRUE(std::equal(wa.cand, wa.cand + R * E, wb.cand))
+                            << "R " << R << " epn " << epn << " sigma " << sigma << " path " << i;
+                        for (int r = 0; r < R; ++r) multi += wa.num_out[r] > 1;
+                    }
+                }
+            }
+        }
+    }
+    EXPECT_GT(used, 100);
+    EXPECT_GT(multi, 20);  // flows of several experts taken from the table
 }
 
 uint64_t mix(uint64_t h, uint64_t v) { return h ^ (v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2)); }
