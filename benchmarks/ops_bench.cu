@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <string>
 #include <vector>
 
@@ -339,13 +340,13 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
     std::printf("    slowest candidates (index: us):");
     for (size_t k = 0; k < slow.size() && k < 6; ++k) std::printf(" #%d: %.1f", slow[k].second, slow[k].first);
     // Step traces of the three slowest candidates (last run of the batch): build start to every warp step
-    // (WarpExec::single) to the build's end.
+    // (WarpExec::single, sum, arg_max) to the build's end.
     const PlannerProfileRecord* last = balanced.data() + size_t(kProfileBatch - 1) * slots.total;
     for (size_t k = 0; k < slow.size() && k < 3; ++k) {
         const int c = slow[k].second;
         const PlannerProfileRecord& cr = last[c];
         if (cr.trace_count < 2) continue;
-        std::printf("\n    trace #%d (%d steps, %.1f us):", c, cr.trace_count - 2,
+        std::printf("\n    trace #%d (%d events, %.1f us):", c, cr.trace_count - 2,
                     double(cr.trace[cr.trace_count - 1] - cr.trace[0]) * clk.ns_per_cycle * 1e-3);
         for (int k = 1; k < cr.trace_count; ++k)
             std::printf(" %.2f", double(cr.trace[k] - cr.trace[k - 1]) * clk.ns_per_cycle * 1e-3);
@@ -353,6 +354,22 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
     std::printf("\n    select_derive %.1f us (started %.1f us before): load %.1f select %.1f copy %.1f rebuild %.1f",
                 md(kSelect), md(kEarly), md(kSLoad), md(kSSelect), md(kSCopy), md(kSRebuild));
     std::printf(" | derive pass %.1f stats %.1f\n", md(kSSums) + md(kSSlots) + md(kSRows), md(kSStats));
+    // Inside select_derive (last run of the batch): the warp selection's phases (trace[4] its start, trace[0..3]
+    // the ends of: path scan, lowest budget, budget scan, butterfly) and every derive warp's end of its tasks.
+    const PlannerProfileRecord& sr = last[slots.select];
+    if (sr.trace_count == 5) {
+        std::printf("    select phases (us):");
+        long long prev = sr.trace[4];
+        for (int k = 0; k < 4; ++k) {
+            std::printf(" %.2f", double(sr.trace[k] - prev) * clk.ns_per_cycle * 1e-3);
+            prev = sr.trace[k];
+        }
+        std::printf("\n");
+    }
+    std::printf("    derive warps' ends (us after the pass starts):");
+    for (int w = 0; w < 32; ++w)
+        std::printf(" %.2f", double(sr.trace[8 + w] - sr.clock[kernels::kStampSelRebuilt]) * clk.ns_per_cycle * 1e-3);
+    std::printf("\n");
     // Greedy planner kind: planner_parallel_kernel.
     const ProfileClock gclk = fit_clock(greedy_kind, kStampEvaluated);
     std::vector<std::vector<double>> gm(7);
@@ -374,17 +391,30 @@ int planner_bench(int iters, int warmup, bool profile, const std::vector<double>
                 "balanced_us", "greedy_us");
     cudaStream_t stream = nullptr;
     FLATEP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto layout_of = [](double mv) {
+        return make_layout(mv < 0 ? make_config(8, 256, 4096, 8, 7168) : make_config(8, 384, 8192, 8, 7168));
+    };
+    // The routings' sigmas (a bisection each, seconds on the host) for every (maxvio, seed), searched in parallel.
+    std::vector<std::future<double>> sigmas;
     for (double mv : maxvios) {
-        const Config c = mv < 0 ? make_config(8, 256, 4096, 8, 7168) : make_config(8, 384, 8192, 8, 7168);
-        const Layout l = make_layout(c);
+        for (uint64_t seed = 42; seed < 42 + uint64_t(num_seeds); ++seed) {
+            const Layout l = layout_of(mv);
+            sigmas.push_back(std::async(std::launch::async, [mv, seed, l] {
+                return mv < 0 ? 0.0
+                              : routing::sigma_for_maxvio(mv, l.num_ranks, l.num_experts, l.num_tokens, l.topk, seed);
+            }));
+        }
+    }
+    size_t next_sigma = 0;
+    for (double mv : maxvios) {
+        const Layout l = layout_of(mv);
         const size_t words = size_t(make_plan_sizes(l).total_words);
         int32_t* d_plan = nullptr;
         void* ws = nullptr;
         FLATEP_CUDA_CHECK(cudaMalloc(&d_plan, words * 4));
         FLATEP_CUDA_CHECK(cudaMalloc(&ws, kernels::plan_workspace_bytes(l)));
         for (uint64_t seed = 42; seed < 42 + uint64_t(num_seeds); ++seed) {
-            const double sigma =
-                mv < 0 ? 0.0 : routing::sigma_for_maxvio(mv, l.num_ranks, l.num_experts, l.num_tokens, l.topk, seed);
+            const double sigma = sigmas[next_sigma++].get();
             const std::vector<int32_t> tpe =
                 routing::generate_counts(l.num_ranks, l.num_experts, l.num_tokens, l.topk, sigma, seed);
             std::vector<int32_t> init(words, 0);
