@@ -544,19 +544,15 @@ size_t candidate_smem_bytes(const Layout& l) {
 }
 
 // Named barrier (not 0, which __syncthreads uses) between warp 0 and the other warps of a candidate block: the
-// others arrive when home_ahead's table is written, warp 0 waits before its first read. bar.arrive orders the
-// arriving threads' earlier memory accesses before the barrier completes (PTX ISA, barrier); the fence only makes
-// the shared-memory stores' ordering explicit.
+// others sync on it once home_ahead's table is written (they have nothing else to do until the block's next
+// barrier), warp 0 before its first read of the table. The two sides are different instructions, so the barrier is
+// the non-.aligned barrier.sync (bar.sync is barrier.sync.aligned: every thread at the same instruction).
+// (With bar.arrive on the writers' side, compute-sanitizer racecheck reported the block barrier after the build as
+// a hazard.)
 constexpr int kAheadBarrier = 1;
 FLATEP_DEVICE void named_barrier_sync(int id, int threads) {
 #ifdef __CUDA_ARCH__
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-#endif
-}
-FLATEP_DEVICE void named_barrier_arrive(int id, int threads) {
-#ifdef __CUDA_ARCH__
-    __threadfence_block();
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+    asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 #endif
 }
 
@@ -601,7 +597,7 @@ struct WarpExec {
 #endif
     }
     // Path candidates: the other warps of the block compute home_ahead's table ([E], epn words per rank) while warp 0
-    // starts, and arrive at named barrier kAheadBarrier; the first home_ahead() waits there (every lane).
+    // starts, then sync on named barrier kAheadBarrier; so does warp 0 at its first home_ahead() (every lane).
     const int32_t* ahead_table = nullptr;
     int ahead_epn = 0;
     int ahead_threads = 0;  // threads of the named barrier (the block)
@@ -1011,7 +1007,7 @@ __global__ void __launch_bounds__(kCandidateThreads)
         const bool path = index < planner_core::kNumPathVariants && nthreads > 32;
         if (path && warp != 0) {
             home_ahead_table(l, w.total, ahead_s, tid - 32, nthreads - 32);
-            named_barrier_arrive(kAheadBarrier, nthreads);
+            named_barrier_sync(kAheadBarrier, nthreads);
         }
         x.ahead_table = path ? ahead_s : nullptr;
         x.ahead_epn = l.experts_per_rank;
