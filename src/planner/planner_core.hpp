@@ -84,9 +84,9 @@ FLATEP_HD Workspace make_workspace(const Layout& l, int32_t* base) {
 //   x.sum(n, f)        sum of f(i) over [0, n) (int64); f may write cells of its own i, as in for_each (visible to
 //                      every lane after the next single or sync)
 //   x.arg_max(n, key)  the i in [0, n) with the largest key(i) (uint64; 0 = not eligible), ties to the lower i; -1
+//                      when no i is eligible
 //   x.arg_max3(n, key, out)  three such selections over the same items at once: key(i) returns Keys3, out[j] =
 //                      arg_max(n, key(i).k[j]) (a warp runs the three reductions side by side)
-//                      when no i is eligible
 //   x.single(f)        f() once (shared state: loads, rooms, allocation cells), visible to every lane afterwards
 //   x.add(p, v)        *p += v, safe when several lanes add to the same word inside for_each or sum
 //   x.group_sum(g, size, v, out) / x.group_max(g, size, v, out)  for every group i in [0, g): out[i] = the sum / the
@@ -101,6 +101,7 @@ FLATEP_HD Workspace make_workspace(const Layout& l, int32_t* base) {
 //                      when the executor has computed them for the whole candidate, else nullptr. SerialExec: nullptr.
 // So every selection of design §4 ("the largest ..., ties to the lower index") is one arg_max with the same key on
 // every executor, and the plans are bitwise equal by construction.
+
 // Three keys per item (x.arg_max3).
 struct Keys3 {
     uint64_t k[3];
