@@ -46,9 +46,7 @@ TEST(PlannerSteps, ArgMax3IsThreeArgMaxes) {
         SerialExec{}.arg_max3(
             n, [&](int i) { return keys[size_t(i)]; }, out);
         for (int j = 0; j < 3; ++j) {
-            int want = -1;
-            for (int i = 0; i < n; ++i)
-                if (keys[size_t(i)].k[j] != 0 && (want < 0 || keys[size_t(i)].k[j] > keys[size_t(want)].k[j])) want = i;
+            const int want = SerialExec{}.arg_max(n, [&](int i) { return keys[size_t(i)].k[j]; });
             ASSERT_EQ(out[j], want) << "trial " << trial << " key " << j;
         }
     }
