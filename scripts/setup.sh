@@ -1,12 +1,28 @@
 #!/usr/bin/env bash
-# Installs the system packages FlatEP needs to build and test on Debian 12 (only what is missing), then
-# configures the build directory. Idempotent; used by run_demo.sh, run_tests.sh and .ci/run.
+# Installs the Debian 12 packages FlatEP needs to build, test, benchmark and pip-install it (only what is missing),
+# then configures and builds the build directory. Idempotent; used by run_demo.sh, run_tests.sh and .ci/run.
+# `scripts/setup.sh --packages-only` stops after the packages (the README's pip install route).
+# scripts/check_deps.py reads the package list below: every third-party module the Python code imports must map to a
+# package in it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(cmake ninja-build g++ libgtest-dev clang-format clang libclang-rt-14-dev python3 python3-numpy python3-scipy)
+packages_only=0
+case "${1:-}" in
+    "") ;;
+    --packages-only) packages_only=1 ;;
+    *)
+        echo "usage: scripts/setup.sh [--packages-only]" >&2
+        exit 2
+        ;;
+esac
+
+packages=(cmake ninja-build g++ git libgtest-dev clang-format clang libclang-rt-14-dev python3 python3-numpy
+    python3-scipy)
 if [[ "${FLATEP_WITH_PYTHON:-1}" == "1" ]]; then
-    packages+=(python3-pytest python3-torch pybind11-dev python3-pybind11 python3-dev)
+    # python3-venv, -pip, -setuptools and -wheel: the README's `pip install --no-build-isolation .` in a venv.
+    packages+=(python3-pytest python3-torch pybind11-dev python3-pybind11 python3-dev python3-matplotlib
+        python3-venv python3-pip python3-setuptools python3-wheel)
 fi
 missing=()
 for p in "${packages[@]}"; do
@@ -19,6 +35,9 @@ if ((${#missing[@]})); then
     export DEBIAN_FRONTEND=noninteractive
     "${sudo_cmd[@]}" apt-get update -qq
     "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+if ((packages_only)); then
+    exit 0
 fi
 
 build_dir="${FLATEP_BUILD_DIR:-build}"
