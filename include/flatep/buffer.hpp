@@ -7,22 +7,32 @@
 //   ... grouped GEMM over recv_x with offs = plan.cu_seqlens(rank) ...
 //   buffer.combine(plan, y, nullptr, out);               // y [NvS][H] -> out [s][H]
 //
-// Every op is collective: all R ranks call the same sequence of ops (each with its own arguments).
-// A rank that does not arrive makes the others throw kTimeout (Transport::timeout_s; the local transport's
-// default is FLATEP_TIMEOUT_S) naming it; after a timeout the ranks' barrier epochs disagree, so destroy the Buffer (no
-// further ops).
+// Every op is collective: all R ranks call the same sequence of ops (each with its own arguments), and every
+// cross-rank barrier carries the op and the step (plan generation) it belongs to. A rank that does not arrive makes
+// the others throw kTimeout (Transport::timeout_s; the local transport's default is FLATEP_TIMEOUT_S) naming it;
+// ranks that call different ops, or pass plans of different steps, all throw kMismatch naming both sides. After any
+// such failure the Buffer is poisoned on every rank: every later call throws kRuntime until it is destroyed and
+// rebuilt on every rank (design §8). A device Buffer learns of a GPU-side failure without synchronising, from a
+// host-mapped record read at every op's entry: the first op enqueued after the GPU recorded it throws.
 //
 // Plan validity rule: a Plan owns everything it needs (counts, allocation, routing of this rank's entries and the
 // row chains of this rank's receive rows); the symmetric buffer is scratch that every op rewrites. So a plan stays
 // valid for any number of later ops on the Buffer that made it, including after later plan() calls (backward
 // reuses the forward's saved plan). Using a plan with another Buffer is a kMismatch error (an empty Plan:
-// kInvalidArgument). The generation id (incremented by every plan() call, identical on every rank for the same step) is
-// carried for diagnostics. All ranks must pass plans of the same step to one collective op; this is not checked yet.
+// kInvalidArgument). The generation id (incremented by every plan() call, identical on every rank for the same step)
+// tags every barrier of the ops that use the plan, so ranks passing plans of different steps fail (low 20 bits).
+//
+// Device Buffers keep plans in device memory that is set up before the step: either storage the caller passes to
+// plan() (plan_words() int32 words, e.g. from the framework's allocator, so CUDA-graph capture pools work; the
+// caller keeps it alive and unused by anything else while the Plan is used), or one of the Buffer's num_plan_slots
+// slots, allocated at construction and reused in turn. A plan whose slot has since been reused is stale: every op and
+// accessor rejects it (kMismatch naming both steps). No plan() call allocates or frees device memory.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "flatep/config.hpp"
 #include "flatep/transport.hpp"
@@ -30,8 +40,9 @@
 
 namespace flatep {
 
-struct Layout;    // layout/layout.hpp: every size derived from the Config
-struct HostPlan;  // planner/planner.hpp: the plan arrays in host memory
+struct Layout;          // layout/layout.hpp: every size derived from the Config
+class CollectiveGuard;  // runtime/collective_guard.hpp: poisoning after a failed cross-rank wait
+struct HostPlan;        // planner/planner.hpp: the plan arrays in host memory
 namespace host {
 struct OpStats;  // host/op_stats.hpp: counters of the CPU backend's ops
 }  // namespace host
@@ -82,14 +93,21 @@ class Buffer {
     // Validates the config (before allocating anything), checks it against the transport, all-gathers it
     // (any difference -> kMismatch "config mismatch with rank p: field: mine vs theirs" on every rank) and
     // allocates the symmetric buffer. Collective. Host transports only for now (the CPU backend).
-    Buffer(const Config& config, std::shared_ptr<Transport> transport, PlannerKind planner = PlannerKind::kBalanced);
+    // num_plan_slots: device plans the Buffer keeps itself (0: every device plan() call must pass storage).
+    static constexpr int kDefaultPlanSlots = 4;
+    Buffer(const Config& config, std::shared_ptr<Transport> transport, PlannerKind planner = PlannerKind::kBalanced,
+           int num_plan_slots = kDefaultPlanSlots);
     ~Buffer();  // releases the symmetric buffer; never throws
     Buffer(const Buffer&) = delete;
     Buffer& operator=(const Buffer&) = delete;
 
     // topk_idx: [num_tokens][K] int32 (index_bytes 4) or int64 (8), num_tokens in [0, S]. Expert ids outside
-    // [0, E) are skipped and recorded (check_status reports them).
-    Plan plan(const void* topk_idx, int index_bytes, int num_tokens);
+    // [0, E) are skipped and recorded (check_status reports them). plan_storage: device Buffers only, null (the next
+    // of the Buffer's plan slots) or plan_words() int32 words of device memory that the Plan then lives in.
+    Plan plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t* plan_storage = nullptr);
+    // int32 words of one device plan (the storage plan() takes).
+    int64_t plan_words() const;
+    int num_plan_slots() const { return num_plan_slots_; }
 
     // x: [s][H] bf16; topk_weights: [s][K] fp32 or null (weight 1); recv_x: [NvS][H] bf16 out (may be
     // symmetric_recv_x()); recv_w: [NvS] fp32 out or null. Real rows get their token row and weight, padding rows
@@ -118,8 +136,11 @@ class Buffer {
     void entry_values(const Plan& plan, const float* row_values, float* out);
 
     // Throws the first error recorded by an op since the last check (bad expert id: kInvalidArgument naming the id
-    // and its flat index; a wait that timed out: kTimeout) and clears it. FLATEP_DEBUG=1 runs it after every op.
+    // and its flat index; a wait that timed out: kTimeout; ranks in different ops or steps: kMismatch) and clears
+    // it; on a poisoned Buffer, the poisoning failure. FLATEP_DEBUG=1 runs it after every op.
     void check_status();
+    // True after a failed cross-rank wait (every later op throws); reason() says which.
+    bool poisoned() const;
 
     const Config& config() const { return config_; }
     const Layout& layout() const;
@@ -145,6 +166,7 @@ class Buffer {
 
   private:
     void check_plan(const Plan& plan, const char* op) const;
+    void enter(const char* op);
     void after_op();
 
     Config config_;
@@ -159,6 +181,10 @@ class Buffer {
     host::OpStats* op_stats_ = nullptr;
     std::unique_ptr<device::Context> device_;
     void* stream_ = nullptr;
+    std::unique_ptr<CollectiveGuard> guard_;
+    int num_plan_slots_ = 0;
+    std::shared_ptr<int32_t> plan_slots_;                      // device: num_plan_slots_ * plan_words() int32
+    std::shared_ptr<std::vector<uint64_t>> slot_generations_;  // generation each slot holds now
 };
 
 }  // namespace flatep

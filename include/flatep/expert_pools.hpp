@@ -36,6 +36,7 @@ struct ProjectionShape {
 };
 
 class ExpertPools;
+class CollectiveGuard;  // runtime/collective_guard.hpp: poisoning after a failed cross-rank wait
 namespace device {
 class PoolsContext;  // runtime/device_pools.hpp: the CUDA side of ExpertPools
 }  // namespace device
@@ -123,6 +124,10 @@ class ExpertPools {
     void* stream() const { return stream_; }
     bool on_device() const { return device_ != nullptr; }
 
+    // True after a failed cross-rank wait of a pools op (timeout, ranks in different ops or steps, a peer that gave
+    // up): every later op throws kRuntime until the pools are rebuilt on every rank (see flatep/buffer.hpp).
+    bool poisoned() const;
+
   private:
     void check_args(const Plan& plan, const ExpertLayer& layer, const char* op) const;
 
@@ -134,6 +139,7 @@ class ExpertPools {
     uint64_t epoch_ = 0;
     uint64_t id_;
     std::unique_ptr<device::PoolsContext> device_;  // device pools only
+    std::unique_ptr<CollectiveGuard> guard_;
     void* stream_ = nullptr;
     bool debug_ = false;  // FLATEP_DEBUG: device ops also check the plan's layout (a synchronising read)
 };

@@ -6,7 +6,6 @@
 #include "common/bf16.hpp"
 #include "common/check.hpp"
 #include "host/group_rows.hpp"
-#include "host/plan_generation.hpp"
 #include "transport/barrier_host.hpp"
 
 namespace flatep::host {
@@ -21,15 +20,8 @@ void combine(const CombineArgs& a, OpStats* stats) {
     const SymmetricLayout sym = make_symmetric_layout(l);
     std::vector<float> acc(H);
 
-    publish_plan_generation(a.peers[a.rank], sym, plan_generation(a.plan));
     // The entry barrier keeps us from overwriting partials a source may still be pulling in its previous combine.
     barrier(a.sync, kOpCombine);
-    const std::string mismatch =
-        plan_generation_mismatch("combine", a.rank, l.num_ranks, a.peers, sym, plan_generation(a.plan));
-    if (!mismatch.empty()) {
-        barrier(a.sync, kOpCombine);  // every rank fails here; keep the barrier sequence in step (plan_generation.hpp)
-        FLATEP_THROW(ErrorCategory::kMismatch, mismatch);
-    }
 
     // Destination side: one fp32 partial per chain, terms in ascending k, rounded to bf16.
     auto* partial = reinterpret_cast<uint16_t*>(a.peers[a.rank] + sym.partial_offset);

@@ -4,7 +4,6 @@
 
 #include "common/check.hpp"
 #include "host/group_rows.hpp"
-#include "host/plan_generation.hpp"
 #include "transport/barrier_host.hpp"
 
 namespace flatep::host {
@@ -19,15 +18,8 @@ void dispatch(const DispatchArgs& a, OpStats* stats) {
     const SymmetricLayout sym = make_symmetric_layout(l);
     const size_t row_bytes = size_t(l.row_bytes());
 
-    publish_plan_generation(a.peers[a.rank], sym, plan_generation(a.plan));
     // The entry barrier keeps us from overwriting rows a destination may still be reading in its previous op.
     barrier(a.sync, kOpDispatch);
-    const std::string mismatch =
-        plan_generation_mismatch("dispatch", a.rank, l.num_ranks, a.peers, sym, plan_generation(a.plan));
-    if (!mismatch.empty()) {
-        barrier(a.sync, kOpDispatch);  // every rank fails here; keep the barrier sequence in step (plan_generation.hpp)
-        FLATEP_THROW(ErrorCategory::kMismatch, mismatch);
-    }
 
     // Source side: one row per (token, destination) at the chain head, one weight per entry.
     for (int t = 0; t < num_tokens; ++t) {

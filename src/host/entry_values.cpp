@@ -2,7 +2,6 @@
 
 #include "common/check.hpp"
 #include "host/group_rows.hpp"
-#include "host/plan_generation.hpp"
 #include "transport/barrier_host.hpp"
 
 namespace flatep::host {
@@ -15,16 +14,8 @@ void entry_values(const EntryValuesArgs& a) {
     FLATEP_CHECK(num_tokens == 0 || a.out != nullptr, "entry_values: out is null");
     const SymmetricLayout sym = make_symmetric_layout(l);
 
-    publish_plan_generation(a.peers[a.rank], sym, plan_generation(a.plan));
     // Entry barrier: sources of the previous op may still read this rank's recv_w region.
     barrier(a.sync, kOpEntryValues);
-    const std::string mismatch =
-        plan_generation_mismatch("entry_values", a.rank, l.num_ranks, a.peers, sym, plan_generation(a.plan));
-    if (!mismatch.empty()) {
-        barrier(a.sync,
-                kOpEntryValues);  // every rank fails here; keep the barrier sequence in step (plan_generation.hpp)
-        FLATEP_THROW(ErrorCategory::kMismatch, mismatch);
-    }
     auto* own = reinterpret_cast<float*>(a.peers[a.rank] + sym.recv_w_offset);
     for (int g = 0; g < l.num_groups(); ++g) {
         const GroupRows group = group_rows(l, p, a.rank, g);

@@ -41,7 +41,6 @@ struct SymmetricLayout {
     static constexpr int64_t kAlignBytes = 256;
     int64_t barrier_offset;     // uint64_t[kMaxRanks]: barrier epoch written by each peer (see transport/barrier)
     int64_t status_offset;      // int32_t[4]: device status word (first bad expert id etc.)
-    int64_t generation_offset;  // uint64_t: generation of the plan this rank passed to its current op (host backend)
     int64_t tpe_all_offset;     // int32_t[R][E]: all-gathered token counts, row s written by rank s
     int64_t recv_x_offset;      // bf16[NvS][H]: rows pushed by sources (primary rows of each (source, token))
     int64_t recv_w_offset;      // float[NvS]: routing weight of every entry row
@@ -59,8 +58,7 @@ FLATEP_HD SymmetricLayout make_symmetric_layout(const Layout& l) {
     s.barrier_offset = at;
     at = SymmetricLayout::align_up(at + int64_t(kMaxRanks) * 8);
     s.status_offset = at;
-    s.generation_offset = at + 16;
-    at = SymmetricLayout::align_up(at + 24);
+    at = SymmetricLayout::align_up(at + 16);
     s.tpe_all_offset = at;
     at = SymmetricLayout::align_up(at + int64_t(l.num_ranks) * l.num_experts * 4);
     s.recv_x_offset = at;

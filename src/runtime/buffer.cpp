@@ -15,6 +15,7 @@
 #include "host/entry_values.hpp"
 #include "host/plan_op.hpp"
 #include "layout/layout.hpp"
+#include "runtime/collective_guard.hpp"
 #include "runtime/device_ops.hpp"
 #include "runtime/plan_data.hpp"
 #include "transport/barrier_host.hpp"
@@ -54,16 +55,18 @@ SyncArgs make_sync(const SymmetricRegion& region, const SymmetricLayout& sym, ui
     return s;
 }
 
-// Fills the fields every data-plane op's Args share: layout, rank, plan, peer bases and barrier state.
+// Fills the fields every data-plane op's Args share: layout, rank, plan, peer bases and barrier state (tagged with
+// the plan's step).
 template <typename Args>
-Args common_args(const Layout& l, int rank, const PlanView& plan, const SymmetricRegion& region, uint64_t* epoch,
-                 double timeout_s) {
+Args common_args(const Layout& l, int rank, const Plan& plan, const PlanView& view, const SymmetricRegion& region,
+                 uint64_t* epoch, double timeout_s) {
     Args args{};
     args.layout = l;
     args.rank = rank;
-    args.plan = plan;
+    args.plan = view;
     for (int p = 0; p < l.num_ranks; ++p) args.peers[p] = region.peers[p];
     args.sync = make_sync(region, make_symmetric_layout(l), epoch, rank, l.num_ranks, timeout_s);
+    args.sync.step = plan.generation();
     return args;
 }
 
@@ -86,6 +89,8 @@ const HostPlan& Plan::host_plan() const { return data().host_plan(); }
 const int32_t* Plan::device_cu_seqlens(int rank) const {
     const Data& d = data();
     FLATEP_CHECK(d.on_device(), "device_cu_seqlens: the plan is in host memory (CPU backend)");
+    if (const std::string stale = d.stale_reason("device_cu_seqlens"); !stale.empty())
+        FLATEP_THROW(ErrorCategory::kMismatch, stale);
     FLATEP_CHECK(rank >= 0 && rank < d.host.layout.num_ranks, "device_cu_seqlens: rank must be in [0, ",
                  d.host.layout.num_ranks, "), got ", rank);
     return d.device_view.cu_seqlens + int64_t(rank) * d.host.layout.num_groups();
@@ -93,6 +98,8 @@ const int32_t* Plan::device_cu_seqlens(int rank) const {
 const int32_t* Plan::device_slot_expert(int rank) const {
     const Data& d = data();
     FLATEP_CHECK(d.on_device(), "device_slot_expert: the plan is in host memory (CPU backend)");
+    if (const std::string stale = d.stale_reason("device_slot_expert"); !stale.empty())
+        FLATEP_THROW(ErrorCategory::kMismatch, stale);
     FLATEP_CHECK(rank >= 0 && rank < d.host.layout.num_ranks, "device_slot_expert: rank must be in [0, ",
                  d.host.layout.num_ranks, "), got ", rank);
     return d.device_view.slot_expert + int64_t(rank) * d.host.layout.experts_per_rank;
@@ -140,10 +147,17 @@ std::span<const int32_t> Plan::row_nexts() const {
 
 // ---- Buffer ----
 
-Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, PlannerKind planner)
-    : config_(config), transport_(std::move(transport)), planner_(planner), id_(next_buffer_id++) {
+Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, PlannerKind planner, int num_plan_slots)
+    : config_(config),
+      transport_(std::move(transport)),
+      planner_(planner),
+      id_(next_buffer_id++),
+      guard_(std::make_unique<CollectiveGuard>("Buffer")),
+      num_plan_slots_(num_plan_slots) {
     // Validate everything before allocating anything.
     layout_ = std::make_unique<Layout>(make_layout(config_));
+    FLATEP_CHECK(num_plan_slots >= 0 && num_plan_slots <= 1024, "Buffer: num_plan_slots must be in [0, 1024], got ",
+                 num_plan_slots);
     FLATEP_CHECK(transport_ != nullptr, "Buffer: transport is null");
     FLATEP_CHECK(planner == PlannerKind::kGreedy || planner == PlannerKind::kBalanced, "Buffer: unknown planner kind ",
                  int(planner));
@@ -178,7 +192,11 @@ Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, Plann
         }
     }
 
-    if (transport_->memory_kind() == MemoryKind::kDevice) device_ = std::make_unique<device::Context>(*layout_);
+    if (transport_->memory_kind() == MemoryKind::kDevice) {
+        device_ = std::make_unique<device::Context>(*layout_);
+        if (num_plan_slots_ > 0) plan_slots_ = device::allocate_words(size_t(num_plan_slots_) * size_t(plan_words()));
+        slot_generations_ = std::make_shared<std::vector<uint64_t>>(size_t(num_plan_slots_), 0);
+    }
     region_ = transport_->allocate(size_t(make_symmetric_layout(*layout_).total_bytes));
     if (device_ != nullptr) {
         // The region's zero fill must be complete on every rank before any rank's kernels write into it.
@@ -201,15 +219,30 @@ float* Buffer::symmetric_recv_w() {
     return reinterpret_cast<float*>(region_.local + make_symmetric_layout(*layout_).recv_w_offset);
 }
 
+int64_t Buffer::plan_words() const { return make_plan_sizes(*layout_).total_words; }
+
+bool Buffer::poisoned() const { return guard_->poisoned(); }
+
+void Buffer::enter(const char* op) {
+    if (device_ != nullptr) {
+        guard_->enter(op, device_->failure_message(), device_->failure_code());
+    } else {
+        guard_->enter(op, "", 0);
+    }
+}
+
 void Buffer::check_plan(const Plan& plan, const char* op) const {
     FLATEP_CHECK(!plan.empty(), op, ": plan is empty (default-constructed); get one from Buffer::plan()");
     if (plan.buffer_id() != id_) {
         FLATEP_THROW(ErrorCategory::kMismatch, op, ": plan was made by buffer ", plan.buffer_id(),
                      ", not by this buffer (", id_, ")");
     }
+    const std::string stale = plan.data().stale_reason(op);
+    if (!stale.empty()) FLATEP_THROW(ErrorCategory::kMismatch, stale);
 }
 
-Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens) {
+Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t* plan_storage) {
+    enter("plan");
     const Layout& l = *layout_;
     FLATEP_CHECK(num_tokens >= 0 && num_tokens <= l.num_tokens, "plan: num_tokens must be in [0, S=", l.num_tokens,
                  "], got ", num_tokens);
@@ -234,9 +267,21 @@ Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens) {
     args.planner = planner_;
     for (int p = 0; p < l.num_ranks; ++p) args.peers[p] = region_.peers[p];
     args.sync = make_sync(region_, sym, &epoch_, config_.rank, l.num_ranks, transport_->timeout_s());
+    args.sync.step = data->generation;
     if (device_ != nullptr) {
-        const int64_t words = make_plan_sizes(l).total_words;
-        data->device_words = device::allocate_words(size_t(words));
+        const int64_t words = plan_words();
+        if (plan_storage != nullptr) {
+            data->device_words = std::shared_ptr<int32_t>(plan_storage, [](int32_t*) {});  // the caller's memory
+        } else {
+            FLATEP_CHECK(num_plan_slots_ > 0,
+                         "plan: this Buffer has no plan slots (num_plan_slots=0): pass "
+                         "plan_storage of plan_words()=",
+                         words, " int32");
+            data->slot = int((data->generation - 1) % uint64_t(num_plan_slots_));
+            (*slot_generations_)[size_t(data->slot)] = data->generation;
+            data->slot_generations = slot_generations_;
+            data->device_words = std::shared_ptr<int32_t>(plan_slots_, plan_slots_.get() + data->slot * words);
+        }
         data->device_view = make_plan_view(l, data->device_words.get());
         data->refresh_host = [words, source = data->device_words](HostPlan& host) {
             device::copy_to_host(host.view.tpe_all, source.get(), size_t(words) * sizeof(int32_t));  // view base
@@ -247,8 +292,9 @@ Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens) {
         device_->fill_sync(args.sync);
         device_->plan(args, stream_);
     } else {
+        FLATEP_CHECK(plan_storage == nullptr, "plan: plan_storage is for device Buffers; this one is on the host");
         args.plan = data->host.view;
-        host::plan_op(args);
+        guard_->run(args.sync.status, [&] { host::plan_op(args); });
         data->host.view.header[kHeaderGenerationLo] = int32_t(uint32_t(data->generation));
         data->host.view.header[kHeaderGenerationHi] = int32_t(uint32_t(data->generation >> 32));
     }
@@ -257,10 +303,11 @@ Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens) {
 }
 
 void Buffer::dispatch(const Plan& plan, const uint16_t* x, const float* topk_weights, uint16_t* recv_x, float* recv_w) {
+    enter("dispatch");
     check_plan(plan, "dispatch");
     FLATEP_CHECK(plan.num_tokens() == 0 || x != nullptr, "dispatch: x is null");
     FLATEP_CHECK(recv_x != nullptr, "dispatch: recv_x is null");
-    auto args = common_args<DispatchArgs>(*layout_, config_.rank, plan.data().op_view(), region_, &epoch_,
+    auto args = common_args<DispatchArgs>(*layout_, config_.rank, plan, plan.data().op_view(), region_, &epoch_,
                                           transport_->timeout_s());
     args.x = x;
     args.topk_weights = topk_weights;
@@ -270,16 +317,17 @@ void Buffer::dispatch(const Plan& plan, const uint16_t* x, const float* topk_wei
         device_->fill_sync(args.sync);
         device_->dispatch(args, stream_);
     } else {
-        host::dispatch(args, op_stats_);
+        guard_->run(args.sync.status, [&] { host::dispatch(args, op_stats_); });
     }
     after_op();
 }
 
 void Buffer::combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out) {
+    enter("combine");
     check_plan(plan, "combine");
     FLATEP_CHECK(y != nullptr, "combine: y is null");
     FLATEP_CHECK(plan.num_tokens() == 0 || out != nullptr, "combine: out is null");
-    auto args = common_args<CombineArgs>(*layout_, config_.rank, plan.data().op_view(), region_, &epoch_,
+    auto args = common_args<CombineArgs>(*layout_, config_.rank, plan, plan.data().op_view(), region_, &epoch_,
                                          transport_->timeout_s());
     args.y = y;
     args.weights = weights;
@@ -288,16 +336,17 @@ void Buffer::combine(const Plan& plan, const uint16_t* y, const float* weights, 
         device_->fill_sync(args.sync);
         device_->combine(args, stream_);
     } else {
-        host::combine(args, op_stats_);
+        guard_->run(args.sync.status, [&] { host::combine(args, op_stats_); });
     }
     after_op();
 }
 
 void Buffer::entry_values(const Plan& plan, const float* row_values, float* out) {
+    enter("entry_values");
     check_plan(plan, "entry_values");
     FLATEP_CHECK(row_values != nullptr, "entry_values: row_values is null");
     FLATEP_CHECK(plan.num_tokens() == 0 || out != nullptr, "entry_values: out is null");
-    auto args = common_args<EntryValuesArgs>(*layout_, config_.rank, plan.data().op_view(), region_, &epoch_,
+    auto args = common_args<EntryValuesArgs>(*layout_, config_.rank, plan, plan.data().op_view(), region_, &epoch_,
                                              transport_->timeout_s());
     args.row_values = row_values;
     args.out = out;
@@ -305,13 +354,14 @@ void Buffer::entry_values(const Plan& plan, const float* row_values, float* out)
         device_->fill_sync(args.sync);
         device_->entry_values(args, stream_);
     } else {
-        host::entry_values(args);
+        guard_->run(args.sync.status, [&] { host::entry_values(args); });
     }
     after_op();
 }
 
 void Buffer::combine_grad(const Plan& plan, const uint16_t* rows, const uint16_t* y, const float* weights,
                           uint16_t* grad_y, float* grad_weights) {
+    enter("combine_grad");
     check_plan(plan, "combine_grad");
     CombineGradArgs args{};
     args.layout = *layout_;
@@ -336,9 +386,15 @@ void Buffer::check_status() {
     int32_t* status = reinterpret_cast<int32_t*>(region_.local + make_symmetric_layout(*layout_).status_offset);
     int32_t words[4];
     if (device_ != nullptr) {
-        const std::string timeout = device_->timeout_message();
-        if (!timeout.empty()) FLATEP_THROW(ErrorCategory::kTimeout, "rank ", config_.rank, ": ", timeout);
-        device_->read(words, status, sizeof(words), stream_);  // a synchronising point
+        device_->read(words, status, sizeof(words), stream_);  // a synchronising point: the record is complete now
+        const std::string failure = device_->failure_message();
+        if (!failure.empty()) {
+            const int32_t code = device_->failure_code();
+            FLATEP_THROW(code == kStatusTimeout    ? ErrorCategory::kTimeout
+                         : code == kStatusMismatch ? ErrorCategory::kMismatch
+                                                   : ErrorCategory::kRuntime,
+                         "rank ", config_.rank, ": ", failure);
+        }
     } else {
         for (int i = 0; i < 4; ++i) words[i] = status[i];
     }
@@ -361,6 +417,12 @@ void Buffer::check_status() {
         case kStatusTimeout:
             FLATEP_THROW(ErrorCategory::kTimeout, "rank ", config_.rank, ": ", host::op_name(OpId(index)),
                          " timed out waiting for peer ", peer, " (flag ", value, ")");
+        case kStatusMismatch:
+            FLATEP_THROW(ErrorCategory::kMismatch, "rank ", config_.rank, ": ", host::op_name(OpId(index)), ": peer ",
+                         peer, " was in ", host::op_name(OpId(value)), " at the same barrier");
+        case kStatusPeerAborted:
+            FLATEP_THROW(ErrorCategory::kRuntime, "rank ", config_.rank, ": ", host::op_name(OpId(index)), ": peer ",
+                         peer, " failed an earlier wait and gave up");
         default:
             FLATEP_THROW(ErrorCategory::kRuntime, "rank ", config_.rank, ": unknown status code ", code);
     }

@@ -15,6 +15,8 @@
 #include "kernels/plan/plan.cuh"
 #include "transport/barrier_host.hpp"
 
+#include <atomic>
+
 namespace flatep::kernels {
 void preload_all_kernels();  // kernels/common/barrier.cuh (a header with device code, so not included here)
 }  // namespace flatep::kernels
@@ -30,13 +32,39 @@ namespace {
 cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
 }  // namespace
 
+WaitRecordHost::WaitRecordHost() {
+    FLATEP_CUDA_CHECK(cudaHostAlloc(&host_, sizeof(WaitRecord), cudaHostAllocMapped));
+    *host_ = WaitRecord{};
+    FLATEP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_), host_, 0));
+}
+
+WaitRecordHost::~WaitRecordHost() {
+    if (host_ != nullptr && cudaFreeHost(host_) != cudaSuccess) FLATEP_LOG_WARN("WaitRecordHost: cudaFreeHost failed");
+}
+
+int32_t WaitRecordHost::failure_code() const {
+    return static_cast<const volatile WaitRecord*>(host_)->code;  // written by the GPU, code last (sync.hpp)
+}
+
+std::string WaitRecordHost::failure_message() const {
+    const volatile WaitRecord* r = host_;
+    const int32_t code = r->code;
+    if (code == 0) return "";
+    std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before code
+    std::string text =
+        host::wait_failure_message(code, OpId(r->op), r->rank, r->peer, r->expected, r->observed, r->step, 0.0);
+    if (code == kStatusTimeout) {  // the GPU knows no wall time: name the flags instead of seconds
+        text =
+            detail::concat("timeout in ", host::op_name(OpId(r->op)), " (GPU): rank ", r->rank, " waited for peer ",
+                           r->peer, " (flag ", flag_epoch(r->observed), " < expected ", flag_epoch(r->expected), ")");
+    }
+    return text;
+}
+
 Context::Context(const Layout& layout) {
     kernels::preload_all_kernels();  // no lazy module load while a peer's kernel spins (see barrier.cuh)
     FLATEP_CUDA_CHECK(cudaMalloc(&epoch_, sizeof(uint64_t)));
     FLATEP_CUDA_CHECK(cudaMemset(epoch_, 0, sizeof(uint64_t)));
-    FLATEP_CUDA_CHECK(cudaHostAlloc(&wait_host_, sizeof(WaitRecord), cudaHostAllocMapped));
-    *wait_host_ = WaitRecord{};
-    FLATEP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&wait_device_), wait_host_, 0));
     FLATEP_CUDA_CHECK(cudaMalloc(&workspace_, kernels::plan_workspace_bytes(layout)));
     max_blocks_ = env::sm_budget();
 }
@@ -44,13 +72,11 @@ Context::Context(const Layout& layout) {
 Context::~Context() {
     if (epoch_ != nullptr && cudaFree(epoch_) != cudaSuccess) FLATEP_LOG_WARN("Buffer: cudaFree(epoch) failed");
     if (workspace_ != nullptr && cudaFree(workspace_) != cudaSuccess) FLATEP_LOG_WARN("Buffer: cudaFree failed");
-    if (wait_host_ != nullptr && cudaFreeHost(wait_host_) != cudaSuccess)
-        FLATEP_LOG_WARN("Buffer: cudaFreeHost failed");
 }
 
 void Context::fill_sync(SyncArgs& sync) const {
     sync.epoch = epoch_;
-    sync.wait_record = wait_device_;
+    sync.wait_record = wait_.device_pointer();
     sync.max_blocks = max_blocks_;
 }
 
@@ -71,13 +97,6 @@ void Context::read(void* host_dst, const void* device_src, size_t bytes, void* s
 
 void Context::zero(void* device_dst, size_t bytes, void* stream) const {
     FLATEP_CUDA_CHECK(cudaMemsetAsync(device_dst, 0, bytes, as_stream(stream)));
-}
-
-std::string Context::timeout_message() const {
-    const volatile WaitRecord* r = wait_host_;  // written by the GPU, fields before code (see sync.hpp)
-    if (r->code == 0) return "";
-    return detail::concat("timeout in ", host::op_name(OpId(r->op)), " (GPU): rank ", r->rank, " waited for peer ",
-                          r->peer, " (flag ", uint64_t(r->observed), " < expected ", uint64_t(r->expected), ")");
 }
 
 void synchronize_device() { FLATEP_CUDA_CHECK(cudaDeviceSynchronize()); }
@@ -115,7 +134,10 @@ void Context::entry_values(const EntryValuesArgs&, void*) const { no_cuda(); }
 void Context::combine_grad(const CombineGradArgs&, void*) const { no_cuda(); }
 void Context::read(void*, const void*, size_t, void*) const { no_cuda(); }
 void Context::zero(void*, size_t, void*) const { no_cuda(); }
-std::string Context::timeout_message() const { return ""; }
+WaitRecordHost::WaitRecordHost() = default;
+WaitRecordHost::~WaitRecordHost() = default;
+std::string WaitRecordHost::failure_message() const { return ""; }
+int32_t WaitRecordHost::failure_code() const { return 0; }
 void synchronize_device() { no_cuda(); }
 void copy_to_host(void*, const void*, size_t) { no_cuda(); }
 std::shared_ptr<int32_t> allocate_words(size_t) { no_cuda(); }

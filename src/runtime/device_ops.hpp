@@ -18,6 +18,26 @@ namespace flatep::device {
 
 bool built_with_cuda();
 
+// A WaitRecord (transport/sync.hpp) in host-mapped pinned memory: the GPU writes a rank's first failed wait into it,
+// the host reads it at every op's entry without any synchronisation. Empty in builds without CUDA.
+class WaitRecordHost {
+  public:
+    WaitRecordHost();
+    ~WaitRecordHost();  // never throws
+    WaitRecordHost(const WaitRecordHost&) = delete;
+    WaitRecordHost& operator=(const WaitRecordHost&) = delete;
+
+    WaitRecord* device_pointer() const { return device_; }
+    // "" while no wait failed; else the failure's one-line text (e.g. "timeout in plan (GPU): rank 0 waited for peer
+    // 1 (flag 0 < expected 1)", or a mismatch naming both ops and steps).
+    std::string failure_message() const;
+    int32_t failure_code() const;  // 0 or the WaitRecord's StatusCode
+
+  private:
+    WaitRecord* host_ = nullptr;
+    WaitRecord* device_ = nullptr;
+};
+
 class Context {
   public:
     // Allocates the per-buffer device state on the current device. max_blocks: SM budget per launch (0: no cap);
@@ -42,13 +62,13 @@ class Context {
     // Synchronising reads for diagnostics (check_status, plan accessors): waits for `stream`, then copies.
     void read(void* host_dst, const void* device_src, size_t bytes, void* stream) const;
     void zero(void* device_dst, size_t bytes, void* stream) const;
-    // First timed-out wait recorded by this buffer's kernels ("" when none): op, rank, peer, expected, observed.
-    std::string timeout_message() const;
+    // First failed wait recorded by this buffer's kernels ("" when none), read without synchronisation.
+    std::string failure_message() const { return wait_.failure_message(); }
+    int32_t failure_code() const { return wait_.failure_code(); }
 
   private:
-    uint64_t* epoch_ = nullptr;        // device
-    WaitRecord* wait_host_ = nullptr;  // host-mapped pinned memory
-    WaitRecord* wait_device_ = nullptr;
+    uint64_t* epoch_ = nullptr;  // device
+    WaitRecordHost wait_;
     void* workspace_ = nullptr;
     int max_blocks_ = 0;
 };

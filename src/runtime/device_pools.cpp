@@ -153,7 +153,7 @@ PoolsContext::~PoolsContext() {
 
 void PoolsContext::fill_sync(SyncArgs& sync) const {
     sync.epoch = epoch_;
-    sync.wait_record = nullptr;
+    sync.wait_record = wait_.device_pointer();
     sync.max_blocks = max_blocks_;
 }
 

@@ -10,6 +10,7 @@
 #include "kernels/grad_reduce/grad_reduce_args.hpp"
 #include "kernels/prefetch/prefetch_args.hpp"
 #include "kernels/write_grads/write_grads_args.hpp"
+#include "runtime/device_ops.hpp"
 
 namespace flatep::device {
 
@@ -29,7 +30,7 @@ LayerAllocation create_layer_allocation(size_t data_bytes, uint64_t pool_handle,
 // Waits for the device, unmaps both ranges and releases the allocation. Never throws (logs failures).
 void destroy_layer_allocation(LayerAllocation& allocation) noexcept;
 
-// Per-ExpertPools device state: the barrier epoch (device memory) and the SM budget.
+// Per-ExpertPools device state: the barrier epoch (device memory), the host-mapped wait record and the SM budget.
 class PoolsContext {
   public:
     PoolsContext();
@@ -44,9 +45,13 @@ class PoolsContext {
     void grad_reduce(const GradReduceArgs& args, void* stream) const;
     void write_grads(const WriteGradsArgs& args, void* stream) const;  // local: no barrier
     int max_blocks() const { return max_blocks_; }                     // SM budget per launch (0: no cap)
+    // First failed wait recorded by the pools' kernels ("" when none), read without synchronisation.
+    std::string failure_message() const { return wait_.failure_message(); }
+    int32_t failure_code() const { return wait_.failure_code(); }
 
   private:
     uint64_t* epoch_ = nullptr;  // device
+    WaitRecordHost wait_;
     int max_blocks_ = 0;
 };
 

@@ -12,6 +12,7 @@
 #include "host/write_grads.hpp"
 #include "layout/layout.hpp"
 #include "planner/planner.hpp"
+#include "runtime/collective_guard.hpp"
 #include "runtime/device_ops.hpp"
 #include "runtime/device_pools.hpp"
 #include "transport/host_memory.hpp"
@@ -125,7 +126,8 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
     : transport_(std::move(transport)),
       experts_per_rank_(experts_per_rank),
       projections_(std::move(projections)),
-      id_(next_pools_id++) {
+      id_(next_pools_id++),
+      guard_(std::make_unique<CollectiveGuard>("ExpertPools")) {
     FLATEP_CHECK(transport_ != nullptr, "ExpertPools: transport is null");
     const bool on_device = transport_->memory_kind() == MemoryKind::kDevice;
     FLATEP_CHECK(!on_device || device::built_with_cuda(), "ExpertPools: transport '", transport_->name(),
@@ -253,7 +255,14 @@ ExpertLayer ExpertPools::register_layer() {
     return layer;
 }
 
+bool ExpertPools::poisoned() const { return guard_->poisoned(); }
+
 void ExpertPools::check_args(const Plan& plan, const ExpertLayer& layer, const char* op) const {
+    if (device_ != nullptr) {
+        guard_->enter(op, device_->failure_message(), device_->failure_code());
+    } else {
+        guard_->enter(op, "", 0);
+    }
     FLATEP_CHECK(!plan.empty(), op, ": plan is empty (default-constructed); get one from Buffer::plan()");
     if (device_ != nullptr) {
         FLATEP_CHECK(plan.on_device(), op,
@@ -300,13 +309,14 @@ void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer) {
         args.weights = reinterpret_cast<const uint8_t*>(layer.weights(p));
         for (int d = 0; d < R; ++d) args.slot_pools[d] = slot_regions_[p].peers[d];
         args.sync = pool_sync(sync_region_, &epoch_, args.rank, R, transport_->timeout_s());
+        args.sync.step = plan.generation();
         if (device_ != nullptr) {
             args.slot_expert = plan.device_slot_expert(0);  // [R][epn] in device memory
             device_->fill_sync(args.sync);
             device_->prefetch(args, stream_);
         } else {
             args.slot_expert = plan.host_plan().view.slot_expert;
-            host::prefetch(args);
+            guard_->run(args.sync.status, [&] { host::prefetch(args); });
         }
     }
 }
@@ -323,13 +333,14 @@ void ExpertPools::reduce_grad(const Plan& plan, const ExpertLayer& layer) {
         args.grads = layer.grads(p);
         for (int d = 0; d < R; ++d) args.reduce_pools[d] = reinterpret_cast<float*>(reduce_regions_[p].peers[d]);
         args.sync = pool_sync(sync_region_, &epoch_, args.rank, R, transport_->timeout_s());
+        args.sync.step = plan.generation();
         if (device_ != nullptr) {
             args.slot_expert = plan.device_slot_expert(0);  // [R][epn] in device memory
             device_->fill_sync(args.sync);
             device_->grad_reduce(args, stream_);
         } else {
             args.slot_expert = plan.host_plan().view.slot_expert;
-            host::grad_reduce(args);
+            guard_->run(args.sync.status, [&] { host::grad_reduce(args); });
         }
     }
 }

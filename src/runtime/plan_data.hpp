@@ -5,7 +5,10 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <vector>
 
+#include "common/check.hpp"
 #include "flatep/buffer.hpp"
 #include "planner/planner.hpp"
 
@@ -20,6 +23,10 @@ struct Plan::Data {
     PlanView device_view{};
     std::function<void(HostPlan&)> refresh_host;  // copies device_words into host (device plans only)
     mutable std::once_flag host_ready;
+    // Device plans in one of the Buffer's plan slots: the slot and the Buffer's table of which generation each slot
+    // holds (stale once another plan took the slot). slot < 0: caller storage or a host plan.
+    int slot = -1;
+    std::shared_ptr<const std::vector<uint64_t>> slot_generations;
     uint64_t generation = 0;
     uint64_t buffer_id = 0;
     int rank = 0;
@@ -29,9 +36,20 @@ struct Plan::Data {
     bool on_device() const { return device_words != nullptr; }
     // The view kernels / host ops read.
     const PlanView& op_view() const { return on_device() ? device_view : host.view; }
+    // "" while the plan's arrays are its own; else why not (its plan slot was reused by a later step).
+    std::string stale_reason(const char* op) const {
+        if (slot < 0 || (*slot_generations)[size_t(slot)] == generation) return "";
+        return detail::concat(op, ": the plan of step ", generation, " is stale: its plan slot ", slot,
+                              " now holds the plan of step ", (*slot_generations)[size_t(slot)], " (the Buffer has ",
+                              slot_generations->size(), " plan slots; keep fewer plans alive, or pass plan storage)");
+    }
     // Host arrays (synchronised from the device on first use for device plans).
     const HostPlan& host_plan() const {
-        if (on_device()) std::call_once(host_ready, [this] { refresh_host(const_cast<HostPlan&>(host)); });
+        if (on_device()) {
+            const std::string stale = stale_reason("plan accessor");
+            if (!stale.empty()) FLATEP_THROW(ErrorCategory::kMismatch, stale);
+            std::call_once(host_ready, [this] { refresh_host(const_cast<HostPlan&>(host)); });
+        }
         return host;
     }
 };

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <ctime>
+#include <string>
 
 #include "common/check.hpp"
 
@@ -95,18 +96,59 @@ void record_status(int32_t* status, int32_t code, int32_t index, int32_t value, 
     word.store(code, std::memory_order_release);
 }
 
+ErrorCategory wait_failure_category(int32_t code) {
+    return code == kStatusTimeout    ? ErrorCategory::kTimeout
+           : code == kStatusMismatch ? ErrorCategory::kMismatch
+                                     : ErrorCategory::kRuntime;
+}
+
+std::string wait_failure_message(int32_t code, OpId op, int rank, int peer, uint64_t mine, uint64_t observed,
+                                 uint64_t step, double timeout_s) {
+    switch (code) {
+        case kStatusTimeout: {
+            char waited[32];
+            std::snprintf(waited, sizeof(waited), "%.1f", timeout_s);
+            return detail::concat("timeout in ", op_name(op), ": rank ", rank, " waited ", waited, " s for peer ", peer,
+                                  " (flag ", flag_epoch(observed), " < expected ", flag_epoch(mine), ")");
+        }
+        case kStatusMismatch: {
+            return detail::concat(op_name(op), ": rank ", rank, " is in ", op_name(OpId(flag_op(mine))), " of step ",
+                                  step, " but rank ", peer, " in ", op_name(OpId(flag_op(observed))), " of step ",
+                                  flag_step_near(observed, step),
+                                  "; every rank must call the same ops in the same order, with plans of the same step");
+        }
+        case kStatusPeerAborted:
+            return detail::concat(op_name(op), ": rank ", rank, " gives up: peer ", peer,
+                                  " failed an earlier wait (its own error says why)");
+        default:
+            return detail::concat(op_name(op), ": rank ", rank, ": wait failed with status ", code);
+    }
+}
+
 // Which rung of the ladder returns decides only when this rank goes on, never what any rank computes.
-void wait_flag_at_least(const SyncArgs& sync, OpId op, int peer, const uint64_t* flag, uint64_t expected,
-                        double start_s) {
+void wait_flag_at_least(const SyncArgs& sync, OpId op, int peer, const uint64_t* flag, uint64_t mine, double start_s) {
     // Acquire loads: pair with the peer's release store in barrier(), so the peer's earlier writes are visible.
     std::atomic_ref<uint64_t> word(*const_cast<uint64_t*>(flag));
     uint64_t observed = word.load(std::memory_order_acquire);
-    if (observed >= expected) return;
+    int32_t state = flag_state(observed, mine);
+    auto fail = [&](int32_t code) {
+        const int32_t value = code == kStatusMismatch ? int32_t(flag_op(observed)) : int32_t(flag_epoch(observed));
+        record_status(sync.status, code, int32_t(op), value, peer);
+        FLATEP_THROW(wait_failure_category(code),
+                     wait_failure_message(code, op, sync.rank, peer, mine, observed, sync.step, sync.timeout_s));
+    };
+    if (state > 0) return;
+    if (state < 0) fail(-state);
     const double wait_start = now_s();
     // Every return below goes through here: feeds the wait's length into long_wait_share.
-    auto done = [&] {
+    auto poll = [&] {
+        observed = word.load(std::memory_order_acquire);
+        state = flag_state(observed, mine);
+        if (state == 0) return false;
         const float is_long = now_s() - wait_start > kLongWaitSeconds ? 1.0f : 0.0f;
         long_wait_share += (is_long - long_wait_share) / 16;
+        if (state < 0) fail(-state);
+        return true;
     };
 
     static const int cpus = usable_cpus();
@@ -114,44 +156,63 @@ void wait_flag_at_least(const SyncArgs& sync, OpId op, int peer, const uint64_t*
         const double spin_end = wait_start + kSpinSeconds;
         for (uint32_t spins = 1;; ++spins) {
             cpu_relax();
-            observed = word.load(std::memory_order_acquire);
-            if (observed >= expected) return done();
+            if (poll()) return;
             if (spins % 64 == 0 && now_s() >= spin_end) break;
         }
     }
     for (int i = 0; i < kNumYields; ++i) {
         sched_yield();
-        observed = word.load(std::memory_order_acquire);
-        if (observed >= expected) return done();
+        if (poll()) return;
     }
     for (;;) {
         const double now = now_s();
         if (now - start_s > sync.timeout_s) {
-            observed = word.load(std::memory_order_acquire);
-            if (observed >= expected) return done();
-            record_status(sync.status, kStatusTimeout, int32_t(op), int32_t(observed), peer);
-            char waited[32];
-            std::snprintf(waited, sizeof(waited), "%.1f", sync.timeout_s);
-            FLATEP_THROW(ErrorCategory::kTimeout, "timeout in ", op_name(op), ": rank ", sync.rank, " waited ", waited,
-                         " s for peer ", peer, " (flag ", observed, " < expected ", expected, ")");
+            if (poll()) return;
+            fail(kStatusTimeout);
         }
         sleep_seconds(std::clamp((now - wait_start) / 8, kMinSleepSeconds, kMaxSleepSeconds));
-        observed = word.load(std::memory_order_acquire);
-        if (observed >= expected) return done();
+        if (poll()) return;
     }
 }
 
 void barrier(const SyncArgs& sync, OpId op) {
-    const uint64_t epoch = ++(*sync.epoch);
     const int rank = sync.rank;
+    if (sync.status != nullptr && status_is_fatal(std::atomic_ref<int32_t>(sync.status[kStatusCode]).load())) {
+        // Failed before (its abort word is in every peer's array): never publish a barrier again.
+        FLATEP_THROW(ErrorCategory::kRuntime, op_name(op), ": rank ", rank,
+                     " failed an earlier cross-rank wait; build a new Buffer / ExpertPools on every rank");
+    }
+    const uint64_t mine = flag_word(++(*sync.epoch), op, sync.step);
     // Release stores: order every write of this rank before the barrier with the peers' acquire loads below.
     for (int p = 0; p < sync.num_ranks; ++p) {
-        std::atomic_ref<uint64_t>(sync.flags[p][rank]).store(epoch, std::memory_order_release);
+        std::atomic_ref<uint64_t>(sync.flags[p][rank]).store(mine, std::memory_order_release);
     }
     const double start = now_s();
-    for (int p = 0; p < sync.num_ranks; ++p) {
-        if (p == rank) continue;
-        wait_flag_at_least(sync, op, p, &sync.flags[rank][p], epoch, start);
+    try {
+        for (int p = 0; p < sync.num_ranks; ++p) {
+            if (p == rank) continue;
+            try {
+                wait_flag_at_least(sync, op, p, &sync.flags[rank][p], mine, start);
+            } catch (const Error& e) {
+                if (e.category() != ErrorCategory::kRuntime) throw;
+                // Peer p gave up. If another peer is at this barrier in another (op, step), that is what went wrong
+                // here: name it instead (a mismatch is worth more to the user than "someone gave up").
+                for (int q = 0; q < sync.num_ranks; ++q) {
+                    const uint64_t theirs =
+                        std::atomic_ref<uint64_t>(sync.flags[rank][q]).load(std::memory_order_acquire);
+                    if (q == rank || flag_state(theirs, mine) != -kStatusMismatch) continue;
+                    FLATEP_THROW(ErrorCategory::kMismatch, wait_failure_message(kStatusMismatch, op, rank, q, mine,
+                                                                                theirs, sync.step, sync.timeout_s));
+                }
+                throw;
+            }
+        }
+    } catch (...) {
+        // Every peer's next wait on this rank fails at once, and sees the (op, step) this rank was in.
+        for (int p = 0; p < sync.num_ranks; ++p) {
+            std::atomic_ref<uint64_t>(sync.flags[p][rank]).store(mine | kFlagAbortBit, std::memory_order_release);
+        }
+        throw;
     }
 }
 

@@ -22,50 +22,60 @@ FLATEP_DEVICE void record_status(int32_t* status, int32_t code, int32_t index, i
     atomicExch(&status[kStatusCode], code);
 }
 
-// Records a failed wait: the rank's status words (kStatusTimeout, index = op, value = observed, peer) and, when
-// present, the host-mapped WaitRecord (all fields, then code last behind a system fence). Only the first error
-// of a rank is kept in each.
-FLATEP_DEVICE void record_wait_timeout(const SyncArgs& sync, int op, int peer, uint64_t expected, uint64_t observed) {
-    record_status(sync.status, kStatusTimeout, op, int32_t(observed), peer);
+// Records a failed wait (code kStatusTimeout, kStatusMismatch or kStatusPeerAborted): the rank's status words
+// (index = op, value = the peer's op for a mismatch, else the observed epoch; peer) and, when present, the
+// host-mapped WaitRecord (all fields, then code last behind a system fence). Only the first error of a rank is kept
+// in each.
+FLATEP_DEVICE void record_wait_failure(const SyncArgs& sync, int32_t code, int op, int peer, uint64_t expected,
+                                       uint64_t observed) {
+    const int32_t value = code == kStatusMismatch ? int32_t(flag_op(observed)) : int32_t(flag_epoch(observed));
+    record_status(sync.status, code, op, value, peer);
     WaitRecord* rec = sync.wait_record;
     if (rec != nullptr && atomicCAS(&rec->op, kOpNone, op) == kOpNone) {  // op doubles as the claim word
         rec->rank = sync.rank;
         rec->peer = peer;
         rec->expected = expected;
         rec->observed = observed;
+        rec->step = sync.step;
         __threadfence_system();
-        atomicExch(&rec->code, kStatusTimeout);
+        atomicExch(&rec->code, code);
     }
 }
 
-// True when an earlier wait of this rank already timed out: later waits give up at once instead of each waiting
-// the full timeout (the step is lost anyway; the host reports the first failure).
+// True when an earlier wait of this rank already failed: later waits give up at once instead of each waiting the
+// full timeout (the step is lost anyway; the host reports the first failure).
 FLATEP_DEVICE bool wait_already_failed(const SyncArgs& sync) {
-    return sync.status != nullptr && ld_relaxed_sys(&sync.status[kStatusCode]) == kStatusTimeout;
+    if (sync.status != nullptr && status_is_fatal(ld_relaxed_sys(&sync.status[kStatusCode]))) return true;
+    return sync.wait_record != nullptr && ld_relaxed_sys(&sync.wait_record->code) != 0;
 }
 
-// Spins until ld_acquire_sys(flag) >= expected, or until sync.timeout_s has passed (then records the timeout and
-// returns false). Acquire: on a true return, every write the peer made before its st_release_sys of a value
-// >= expected is visible to this thread (and, after a __syncthreads, to its block).
-FLATEP_DEVICE bool wait_flag_at_least(const SyncArgs& sync, int op, int peer, const uint64_t* flag, uint64_t expected) {
+// Spins until the peer's flag word reaches barrier `mine` (flag_word(epoch, op, step) as this rank stored it), or
+// until sync.timeout_s has passed, or the peer turns out to be in another op or step, or aborted; the last three
+// record the failure and return false. Acquire: on a true return, every write the peer made before its
+// st_release_sys of that word is visible to this thread (and, after a __syncthreads, to its block).
+FLATEP_DEVICE bool wait_flag_at_least(const SyncArgs& sync, int op, int peer, const uint64_t* flag, uint64_t mine) {
     uint64_t observed = ld_acquire_sys(flag);
-    if (observed >= expected) return true;
-    const uint64_t timeout_ns = uint64_t(sync.timeout_s * 1e9);
-    const uint64_t start = globaltimer_ns();
-    for (uint32_t spins = 1;; ++spins) {
-        observed = ld_acquire_sys(flag);
-        if (observed >= expected) return true;
-        if ((spins & 255u) == 0) {
+    int32_t state = flag_state(observed, mine);
+    if (state == 0) {
+        const uint64_t timeout_ns = uint64_t(sync.timeout_s * 1e9);
+        const uint64_t start = globaltimer_ns();
+        for (uint32_t spins = 1; state == 0; ++spins) {
+            observed = ld_acquire_sys(flag);
+            state = flag_state(observed, mine);
+            if (state != 0 || (spins & 255u) != 0) continue;
             if (wait_already_failed(sync)) return false;
             if (globaltimer_ns() - start > timeout_ns) {
                 observed = ld_acquire_sys(flag);
-                if (observed >= expected) return true;
-                record_wait_timeout(sync, op, peer, expected, observed);
-                return false;
+                state = flag_state(observed, mine);
+                if (state == 0) state = -kStatusTimeout;
+                break;
             }
             __nanosleep(64);
         }
     }
+    if (state > 0) return true;
+    record_wait_failure(sync, -state, op, peer, mine, observed);
+    return false;
 }
 
 }  // namespace flatep::kernels
