@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <utility>
+
 #include "flatep/config.hpp"
 #include "flatep/error.hpp"
 #include "layout/layout.hpp"
@@ -57,6 +60,46 @@ TEST(Config, EachBadFieldIsNamedWithItsValue) {
         cs.mutate(c);
         EXPECT_EQ(error_of(c), cs.expect);
     }
+}
+
+TEST(Config, EveryLimitItselfIsValid) {
+    // The largest (or smallest) allowed value of each field passes; EachBadFieldIsNamedWithItsValue has the next one.
+    const std::pair<const char*, void (*)(Config&)> cases[] = {
+        {"R = 64", [](Config& c) { c.num_ranks = 64, c.num_experts = 64, c.rank = 63; }},
+        {"R = 1", [](Config& c) { c.num_ranks = 1, c.rank = 0; }},
+        {"K = 32", [](Config& c) { c.num_experts = 32, c.topk = 32; }},
+        {"K = E", [](Config& c) { c.topk = 16; }},
+        {"K = 1", [](Config& c) { c.topk = 1; }},
+        {"H = 8", [](Config& c) { c.hidden = 8; }},
+        {"align = 4096", [](Config& c) { c.align = 4096; }},
+        {"align = 1", [](Config& c) { c.align = 1; }},
+        {"capacity_factor = 4", [](Config& c) { c.capacity_factor = 4.0; }},
+        {"S*K = 2^31 - 1",
+         [](Config& c) {
+             c.num_ranks = 1, c.num_experts = 1, c.num_tokens = INT32_MAX, c.topk = 1, c.hidden = 8, c.align = 1;
+         }},
+    };
+    for (const auto& [what, mutate] : cases) {
+        Config c = small();
+        mutate(c);
+        EXPECT_EQ(error_of(c), "") << what;
+    }
+    Config c = small();
+    c.num_ranks = 1, c.num_experts = 1, c.num_tokens = INT32_MAX, c.topk = 1, c.align = 1;
+    EXPECT_EQ(make_layout(c).capacity, INT32_MAX);
+    EXPECT_EQ(make_layout(c).num_recv_rows, INT32_MAX);
+}
+
+TEST(Layout, CapacityRoundsUpInSlackMode) {
+    // C = ceil(f*S*K): 1.1 * 32 * 3 = 105.6 -> 106; 1.25 * 32 * 2 = 80 exactly stays 80; 4 * 32 * 2 = 256.
+    Config c = small();
+    c.topk = 3, c.capacity_factor = 1.1;
+    EXPECT_EQ(make_layout(c).capacity, 106);
+    c.topk = 2, c.capacity_factor = 1.25;
+    EXPECT_EQ(make_layout(c).capacity, 80);
+    c.capacity_factor = 4.0;
+    EXPECT_EQ(make_layout(c).capacity, 256);
+    EXPECT_FALSE(make_layout(c).exact);
 }
 
 TEST(Config, HashIgnoresRankAndMismatchNamesField) {

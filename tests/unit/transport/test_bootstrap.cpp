@@ -202,12 +202,15 @@ TEST(IpcMesh, RankClaimedFromAnotherRanksPidIsRefused) {
     ::testing::internal::CaptureStderr();
     int refused = 0;
     std::string rank0_error, impostor_error;
+    double rank0_seconds = 0;
     std::thread rank0([&] {
+        const auto start = Clock::now();
         try {
             ipc::build_mesh(spec_of(0), listener0.get(), &refused);
         } catch (const Error& e) {
             rank0_error = e.what();
         }
+        rank0_seconds = seconds_since(start);
     });
     // The impostor connects while ranks 1 and 2 are both still pending at rank 0, and fails once rank 0 refuses it.
     std::thread impostor([&] {
@@ -225,6 +228,9 @@ TEST(IpcMesh, RankClaimedFromAnotherRanksPidIsRefused) {
     EXPECT_NE(impostor_error.find("closed the connection"), std::string::npos) << impostor_error;
     EXPECT_NE(rank0_error.find("rank 3 (pid " + std::to_string(other) + ") did not connect"), std::string::npos)
         << rank0_error;
+    // Rank 0 gives up on the missing ranks at its timeout (1.5 s), not before and not long after.
+    EXPECT_GE(rank0_seconds, base.timeout_s * 0.95);
+    EXPECT_LT(rank0_seconds, base.timeout_s + 1.5);
 }
 
 }  // namespace

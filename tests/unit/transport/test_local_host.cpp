@@ -182,19 +182,25 @@ TEST(HostBarrier, TimeoutNamesOpRankPeerAndFlagsAndRecordsStatus) {
     const int R = 4;
     BarrierState state(R);
     std::vector<std::string> messages(R);
+    std::vector<double> seconds(R, 0);
     run_ranks(R, [&](int rank) {
         const SyncArgs sync = state.sync(rank, R, 0.5);
         if (rank == 3) return;
+        const auto start = std::chrono::steady_clock::now();
         try {
             host::barrier(sync, kOpGradReduce);
         } catch (const Error& e) {
             EXPECT_EQ(e.category(), ErrorCategory::kTimeout);
             messages[rank] = e.message();
         }
+        seconds[rank] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     });
     for (int r = 0; r < 3; ++r) {
         EXPECT_EQ(messages[r], "timeout in reduce_grad: rank " + std::to_string(r) +
                                    " waited 0.5 s for peer 3 (flag 0 < expected 1)");
+        // The wait honours its timeout: not before it, and not much after it (the sleeps are at most 1 ms).
+        EXPECT_GE(seconds[r], 0.5) << "rank " << r;
+        EXPECT_LT(seconds[r], 2.0) << "rank " << r;
         EXPECT_EQ(state.status[r * 4 + kStatusCode], kStatusTimeout);
         EXPECT_EQ(state.status[r * 4 + kStatusIndex], kOpGradReduce);
         EXPECT_EQ(state.status[r * 4 + kStatusValue], 0);
