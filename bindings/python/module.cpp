@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/check.hpp"
+#include "common/env.hpp"
 #include "flatep/flatep.hpp"
 #include "flatep/ipc.hpp"
 #include "layout/layout.hpp"
@@ -31,9 +32,19 @@ T* as_ptr(uintptr_t address) {
     return reinterpret_cast<T*>(address);
 }
 
+// The text of a Python exception on one line (pybind11's what() appends the traceback).
+std::string one_line(const py::error_already_set& e) {
+    std::string text = py::str(e.value());
+    for (char& c : text)
+        if (c == '\n' || c == '\r') c = ' ';
+    return text;
+}
+
 // Python subclasses of flatep._C.Bootstrap (torch.distributed in python/flatep/distributed.py) implement rank(),
 // size() and all_gather(bytes) -> list[bytes]. A Python exception inside all_gather becomes a flatep::Error so that
-// the library only ever unwinds through its own exception type.
+// the library only ever unwinds through its own exception type, its message on one line: a TimeoutError (how the
+// package's bootstraps report a peer that did not arrive or left) becomes kTimeout with its message as it is, any
+// other exception kRuntime naming its type.
 class PyBootstrap : public Bootstrap {
   public:
     int rank() const override { PYBIND11_OVERRIDE_PURE(int, Bootstrap, rank, ); }
@@ -47,7 +58,9 @@ class PyBootstrap : public Bootstrap {
             py::object result = override(py::bytes(blob));
             for (py::handle item : result) blobs.push_back(item.cast<std::string>());
         } catch (py::error_already_set& e) {
-            FLATEP_THROW(ErrorCategory::kRuntime, "Bootstrap.all_gather raised ", e.what());
+            if (e.matches(PyExc_TimeoutError)) FLATEP_THROW(ErrorCategory::kTimeout, one_line(e));
+            FLATEP_THROW(ErrorCategory::kRuntime, "Bootstrap.all_gather raised ",
+                         py::str(e.type().attr("__name__")).cast<std::string>(), ": ", one_line(e));
         } catch (py::cast_error& e) {
             FLATEP_THROW(ErrorCategory::kRuntime, "Bootstrap.all_gather must return a list of bytes: ", e.what());
         }
@@ -145,7 +158,12 @@ void bind_transport(py::module_& m) {
         .def_property_readonly("name", &Transport::name)
         .def_property_readonly(
             "memory_kind", [](const Transport& t) { return t.memory_kind() == MemoryKind::kHost ? "host" : "device"; })
-        .def_property("timeout_s", &Transport::timeout_s, &Transport::set_timeout_s);
+        .def_property("timeout_s", &Transport::timeout_s, [](Transport& t, double seconds) {
+            t.set_timeout_s(env::check_timeout("Transport", "timeout_s", seconds));
+        });
+    m.def("env_timeout_s", &env::timeout_seconds,
+          "FLATEP_TIMEOUT_S in seconds (default 100): the timeout of every wait that is not given one. A value outside "
+          "(0, 86400] raises ValueError naming it.");
 
     m.def(
         "make_ipc_transport",
@@ -159,7 +177,8 @@ void bind_transport(py::module_& m) {
         },
         py::arg("bootstrap"), py::arg("memory") = "host", py::arg("timeout_s") = 0.0, py::arg("same_process") = false,
         "Collective over the bootstrap's ranks: the multi-process `ipc` transport (memfd regions for 'host'); "
-        "same_process=True lets the ranks be threads of one process (flatep.virtual).");
+        "same_process=True lets the ranks be threads of one process (flatep.virtual). timeout_s: seconds in "
+        "(0, 86400], 0 (the default): FLATEP_TIMEOUT_S; anything else raises ValueError before any collective.");
 }
 
 void bind_plan(py::module_& m) {

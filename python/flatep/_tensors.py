@@ -6,6 +6,36 @@ import math
 import torch
 
 
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+MAX_TIMEOUT_S = 86400.0  # one day: flatep::env::kMaxTimeoutSeconds
+
+
+def check_int(op, name, value, accepted, low=-INT32_MAX - 1, high=INT32_MAX):
+    """`value` when it is an int (not a bool) in [low, high], the range of the C++ parameter it is passed as (int32 by
+    default): the C++ checks then give their own one-line messages for values inside it. Otherwise a one-line
+    ValueError naming `op`, `name` and the value, with `accepted` (e.g. "in [1, 4096]") saying what the argument
+    takes, instead of pybind11's multi-line TypeError."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{op}: {name} must be an int, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{op}: {name} must be {accepted}, got {value}")
+    return value
+
+
+def check_timeout(op, timeout_s):
+    """`timeout_s` as a float, or None (the default: FLATEP_TIMEOUT_S); a one-line ValueError unless it is a finite
+    number of seconds in (0, 86400]. NaN and infinity are errors, never "no timeout"."""
+    if timeout_s is None:
+        return None
+    valid = not isinstance(timeout_s, bool) and isinstance(timeout_s, (int, float))
+    if not valid or not 0 < timeout_s <= MAX_TIMEOUT_S:  # NaN fails the comparison
+        raise ValueError(
+            f"{op}: timeout_s must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}] or None, got {timeout_s!r}"
+        )
+    return float(timeout_s)
+
+
 def shape_text(shape):
     return "[" + ", ".join(str(d) for d in shape) + "]"
 

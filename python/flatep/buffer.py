@@ -25,7 +25,7 @@ plan to the host, which waits for the device.
 import torch
 
 from . import _C
-from ._tensors import address, check_tensor, shape_text, tensor_at
+from ._tensors import address, check_int, check_tensor, check_timeout, shape_text, tensor_at
 from .distributed import device_guard, group_rank_size, resolve_device, transport_for
 
 _PLANNERS = ("balanced", "greedy")
@@ -129,7 +129,7 @@ class Buffer:
         planner (str): 'balanced' (default) or 'greedy' (the one-donor baseline).
         device: where tensors live: 'cpu' (the CPU backend, default) or a CUDA device (FlatEP built with CUDA; 'cuda'
             means the current device). Processes may share one GPU.
-        timeout_s (float): bound on every cross-rank wait (default: FLATEP_TIMEOUT_S or 100 s).
+        timeout_s (float): bound on every cross-rank wait, seconds in (0, 86400] (default: FLATEP_TIMEOUT_S or 100 s).
 
     Attributes: rank, num_ranks, num_tokens, hidden, num_experts, topk, experts_per_rank, capacity (C),
     num_recv_rows (NvS), device.
@@ -149,17 +149,19 @@ class Buffer:
         device=None,
         timeout_s=None,
     ):
-        for name, value in (
-            ("num_tokens", num_tokens),
-            ("hidden", hidden),
-            ("num_experts", num_experts),
-            ("topk", topk),
-            ("align", align),
+        for name, value, accepted in (
+            ("num_tokens", num_tokens, "in [1, 2147483647]"),
+            ("hidden", hidden, "a multiple of 8 in [8, 2147483640]"),
+            ("num_experts", num_experts, "in [1, 2147483647]"),
+            ("topk", topk, "in [1, 32]"),
+            ("align", align, "in [1, 4096]"),
         ):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"Buffer: {name} must be an int, got {value!r}")
+            check_int("Buffer", name, value, accepted)
         if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
             raise ValueError(f"Buffer: capacity_factor must be a float, got {capacity_factor!r}")
+        if isinstance(capacity_factor, int) and not 1 <= capacity_factor <= 4:  # an int float() cannot hold
+            raise ValueError(f"Buffer: capacity_factor must be in [1, 4], got {capacity_factor}")
+        timeout_s = check_timeout("Buffer", timeout_s)
         if planner not in _PLANNERS:
             raise ValueError(f"Buffer: planner must be 'balanced' or 'greedy', got {planner!r}")
         self.group = group

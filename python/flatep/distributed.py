@@ -7,22 +7,58 @@ gloo on CPU). Every process of the group must create its FlatEP objects in the s
 """
 
 import contextlib
+import datetime
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 from . import _C
+from ._tensors import check_timeout
+
+_ARRIVAL_TAG = 0x464C  # "FL": the tag of TorchBootstrap's arrival messages
+
+
+class PeerTimeout(TimeoutError, RuntimeError):
+    """A bootstrap's peer did not arrive in time or left the job. flatep._C passes a TimeoutError's message on as the
+    library's one-line timeout error (RuntimeError); a direct caller of all_gather can catch either base."""
+
+
+def _first_line(error):
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _rank_list(ranks):
+    return ", ".join(f"rank {r}" for r in sorted(ranks))
+
+
+def _global_rank(group, rank):
+    """The default group's rank of `group`'s rank `rank` (what torch.distributed's point-to-point calls take)."""
+    if group is None or group is dist.group.WORLD:
+        return rank
+    get = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank  # torch < 2.0
+    return get(group, rank)
 
 
 class TorchBootstrap(_C.Bootstrap):
-    """flatep._C.Bootstrap over a torch.distributed process group (None: the default group)."""
+    """flatep._C.Bootstrap over a torch.distributed process group (None: the default group).
 
-    def __init__(self, group=None):
+    On a gloo group every all_gather first checks that each peer arrived: one tagged point-to-point message to and
+    from every peer, each waited for until `timeout_s` (default FLATEP_TIMEOUT_S) has passed. A peer that left the job
+    or stalls is then named on one line (a PeerTimeout, which flatep._C turns into the library's timeout error)
+    within the timeout, instead of a gloo stack from deep inside all_gather_object or a wait as long as the group's
+    own timeout (30 min by default). Other backends go straight to all_gather_object; its errors are one line too."""
+
+    def __init__(self, group=None, timeout_s=None):
         super().__init__()
         self.group = group
         self._rank = dist.get_rank(group)
         self._size = dist.get_world_size(group)
+        self._check_peers = dist.get_backend(group) == "gloo"
+        self.timeout_s = _C.env_timeout_s() if timeout_s is None else timeout_s
+        self._num_calls = 0
 
     def rank(self):
         return self._rank
@@ -31,9 +67,52 @@ class TorchBootstrap(_C.Bootstrap):
         return self._size
 
     def all_gather(self, blob):
+        what = f"torch.distributed bootstrap all_gather #{self._num_calls} on rank {self._rank}"
+        self._num_calls += 1
+        if self._check_peers and self._size > 1:
+            self._wait_for_peers(what)
         out = [None] * self._size
-        dist.all_gather_object(out, bytes(blob), group=self.group)
+        try:
+            dist.all_gather_object(out, bytes(blob), group=self.group)
+        except RuntimeError as e:
+            raise PeerTimeout(f"{what}: all_gather_object failed: {_first_line(e)}") from None
         return out
+
+    def _wait_for_peers(self, what):
+        """Raises PeerTimeout naming every peer that did not arrive within timeout_s or left the job."""
+        token = torch.zeros(1, dtype=torch.uint8)
+        timed_out, left = [], []
+
+        def failed(peer, error):  # gloo: "Timed out waiting ..." or the connection closed / reset by the peer
+            (timed_out if "timed out" in str(error).lower() else left).append(peer)
+
+        works = []
+        for peer in range(self._size):
+            if peer == self._rank:
+                continue
+            dst = _global_rank(self.group, peer)
+            try:  # posting fails at once when gloo already saw the peer's connection close
+                works.append((peer, dist.irecv(torch.zeros(1, dtype=torch.uint8), dst, self.group, _ARRIVAL_TAG)))
+                works.append((peer, dist.isend(token, dst, self.group, _ARRIVAL_TAG)))  # done once the peer receives
+            except RuntimeError as e:
+                failed(peer, e)
+        deadline = time.monotonic() + self.timeout_s
+        for peer, work in works:
+            if peer in timed_out or peer in left:
+                continue
+            try:
+                if not work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))):
+                    failed(peer, "timed out")  # a backend that reports a timeout by returning False
+            except RuntimeError as e:
+                failed(peer, e)
+        if not timed_out and not left:
+            return
+        problems = []  # worded as the C++ socket mesh's (src/transport/ipc_socket.cpp)
+        if timed_out:
+            problems.append(f"{_rank_list(timed_out)} did not arrive within {self.timeout_s:g} s")
+        if left:
+            problems.append(f"{_rank_list(left)} left the job (connection closed) without arriving")
+        raise PeerTimeout(f"{what}: {'; '.join(problems)}")
 
 
 class SingleProcessBootstrap(_C.Bootstrap):
@@ -84,13 +163,15 @@ def _is_virtual(group):
 
 def transport_for(group=None, device=None, timeout_s=None):
     """The process's ipc transport for `group` and memory kind of `device` (created on first use, collectively,
-    then cached: every FlatEP object of the group shares it). A flatep.virtual.VirtualRank brings its own."""
+    then cached: every FlatEP object of the group shares it). A flatep.virtual.VirtualRank brings its own. timeout_s:
+    seconds in (0, 86400] (None: keep the transport's, at first FLATEP_TIMEOUT_S)."""
+    timeout_s = check_timeout("transport_for", timeout_s)
     if _is_virtual(group):
         wanted = resolve_device(torch.device("cpu") if device is None else torch.device(device))
         if wanted != group.device:
             raise ValueError(f"device {wanted} differs from the virtual rank's device {group.device}")
         if timeout_s is not None:
-            group.transport.timeout_s = float(timeout_s)
+            group.transport.timeout_s = timeout_s
         return group.transport
     device = torch.device("cpu") if device is None else torch.device(device)
     if device.type not in ("cpu", "cuda"):
@@ -108,18 +189,19 @@ def transport_for(group=None, device=None, timeout_s=None):
     with _lock:
         entry = _transports.get(key)
         if entry is None:
-            bootstrap = SingleProcessBootstrap() if single else TorchBootstrap(group)
+            bootstrap = SingleProcessBootstrap() if single else TorchBootstrap(group, timeout_s)
             with device_guard(device):  # device regions live on the current device
                 if memory == "device":
                     # The transport adopts the thread's current CUDA context: make it torch's (the primary context of
                     # `device`), which a device guard alone does not create.
                     torch.empty(1, device=device)
-                transport = _C.make_ipc_transport(bootstrap, memory, 0.0)
+                transport = _C.make_ipc_transport(bootstrap, memory, 0.0 if timeout_s is None else timeout_s)
             entry = (group, bootstrap, transport)  # keep the group object alive: its id is the key
             _transports[key] = entry
-    transport = entry[2]
+    bootstrap, transport = entry[1], entry[2]
     if timeout_s is not None:
-        transport.timeout_s = float(timeout_s)
+        transport.timeout_s = timeout_s
+        bootstrap.timeout_s = timeout_s  # the bootstrap's waits (every later constructor's agreement) follow it
     return transport
 
 

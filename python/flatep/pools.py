@@ -27,7 +27,7 @@ synchronisation. The plan must come from a Buffer on the same device.
 import torch
 
 from . import _C
-from ._tensors import address, check_tensor, tensor_at
+from ._tensors import INT64_MAX, address, check_int, check_tensor, check_timeout, tensor_at
 from .buffer import Plan
 from .distributed import device_guard, group_rank_size, resolve_device, transport_for
 
@@ -79,16 +79,22 @@ class ExpertPools:
             [(H, F), (F, H)] for an FFN x @ W1 -> act -> @ W2.
         device: 'cpu' (the CPU backend, default) or a CUDA device (FlatEP built with CUDA; 'cuda' means the current
             device). Plans must come from Buffers on the same device.
-        timeout_s (float): bound on every cross-rank wait (default: FLATEP_TIMEOUT_S or 100 s).
+        timeout_s (float): bound on every cross-rank wait, seconds in (0, 86400] (default: FLATEP_TIMEOUT_S or 100 s).
     """
 
     def __init__(self, group, experts_per_rank, projections, *, device=None, timeout_s=None):
         if isinstance(experts_per_rank, bool) or not isinstance(experts_per_rank, int) or experts_per_rank < 1:
             raise ValueError(f"ExpertPools: experts_per_rank must be a positive int, got {experts_per_rank!r}")
+        check_int("ExpertPools", "experts_per_rank", experts_per_rank, "in [1, 2147483647]")
+        timeout_s = check_timeout("ExpertPools", timeout_s)
         shapes = []
         for i, shape in enumerate(projections):
             if len(shape) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
                 raise ValueError(f"ExpertPools: projection {i} must be (rows, cols) positive ints, got {shape!r}")
+            if max(shape) > INT64_MAX:  # the C++ check's message, for sizes its int64 cannot hold
+                raise ValueError(
+                    f"ExpertPools: projection {i} of [{shape[0]}][{shape[1]}] x {experts_per_rank} experts is too large"
+                )
             shapes.append((int(shape[0]), int(shape[1])))
         if not shapes:
             raise ValueError("ExpertPools: at least one projection is needed")

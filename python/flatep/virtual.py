@@ -21,6 +21,8 @@ import threading
 import torch
 
 from . import _C
+from ._tensors import check_timeout
+from .distributed import PeerTimeout
 
 _MAX_RANKS = 64  # flatep::kMaxRanks
 
@@ -57,7 +59,7 @@ class ThreadBootstrap(_C.Bootstrap):
             rv.barrier.wait(rv.timeout_s)  # every rank has written this round
             return list(rv.slots)
         except threading.BrokenBarrierError:
-            raise RuntimeError(
+            raise PeerTimeout(
                 f"virtual rank {self._rank}: all_gather: not every one of {rv.size} ranks arrived within "
                 f"{rv.timeout_s:g} s"
             ) from None
@@ -111,9 +113,10 @@ def virtual_ranks(num_ranks, device="cpu", timeout_s=None):
     """R VirtualRanks sharing one ipc transport world on `device` ('cpu': host memory, the CPU backend; a CUDA device:
     device memory on that GPU; a list of CUDA devices: the ranks in equal consecutive blocks, rank r on
     devices[r * len(devices) // R], peers on other GPUs reached through peer mappings). timeout_s bounds every
-    cross-rank wait (default: FLATEP_TIMEOUT_S or 100 s)."""
+    cross-rank wait: seconds in (0, 86400] (default: FLATEP_TIMEOUT_S or 100 s)."""
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or not 1 <= num_ranks <= _MAX_RANKS:
         raise ValueError(f"virtual_ranks: num_ranks must be an int in [1, {_MAX_RANKS}], got {num_ranks!r}")
+    timeout_s = check_timeout("virtual_ranks", timeout_s)
     devices = [_resolve(d) for d in (device if isinstance(device, (list, tuple)) else [device])]
     if not devices or len(devices) > num_ranks or num_ranks % len(devices):
         raise ValueError(f"virtual_ranks: {num_ranks} ranks cannot be split evenly over devices {devices}")
@@ -121,14 +124,14 @@ def virtual_ranks(num_ranks, device="cpu", timeout_s=None):
         raise ValueError(f"virtual_ranks: devices must be one 'cpu' or CUDA devices only, got {devices}")
     rank_device = [devices[r * len(devices) // num_ranks] for r in range(num_ranks)]
     memory = "device" if devices[0].type == "cuda" else "host"
-    rv = _Rendezvous(num_ranks, 60.0 if timeout_s is None else float(timeout_s))
+    rv = _Rendezvous(num_ranks, 60.0 if timeout_s is None else timeout_s)
 
     def make(r):
         device = rank_device[r]
         if device.type == "cuda":
             torch.cuda.set_device(device)  # per thread: the transport adopts this thread's current context
             torch.empty(1, device=device)
-        timeout = 0.0 if timeout_s is None else float(timeout_s)
+        timeout = 0.0 if timeout_s is None else timeout_s
         return _C.make_ipc_transport(ThreadBootstrap(rv, r), memory, timeout, same_process=True)
 
     transports = run_threads(num_ranks, make)

@@ -1,5 +1,6 @@
 #include "common/env.hpp"
 
+#include <cmath>
 #include <cstdlib>
 
 #include "common/check.hpp"
@@ -11,13 +12,27 @@ std::string get(const char* name, const std::string& fallback) {
     return (value == nullptr || *value == '\0') ? fallback : std::string(value);
 }
 
+namespace {
+bool valid_timeout(double seconds) { return std::isfinite(seconds) && seconds > 0 && seconds <= kMaxTimeoutSeconds; }
+}  // namespace
+
 double timeout_seconds() {
     const std::string text = get("FLATEP_TIMEOUT_S", "100");
     char* end = nullptr;
     const double value = std::strtod(text.c_str(), &end);
-    FLATEP_CHECK(end != text.c_str() && *end == '\0' && value > 0, "FLATEP_TIMEOUT_S must be a positive number, got '",
-                 text, "'");
+    FLATEP_CHECK(end != text.c_str() && *end == '\0' && valid_timeout(value),
+                 "FLATEP_TIMEOUT_S must be a number of seconds in (0, ", kMaxTimeoutSeconds, "], got '", text, "'");
     return value;
+}
+
+double check_timeout(const std::string& what, const char* name, double seconds) {
+    FLATEP_CHECK(valid_timeout(seconds), what, ": ", name, " must be a finite number of seconds in (0, ",
+                 kMaxTimeoutSeconds, "], got ", seconds);
+    return seconds;
+}
+
+double resolve_timeout(const std::string& what, double seconds) {
+    return seconds == 0 ? timeout_seconds() : check_timeout(what, "timeout_s", seconds);
 }
 
 int sm_budget() {

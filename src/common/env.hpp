@@ -5,8 +5,19 @@
 
 namespace flatep::env {
 
-// FLATEP_TIMEOUT_S: seconds any cross-rank wait may take before it fails with a timeout error (default 100).
+// Every timeout is a finite number of seconds in (0, kMaxTimeoutSeconds]: one day, far above any wait a healthy job
+// makes, and small enough that a deadline computed from it never overflows a clock.
+inline constexpr double kMaxTimeoutSeconds = 86400.0;
+
+// FLATEP_TIMEOUT_S: seconds any cross-rank wait may take before it fails with a timeout error (default 100); a value
+// outside (0, kMaxTimeoutSeconds] is an error naming the variable and its text.
 double timeout_seconds();
+// Returns `seconds` when it is a finite number in (0, kMaxTimeoutSeconds]; otherwise throws kInvalidArgument
+// "<what>: <name> must be ..., got <seconds>". NaN and infinity are errors, never "no timeout".
+double check_timeout(const std::string& what, const char* name, double seconds);
+// The timeout a constructor runs with: FLATEP_TIMEOUT_S when `seconds` is 0 (the API's default argument), else
+// check_timeout(what, "timeout_s", seconds) -- so a negative value is an error, never the default.
+double resolve_timeout(const std::string& what, double seconds);
 // FLATEP_DEBUG: 1 = check the device status word after every op (reports bad expert ids at once).
 bool debug();
 // FLATEP_SM_BUDGET: most thread blocks one GPU launch of a rank may use (0 = no cap; default 0). Set it when

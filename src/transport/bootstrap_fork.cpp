@@ -66,8 +66,10 @@ std::vector<int> run_forked(int num_ranks, const std::function<int(int rank, std
     FLATEP_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "run_forked: num_ranks must be in [1, ", kMaxRanks,
                  "], got ", num_ranks);
     FLATEP_CHECK(static_cast<bool>(fn), "run_forked: fn is empty");
-    const double timeout_s = options.timeout_s > 0 ? options.timeout_s : env::timeout_seconds();
-    const double deadline_s = options.deadline_s > 0 ? options.deadline_s : 3 * timeout_s + 10;
+    const double timeout_s = env::resolve_timeout("run_forked", options.timeout_s);
+    const double deadline_s = options.deadline_s == 0
+                                  ? 3 * timeout_s + 10
+                                  : env::check_timeout("run_forked", "deadline_s", options.deadline_s);
 
     std::vector<std::array<int, 2>> pairs(num_ranks * num_ranks, std::array<int, 2>{-1, -1});
     auto close_pairs = [&] {

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common/check.hpp"
+#include "common/env.hpp"
 
 namespace flatep {
 
@@ -14,7 +15,7 @@ MeshBootstrap::MeshBootstrap(int rank, int size, std::vector<ipc::Fd> sockets, d
     FLATEP_CHECK(rank >= 0 && rank < size, what_, ": rank ", rank, " outside [0, ", size, ")");
     FLATEP_CHECK(static_cast<int>(sockets_.size()) == size, what_, ": ", sockets_.size(), " sockets for ", size,
                  " ranks");
-    FLATEP_CHECK(timeout_s > 0, what_, ": timeout_s must be > 0, got ", timeout_s);
+    env::check_timeout(what_, "timeout_s", timeout_s);
     for (const ipc::Fd& fd : sockets_) raw_sockets_.push_back(fd.get());
     pids_.assign(size, 0);
     pids_[rank] = ::getpid();

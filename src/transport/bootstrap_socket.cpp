@@ -19,7 +19,7 @@ std::shared_ptr<Bootstrap> make_socket_bootstrap(const std::string& job_id, int 
     FLATEP_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "socket rendezvous: num_ranks must be in [1, ", kMaxRanks,
                  "], got ", num_ranks);
     FLATEP_CHECK(rank >= 0 && rank < num_ranks, "socket rendezvous: rank ", rank, " outside [0, ", num_ranks, ")");
-    if (timeout_s <= 0) timeout_s = env::timeout_seconds();
+    timeout_s = env::resolve_timeout("socket rendezvous", timeout_s);
 
     ipc::MeshSpec spec;
     spec.name_prefix = "flatep-rdv-" + job_id;

@@ -80,7 +80,7 @@ IpcTransport::IpcTransport(std::shared_ptr<Bootstrap> bootstrap, std::unique_ptr
     : bootstrap_(std::move(bootstrap)), memory_(std::move(memory)) {
     FLATEP_CHECK(bootstrap_ != nullptr, "ipc transport: bootstrap is null");
     FLATEP_CHECK(memory_ != nullptr, "ipc transport: memory is null");
-    timeout_s_ = options.timeout_s > 0 ? options.timeout_s : env::timeout_seconds();
+    timeout_s_ = env::resolve_timeout("ipc transport", options.timeout_s);
     rank_ = bootstrap_->rank();
     num_ranks_ = bootstrap_->size();
     FLATEP_CHECK(num_ranks_ >= 1 && num_ranks_ <= kMaxRanks, "ipc transport: num_ranks must be in [1, ", kMaxRanks,

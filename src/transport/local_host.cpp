@@ -176,7 +176,7 @@ class LocalHostTransport : public Transport {
 LocalHostWorld::LocalHostWorld(int num_ranks, double timeout_s) {
     FLATEP_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "LocalHostWorld: num_ranks must be in [1, ", kMaxRanks,
                  "], got ", num_ranks);
-    state_ = std::make_shared<State>(num_ranks, timeout_s > 0 ? timeout_s : env::timeout_seconds());
+    state_ = std::make_shared<State>(num_ranks, env::resolve_timeout("LocalHostWorld", timeout_s));
 }
 
 LocalHostWorld::~LocalHostWorld() = default;

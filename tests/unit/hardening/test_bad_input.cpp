@@ -8,12 +8,14 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <functional>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include "common/env.hpp"
 #include "flatep/buffer.hpp"
 #include "flatep/error.hpp"
 #include "flatep/expert_pools.hpp"
@@ -52,6 +54,46 @@ Row config_row(const std::string& input, const std::string& message, const std::
                    c.validate();
                }};
 }
+
+// Sets an environment variable for its lifetime, then restores the old value (or unsets it).
+class ScopedEnv {
+  public:
+    ScopedEnv(const char* name, const char* value) : name_(name) {
+        const char* old = std::getenv(name);
+        had_ = old != nullptr;
+        if (had_) old_ = old;
+        ::setenv(name, value, 1);
+    }
+    ~ScopedEnv() {
+        if (had_) {
+            ::setenv(name_, old_.c_str(), 1);
+        } else {
+            ::unsetenv(name_);
+        }
+    }
+
+  private:
+    const char* name_;
+    bool had_ = false;
+    std::string old_;
+};
+
+// A FLATEP_TIMEOUT_S row: the variable set to `text` while the process's timeout is read.
+Row env_timeout_row(const std::string& text) {
+    return Row{"FLATEP_TIMEOUT_S=" + text, ErrorCategory::kInvalidArgument,
+               "FLATEP_TIMEOUT_S must be a number of seconds in (0, 86400], got '" + text + "'", [text] {
+                   ScopedEnv env("FLATEP_TIMEOUT_S", text.c_str());
+                   env::timeout_seconds();
+               }};
+}
+
+// The one-rank bootstrap of a process (make_ipc_transport needs one; a bad timeout is rejected before it is used).
+class SoloBootstrap final : public Bootstrap {
+  public:
+    int rank() const override { return 0; }
+    int size() const override { return 1; }
+    std::vector<std::string> all_gather(const std::string& blob) override { return {blob}; }
+};
 
 std::string escape_cell(const std::string& s) {
     std::string out;
@@ -124,6 +166,30 @@ TEST(BadInput, ConfigFields) {
         config_row("receive buffer over 2^40 elements (S=2^20, H=2^21)",
                    "receive buffer NvS*H = 1048576*2097152 elements is too large",
                    [](Config& c) { c.num_tokens = 1 << 20, c.hidden = 1 << 21; }),
+        // The int32 extremes: what Python's out-of-range ints (rejected before the binding) have as C++ neighbours.
+        config_row("num_ranks = INT32_MAX", "num_ranks (R) must be in [1, 64], got 2147483647",
+                   [](Config& c) { c.num_ranks = INT32_MAX; }),
+        config_row("rank = INT32_MIN", "rank must be in [0, num_ranks=1), got -2147483648",
+                   [](Config& c) { c.rank = INT32_MIN; }),
+        config_row("num_experts = INT32_MIN", "num_experts (E) must be positive, got -2147483648",
+                   [](Config& c) { c.num_experts = INT32_MIN; }),
+        config_row("num_experts = INT32_MAX", "num_experts (E) too large: 2*R*E must fit int32, got 2*1*2147483647",
+                   [](Config& c) { c.num_experts = INT32_MAX; }),
+        config_row("num_tokens = INT32_MIN", "num_tokens (S) must be positive, got -2147483648",
+                   [](Config& c) { c.num_tokens = INT32_MIN; }),
+        config_row("num_tokens = INT32_MAX, topk = 2", "num_tokens*topk (S*K) must fit int32, got 4294967294",
+                   [](Config& c) { c.num_tokens = INT32_MAX, c.topk = 2; }),
+        config_row("topk = INT32_MAX", "topk (K) must be in [1, 32], got 2147483647",
+                   [](Config& c) { c.topk = INT32_MAX; }),
+        config_row("hidden = INT32_MAX",
+                   "hidden (H) must be a positive multiple of 8 (16-byte bf16 rows), got 2147483647",
+                   [](Config& c) { c.hidden = INT32_MAX; }),
+        config_row("hidden = 2^31 - 8, S = 2^20", "receive buffer NvS*H = 1048576*2147483640 elements is too large",
+                   [](Config& c) { c.num_tokens = 1 << 20, c.hidden = INT32_MAX - 7; }),
+        config_row("align = INT32_MIN", "align must be in [1, 4096], got -2147483648",
+                   [](Config& c) { c.align = INT32_MIN; }),
+        config_row("capacity_factor = inf", "capacity_factor must be in [1, 4], got inf",
+                   [](Config& c) { c.capacity_factor = std::numeric_limits<double>::infinity(); }),
     };
     EXPECT_EQ(check_rows(rows), "");
 }
@@ -327,6 +393,60 @@ TEST(BadInput, LaunchersAndTransports) {
          [] { make_ipc_transport(nullptr, MemoryKind::kHost, 1.0); }},
     };
     EXPECT_EQ(check_rows(rows), "");
+}
+
+// Every timeout is a finite number of seconds in (0, 86400]; 0 (the default argument) means FLATEP_TIMEOUT_S. NaN
+// used to switch the timeout off, a negative value to mean the default, infinity to wait forever.
+TEST(BadInput, Timeouts) {
+    constexpr double kNan = std::numeric_limits<double>::quiet_NaN();
+    constexpr double kInf = std::numeric_limits<double>::infinity();
+    const std::string range = " must be a finite number of seconds in (0, 86400], got ";
+    auto ipc = [](double t) {
+        return [t] { make_ipc_transport(std::make_shared<SoloBootstrap>(), MemoryKind::kHost, t); };
+    };
+    auto fork_with = [](ForkOptions options) {
+        return [options] {
+            run_forked(
+                1, [](int, std::shared_ptr<Bootstrap>) { return 0; }, options);
+        };
+    };
+    const std::vector<Row> rows = {
+        env_timeout_row("inf"),
+        env_timeout_row("nan"),
+        env_timeout_row("0"),
+        env_timeout_row("-5"),
+        env_timeout_row("86401"),
+        env_timeout_row("3s"),
+        {"make_ipc_transport: timeout_s = NaN", ErrorCategory::kInvalidArgument,
+         "ipc transport: timeout_s" + range + "nan", ipc(kNan)},
+        {"make_ipc_transport: timeout_s = -1", ErrorCategory::kInvalidArgument,
+         "ipc transport: timeout_s" + range + "-1", ipc(-1)},
+        {"make_ipc_transport: timeout_s = inf", ErrorCategory::kInvalidArgument,
+         "ipc transport: timeout_s" + range + "inf", ipc(kInf)},
+        {"make_ipc_transport: timeout_s = 2 days", ErrorCategory::kInvalidArgument,
+         "ipc transport: timeout_s" + range + "172800", ipc(172800)},
+        {"make_socket_bootstrap: timeout_s = NaN", ErrorCategory::kInvalidArgument,
+         "socket rendezvous: timeout_s" + range + "nan", [kNan] { make_socket_bootstrap("job", 0, 1, kNan); }},
+        {"make_socket_bootstrap: timeout_s = -1", ErrorCategory::kInvalidArgument,
+         "socket rendezvous: timeout_s" + range + "-1", [] { make_socket_bootstrap("job", 0, 1, -1); }},
+        {"LocalHostWorld: timeout_s = NaN", ErrorCategory::kInvalidArgument,
+         "LocalHostWorld: timeout_s" + range + "nan", [kNan] { LocalHostWorld world(1, kNan); }},
+        {"LocalHostWorld: timeout_s = -0.5", ErrorCategory::kInvalidArgument,
+         "LocalHostWorld: timeout_s" + range + "-0.5", [] { LocalHostWorld world(1, -0.5); }},
+        {"run_forked: timeout_s = NaN", ErrorCategory::kInvalidArgument, "run_forked: timeout_s" + range + "nan",
+         fork_with(ForkOptions{kNan, 0})},
+        {"run_forked: deadline_s = inf", ErrorCategory::kInvalidArgument, "run_forked: deadline_s" + range + "inf",
+         fork_with(ForkOptions{1.0, kInf})},
+    };
+    EXPECT_EQ(check_rows(rows), "");
+
+    // The bounds themselves are valid, and 0 still means FLATEP_TIMEOUT_S.
+    ScopedEnv env("FLATEP_TIMEOUT_S", "7.5");
+    EXPECT_EQ(env::timeout_seconds(), 7.5);
+    EXPECT_EQ(LocalHostWorld(1, 0).transport(0)->timeout_s(), 7.5);
+    EXPECT_EQ(LocalHostWorld(1, env::kMaxTimeoutSeconds).transport(0)->timeout_s(), 86400.0);
+    EXPECT_EQ(make_ipc_transport(std::make_shared<SoloBootstrap>(), MemoryKind::kHost, 0)->timeout_s(), 7.5);
+    EXPECT_EQ(make_ipc_transport(std::make_shared<SoloBootstrap>(), MemoryKind::kHost, 1e-3)->timeout_s(), 1e-3);
 }
 
 }  // namespace
