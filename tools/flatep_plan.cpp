@@ -5,13 +5,16 @@
 // Reads {"R":..,"E":..,"S":..,"K":..,"align":..,"capacity_factor":..,"tpe":[[...],...]} from FILE or stdin (see
 // plan_request.hpp). Prints the config echo, the planner, alloc[R][E], keep[R][E], group_row[R][E],
 // slot_expert[R][epn], cu_seqlens[R][2*epn] and stats. Any invalid input or option exits 1 with exactly one line
-// on stderr: "flatep-plan: error: <message>".
+// on stderr: "flatep-plan: error: <message>"; so does an input that is not a readable file (a directory, a missing
+// or unreadable file) or larger than kMaxInputBytes. It never aborts, and its memory stays bounded (plan_request.hpp).
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
-#include <fstream>
-#include <iostream>
-#include <iterator>
-#include <sstream>
 #include <string>
 
 #include "flatep/error.hpp"
@@ -24,6 +27,8 @@ namespace {
 
 // File paths are the user's own text: quote them whole in errors (up to a Linux PATH_MAX).
 constexpr size_t kMaxPathBytes = 4096;
+// The largest input read: a request of plan_request.hpp's kMaxRequestCounts counts takes about 12 MB written out.
+constexpr size_t kMaxInputBytes = size_t(32) << 20;
 
 [[noreturn]] void fail(const std::string& message) {
     // One line, whatever the message holds.
@@ -50,6 +55,38 @@ void write_vector(flatep::json::Writer& w, const char* name, const int32_t* data
     w.begin_array();
     for (int i = 0; i < n; ++i) w.value(int64_t(data[i]));
     w.end_array();
+}
+
+const std::string kInputLimit = "flatep-plan's input limit of " + std::to_string(kMaxInputBytes) + " bytes (32 MiB)";
+
+// The whole input of `path` ("" or "-": stdin) into `text`; "" or the one-line error. A regular file's size is
+// checked before it is read; any other input is read up to one byte past the limit.
+std::string read_input(const std::string& path, std::string& text) {
+    const bool from_stdin = path.empty() || path == "-";
+    const std::string name = from_stdin ? "stdin" : flatep::json::printable(path, kMaxPathBytes);
+    const int fd = from_stdin ? STDIN_FILENO : ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return "cannot open " + name + ": " + std::strerror(errno);
+    struct CloseAtExit {
+        int fd;
+        bool owned;
+        ~CloseAtExit() {
+            if (owned) ::close(fd);
+        }
+    } guard{fd, !from_stdin};
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) return "cannot read " + name + ": " + std::strerror(errno);
+    if (S_ISDIR(st.st_mode)) return name + " is a directory, not a request file";
+    if (S_ISREG(st.st_mode) && uint64_t(st.st_size) > kMaxInputBytes)
+        return name + " is " + std::to_string(st.st_size) + " bytes, above " + kInputLimit;
+    char chunk[1 << 16];
+    for (;;) {
+        const ssize_t n = ::read(fd, chunk, sizeof(chunk));
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) return "cannot read " + name + ": " + std::strerror(errno);
+        if (n == 0) return "";
+        text.append(chunk, size_t(n));
+        if (text.size() > kMaxInputBytes) return name + " holds more than " + kInputLimit;
+    }
 }
 
 const char* kUsage =
@@ -90,16 +127,10 @@ int main(int argc, char** argv) {
             path = arg;
         }
     }
-    std::string text;
-    if (path.empty() || path == "-") {
-        text.assign(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
-    } else {
-        std::ifstream in(path, std::ios::binary);
-        if (!in) fail("cannot open " + flatep::json::printable(path, kMaxPathBytes));
-        text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-        if (in.bad()) fail("cannot read " + flatep::json::printable(path, kMaxPathBytes));
-    }
     try {
+        std::string text;
+        const std::string read_error = read_input(path, text);
+        if (!read_error.empty()) fail(read_error);
         flatep::PlanRequest req;
         const std::string err = flatep::parse_plan_request(text, allow_partial, req);
         if (!err.empty()) fail(err);
@@ -179,6 +210,8 @@ int main(int argc, char** argv) {
         fail("out of memory");
     } catch (const std::exception& e) {
         fail(e.what());
+    } catch (...) {
+        fail("internal error: an unknown exception");
     }
     return 0;
 }

@@ -2,7 +2,9 @@
 //
 // The reader is header-only (so tests and fuzzers use it without linking the tools) and safe on any byte string:
 // it never recurses (an explicit stack, nesting limited to kMaxDepth), checks integer overflow, and reports the
-// first error with its byte offset. Numbers keep whether they were written as integers: an integer literal that fits
+// first error with its byte offset. A caller may bound the values a document holds (parse's max_values): the parser
+// then stops at the first value past the bound, so its memory (a few dozen bytes per value) stays bounded whatever
+// the input. Numbers keep whether they were written as integers: an integer literal that fits
 // int64 has is_integer set; every number also carries its double value. Strings are byte strings: escapes are
 // decoded (\uXXXX to UTF-8, surrogate pairs joined), other bytes are kept as they are.
 //
@@ -63,14 +65,15 @@ struct ParseResult {
     bool ok = false;
     Value value;
     size_t offset = 0;
-    std::string error;  // "invalid JSON at byte <offset>: <what>"
+    std::string error;             // "invalid JSON at byte <offset>: <what>", or the value limit's own text
+    bool too_many_values = false;  // the document holds more than max_values values
 };
 
 namespace detail {
 
 class Parser {
   public:
-    explicit Parser(std::string_view text) : s_(text) {}
+    Parser(std::string_view text, size_t max_values) : s_(text), max_values_(max_values) {}
 
     ParseResult run() {
         ParseResult r;
@@ -86,6 +89,13 @@ class Parser {
             // Expect a value.
             skip_ws();
             if (pos_ >= s_.size()) return fail(r, "unexpected end of input, expected a value");
+            if (++num_values_ > max_values_) {
+                fail(r, "");
+                r.too_many_values = true;
+                r.error = "JSON document of more than " + std::to_string(max_values_) +
+                          " values (the limit, reached at byte " + std::to_string(pos_) + ")";
+                return r;
+            }
             const char c = s_[pos_];
             Value v;
             bool complete = true;
@@ -164,6 +174,8 @@ class Parser {
   private:
     std::string_view s_;
     size_t pos_ = 0;
+    size_t max_values_;
+    size_t num_values_ = 0;
 
     static std::string describe(char c) {
         const unsigned char u = static_cast<unsigned char>(c);
@@ -379,8 +391,11 @@ class Parser {
 
 }  // namespace detail
 
-// Parses a whole document (one value, surrounding whitespace allowed).
-inline ParseResult parse(std::string_view text) { return detail::Parser(text).run(); }
+// Parses a whole document (one value, surrounding whitespace allowed) of at most max_values values (every scalar,
+// array and object counts one).
+inline ParseResult parse(std::string_view text, size_t max_values = SIZE_MAX) {
+    return detail::Parser(text, max_values).run();
+}
 
 // One-line printable form of a byte string for error messages: quoted input (keys, option values) is cut at 40 bytes;
 // pass a larger max_bytes for text the user needs whole, such as a file path.

@@ -3,6 +3,9 @@
 // Format: {"R": int, "E": int, "S": int, "K": int, "align": int (default 128),
 //          "capacity_factor": number (default 1.0), "tpe": [[int, ...E], ...R]}
 // Unknown or duplicate keys are errors. Every error is one line naming the field and the offending value.
+// Size: at most kMaxRequestCounts counts (R*E), checked twice so that memory stays bounded (about 200 MB) whatever the
+// input: the JSON parser stops after the values such a request can hold, and R*E is checked before the count matrix
+// is allocated.
 // Header-only on purpose: it depends only on json.hpp (header-only reader) and the Config validation.
 #pragma once
 
@@ -13,9 +16,15 @@
 
 #include "flatep/config.hpp"
 #include "flatep/error.hpp"
+#include "flatep/types.hpp"
 #include "json.hpp"
 
 namespace flatep {
+
+inline constexpr int64_t kMaxRequestCounts = int64_t(1) << 20;
+// Every value a request of kMaxRequestCounts counts holds: the counts, R <= kMaxRanks rows, the tpe array, the root
+// and its six scalar fields (with room to spare).
+inline constexpr size_t kMaxRequestValues = size_t(kMaxRequestCounts) + kMaxRanks + 16;
 
 struct PlanRequest {
     Config config;             // hidden is not part of the request: 8; rank 0
@@ -49,7 +58,11 @@ inline std::string read_int32(const json::Value& v, const std::string& name, int
 inline std::string parse_plan_request(std::string_view text, bool allow_partial, PlanRequest& out) {
     using plan_request_detail::describe;
     using plan_request_detail::read_int32;
-    const json::ParseResult parsed = json::parse(text);
+    const json::ParseResult parsed = json::parse(text, kMaxRequestValues);
+    if (parsed.too_many_values)
+        return "the input holds more than " + std::to_string(kMaxRequestValues) +
+               " JSON values, more than a request of at most R*E = " + std::to_string(kMaxRequestCounts) +
+               " counts can hold (flatep-plan's limit)";
     if (!parsed.ok) return parsed.error;
     const json::Value& root = parsed.value;
     if (root.type != json::Type::kObject) return "the input must be a JSON object, got " + describe(root);
@@ -97,6 +110,9 @@ inline std::string parse_plan_request(std::string_view text, bool allow_partial,
     }
     if (tpe->type != json::Type::kArray) return "field \"tpe\" must be an array of R arrays, got " + describe(*tpe);
     const int R = c.num_ranks, E = c.num_experts;
+    if (int64_t(R) * E > kMaxRequestCounts)
+        return "R*E = " + std::to_string(int64_t(R) * E) + " counts (R=" + std::to_string(R) +
+               ", E=" + std::to_string(E) + ") is above flatep-plan's limit of " + std::to_string(kMaxRequestCounts);
     if (int64_t(tpe->items.size()) != R)
         return "tpe must have R = " + std::to_string(R) + " rows, got " + std::to_string(tpe->items.size());
     const int64_t sk = int64_t(c.num_tokens) * c.topk;

@@ -1,10 +1,12 @@
-# CLI test of flatep-plan, run as: cmake -DPLAN=<flatep-plan binary> -DDATA=<tests/cli dir> -P run_plan_cli.cmake
+# CLI test of flatep-plan, run as:
+#   cmake -DPLAN=<flatep-plan binary> -DDATA=<tests/cli dir> -DWORK=<scratch dir> -P run_plan_cli.cmake
 # Valid inputs must give a plan whose JSON has every key; invalid ones must exit non-zero with exactly one line on
-# stderr, equal to the expected message.
+# stderr, equal to the expected message (never a signal). Inputs too large to check in are written to WORK.
 cmake_minimum_required(VERSION 3.19)  # string(JSON)
-if(NOT PLAN OR NOT DATA)
-  message(FATAL_ERROR "usage: cmake -DPLAN=<flatep-plan> -DDATA=<tests/cli> -P run_plan_cli.cmake")
+if(NOT PLAN OR NOT DATA OR NOT WORK)
+  message(FATAL_ERROR "usage: cmake -DPLAN=<flatep-plan> -DDATA=<tests/cli> -DWORK=<dir> -P run_plan_cli.cmake")
 endif()
+file(MAKE_DIRECTORY ${WORK})
 set(failures 0)
 
 function(expect_plan name)  # ARGN: extra options
@@ -31,16 +33,26 @@ function(expect_plan name)  # ARGN: extra options
   set(plan_out "${out}" PARENT_SCOPE)
 endfunction()
 
-function(expect_error name message)  # ARGN: extra options
-  execute_process(COMMAND ${PLAN} ${ARGN} ${DATA}/${name} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(rc EQUAL 0)
-    message(SEND_ERROR "${name}: exit 0, expected an error")
+# Runs the command in ARGN (execute_process keywords such as INPUT_FILE may follow it) and checks the exit status (1,
+# never a signal) and the one line on stderr.
+function(expect_error_of label message)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc STREQUAL "1")
+    message(SEND_ERROR "${label}: exit status '${rc}', expected 1")
   endif()
   set(want "flatep-plan: error: ${message}\n")
   if(NOT err STREQUAL want)
-    message(SEND_ERROR "${name}: stderr is\n  [${err}]\nexpected\n  [${want}]")
+    message(SEND_ERROR "${label}: stderr is\n  [${err}]\nexpected\n  [${want}]")
   endif()
 endfunction()
+
+function(expect_error name message)  # ARGN: extra options
+  expect_error_of(${name} "${message}" ${PLAN} ${ARGN} ${DATA}/${name})
+endfunction()
+
+# flatep-plan under a 1 GiB address-space limit: a large input must be refused with bounded memory (before: a 50 MB
+# input took 3.5 GB).
+set(LIMITED sh -c "ulimit -v 1048576 && exec \"$@\"" sh ${PLAN})
 
 # Valid: the hand-checked plan of tests/unit/planner/test_planner_golden.cpp (ExactTwoRanksOneReplica).
 foreach(planner greedy balanced)
@@ -80,7 +92,44 @@ expect_error(bad_align.json "align must be in [1, 4096], got 5000")
 expect_error(valid_partial_slack.json "tpe row 1 sums to 6, expected S*K = 8 (use --allow-partial for partial batches)")
 expect_error(valid_small.json "unknown planner \"fastest\" (expected greedy or balanced)" --planner fastest)
 expect_error(valid_small.json "unknown option --verbose" --verbose)
-expect_error(does_not_exist.json "cannot open ${DATA}/does_not_exist.json")
+expect_error(does_not_exist.json "cannot open ${DATA}/does_not_exist.json: No such file or directory")
 # A path longer than the 40 bytes quoted input is cut at must still be printed whole.
 set(long_name "a_missing_request_file_whose_name_is_much_longer_than_forty_bytes.json")
-expect_error(${long_name} "cannot open ${DATA}/${long_name}")
+expect_error(${long_name} "cannot open ${DATA}/${long_name}: No such file or directory")
+
+# Inputs that are not readable request files: one line, exit 1, never an abort (before: SIGABRT from an uncaught
+# std::ios_base::failure "Is a directory").
+expect_error(. "${DATA}/. is a directory, not a request file")
+expect_error_of(stdin_directory "stdin is a directory, not a request file" ${PLAN} INPUT_FILE ${DATA})
+if(EXISTS /proc/self/mem)  # opens, but reading offset 0 fails (EIO), even for root
+  expect_error_of(proc_mem "cannot read /proc/self/mem: Input/output error" ${PLAN} /proc/self/mem)
+endif()
+execute_process(COMMAND id -u OUTPUT_VARIABLE uid OUTPUT_STRIP_TRAILING_WHITESPACE)
+if(NOT uid STREQUAL "0")  # root reads a mode-000 file anyway
+  file(WRITE ${WORK}/unreadable.json "{}")
+  file(CHMOD ${WORK}/unreadable.json PERMISSIONS OWNER_WRITE)
+  expect_error_of(unreadable "cannot open ${WORK}/unreadable.json: Permission denied" ${PLAN} ${WORK}/unreadable.json)
+endif()
+
+# Size bounds (plan_request.hpp, flatep_plan.cpp): R*E at most 2^20 counts, at most that many JSON values parsed, at
+# most 32 MiB read.
+expect_error(bad_too_many_counts.json "R*E = 536870912 counts (R=64, E=8388608) is above flatep-plan's limit of 1048576")
+string(REPEAT "0," 15000000 zeros)  # 30 MB, 15 million values: under the byte limit, far over the value limit
+file(WRITE ${WORK}/many_values.json "{\"R\":2,\"E\":4,\"S\":4,\"K\":2,\"tpe\":[${zeros}0]}")
+set(values_message "the input holds more than 1048656 JSON values, more than a request of at most R*E = 1048576 counts")
+string(APPEND values_message " can hold (flatep-plan's limit)")
+expect_error_of(many_values "${values_message}" ${LIMITED} ${WORK}/many_values.json)
+string(REPEAT " " 1048576 spaces)  # 33 MiB of whitespace: over the byte limit
+string(REPEAT "${spaces}" 33 spaces)
+file(WRITE ${WORK}/over_32mib.json "${spaces}{}")
+set(limit "flatep-plan's input limit of 33554432 bytes (32 MiB)")
+expect_error_of(over_32mib "${WORK}/over_32mib.json is 34603010 bytes, above ${limit}" ${LIMITED}
+                ${WORK}/over_32mib.json)
+expect_error_of(over_32mib_stdin "stdin is 34603010 bytes, above ${limit}" ${LIMITED} INPUT_FILE
+                ${WORK}/over_32mib.json)
+# Through a pipe the size is unknown: reading stops one byte past the limit.
+execute_process(COMMAND cat ${WORK}/over_32mib.json COMMAND ${LIMITED} RESULT_VARIABLE rc ERROR_VARIABLE err)
+if(NOT rc STREQUAL "1" OR NOT err STREQUAL "flatep-plan: error: stdin holds more than ${limit}\n")
+  message(SEND_ERROR "over_32mib through a pipe: exit status '${rc}', stderr [${err}]")
+endif()
+file(REMOVE ${WORK}/many_values.json ${WORK}/over_32mib.json)
