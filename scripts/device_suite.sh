@@ -11,6 +11,9 @@
 #   pytest_cuda  python3 -m pytest tests/python -m cuda: the multi-process Python tests on cuda:0 (MoE output and
 #                gradients vs the dense reference, every op bitwise vs the CPU backend), train_moe on cuda, grouped_mm
 #   train_cuda   examples/train_moe.py --device cuda, 4 processes on the GPU, slack mode
+#   soak         benchmarks/gpu_soak.py in the environment a user has (FLATEP_TIMEOUT_S and CUDA_MODULE_LOADING
+#                unset): 3000 steps on 4 virtual ranks driven by one thread, 1000 steps of 2 processes sharing the
+#                GPU; fresh skew per step, replays bitwise, S*K rows every step, status, flat memory ($OUT/soak.csv)
 #   pytest_cpu   python3 -m pytest tests/python -m "not cuda": the CPU tests under this torch (last: the least news)
 #
 #   scripts/device_suite.sh                                   # every step, logs in ${OUT:-/tmp/out}
@@ -22,9 +25,10 @@
 # The whole run stays within SUITE_DEADLINE_S (default 540 s): a step gets at most the time that is left.
 #
 # Environment: OUT, SUITE_STEPS, SUITE_CLEAN=1 (delete build-cuda first), SUITE_JOBS (build jobs, default 16),
-# SUITE_DEADLINE_S, PYTHON (default python3), FLATEP_TIMEOUT_S (default here 60), CUDA_MODULE_LOADING (default
-# EAGER). An existing build-cuda is reused only when this script configured it with the same source path and
-# toolchain (a stamp file); any other build-cuda (e.g. copied from another machine) is deleted and rebuilt.
+# SUITE_DEADLINE_S, PYTHON (default python3), FLATEP_TIMEOUT_S (default here 60). CUDA_MODULE_LOADING is left as
+# the caller has it (FlatEP loads its kernels itself: no step needs EAGER). An existing build-cuda is reused only
+# when this script configured it with the same source path and toolchain (a stamp file); any other build-cuda (e.g.
+# copied from another machine) is deleted and rebuilt.
 # shellcheck disable=SC2317  # the step functions are called indirectly ("$SELF" __run FUNCTION)
 set -uo pipefail
 SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
@@ -40,10 +44,9 @@ BUILD=build-cuda
 JOBS=${SUITE_JOBS:-16}
 DEADLINE_S=${SUITE_DEADLINE_S:-540}
 PY=$(command -v "${PYTHON:-python3}" || true)
-ALL_STEPS="build gpu_ops ipc_gpu ipc_buffer ipc_pools pytest_cuda train_cuda pytest_cpu"
+ALL_STEPS="build gpu_ops ipc_gpu ipc_buffer ipc_pools pytest_cuda train_cuda soak pytest_cpu"
 STEPS=${SUITE_STEPS:-$ALL_STEPS}
 
-export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}
 export NCCL_NVLS_ENABLE=0
 export FLATEP_TIMEOUT_S=${FLATEP_TIMEOUT_S:-60}
 export FLATEP_BUILD_DIR=$BUILD
@@ -160,6 +163,14 @@ pytest_cuda() {
     "$PY" -m pytest tests/python -q -rs -m cuda -p no:cacheprovider
 }
 
+soak() {
+    # A user's environment: no timeout override, no module-loading override (PYTHONPATH only finds the build).
+    env -u FLATEP_TIMEOUT_S -u CUDA_MODULE_LOADING "$PY" benchmarks/gpu_soak.py --mode virtual --ranks 4 \
+        --steps 3000 --csv "$OUT/soak.csv" || return 1
+    env -u FLATEP_TIMEOUT_S -u CUDA_MODULE_LOADING "$PY" benchmarks/gpu_soak.py --mode processes --ranks 2 \
+        --steps 1000 --csv "$OUT/soak.csv" || return 1
+}
+
 pytest_cpu() {
     "$PY" -m pytest tests/python -q -rs -m "not cuda" -p no:cacheprovider
 }
@@ -183,7 +194,7 @@ done
 
 {
     echo "# device_suite.sh $(date -u +%FT%TZ) at $ROOT; steps: $STEPS"
-    echo "# CUDA_MODULE_LOADING=$CUDA_MODULE_LOADING NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE" \
+    echo "# CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-(unset)} NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE" \
         "FLATEP_TIMEOUT_S=$FLATEP_TIMEOUT_S"
     echo "# PYTHONPATH=$PYTHONPATH"
     if command -v nvidia-smi >/dev/null; then
@@ -210,6 +221,7 @@ for step in $ALL_STEPS; do  # in this order, whatever the order of SUITE_STEPS
         ipc_buffer) run_step ipc_buffer 240 "$GPU_BIN"/ipc_buffer_gpu_main 2 4 8 ;;
         ipc_pools) run_step ipc_pools 180 "$GPU_BIN"/ipc_pools_gpu_main ;;
         pytest_cuda) run_step pytest_cuda 360 "$SELF" __run pytest_cuda ;;
+        soak) run_step soak 300 "$SELF" __run soak ;;
         pytest_cpu) run_step pytest_cpu 300 "$SELF" __run pytest_cpu ;;
         train_cuda)
             run_step train_cuda 180 "$PY" examples/train_moe.py --device cuda --ranks 4 --steps 8 --tokens 64 \

@@ -236,7 +236,7 @@ void bind_buffer(py::module_& m) {
     using Release = py::call_guard<py::gil_scoped_release>;
     py::class_<Buffer, std::shared_ptr<Buffer>>(m, "Buffer", "C++ flatep::Buffer over pointers; see flatep.Buffer.")
         .def(py::init([](std::shared_ptr<Transport> transport, int num_tokens, int hidden, int num_experts, int topk,
-                         int align, double capacity_factor, const std::string& planner) {
+                         int align, double capacity_factor, const std::string& planner, int num_plan_slots) {
                  FLATEP_CHECK(transport != nullptr, "transport is None");
                  Config config;
                  config.num_ranks = transport->num_ranks();
@@ -250,16 +250,19 @@ void bind_buffer(py::module_& m) {
                  const PlannerKind kind = planner_from_name(planner);
                  config.validate();  // before any collective: a bad argument fails on the caller's rank at once
                  py::gil_scoped_release release;
-                 return std::make_shared<Buffer>(config, std::move(transport), kind);
+                 return std::make_shared<Buffer>(config, std::move(transport), kind, num_plan_slots);
              }),
              py::arg("transport"), py::arg("num_tokens"), py::arg("hidden"), py::arg("num_experts"), py::arg("topk"),
-             py::arg("align"), py::arg("capacity_factor"), py::arg("planner"))
+             py::arg("align"), py::arg("capacity_factor"), py::arg("planner"),
+             py::arg("num_plan_slots") = Buffer::kDefaultPlanSlots)
         .def(
             "plan",
-            [](Buffer& b, uintptr_t topk_idx, int index_bytes, int num_tokens) {
-                return b.plan(as_ptr<const void>(topk_idx), index_bytes, num_tokens);
+            [](Buffer& b, uintptr_t topk_idx, int index_bytes, int num_tokens, uintptr_t plan_storage) {
+                return b.plan(as_ptr<const void>(topk_idx), index_bytes, num_tokens, as_ptr<int32_t>(plan_storage));
             },
-            py::arg("topk_idx"), py::arg("index_bytes"), py::arg("num_tokens"), Release())
+            py::arg("topk_idx"), py::arg("index_bytes"), py::arg("num_tokens"), py::arg("plan_storage") = 0, Release())
+        .def_property_readonly("plan_words", &Buffer::plan_words)
+        .def_property_readonly("poisoned", &Buffer::poisoned)
         .def(
             "dispatch",
             [](Buffer& b, const Plan& plan, uintptr_t x, uintptr_t topk_weights, uintptr_t recv_x, uintptr_t recv_w) {
@@ -327,6 +330,7 @@ void bind_pools(py::module_& m) {
         .def("register_layer", &ExpertPools::register_layer)
         .def("prefetch", &ExpertPools::prefetch, py::arg("plan"), py::arg("layer"), Release())
         .def("reduce_grad", &ExpertPools::reduce_grad, py::arg("plan"), py::arg("layer"), Release())
+        .def_property_readonly("poisoned", &ExpertPools::poisoned)
         .def(
             "write_grads",
             [](ExpertPools& p, const Plan& plan, const ExpertLayer& layer, int projection, uintptr_t grad,

@@ -167,6 +167,7 @@ class Buffer {
   private:
     void check_plan(const Plan& plan, const char* op) const;
     void enter(const char* op);
+    [[noreturn]] void throw_status(const int32_t words[4]) const;  // the error the status words hold
     void after_op();
 
     Config config_;

@@ -46,6 +46,7 @@ class CombineFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         buffer, plan = ctx.buffer, ctx.plan
         # Weighted: rows only feed combine_grad, which never reads rows past the last group end, so they need no fill.
+        # Unweighted: the rows are grad_y itself, which must be defined (zero) on every row.
         rows, _ = buffer._dispatch_raw(
             plan, grad_out.to(torch.bfloat16).contiguous(), None, want_weights=False, zero_fill=not ctx.has_weights
         )

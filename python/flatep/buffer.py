@@ -18,6 +18,9 @@ call the same ops in the same order.
 
 On a CUDA device (FlatEP built with CUDA) every op is enqueued on ``torch.cuda.current_stream(device)`` at the time of
 the call and never synchronises with the host; inputs must be ready in that stream's order (as for any torch op).
+Errors the GPU records (a bad expert id, a timed-out wait, ranks in different ops or steps) are raised at the entry of
+a later op, read from host-mapped memory without synchronising; a failed cross-rank wait leaves the Buffer unusable on
+every rank (RuntimeError at every later call: build a new one).
 Only the Plan's diagnostic accessors (stats, tpe_all, alloc, entry_ranks, entry_rows, real_rows, *_of) copy a device
 plan to the host, which waits for the device.
 """
@@ -25,10 +28,23 @@ plan to the host, which waits for the device.
 import torch
 
 from . import _C
-from ._tensors import address, check_int, check_tensor, check_timeout, shape_text, tensor_at
+from ._tensors import address, check_int, check_tensor, check_timeout, shape_text
 from .distributed import device_guard, group_rank_size, resolve_device, transport_for
 
 _PLANNERS = ("balanced", "greedy")
+
+
+def _load_torch_kernels(device, plan_words):
+    """Runs, once at construction, every torch kernel that the ops of this module launch between FlatEP's kernels
+    (zero fills of a gradient's rows; the plan storage's allocation). Under CUDA's lazy module loading (torch's
+    default) a kernel's first launch loads it, and a load may wait for every kernel running in the context: with
+    several ranks in one process (flatep.virtual) that is a deadlock, until the timeout, while a rank's kernel spins
+    for a peer whose kernel this thread has yet to enqueue. FlatEP's own kernels are loaded by the C++ runtime."""
+    with torch.cuda.device(device):
+        torch.zeros(256, 8, dtype=torch.bfloat16, device=device)
+        torch.zeros(256, dtype=torch.float32, device=device)
+        torch.empty(plan_words, dtype=torch.int32, device=device)
+        torch.cuda.synchronize(device)  # construction time: the loads are done before any op
 
 
 class Plan:
@@ -39,21 +55,24 @@ class Plan:
         slot_expert (torch.Tensor): [epn] int32, the expert each replica slot of this rank holds this step (-1: none).
         cu_seqlens (torch.Tensor): [2*epn] int32, inclusive padded ends of this rank's row groups: group g < epn is
             local expert rank*epn + g, group epn + j is slot j (replica of slot_expert[j]). Usable as grouped-GEMM
-            ``offs``.
+            ``offs``. On a CUDA buffer both are views of the plan's device memory (read-only: do not write them).
         num_tokens (int): s, the tokens passed to plan().
         generation (int): the Buffer's plan counter (identical on every rank for the same step).
     """
 
-    def __init__(self, buffer, cplan):
+    def __init__(self, buffer, cplan, storage=None):
         self._buffer = buffer
         self._plan = cplan
+        self._storage = storage  # device plans: the int32 tensor the plan arrays live in (torch's allocator)
         rank = buffer.rank
         self.num_tokens = cplan.num_tokens
         self.generation = cplan.generation
-        if cplan.on_device:  # device arrays: copy on the device (no host synchronisation)
-            epn = buffer.experts_per_rank
-            self.slot_expert = tensor_at(cplan.device_slot_expert(rank), (epn,), torch.int32, buffer.device).clone()
-            self.cu_seqlens = tensor_at(cplan.device_cu_seqlens(rank), (2 * epn,), torch.int32, buffer.device).clone()
+        if cplan.on_device:  # views of the plan's own device memory: no copy, no kernel, no synchronisation
+            epn, base = buffer.experts_per_rank, storage.data_ptr()
+            at = (cplan.device_slot_expert(rank) - base) // 4
+            self.slot_expert = storage[at : at + epn]
+            at = (cplan.device_cu_seqlens(rank) - base) // 4
+            self.cu_seqlens = storage[at : at + 2 * epn]
         else:
             self.slot_expert = torch.from_numpy(cplan.slot_expert(rank))
             self.cu_seqlens = torch.from_numpy(cplan.cu_seqlens(rank))
@@ -171,12 +190,15 @@ class Buffer:
         transport = transport_for(group, device, timeout_s)  # validates the device first
         self.device = resolve_device(device)
         with device_guard(self.device):
-            self._buffer = _C.Buffer(
-                transport, num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner
+            self._buffer = _C.Buffer(  # no plan slots: device plans live in torch tensors (plan())
+                transport, num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner, 0
             )
         self.experts_per_rank = self._buffer.experts_per_rank
         self.capacity = self._buffer.capacity
         self.num_recv_rows = self._buffer.num_recv_rows
+        self._plan_words = self._buffer.plan_words
+        if self.device.type == "cuda":
+            _load_torch_kernels(self.device, self._plan_words)
 
     # ---- public ops ----
 
@@ -186,8 +208,10 @@ class Buffer:
         Args:
             topk_idx (torch.Tensor): [s, K] int32 or int64, s <= S; expert ids in [0, E).
         Returns:
-            Plan. An id outside [0, E) raises ValueError naming the first bad id: the CPU backend checks at once, a
-            CUDA buffer at the next check_status() (or at once with FLATEP_DEBUG=1).
+            Plan. An id outside [0, E) raises ValueError naming the first bad id (the entry is skipped): the CPU
+            backend at once; a CUDA buffer, without synchronising, at the entry of the first op enqueued after the
+            GPU ran this plan (the GPU writes the error into host-mapped memory), at check_status(), or at once with
+            FLATEP_DEBUG=1.
         """
         self._live("plan")  # a destroyed Buffer fails first
         idx = check_tensor(
@@ -201,10 +225,15 @@ class Buffer:
             )
         with device_guard(self.device):
             b = self._live("plan")
-            cplan = b.plan(address(idx), idx.element_size(), idx.shape[0])
+            # Device plans live in a tensor of torch's caching allocator (no cudaMalloc in steady state; CUDA-graph
+            # capture takes it from the graph's pool), kept alive by the Plan.
+            storage = None
+            if b.on_device:
+                storage = torch.empty(self._plan_words, dtype=torch.int32, device=self.device)
+            cplan = b.plan(address(idx), idx.element_size(), idx.shape[0], address(storage))
             if not b.on_device:
                 b.check_status()  # host backend: reporting now costs no device synchronisation
-            return Plan(self, cplan)
+            return Plan(self, cplan, storage)
 
     def dispatch(self, plan, x, topk_weights=None):
         """Sends every token row to the rows of its K experts (collective; autograd-aware).
@@ -214,8 +243,10 @@ class Buffer:
             x (torch.Tensor): [s, H] bf16 token rows (s = plan.num_tokens).
             topk_weights (torch.Tensor or None): [s, K] fp32 routing weights (None: weight 1).
         Returns:
-            recv_x: [NvS, H] bf16, this rank's receive rows grouped by cu_seqlens; padding rows zero.
-            recv_w: [NvS] fp32, each row's routing weight; 0 on padding rows.
+            recv_x: [NvS, H] bf16, this rank's receive rows grouped by cu_seqlens; padding rows inside a group's padded
+                range are zero; rows past the last group end (cu_seqlens[-1]) are unspecified (not written: the cost
+                follows the rows moved, not the buffer's capacity).
+            recv_w: [NvS] fp32, each row's routing weight; 0 on padding rows; unspecified past the last group end.
             cu_seqlens: [2*epn] int32 (= plan.cu_seqlens).
         Backward: grad_x = unweighted combine of grad_recv_x; grad_topk_weights = grad_recv_w read back at each
         entry's row.
@@ -303,11 +334,12 @@ class Buffer:
         if plan._buffer is not self:
             raise ValueError(f"{op}: plan was made by another Buffer; use the plan of this Buffer")
 
-    def _dispatch_raw(self, plan, x, topk_weights, want_weights=True, zero_fill=True):
-        """zero_fill=False leaves recv_x's rows past the last group end unspecified (dispatch does not write them)."""
+    def _dispatch_raw(self, plan, x, topk_weights, want_weights=True, zero_fill=False):
+        """Rows past the last group end stay unspecified (dispatch does not write them) unless zero_fill=True (for a
+        gradient, which must be defined on every row)."""
         alloc = torch.zeros if zero_fill else torch.empty
         recv_x = alloc(self.num_recv_rows, self.hidden, dtype=torch.bfloat16, device=self.device)
-        recv_w = torch.zeros(self.num_recv_rows, dtype=torch.float32, device=self.device) if want_weights else None
+        recv_w = alloc(self.num_recv_rows, dtype=torch.float32, device=self.device) if want_weights else None
         with device_guard(self.device):
             self._live("dispatch").dispatch(
                 plan._plan, address(x), address(topk_weights), address(recv_x), address(recv_w)

@@ -10,17 +10,23 @@ Production runs one process per rank (torch.distributed). Here the R ranks are t
 
 A :class:`VirtualRank` stands where a torch.distributed group goes (``Buffer(group=...)``,
 ``ExpertPools(group, ...)``). Constructors are collective, so they must run on R threads at once (run_threads). On
-a CUDA device the ops never block the host, so one thread may enqueue every rank's op, each on its own stream, as
-long as all ranks' kernels fit on the GPU together: set FLATEP_SM_BUDGET (thread blocks per launch, e.g.
-SMs / R) and CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts, or a kernel waiting for a peer can hold the SMs the
-peer needs (a timeout error then names the peer).
+a CUDA device the ops never block the host, so one thread may enqueue every rank's op, each on its own stream
+(whatever CUDA_MODULE_LOADING says: FlatEP loads its kernels, and the torch kernels its ops launch, when a Buffer is
+built). The streams must not share a hardware queue, since a rank's kernel may spin for a peer's: importing this
+module before CUDA starts sets CUDA_DEVICE_MAX_CONNECTIONS=32 unless it is set (CUDA's default is 8). Your own
+kernels that first run between two ranks' ops are loaded lazily under CUDA's default: run them once before the
+first step. FLATEP_SM_BUDGET (thread blocks per launch, e.g. SMs / R) lets the ranks' kernels run side by side.
 """
 
+import os
 import threading
 
 import torch
 
 from . import _C
+
+if not torch.cuda.is_initialized():  # read when CUDA starts; see the module docstring
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 from ._tensors import check_timeout
 from .distributed import PeerTimeout
 

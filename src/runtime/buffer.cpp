@@ -224,10 +224,13 @@ int64_t Buffer::plan_words() const { return make_plan_sizes(*layout_).total_word
 bool Buffer::poisoned() const { return guard_->poisoned(); }
 
 void Buffer::enter(const char* op) {
-    if (device_ != nullptr) {
-        guard_->enter(op, device_->failure_message(), device_->failure_code());
-    } else {
-        guard_->enter(op, "", 0);
+    if (device_ == nullptr) return guard_->enter(op, "", 0);
+    guard_->enter(op, device_->failure_message(), device_->failure_code());
+    int32_t words[4];
+    if (device_->take_status(words)) {  // an error an earlier op recorded on the GPU (e.g. a bad expert id)
+        int32_t* status = reinterpret_cast<int32_t*>(region_.local + make_symmetric_layout(*layout_).status_offset);
+        device_->zero(status, sizeof(words), stream_);  // stream-ordered: the device copy is reported here too
+        throw_status(words);
     }
 }
 
@@ -398,14 +401,19 @@ void Buffer::check_status() {
     } else {
         for (int i = 0; i < 4; ++i) words[i] = status[i];
     }
-    const int32_t code = words[kStatusCode];
-    if (code == kStatusOk) return;
-    const int32_t index = words[kStatusIndex], value = words[kStatusValue], peer = words[kStatusPeer];
+    if (words[kStatusCode] == kStatusOk) return;
     if (device_ != nullptr) {
         device_->zero(status, sizeof(words), stream_);
+        device_->take_status(words);  // the host-mapped twin holds the same error: it is reported now
     } else {
         for (int i = 0; i < 4; ++i) status[i] = 0;
     }
+    throw_status(words);
+}
+
+void Buffer::throw_status(const int32_t words[4]) const {
+    const int32_t code = words[kStatusCode];
+    const int32_t index = words[kStatusIndex], value = words[kStatusValue], peer = words[kStatusPeer];
     const int K = layout_->topk;
     switch (code) {
         case kStatusBadExpert:

@@ -33,8 +33,8 @@ cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream);
 }  // namespace
 
 WaitRecordHost::WaitRecordHost() {
-    FLATEP_CUDA_CHECK(cudaHostAlloc(&host_, sizeof(WaitRecord), cudaHostAllocMapped));
-    *host_ = WaitRecord{};
+    FLATEP_CUDA_CHECK(cudaHostAlloc(&host_, sizeof(Mapped), cudaHostAllocMapped));
+    *host_ = Mapped{};
     FLATEP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_), host_, 0));
 }
 
@@ -43,11 +43,20 @@ WaitRecordHost::~WaitRecordHost() {
 }
 
 int32_t WaitRecordHost::failure_code() const {
-    return static_cast<const volatile WaitRecord*>(host_)->code;  // written by the GPU, code last (sync.hpp)
+    return static_cast<const volatile WaitRecord*>(&host_->wait)->code;  // written by the GPU, code last (sync.hpp)
+}
+
+bool WaitRecordHost::take_status(int32_t words[4]) {
+    volatile int32_t* status = host_->status;
+    if (status[kStatusCode] == kStatusOk) return false;
+    std::atomic_thread_fence(std::memory_order_acquire);  // record_status publishes the code last
+    for (int i = 0; i < 4; ++i) words[i] = status[i];
+    for (int i = 3; i >= 0; --i) status[i] = 0;  // the code (word 0) last: the GPU may record the next error after it
+    return true;
 }
 
 std::string WaitRecordHost::failure_message() const {
-    const volatile WaitRecord* r = host_;
+    const volatile WaitRecord* r = &host_->wait;
     const int32_t code = r->code;
     if (code == 0) return "";
     std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before code
@@ -77,6 +86,7 @@ Context::~Context() {
 void Context::fill_sync(SyncArgs& sync) const {
     sync.epoch = epoch_;
     sync.wait_record = wait_.device_pointer();
+    sync.host_status = wait_.status_device_pointer();
     sync.max_blocks = max_blocks_;
 }
 
@@ -138,6 +148,7 @@ WaitRecordHost::WaitRecordHost() = default;
 WaitRecordHost::~WaitRecordHost() = default;
 std::string WaitRecordHost::failure_message() const { return ""; }
 int32_t WaitRecordHost::failure_code() const { return 0; }
+bool WaitRecordHost::take_status(int32_t*) { return false; }
 void synchronize_device() { no_cuda(); }
 void copy_to_host(void*, const void*, size_t) { no_cuda(); }
 std::shared_ptr<int32_t> allocate_words(size_t) { no_cuda(); }

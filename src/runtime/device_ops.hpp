@@ -18,8 +18,9 @@ namespace flatep::device {
 
 bool built_with_cuda();
 
-// A WaitRecord (transport/sync.hpp) in host-mapped pinned memory: the GPU writes a rank's first failed wait into it,
-// the host reads it at every op's entry without any synchronisation. Empty in builds without CUDA.
+// A WaitRecord and a twin of the status words (transport/sync.hpp) in host-mapped pinned memory: the GPU writes a
+// rank's first failed wait, and the first error an op records (a bad expert id), into it; the host reads both at
+// every op's entry without any synchronisation. Empty in builds without CUDA.
 class WaitRecordHost {
   public:
     WaitRecordHost();
@@ -27,15 +28,23 @@ class WaitRecordHost {
     WaitRecordHost(const WaitRecordHost&) = delete;
     WaitRecordHost& operator=(const WaitRecordHost&) = delete;
 
-    WaitRecord* device_pointer() const { return device_; }
+    WaitRecord* device_pointer() const { return &device_->wait; }
+    int32_t* status_device_pointer() const { return device_->status; }  // SyncArgs::host_status
+    // Takes the status words (StatusWord) the GPU recorded in host-mapped memory, if any (code != 0): copies them to
+    // `words`, clears the host copy and returns true. No synchronisation.
+    bool take_status(int32_t words[4]);
     // "" while no wait failed; else the failure's one-line text (e.g. "timeout in plan (GPU): rank 0 waited for peer
     // 1 (flag 0 < expected 1)", or a mismatch naming both ops and steps).
     std::string failure_message() const;
     int32_t failure_code() const;  // 0 or the WaitRecord's StatusCode
 
   private:
-    WaitRecord* host_ = nullptr;
-    WaitRecord* device_ = nullptr;
+    struct Mapped {
+        WaitRecord wait;
+        int32_t status[4];
+    };
+    Mapped* host_ = nullptr;
+    Mapped* device_ = nullptr;
 };
 
 class Context {
@@ -65,6 +74,7 @@ class Context {
     // First failed wait recorded by this buffer's kernels ("" when none), read without synchronisation.
     std::string failure_message() const { return wait_.failure_message(); }
     int32_t failure_code() const { return wait_.failure_code(); }
+    bool take_status(int32_t words[4]) { return wait_.take_status(words); }
 
   private:
     uint64_t* epoch_ = nullptr;  // device

@@ -288,7 +288,7 @@ Config make_config(int R, int E, int S, int K, int H, int align, double cf = 1.0
 
 int main(int argc, char** argv) {
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
-    setenv("CUDA_MODULE_LOADING", "EAGER", 1);  // see kernels::preload_all_kernels
+    // CUDA_MODULE_LOADING is left as the caller has it: LocalDeviceGroup loads every kernel first.
     int num_devices = 0;
     if (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0) {
         std::printf("SKIP: no CUDA device\n");

@@ -134,11 +134,12 @@ def _run_backend(buffer, pools, layer, idx, x, w, y, row_values, weights, grads)
             layer.grads(p).copy_(grads[p])
     plan = buffer.plan(idx.to(device))
     recv_x, recv_w, cu = buffer.dispatch(plan, x.to(device), w.to(device))
+    end = int(cu[-1])  # rows past the last group end are unspecified (not written): compare the defined ones
     out = {
         "cu_seqlens": cu.cpu(),
         "slot_expert": plan.slot_expert.cpu(),
-        "recv_x": recv_x.cpu(),
-        "recv_w": recv_w.cpu(),
+        "recv_x": recv_x[:end].cpu(),
+        "recv_w": recv_w[:end].cpu(),
         "combine_weighted": buffer.combine(plan, y.to(device), recv_w).cpu(),
         "combine_unweighted": buffer.combine(plan, y.to(device)).cpu(),
         "entry_values": buffer.entry_values(plan, row_values.to(device)).cpu(),

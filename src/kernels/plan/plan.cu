@@ -1354,7 +1354,7 @@ __global__ void __launch_bounds__(kRouteThreads)
 // 5. Unpack: the staging of the real rows of every group into the plan; -1 elsewhere. And the status word of the
 // first bad expert id.
 __global__ void unpack_kernel(Layout l, int rank, SymmetricLayout sym, PeerPointers peers, PlanView p, PlanWorkspace ws,
-                              int32_t* status) {
+                              int32_t* status, int32_t* host_status) {
     const int E = l.num_experts, epn = l.experts_per_rank, G = l.num_groups();
     const int32_t* cu = p.cu_seqlens + int64_t(rank) * G;
     const int32_t* head = reinterpret_cast<const int32_t*>(peers.ptr[rank] + sym.row_head_offset);
@@ -1385,9 +1385,12 @@ __global__ void unpack_kernel(Layout l, int rank, SymmetricLayout sym, PeerPoint
         p.row_head[r] = h;
         p.row_next[r] = nx;
     }
-    if (blockIdx.x == 0 && threadIdx.x == 0 && status != nullptr) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
         const unsigned long long bad = *ws.first_bad;
-        if (bad != ~0ull) record_status(status, kStatusBadExpert, int32_t(bad >> 32), int32_t(uint32_t(bad)), -1);
+        if (bad != ~0ull) {
+            record_status(status, kStatusBadExpert, int32_t(bad >> 32), int32_t(uint32_t(bad)), -1);
+            record_status(host_status, kStatusBadExpert, int32_t(bad >> 32), int32_t(uint32_t(bad)), -1);
+        }
     }
 }
 
@@ -1537,7 +1540,8 @@ void launch(const PlanArgs& a, cudaStream_t stream) {
     }
     launch_barrier(a.sync, kOpPlan, stream);
     const int unpack_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, 256), 8);
-    unpack_kernel<<<unpack_blocks, 256, 0, stream>>>(l, a.rank, sym, peers, a.plan, ws, a.sync.status);
+    unpack_kernel<<<unpack_blocks, 256, 0, stream>>>(l, a.rank, sym, peers, a.plan, ws, a.sync.status,
+                                                     a.sync.host_status);
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 
