@@ -4,6 +4,8 @@ on one GPU in benchmarks/moe_layer_virtual.py).
 Reproduce: PYTHONPATH=python:build/python /usr/bin/python3 -m pytest -q tests/python/test_virtual.py
 """
 
+import time
+
 import pytest
 import torch
 
@@ -70,5 +72,8 @@ def test_virtual_ranks_arguments():
 def test_a_missing_virtual_rank_times_out():
     rv = virtual._Rendezvous(2, 0.5)
     boot = virtual.ThreadBootstrap(rv, 0)
+    start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"virtual rank 0: all_gather: not every one of 2 ranks arrived within 0.5 s"):
         boot.all_gather(b"x")
+    elapsed = time.monotonic() - start
+    assert 0.5 <= elapsed < 2.0, f"gave up after {elapsed:.2f} s, timeout 0.5 s"
