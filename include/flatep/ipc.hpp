@@ -28,8 +28,10 @@
 namespace flatep {
 
 struct ForkOptions {
-    double timeout_s = 0;   // the children's bootstrap timeout per collective; <= 0: FLATEP_TIMEOUT_S
-    double deadline_s = 0;  // the parent kills children still running after this many seconds; <= 0: 3*timeout + 10
+    double timeout_s =
+        0;  // the children's bootstrap timeout per collective, seconds in (0, 86400]; 0: FLATEP_TIMEOUT_S
+    double deadline_s = 0;  // the parent kills children still running after this many seconds, in (0, 86400];
+                            // 0: 3*timeout + 10
 };
 
 // Exit code of a child whose function threw (the error text goes to stderr, prefixed with the rank).
@@ -44,17 +46,17 @@ std::vector<int> run_forked(int num_ranks, const std::function<int(int rank, std
 
 // Socket rendezvous for separately launched processes of one user: rank r listens on the abstract socket
 // "flatep-rdv-<job_id>-<r>", connects to every lower rank and accepts every higher rank (SO_PEERCRED: same uid).
-// job_id: 1..64 characters of [A-Za-z0-9._-], unique among the machine's running jobs. timeout_s <= 0:
-// FLATEP_TIMEOUT_S.
+// job_id: 1..64 characters of [A-Za-z0-9._-], unique among the machine's running jobs. timeout_s: seconds in
+// (0, 86400], or 0: FLATEP_TIMEOUT_S (anything else is a kInvalidArgument error).
 std::shared_ptr<Bootstrap> make_socket_bootstrap(const std::string& job_id, int rank, int num_ranks,
                                                  double timeout_s = 0);
 // The same from FLATEP_JOB_ID, FLATEP_RANK and FLATEP_NUM_RANKS.
 std::shared_ptr<Bootstrap> make_socket_bootstrap_from_env(double timeout_s = 0);
 
 // Collective over the bootstrap's ranks. kHost: memfd regions (CPU backend); kDevice: CUDA VMM regions on the
-// calling thread's current device (call cudaSetDevice first; requires a build with CUDA). timeout_s <= 0:
-// FLATEP_TIMEOUT_S; it bounds every collective of the transport. same_process: the ranks may be threads of one
-// process (virtual ranks for benchmarks and tests); otherwise two ranks with one pid are an error.
+// calling thread's current device (call cudaSetDevice first; requires a build with CUDA). timeout_s: seconds in
+// (0, 86400], or 0: FLATEP_TIMEOUT_S; it bounds every collective of the transport. same_process: the ranks may be
+// threads of one process (virtual ranks for benchmarks and tests); otherwise two ranks with one pid are an error.
 std::unique_ptr<Transport> make_ipc_transport(std::shared_ptr<Bootstrap> bootstrap, MemoryKind kind,
                                               double timeout_s = 0, bool same_process = false);
 

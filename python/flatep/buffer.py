@@ -374,3 +374,29 @@ class Buffer:
         with device_guard(self.device):
             self._live("entry_values").entry_values(plan._plan, address(row_values), address(out))
         return out
+
+
+_shared = {}  # (group id, construction arguments, device) -> (group, Buffer); the group is kept alive with it
+
+
+def shared_buffer(group, num_tokens, hidden, num_experts, topk, align=128, capacity_factor=1.0, *,
+                  planner="balanced", device=None):
+    """The process's Buffer for these arguments, created on first use (collective then), like shared_pools: layers of
+    one shape share one Buffer, so communication memory does not grow with the number of layers. Safe because a Plan
+    owns its arrays and the symmetric buffer is scratch that every op rewrites (design §8): plans of several layers,
+    all made by the one Buffer, stay valid together (backward reuses each layer's saved plan)."""
+    key = (id(group), num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner,
+           str(resolve_device(device)))
+    entry = _shared.get(key)
+    if entry is None:
+        buffer = Buffer(group, num_tokens, hidden, num_experts, topk, align, capacity_factor, planner=planner,
+                        device=device)
+        entry = (group, buffer)
+        _shared[key] = entry
+    return entry[1]
+
+
+def release_shared_buffers():
+    """Drops the process's shared Buffers (their memory is freed once no layer or plan holds them)."""
+    _shared.clear()
+

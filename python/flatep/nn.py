@@ -18,7 +18,8 @@ Parameters (fp32 master copies; the bf16 compute copies live in ExpertPools):
 import torch
 import torch.nn.functional as F
 
-from .buffer import Buffer
+from ._tensors import check_int
+from .buffer import shared_buffer
 from .distributed import group_rank_size, resolve_device
 from .pools import shared_pools
 
@@ -151,6 +152,8 @@ class MoE(torch.nn.Module):
         align, capacity_factor, planner: see flatep.Buffer.
         seed (int): init seed; every rank must pass the same (see init_expert_weights).
         pools (ExpertPools or None): share one across layers; None: the process's shared pools for this shape.
+            The layer's Buffer is likewise the process's shared Buffer for its shape (flatep.buffer.shared_buffer):
+            communication memory does not grow with the number of layers.
         device: 'cpu' (default) or a CUDA device (FlatEP built with CUDA); parameters, Buffer and pools live there
             and x must be on it.
 
@@ -176,6 +179,13 @@ class MoE(torch.nn.Module):
         device=None,
     ):
         super().__init__()
+        for name, value, accepted in (
+            ("hidden", hidden, "a multiple of 8 in [8, 2147483640]"),
+            ("ffn", ffn, "in [1, 2147483647]"),
+            ("num_experts", num_experts, "in [1, 2147483647]"),
+            ("topk", topk, "in [1, 32]"),
+        ):  # before any tensor is built from them (torch would fail first, with its own words)
+            check_int("MoE", name, value, accepted, low=1)
         self.rank, self.num_ranks = group_rank_size(group)
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts % self.num_ranks != 0:
             raise ValueError(
@@ -209,7 +219,8 @@ class MoE(torch.nn.Module):
             self._make_buffer(num_tokens)
 
     def _make_buffer(self, num_tokens):
-        self.buffer = Buffer(
+        # One Buffer per shape and process, shared by every layer of that shape (like the pools).
+        self.buffer = shared_buffer(
             self.group, num_tokens, self.hidden, self.num_experts, self.topk, self.align, self.capacity_factor,
             planner=self.planner, device=self.device,
         )

@@ -131,9 +131,11 @@ def release_all():
     interpreter exit. Call at the end of a process's work, before destroy_process_group."""
     import gc
 
+    from .buffer import release_shared_buffers
     from .distributed import release_transports
     from .pools import release_shared_pools
 
+    release_shared_buffers()
     release_shared_pools()
     release_transports()
     gc.collect()
