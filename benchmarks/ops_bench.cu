@@ -4,7 +4,7 @@
 // memory once, local rows included), aggregate bandwidth over all ranks against a device-to-device copy measured in
 // the same run. Planner: the planner kernel alone and the whole plan op. CSV out.
 //
-//   ops_bench [--csv out.csv] [--iters 20] [--warmup 3] [--hp 1024] [--quick]
+//   ops_bench [--csv out.csv] [--iters 20] [--warmup 3] [--hp 1024] [--quick] [--config moonep|deepep]
 //             [--planner-only [--planner-profile] [--maxvio 0.2,1,10,20,-1] [--seeds 3]]
 // --planner-only: only the planner kernels on the host-generated counts of each config (--maxvio: the MoonEP config's
 // maxvio targets, -1 = the DeepEP config; --seeds: routings per target) (no data plane, no cross-rank
@@ -462,6 +462,7 @@ int main(int argc, char** argv) {
     std::string csv_path = "ops_bench.csv";
     int iters = 20, warmup = 3, hp = 1024;
     bool quick = false, planner_only = false, planner_profile = false;
+    std::string only_config;  // --config moonep|deepep: that config's rows only
     std::vector<double> planner_maxvios = {0.2, 1.0, 10.0, 20.0, -1.0};  // -1: the DeepEP config
     int planner_seeds = 3;
     for (int i = 1; i < argc; ++i) {
@@ -482,6 +483,7 @@ int main(int argc, char** argv) {
         if (!std::strcmp(argv[i], "--warmup") && i + 1 < argc) warmup = std::atoi(argv[++i]);
         if (!std::strcmp(argv[i], "--hp") && i + 1 < argc) hp = std::atoi(argv[++i]);
         if (!std::strcmp(argv[i], "--quick")) quick = true;
+        if (!std::strcmp(argv[i], "--config") && i + 1 < argc) only_config = argv[++i];
     }
     if (planner_only) return planner_bench(iters, warmup, planner_profile, planner_maxvios, planner_seeds);
     const double copy_gbps = copy_bandwidth_gbps(10);
@@ -501,6 +503,10 @@ int main(int argc, char** argv) {
     for (double mv : {0.2, 1.0, 10.0, 20.0}) benches.push_back({"moonep", make_config(8, 384, 8192, 8, 7168), mv});
     benches.push_back({"deepep", make_config(8, 256, 4096, 8, 7168), -1.0});
     if (quick) benches = {{"moonep", make_config(8, 384, 8192, 8, 7168), 1.0}};
+    if (!only_config.empty()) {
+        std::erase_if(benches, [&](const Bench& b) { return b.name != only_config; });
+        FLATEP_CHECK(!benches.empty(), "--config must be moonep or deepep, got '", only_config, "'");
+    }
 
     std::printf("%-7s %6s %6s %-12s %10s %12s %9s %6s\n", "config", "target", "maxvio", "op", "median_us",
                 "MB_per_rank", "agg_GB/s", "ratio");
