@@ -198,6 +198,10 @@ Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, Plann
         slot_generations_ = std::make_shared<std::vector<uint64_t>>(size_t(num_plan_slots_), 0);
     }
     region_ = transport_->allocate(size_t(make_symmetric_layout(*layout_).total_bytes));
+    if (device_ == nullptr) {
+        const int64_t at = make_symmetric_layout(*layout_).barrier_offset;
+        guard_->set_site({transport_.get(), reinterpret_cast<const uint64_t*>(region_.local + at), &epoch_});
+    }
     if (device_ != nullptr) {
         // The region's zero fill must be complete on every rank before any rank's kernels write into it.
         device::synchronize_device();
@@ -207,6 +211,7 @@ Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, Plann
 }
 
 Buffer::~Buffer() {
+    guard_->set_site({});  // before the flags go
     if (transport_ != nullptr) transport_->release(region_);
 }
 

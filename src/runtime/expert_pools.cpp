@@ -162,6 +162,10 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
         release_all();
         throw;
     }
+    if (transport_->memory_kind() == MemoryKind::kHost) {
+        guard_->set_site(
+            {transport_.get(), reinterpret_cast<const uint64_t*>(sync_region_.local + kFlagsOffset), &epoch_});
+    }
     for (const std::vector<SymmetricRegion>* regions : {&slot_regions_, &reduce_regions_}) {
         for (const SymmetricRegion& r : *regions) {
             const bool mappable = on_device ? r.local_handle != 0 : r.local_fd >= 0;
@@ -185,6 +189,7 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
 }
 
 ExpertPools::~ExpertPools() {
+    guard_->set_site({});  // before the flags go
     for (SymmetricRegion& r : slot_regions_) transport_->release(r);
     for (SymmetricRegion& r : reduce_regions_) transport_->release(r);
     transport_->release(sync_region_);

@@ -242,5 +242,38 @@ TEST(RankDisagreement, PoolsOpsAndStepsMustAgree) {
     }
 }
 
+// Ranks calling different Buffers (same transport): both time out, and each names what the other is doing there.
+TEST(RankDisagreement, DifferentBuffersNameWhatThePeerIsDoing) {
+    const int R = 2;
+    const double kTimeout = 0.5;
+    LocalHostWorld world(R, kTimeout);
+    std::vector<Outcome> got(R);
+    std::vector<double> seconds(R);
+    const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
+        Config c = config_of(rank);
+        c.num_ranks = R, c.num_experts = 4;
+        Buffer a(c, world.transport(rank));
+        Buffer b(c, world.transport(rank));
+        const int32_t idx[kS * kK] = {0, 1, 2, 3, 0, 2, 1, 3};
+        const auto t0 = std::chrono::steady_clock::now();
+        got[rank] = outcome_of([&] { (rank == 0 ? a : b).plan(idx, 4, kS); });
+        seconds[rank] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    });
+    ASSERT_EQ(failures(errors), "");
+    for (int rank = 0; rank < R; ++rank) {
+        EXPECT_EQ(got[rank].category, int(ErrorCategory::kTimeout)) << got[rank].message;
+        const std::string want = "; peer " + std::to_string(1 - rank) +
+                                 " was in plan of another Buffer on this transport (step 1 mod 2^16): every rank must "
+                                 "call the same objects in the same order";
+        EXPECT_EQ(got[rank].message.rfind("timeout in plan: rank " + std::to_string(rank) + " waited 0.5 s for peer " +
+                                              std::to_string(1 - rank),
+                                          0),
+                  0u)
+            << got[rank].message;
+        EXPECT_NE(got[rank].message.find(want), std::string::npos) << got[rank].message;
+        EXPECT_LT(seconds[rank], kTimeout + 1.0);
+    }
+}
+
 }  // namespace
 }  // namespace flatep
