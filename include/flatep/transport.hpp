@@ -6,9 +6,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "flatep/error.hpp"
 #include "flatep/types.hpp"
 
 namespace flatep {
@@ -52,7 +54,15 @@ class Transport {
     virtual void release(SymmetricRegion& region) noexcept = 0;
     virtual Bootstrap& bootstrap() = 0;
     double timeout_s() const { return timeout_s_; }
-    void set_timeout_s(double seconds) { timeout_s_ = seconds; }
+    // seconds: finite, in (0, 86400] (one day); anything else (NaN, infinity, 0, negative) is kInvalidArgument.
+    void set_timeout_s(double seconds) {
+        if (!(seconds > 0 && seconds <= 86400)) {  // NaN fails every comparison
+            std::ostringstream text;
+            text << "Transport: timeout_s must be a finite number of seconds in (0, 86400], got " << seconds;
+            throw Error(ErrorCategory::kInvalidArgument, __FILE__, __LINE__, text.str());
+        }
+        timeout_s_ = seconds;
+    }
 
   protected:
     double timeout_s_ = 100.0;

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "common/check.hpp"
+#include "common/env.hpp"
 #include "common/log.hpp"
 #include "common/math.hpp"
 #include "kernels/common/barrier.cuh"
@@ -28,11 +29,12 @@ class DeviceGuard {
 }  // namespace
 
 LocalDeviceGroup::LocalDeviceGroup(int num_ranks, bool device_per_rank, double timeout_s, int sm_budget)
-    : num_ranks_(num_ranks), device_per_rank_(device_per_rank), timeout_s_(timeout_s) {
+    : num_ranks_(num_ranks),
+      device_per_rank_(device_per_rank),
+      timeout_s_(env::check_timeout("LocalDeviceGroup", "timeout_s", timeout_s)) {
     FLATEP_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "LocalDeviceGroup: num_ranks must be in [1, ", kMaxRanks,
                  "], got ", num_ranks);
-    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
-    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);  // CUDA_MODULE_LOADING stays as it is: every kernel is loaded below
     int current = 0;
     FLATEP_CUDA_CHECK(cudaGetDevice(&current));
     int count = 0;

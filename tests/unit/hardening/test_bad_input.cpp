@@ -7,8 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <limits>
@@ -437,6 +437,10 @@ TEST(BadInput, Timeouts) {
          fork_with(ForkOptions{kNan, 0})},
         {"run_forked: deadline_s = inf", ErrorCategory::kInvalidArgument, "run_forked: deadline_s" + range + "inf",
          fork_with(ForkOptions{1.0, kInf})},
+        {"Transport::set_timeout_s(NaN)", ErrorCategory::kInvalidArgument, "Transport: timeout_s" + range + "nan",
+         [kNan] { LocalHostWorld(1, 1.0).transport(0)->set_timeout_s(kNan); }},
+        {"Transport::set_timeout_s(0)", ErrorCategory::kInvalidArgument, "Transport: timeout_s" + range + "0",
+         [] { LocalHostWorld(1, 1.0).transport(0)->set_timeout_s(0); }},
     };
     EXPECT_EQ(check_rows(rows), "");
 
