@@ -9,8 +9,8 @@
 //
 // Every op is collective: all R ranks call the same sequence of ops (each with its own arguments), and every
 // cross-rank barrier carries the op and the step (plan generation) it belongs to. A rank that does not arrive makes
-// the others throw kTimeout (Transport::timeout_s; the local transport's default is FLATEP_TIMEOUT_S) naming it;
-// ranks that call different ops, or pass plans of different steps, all throw kMismatch naming both sides. After any
+// the others throw kTimeout (the transport's timeout_s when the Buffer was built; FLATEP_TIMEOUT_S by default) naming
+// it; ranks that call different ops, or pass plans of different steps, all throw kMismatch naming both sides. After any
 // such failure the Buffer is poisoned on every rank: every later call throws kRuntime until it is destroyed and
 // rebuilt on every rank (design §8). A device Buffer learns of a GPU-side failure without synchronising, from a
 // host-mapped record read at every op's entry: the first op enqueued after the GPU recorded it throws.
@@ -183,6 +183,7 @@ class Buffer {
     std::unique_ptr<device::Context> device_;
     void* stream_ = nullptr;
     std::unique_ptr<CollectiveGuard> guard_;
+    double timeout_s_ = 0;  // the transport's timeout when this Buffer was built: every op's waits
     int num_plan_slots_ = 0;
     std::shared_ptr<int32_t> plan_slots_;                      // device: num_plan_slots_ * plan_words() int32
     std::shared_ptr<std::vector<uint64_t>> slot_generations_;  // generation each slot holds now

@@ -140,6 +140,7 @@ class ExpertPools {
     uint64_t id_;
     std::unique_ptr<device::PoolsContext> device_;  // device pools only
     std::unique_ptr<CollectiveGuard> guard_;
+    double timeout_s_ = 0;  // the transport's timeout when the pools were built: every op's waits
     void* stream_ = nullptr;
     bool debug_ = false;  // FLATEP_DEBUG: device ops also check the plan's layout (a synchronising read)
 };

@@ -148,7 +148,9 @@ class Buffer:
         planner (str): 'balanced' (default) or 'greedy' (the one-donor baseline).
         device: where tensors live: 'cpu' (the CPU backend, default) or a CUDA device (FlatEP built with CUDA; 'cuda'
             means the current device). Processes may share one GPU.
-        timeout_s (float): bound on every cross-rank wait, seconds in (0, 86400] (default: FLATEP_TIMEOUT_S or 100 s).
+        timeout_s (float): bound on every cross-rank wait of this object, seconds in (0, 86400]; kept from
+            construction on, whatever later objects of the group set. None: the group's transport's timeout at
+            construction (FLATEP_TIMEOUT_S or 100 s, unless virtual_ranks or an earlier object set one).
 
     Attributes: rank, num_ranks, num_tokens, hidden, num_experts, topk, experts_per_rank, capacity (C),
     num_recv_rows (NvS), device.

@@ -79,7 +79,9 @@ class ExpertPools:
             [(H, F), (F, H)] for an FFN x @ W1 -> act -> @ W2.
         device: 'cpu' (the CPU backend, default) or a CUDA device (FlatEP built with CUDA; 'cuda' means the current
             device). Plans must come from Buffers on the same device.
-        timeout_s (float): bound on every cross-rank wait, seconds in (0, 86400] (default: FLATEP_TIMEOUT_S or 100 s).
+        timeout_s (float): bound on every cross-rank wait of this object, seconds in (0, 86400]; kept from
+            construction on, whatever later objects of the group set. None: the group's transport's timeout at
+            construction (FLATEP_TIMEOUT_S or 100 s, unless virtual_ranks or an earlier object set one).
     """
 
     def __init__(self, group, experts_per_rank, projections, *, device=None, timeout_s=None):

@@ -159,6 +159,7 @@ Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, Plann
     FLATEP_CHECK(num_plan_slots >= 0 && num_plan_slots <= 1024, "Buffer: num_plan_slots must be in [0, 1024], got ",
                  num_plan_slots);
     FLATEP_CHECK(transport_ != nullptr, "Buffer: transport is null");
+    timeout_s_ = transport_->timeout_s();  // this Buffer's bound, whatever later objects set on the shared transport
     FLATEP_CHECK(planner == PlannerKind::kGreedy || planner == PlannerKind::kBalanced, "Buffer: unknown planner kind ",
                  int(planner));
     FLATEP_CHECK(transport_->num_ranks() == config_.num_ranks, "Buffer: config.num_ranks (", config_.num_ranks,
@@ -274,7 +275,7 @@ Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t
     args.index_bytes = index_bytes;
     args.planner = planner_;
     for (int p = 0; p < l.num_ranks; ++p) args.peers[p] = region_.peers[p];
-    args.sync = make_sync(region_, sym, &epoch_, config_.rank, l.num_ranks, transport_->timeout_s());
+    args.sync = make_sync(region_, sym, &epoch_, config_.rank, l.num_ranks, timeout_s_);
     args.sync.step = data->generation;
     if (device_ != nullptr) {
         const int64_t words = plan_words();
@@ -315,8 +316,8 @@ void Buffer::dispatch(const Plan& plan, const uint16_t* x, const float* topk_wei
     check_plan(plan, "dispatch");
     FLATEP_CHECK(plan.num_tokens() == 0 || x != nullptr, "dispatch: x is null");
     FLATEP_CHECK(recv_x != nullptr, "dispatch: recv_x is null");
-    auto args = common_args<DispatchArgs>(*layout_, config_.rank, plan, plan.data().op_view(), region_, &epoch_,
-                                          transport_->timeout_s());
+    auto args =
+        common_args<DispatchArgs>(*layout_, config_.rank, plan, plan.data().op_view(), region_, &epoch_, timeout_s_);
     args.x = x;
     args.topk_weights = topk_weights;
     args.recv_x = recv_x;
@@ -335,8 +336,8 @@ void Buffer::combine(const Plan& plan, const uint16_t* y, const float* weights, 
     check_plan(plan, "combine");
     FLATEP_CHECK(y != nullptr, "combine: y is null");
     FLATEP_CHECK(plan.num_tokens() == 0 || out != nullptr, "combine: out is null");
-    auto args = common_args<CombineArgs>(*layout_, config_.rank, plan, plan.data().op_view(), region_, &epoch_,
-                                         transport_->timeout_s());
+    auto args =
+        common_args<CombineArgs>(*layout_, config_.rank, plan, plan.data().op_view(), region_, &epoch_, timeout_s_);
     args.y = y;
     args.weights = weights;
     args.out = out;
@@ -354,8 +355,8 @@ void Buffer::entry_values(const Plan& plan, const float* row_values, float* out)
     check_plan(plan, "entry_values");
     FLATEP_CHECK(row_values != nullptr, "entry_values: row_values is null");
     FLATEP_CHECK(plan.num_tokens() == 0 || out != nullptr, "entry_values: out is null");
-    auto args = common_args<EntryValuesArgs>(*layout_, config_.rank, plan, plan.data().op_view(), region_, &epoch_,
-                                             transport_->timeout_s());
+    auto args =
+        common_args<EntryValuesArgs>(*layout_, config_.rank, plan, plan.data().op_view(), region_, &epoch_, timeout_s_);
     args.row_values = row_values;
     args.out = out;
     if (device_ != nullptr) {

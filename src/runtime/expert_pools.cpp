@@ -129,6 +129,7 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
       id_(next_pools_id++),
       guard_(std::make_unique<CollectiveGuard>("ExpertPools")) {
     FLATEP_CHECK(transport_ != nullptr, "ExpertPools: transport is null");
+    timeout_s_ = transport_->timeout_s();  // these pools' bound, whatever later objects set on the shared transport
     const bool on_device = transport_->memory_kind() == MemoryKind::kDevice;
     FLATEP_CHECK(!on_device || device::built_with_cuda(), "ExpertPools: transport '", transport_->name(),
                  "' has device memory but this build has no CUDA support");
@@ -313,7 +314,7 @@ void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer) {
         args.expert_bytes = projections_[p].elems() * 2;
         args.weights = reinterpret_cast<const uint8_t*>(layer.weights(p));
         for (int d = 0; d < R; ++d) args.slot_pools[d] = slot_regions_[p].peers[d];
-        args.sync = pool_sync(sync_region_, &epoch_, args.rank, R, transport_->timeout_s());
+        args.sync = pool_sync(sync_region_, &epoch_, args.rank, R, timeout_s_);
         args.sync.step = plan.generation();
         if (device_ != nullptr) {
             args.slot_expert = plan.device_slot_expert(0);  // [R][epn] in device memory
@@ -337,7 +338,7 @@ void ExpertPools::reduce_grad(const Plan& plan, const ExpertLayer& layer) {
         args.expert_elems = projections_[p].elems();
         args.grads = layer.grads(p);
         for (int d = 0; d < R; ++d) args.reduce_pools[d] = reinterpret_cast<float*>(reduce_regions_[p].peers[d]);
-        args.sync = pool_sync(sync_region_, &epoch_, args.rank, R, transport_->timeout_s());
+        args.sync = pool_sync(sync_region_, &epoch_, args.rank, R, timeout_s_);
         args.sync.step = plan.generation();
         if (device_ != nullptr) {
             args.slot_expert = plan.device_slot_expert(0);  // [R][epn] in device memory

@@ -206,3 +206,21 @@ def test_a_peer_that_stalls_before_the_constructor_is_named_within_the_timeout()
     assert r["type"] == "RuntimeError"
     assert r["error"] == "torch.distributed bootstrap all_gather #0 on rank 0: rank 1 did not arrive within 2 s"
     assert timeout_s - 0.1 <= r["elapsed"] <= timeout_s + 5, f"took {r['elapsed']:.1f} s"
+
+
+def test_each_object_keeps_its_own_timeout():
+    """timeout_s of one Buffer used to change every object of the group (it lived on the shared transport only): a
+    Buffer built with 30 s then timed out after another Buffer's 0.5 s."""
+    import time
+
+    import flatep
+    from flatep import virtual
+
+    ranks = virtual.virtual_ranks(2, "cpu")
+    a = virtual.run_threads(2, lambda r: flatep.Buffer(ranks[r], 4, 8, 2, 1, align=1, timeout_s=3))
+    b = virtual.run_threads(2, lambda r: flatep.Buffer(ranks[r], 4, 8, 2, 1, align=1, timeout_s=0.5))
+    for buf, want in ((b[0], 0.5), (a[0], 3.0)):  # rank 1 never comes: rank 0 alone waits its own bound
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"timeout in plan: rank 0 waited {want:.1f} s for peer 1"):
+            buf.plan(torch.zeros(4, 1, dtype=torch.long))
+        assert want - 0.1 < time.monotonic() - start < want + 1.5
