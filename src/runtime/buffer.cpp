@@ -89,8 +89,7 @@ const HostPlan& Plan::host_plan() const { return data().host_plan(); }
 const int32_t* Plan::device_cu_seqlens(int rank) const {
     const Data& d = data();
     FLATEP_CHECK(d.on_device(), "device_cu_seqlens: the plan is in host memory (CPU backend)");
-    if (const std::string stale = d.stale_reason("device_cu_seqlens"); !stale.empty())
-        FLATEP_THROW(ErrorCategory::kMismatch, stale);
+    d.check_fresh("device_cu_seqlens");
     FLATEP_CHECK(rank >= 0 && rank < d.host.layout.num_ranks, "device_cu_seqlens: rank must be in [0, ",
                  d.host.layout.num_ranks, "), got ", rank);
     return d.device_view.cu_seqlens + int64_t(rank) * d.host.layout.num_groups();
@@ -98,8 +97,7 @@ const int32_t* Plan::device_cu_seqlens(int rank) const {
 const int32_t* Plan::device_slot_expert(int rank) const {
     const Data& d = data();
     FLATEP_CHECK(d.on_device(), "device_slot_expert: the plan is in host memory (CPU backend)");
-    if (const std::string stale = d.stale_reason("device_slot_expert"); !stale.empty())
-        FLATEP_THROW(ErrorCategory::kMismatch, stale);
+    d.check_fresh("device_slot_expert");
     FLATEP_CHECK(rank >= 0 && rank < d.host.layout.num_ranks, "device_slot_expert: rank must be in [0, ",
                  d.host.layout.num_ranks, "), got ", rank);
     return d.device_view.slot_expert + int64_t(rank) * d.host.layout.experts_per_rank;
@@ -246,8 +244,7 @@ void Buffer::check_plan(const Plan& plan, const char* op) const {
         FLATEP_THROW(ErrorCategory::kMismatch, op, ": plan was made by buffer ", plan.buffer_id(),
                      ", not by this buffer (", id_, ")");
     }
-    const std::string stale = plan.data().stale_reason(op);
-    if (!stale.empty()) FLATEP_THROW(ErrorCategory::kMismatch, stale);
+    plan.data().check_fresh(op);
 }
 
 Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t* plan_storage) {
@@ -398,11 +395,7 @@ void Buffer::check_status() {
         device_->read(words, status, sizeof(words), stream_);  // a synchronising point: the record is complete now
         const std::string failure = device_->failure_message();
         if (!failure.empty()) {
-            const int32_t code = device_->failure_code();
-            FLATEP_THROW(code == kStatusTimeout    ? ErrorCategory::kTimeout
-                         : code == kStatusMismatch ? ErrorCategory::kMismatch
-                                                   : ErrorCategory::kRuntime,
-                         "rank ", config_.rank, ": ", failure);
+            FLATEP_THROW(host::wait_failure_category(device_->failure_code()), "rank ", config_.rank, ": ", failure);
         }
     } else {
         for (int i = 0; i < 4; ++i) words[i] = status[i];

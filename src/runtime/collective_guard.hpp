@@ -53,10 +53,7 @@ class CollectiveGuard {
     void enter(const char* op, const std::string& device_failure, int32_t device_code) {
         if (reason_.empty() && !device_failure.empty()) {
             reason_ = device_failure;
-            FLATEP_THROW(device_code == kStatusTimeout    ? ErrorCategory::kTimeout
-                         : device_code == kStatusMismatch ? ErrorCategory::kMismatch
-                                                          : ErrorCategory::kRuntime,
-                         op, ": ", device_failure);
+            FLATEP_THROW(host::wait_failure_category(device_code), op, ": ", device_failure);
         }
         if (!reason_.empty()) {
             FLATEP_THROW(ErrorCategory::kRuntime, op, ": this ", what_,

@@ -60,14 +60,12 @@ std::string WaitRecordHost::failure_message() const {
     const int32_t code = r->code;
     if (code == 0) return "";
     std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before code
-    std::string text =
-        host::wait_failure_message(code, OpId(r->op), r->rank, r->peer, r->expected, r->observed, r->step, 0.0);
     if (code == kStatusTimeout) {  // the GPU knows no wall time: name the flags instead of seconds
-        text =
-            detail::concat("timeout in ", host::op_name(OpId(r->op)), " (GPU): rank ", r->rank, " waited for peer ",
-                           r->peer, " (flag ", flag_epoch(r->observed), " < expected ", flag_epoch(r->expected), ")");
+        return detail::concat("timeout in ", host::op_name(OpId(r->op)), " (GPU): rank ", r->rank, " waited for peer ",
+                              r->peer, " (flag ", flag_epoch(r->observed), " < expected ", flag_epoch(r->expected),
+                              ")");
     }
-    return text;
+    return host::wait_failure_message(code, OpId(r->op), r->rank, r->peer, r->expected, r->observed, r->step, 0.0);
 }
 
 Context::Context(const Layout& layout) {

@@ -36,18 +36,18 @@ struct Plan::Data {
     bool on_device() const { return device_words != nullptr; }
     // The view kernels / host ops read.
     const PlanView& op_view() const { return on_device() ? device_view : host.view; }
-    // "" while the plan's arrays are its own; else why not (its plan slot was reused by a later step).
-    std::string stale_reason(const char* op) const {
-        if (slot < 0 || (*slot_generations)[size_t(slot)] == generation) return "";
-        return detail::concat(op, ": the plan of step ", generation, " is stale: its plan slot ", slot,
-                              " now holds the plan of step ", (*slot_generations)[size_t(slot)], " (the Buffer has ",
-                              slot_generations->size(), " plan slots; keep fewer plans alive, or pass plan storage)");
+    // Throws kMismatch (naming both steps) when the plan's arrays are no longer its own: its plan slot was reused by
+    // a later step. Caller storage and host plans are never stale.
+    void check_fresh(const char* op) const {
+        if (slot < 0 || (*slot_generations)[size_t(slot)] == generation) return;
+        FLATEP_THROW(ErrorCategory::kMismatch, op, ": the plan of step ", generation, " is stale: its plan slot ", slot,
+                     " now holds the plan of step ", (*slot_generations)[size_t(slot)], " (the Buffer has ",
+                     slot_generations->size(), " plan slots; keep fewer plans alive, or pass plan storage)");
     }
     // Host arrays (synchronised from the device on first use for device plans).
     const HostPlan& host_plan() const {
         if (on_device()) {
-            const std::string stale = stale_reason("plan accessor");
-            if (!stale.empty()) FLATEP_THROW(ErrorCategory::kMismatch, stale);
+            check_fresh("plan accessor");
             std::call_once(host_ready, [this] { refresh_host(const_cast<HostPlan&>(host)); });
         }
         return host;

@@ -132,8 +132,7 @@ void wait_flag_at_least(const SyncArgs& sync, OpId op, int peer, const uint64_t*
     uint64_t observed = word.load(std::memory_order_acquire);
     int32_t state = flag_state(observed, mine);
     auto fail = [&](int32_t code) {
-        const int32_t value = code == kStatusMismatch ? int32_t(flag_op(observed)) : int32_t(flag_epoch(observed));
-        record_status(sync.status, code, int32_t(op), value, peer);
+        record_status(sync.status, code, int32_t(op), wait_status_value(code, observed), peer);
         FLATEP_THROW(wait_failure_category(code),
                      wait_failure_message(code, op, sync.rank, peer, mine, observed, sync.step, sync.timeout_s));
     };

@@ -114,4 +114,9 @@ FLATEP_HD int flag_state(uint64_t observed, uint64_t mine) {
     return same_barrier && !same_tags ? -kStatusMismatch : 1;
 }
 
+// The kStatusValue word a failed wait records: the peer's op for a mismatch, else the epoch it was seen at.
+FLATEP_HD int32_t wait_status_value(int32_t code, uint64_t observed) {
+    return code == kStatusMismatch ? int32_t(flag_op(observed)) : int32_t(flag_epoch(observed));
+}
+
 }  // namespace flatep

@@ -28,8 +28,7 @@ FLATEP_DEVICE void record_status(int32_t* status, int32_t code, int32_t index, i
 // in each.
 FLATEP_DEVICE void record_wait_failure(const SyncArgs& sync, int32_t code, int op, int peer, uint64_t expected,
                                        uint64_t observed) {
-    const int32_t value = code == kStatusMismatch ? int32_t(flag_op(observed)) : int32_t(flag_epoch(observed));
-    record_status(sync.status, code, op, value, peer);
+    record_status(sync.status, code, op, wait_status_value(code, observed), peer);
     WaitRecord* rec = sync.wait_record;
     if (rec != nullptr && atomicCAS(&rec->op, kOpNone, op) == kOpNone) {  // op doubles as the claim word
         rec->rank = sync.rank;
