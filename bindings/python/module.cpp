@@ -334,8 +334,11 @@ void bind_pools(py::module_& m) {
         .def(
             "write_grads",
             [](ExpertPools& p, const Plan& plan, const ExpertLayer& layer, int projection, uintptr_t grad,
-               int grad_bytes) { p.write_grads(plan, layer, projection, as_ptr<const void>(grad), grad_bytes); },
-            py::arg("plan"), py::arg("layer"), py::arg("projection"), py::arg("grad"), py::arg("grad_bytes"), Release())
+               int grad_bytes, bool accumulate) {
+                p.write_grads(plan, layer, projection, as_ptr<const void>(grad), grad_bytes, accumulate);
+            },
+            py::arg("plan"), py::arg("layer"), py::arg("projection"), py::arg("grad"), py::arg("grad_bytes"),
+            py::arg("accumulate") = false, Release())
         .def_property_readonly("on_device", &ExpertPools::on_device)
         .def(
             "set_stream", [](ExpertPools& p, uintptr_t stream) { p.set_stream(reinterpret_cast<void*>(stream)); },

@@ -105,8 +105,12 @@ class ExpertPools {
     // g, group epn + j slot j), into layer.grads(projection) in the state reduce_grad expects: own groups always
     // (converted exactly to fp32; zero for a group without rows this step, whatever grad holds there), slot groups
     // only when the slot is used this step (plan.slot_expert(rank)[j] >= 0) and has rows; other slots are not
-    // touched (their reduce pool stays zero, as reduce_grad left it). Device pools: enqueued on stream().
-    void write_grads(const Plan& plan, const ExpertLayer& layer, int projection, const void* grad, int grad_bytes);
+    // touched (their reduce pool stays zero, as reduce_grad left it). accumulate: own groups with rows are added
+    // into the own grads (fp32, one add per element) and own groups without rows are not touched, so the own grads
+    // accumulate over micro-batches until the caller zeroes them (Megatron's main_grad); slot groups as above.
+    // Device pools: enqueued on stream().
+    void write_grads(const Plan& plan, const ExpertLayer& layer, int projection, const void* grad, int grad_bytes,
+                     bool accumulate = false);
 
     int experts_per_rank() const { return experts_per_rank_; }
     int num_projections() const { return int(projections_.size()); }

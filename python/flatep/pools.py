@@ -152,7 +152,7 @@ class ExpertPools:
         with device_guard(self.device):
             self._live().reduce_grad(*args)
 
-    def write_grads(self, plan, layer, projection, grad):
+    def write_grads(self, plan, layer, projection, grad, accumulate=False):
         """Local (not collective), in backward before reduce_grad: writes projection p's weight gradients as a grouped
         GEMM over layer.weights(p) computes them into layer.grads(p), in the state reduce_grad expects.
 
@@ -160,8 +160,10 @@ class ExpertPools:
             grad (torch.Tensor): [2*epn, rows, cols] bf16 or fp32; group g < epn is own expert g, group epn + j slot j.
         Own groups are always written (converted exactly to fp32; zero for a group without rows this step, whatever
         grad holds there); slot j only when it is used this step (plan.slot_expert[j] >= 0) and has rows; other slots
-        are not touched (their reduce pool stays zero, as reduce_grad left it). Enqueued on the current stream on a
-        CUDA device (no host synchronisation)."""
+        are not touched (their reduce pool stays zero, as reduce_grad left it). accumulate=True: own groups with rows
+        are added into own_grads(p) (one fp32 add per element) and own groups without rows are not touched, so the
+        own gradients accumulate over micro-batches until the caller zeroes them (Megatron's ``main_grad``); slots
+        as above. Enqueued on the current stream on a CUDA device (no host synchronisation)."""
         args = self._resolve("write_grads", plan, layer)
         n = len(self.projections)
         if isinstance(projection, bool) or not isinstance(projection, int) or not 0 <= projection < n:
@@ -172,7 +174,7 @@ class ExpertPools:
             self.device,
         )
         with device_guard(self.device):
-            self._live().write_grads(*args, projection, address(grad), grad.element_size())
+            self._live().write_grads(*args, projection, address(grad), grad.element_size(), bool(accumulate))
 
     def slot_pool(self, p):
         """bf16 [epn, rows, cols]: this rank's slot pool of projection p."""

@@ -11,7 +11,7 @@ void write_grads(const WriteGradsArgs& a) {
     const int64_t n = a.expert_elems;
     for (int g = 0; g < 2 * a.experts_per_rank; ++g) {
         float* dst = a.grads + int64_t(g) * n;
-        switch (group_grad_action(a.experts_per_rank, a.slot_expert, a.cu_seqlens, g)) {
+        switch (group_grad_action(a.experts_per_rank, a.slot_expert, a.cu_seqlens, g, a.accumulate)) {
             case kGradSkip:
                 break;
             case kGradZero:
@@ -23,6 +23,15 @@ void write_grads(const WriteGradsArgs& a) {
                 } else {
                     const uint16_t* src = static_cast<const uint16_t*>(a.grad) + int64_t(g) * n;
                     for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+                }
+                break;
+            case kGradAdd:
+                if (a.grad_bytes == 4) {
+                    const float* src = static_cast<const float*>(a.grad) + int64_t(g) * n;
+                    for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+                } else {
+                    const uint16_t* src = static_cast<const uint16_t*>(a.grad) + int64_t(g) * n;
+                    for (int64_t i = 0; i < n; ++i) dst[i] += bf16_to_float(src[i]);
                 }
                 break;
         }

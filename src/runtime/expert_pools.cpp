@@ -352,7 +352,7 @@ void ExpertPools::reduce_grad(const Plan& plan, const ExpertLayer& layer) {
 }
 
 void ExpertPools::write_grads(const Plan& plan, const ExpertLayer& layer, int projection, const void* grad,
-                              int grad_bytes) {
+                              int grad_bytes, bool accumulate) {
     check_args(plan, layer, "write_grads");
     FLATEP_CHECK(projection >= 0 && projection < num_projections(), "write_grads: projection must be in [0, ",
                  num_projections(), "), got ", projection);
@@ -366,6 +366,7 @@ void ExpertPools::write_grads(const Plan& plan, const ExpertLayer& layer, int pr
     args.grad = grad;
     args.grad_bytes = grad_bytes;
     args.grads = layer.grads(projection);
+    args.accumulate = accumulate;
     if (device_ != nullptr) {
         args.slot_expert = plan.device_slot_expert(rank);
         args.cu_seqlens = plan.device_cu_seqlens(rank);

@@ -77,6 +77,12 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                         wa.grad_bytes = bytes;
                         wa.grads = dst.data();
                         host::write_grads(wa);
+                        if (bytes == 4) {  // then accumulate the bf16 gradient on top (own groups add, slots copy)
+                            wa.grad = in.wgrad16[r].data();
+                            wa.grad_bytes = 2;
+                            wa.accumulate = true;
+                            host::write_grads(wa);
+                        }
                     }
                 }
 
@@ -344,6 +350,12 @@ void DeviceCase::enqueue_step() {
                 a.grads = bytes == 2 ? ranks[r].wgrads16 : ranks[r].wgrads32;
                 a.max_blocks = group.max_blocks();
                 kernels::launch(a, group.stream(r));
+                if (bytes == 4) {  // as run_host: accumulate the bf16 gradient on top
+                    a.grad = ranks[r].wgrad16;
+                    a.grad_bytes = 2;
+                    a.accumulate = true;
+                    kernels::launch(a, group.stream(r));
+                }
             }
         }
     }

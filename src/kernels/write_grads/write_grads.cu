@@ -32,24 +32,35 @@ FLATEP_DEVICE float load1(const float* src) { return *src; }
 template <typename Src, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     write_grads_kernel(int epn, int64_t n, const int32_t* slot_expert, const int32_t* cu_seqlens, const Src* grad,
-                       float* grads) {
+                       float* grads, bool accumulate) {
     const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     const int64_t stride = int64_t(gridDim.x) * blockDim.x;
     for (int g = 0; g < 2 * epn; ++g) {
-        const GroupGradAction action = group_grad_action(epn, slot_expert, cu_seqlens, g);
+        const GroupGradAction action = group_grad_action(epn, slot_expert, cu_seqlens, g, accumulate);
         if (action == kGradSkip) continue;
         float* dst = grads + int64_t(g) * n;
         const Src* src = grad + int64_t(g) * n;
         if constexpr (kVec) {
             for (int64_t i = tid * kVecElems; i < n; i += stride * kVecElems) {
                 float v[8] = {};
-                if (action == kGradCopy) load8(v, src + i);
+                if (action != kGradZero) load8(v, src + i);
                 float4* out = reinterpret_cast<float4*>(dst + i);
+                if (action == kGradAdd) {
+                    const float4 a = out[0], b = out[1];
+                    v[0] += a.x, v[1] += a.y, v[2] += a.z, v[3] += a.w, v[4] += b.x, v[5] += b.y, v[6] += b.z,
+                        v[7] += b.w;
+                }
                 out[0] = make_float4(v[0], v[1], v[2], v[3]);
                 out[1] = make_float4(v[4], v[5], v[6], v[7]);
             }
         } else {
-            for (int64_t i = tid; i < n; i += stride) dst[i] = action == kGradCopy ? load1(src + i) : 0.0f;
+            for (int64_t i = tid; i < n; i += stride) {
+                if (action == kGradAdd) {
+                    dst[i] += load1(src + i);
+                } else {
+                    dst[i] = action == kGradCopy ? load1(src + i) : 0.0f;
+                }
+            }
         }
     }
 }
@@ -62,11 +73,11 @@ void launch_typed(const WriteGradsArgs& a, cudaStream_t stream) {
     const int blocks = grid_blocks(a.max_blocks, ceil_div<int64_t>(steps, kThreads), 4);
     const auto* grad = static_cast<const Src*>(a.grad);
     if (vec) {
-        write_grads_kernel<Src, true><<<blocks, kThreads, 0, stream>>>(a.experts_per_rank, a.expert_elems,
-                                                                       a.slot_expert, a.cu_seqlens, grad, a.grads);
+        write_grads_kernel<Src, true><<<blocks, kThreads, 0, stream>>>(
+            a.experts_per_rank, a.expert_elems, a.slot_expert, a.cu_seqlens, grad, a.grads, a.accumulate);
     } else {
-        write_grads_kernel<Src, false><<<blocks, kThreads, 0, stream>>>(a.experts_per_rank, a.expert_elems,
-                                                                        a.slot_expert, a.cu_seqlens, grad, a.grads);
+        write_grads_kernel<Src, false><<<blocks, kThreads, 0, stream>>>(
+            a.experts_per_rank, a.expert_elems, a.slot_expert, a.cu_seqlens, grad, a.grads, a.accumulate);
     }
 }
 

@@ -2,6 +2,8 @@
 // [2*epn][expert_elems] in bf16 or fp32 (group g < epn: own expert g; group epn + j: slot j), into the layer's fp32
 // grads view [2*epn][expert_elems] (own grads, then this rank's reduce pool), in the state reduce_grad expects:
 //   own group g:  grads[g] = float(grad[g]) (exact) when the group has rows this step (cu_seqlens), else zero;
+//                 accumulate: grads[g] = grads[g] + float(grad[g]) (one fp32 add per element) when the group has
+//                 rows, else not touched (gradient accumulation over micro-batches, Megatron's main_grad);
 //   slot j:       grads[epn + j] = float(grad[epn + j]) when the slot is used (slot_expert[j] >= 0) and has rows;
 //                 otherwise not touched: it keeps what the last reduce_grad left, zero (consumed slots are zeroed
 //                 there, unused slots are never written), so reduce_grad adds nothing for a used slot without rows.
@@ -22,8 +24,9 @@ struct WriteGradsArgs {
     const int32_t* cu_seqlens;   // [2*epn] this rank's inclusive padded group ends (plan)
     const void* grad;            // [2*epn][expert_elems] bf16 (grad_bytes 2) or fp32 (grad_bytes 4)
     int grad_bytes;
-    float* grads;    // [2*epn][expert_elems] fp32 out: the layer's grads view of this projection
-    int max_blocks;  // CUDA: blocks of the launch at most (SM budget; 0: no cap); the CPU backend ignores it
+    float* grads;     // [2*epn][expert_elems] fp32 out: the layer's grads view of this projection
+    bool accumulate;  // own groups: add into grads instead of overwriting (slot groups are always overwritten)
+    int max_blocks;   // CUDA: blocks of the launch at most (SM budget; 0: no cap); the CPU backend ignores it
 };
 
 // The checks both backends make: kInvalidArgument naming the argument.
@@ -38,12 +41,15 @@ inline void check_write_grads_args(const WriteGradsArgs& a) {
 }
 
 // What write_grads does with group g (< 2*epn) of this step, from the plan arrays as they are in memory.
-enum GroupGradAction : int { kGradSkip = 0, kGradCopy = 1, kGradZero = 2 };
+enum GroupGradAction : int { kGradSkip = 0, kGradCopy = 1, kGradZero = 2, kGradAdd = 3 };
 
 FLATEP_HD GroupGradAction group_grad_action(int experts_per_rank, const int32_t* slot_expert, const int32_t* cu_seqlens,
-                                            int g) {
+                                            int g, bool accumulate) {
     const bool has_rows = cu_seqlens[g] > (g == 0 ? 0 : cu_seqlens[g - 1]);
-    if (g < experts_per_rank) return has_rows ? kGradCopy : kGradZero;
+    if (g < experts_per_rank) {
+        if (accumulate) return has_rows ? kGradAdd : kGradSkip;
+        return has_rows ? kGradCopy : kGradZero;
+    }
     return has_rows && slot_expert[g - experts_per_rank] >= 0 ? kGradCopy : kGradSkip;
 }
 

@@ -4,6 +4,7 @@
 // expects them.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <sstream>
@@ -246,6 +247,73 @@ TEST(ExpertPools, WriteGradsWritesOwnGroupsAndUsedSlotsOnly) {
     EXPECT_GE(used, 2);        // replicas exercised
     EXPECT_GE(empty, 2);       // own groups without rows exercised
     EXPECT_LT(used, R * epn);  // some slots unused (left untouched)
+}
+
+TEST(ExpertPools, WriteGradsAccumulateAddsOwnGroupsWithRowsAndOverwritesSlots) {
+    // Two micro-batches into the same own grads (Megatron's main_grad): the first writes (fp32), the second
+    // accumulates a bf16 gradient. Own groups with rows: first + float(second) in one fp32 add; own groups without
+    // rows: untouched by the accumulating call (the first call zeroed them, then the test plants a marker); slots:
+    // overwritten by the second call when used and with rows, untouched otherwise.
+    const int R = 4, epn = 2, E = R * epn, S = 16, K = 2;
+    const ProjectionShape shape{3, 8};
+    const float kSentinel = -777.25f, kMarker = 12.5f;
+    LocalHostWorld world(R, 10.0);
+    std::vector<std::string> mismatch(R);
+    std::vector<int> adds(R, 0), untouched(R, 0);
+    const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
+        const Config c{
+            .num_ranks = R, .rank = rank, .num_experts = E, .num_tokens = S, .topk = K, .hidden = 8, .align = 4};
+        Buffer buffer(c, world.transport(rank));
+        ExpertPools pools(world.transport(rank), epn, {shape});
+        ExpertLayer layer = pools.register_layer();
+        std::vector<int32_t> idx(S * K);
+        for (int t = 0; t < S; ++t) {
+            idx[t * K] = 0;
+            idx[t * K + 1] = t % 4 == 0 ? 3 : 1;
+        }
+        const Plan plan = buffer.plan(idx.data(), 4, S);
+        const std::span<const int32_t> cu = plan.cu_seqlens(rank), slots = plan.slot_expert(rank);
+        auto has_rows = [&](int g) { return cu[g] > (g == 0 ? 0 : cu[g - 1]); };
+        const int64_t n = shape.elems();
+        std::vector<float> first(size_t(2 * epn * n));
+        std::vector<uint16_t> second(size_t(2 * epn * n));
+        for (int64_t i = 0; i < 2 * epn * n; ++i) {
+            first[i] = 0.1f * float(i) + float(rank);
+            second[i] = float_to_bf16(1.0f / 3.0f + float(i % 7));  // not exact in the sum: one rounding shows
+        }
+        for (int64_t i = 0; i < 2 * epn * n; ++i) layer.grads(0)[i] = kSentinel;
+        pools.write_grads(plan, layer, 0, first.data(), 4);
+        for (int g = 0; g < epn; ++g) {
+            if (!has_rows(g)) std::fill_n(layer.grads(0) + g * n, n, kMarker);
+        }
+        std::vector<float> before(layer.grads(0), layer.grads(0) + 2 * epn * n);
+        pools.write_grads(plan, layer, 0, second.data(), 2, /*accumulate=*/true);
+        std::ostringstream bad;
+        for (int g = 0; g < 2 * epn; ++g) {
+            const bool own = g < epn, used = own || slots[g - epn] >= 0;
+            if (own) (has_rows(g) ? adds : untouched)[rank] += 1;
+            for (int64_t i = 0; i < n; ++i) {
+                const int64_t at = g * n + i;
+                const float add = bf16_to_float(second[at]);
+                float want = before[at];
+                if (own && has_rows(g)) want = before[at] + add;
+                if (!own && used && has_rows(g)) want = add;
+                const float got = layer.grads(0)[at];
+                if (std::memcmp(&got, &want, 4) != 0 && bad.str().empty())
+                    bad << "group " << g << " elem " << i << ": got " << got << " expected " << want;
+            }
+        }
+        mismatch[rank] = bad.str();
+    });
+    ASSERT_EQ(failures(errors), "");
+    int total_adds = 0, total_untouched = 0;
+    for (int r = 0; r < R; ++r) {
+        EXPECT_EQ(mismatch[r], "") << "rank " << r;
+        total_adds += adds[r];
+        total_untouched += untouched[r];
+    }
+    EXPECT_GE(total_adds, 2);
+    EXPECT_GE(total_untouched, 2);
 }
 
 TEST(ExpertPools, WriteGradsRejectsBadArguments) {
