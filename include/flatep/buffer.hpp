@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "flatep/config.hpp"
+#include "flatep/fp8.hpp"
 #include "flatep/transport.hpp"
 #include "flatep/types.hpp"
 
@@ -114,6 +115,20 @@ class Buffer {
     // inside a group's padded range are zero with weight 0, rows past the last group end are not written.
     void dispatch(const Plan& plan, const uint16_t* x, const float* topk_weights, uint16_t* recv_x, float* recv_w);
 
+    // dispatch of FP8 rows (design §6, "FP8 rows"): the same plan, receive layout and weights, with each row moved as
+    // H e4m3 bytes plus H/128 fp32 scales (x ~= e4m3(q) * scale per block of 128 channels). H must be a multiple of
+    // 128. Input, exactly one of:
+    //   x_bf16: [s][H] bf16, quantised by the design §6 rule in the source's kernel before it is pushed (x_fp8 and
+    //           x_scales null); scale_mode picks the scales (Fp8Scale::kUe8m0: powers of two);
+    //   x_fp8:  [s][H] e4m3 with x_scales [s][H/128] fp32, moved as given (scale_mode is not used).
+    // recv_x: [NvS][H] e4m3 out, recv_scales: [NvS][H/128] fp32 out (either may be symmetric_recv_x_fp8() /
+    // symmetric_recv_scales() to skip the copy-out), recv_w: [NvS] fp32 out or null. Real rows get their token's
+    // e4m3 row, scales and weight; padding rows inside a group's padded range get zero bytes, zero scales and weight
+    // 0; rows past the last group end are not written. Both backends give the same bits.
+    void dispatch_fp8(const Plan& plan, const uint16_t* x_bf16, const uint8_t* x_fp8, const float* x_scales,
+                      const float* topk_weights, uint8_t* recv_x, float* recv_scales, float* recv_w,
+                      Fp8Scale scale_mode = Fp8Scale::kFloat);
+
     // y: [NvS][H] bf16 expert outputs; weights: [NvS] fp32 per-row weights (weighted combine) or null;
     // out: [s][H] bf16, the sum of each token's K rows (design §6 numerics).
     void combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out);
@@ -160,6 +175,9 @@ class Buffer {
     // copy-out of chain-head rows. Rewritten by the next dispatch on any rank.
     uint16_t* symmetric_recv_x();
     float* symmetric_recv_w();
+    // The same for dispatch_fp8 ([NvS][H] e4m3, [NvS][H/128] fp32): both live in the bf16 receive region.
+    uint8_t* symmetric_recv_x_fp8();
+    float* symmetric_recv_scales();
 
     // Optional counters of the CPU backend's ops (tests): the pointer must stay valid while set; null stops.
     void set_op_stats(host::OpStats* stats) { op_stats_ = stats; }

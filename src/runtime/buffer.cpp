@@ -12,6 +12,7 @@
 #include "host/combine.hpp"
 #include "host/combine_grad.hpp"
 #include "host/dispatch.hpp"
+#include "host/dispatch_fp8.hpp"
 #include "host/entry_values.hpp"
 #include "host/plan_op.hpp"
 #include "layout/layout.hpp"
@@ -223,6 +224,11 @@ float* Buffer::symmetric_recv_w() {
     return reinterpret_cast<float*>(region_.local + make_symmetric_layout(*layout_).recv_w_offset);
 }
 
+uint8_t* Buffer::symmetric_recv_x_fp8() { return region_.local + fp8_recv_x_offset(make_symmetric_layout(*layout_)); }
+float* Buffer::symmetric_recv_scales() {
+    return reinterpret_cast<float*>(region_.local + fp8_recv_scales_offset(*layout_, make_symmetric_layout(*layout_)));
+}
+
 int64_t Buffer::plan_words() const { return make_plan_sizes(*layout_).total_words; }
 
 bool Buffer::poisoned() const { return guard_->poisoned(); }
@@ -324,6 +330,45 @@ void Buffer::dispatch(const Plan& plan, const uint16_t* x, const float* topk_wei
         device_->dispatch(args, stream_);
     } else {
         guard_->run(args.sync.status, [&] { host::dispatch(args, op_stats_); });
+    }
+    after_op();
+}
+
+void Buffer::dispatch_fp8(const Plan& plan, const uint16_t* x_bf16, const uint8_t* x_fp8, const float* x_scales,
+                          const float* topk_weights, uint8_t* recv_x, float* recv_scales, float* recv_w,
+                          Fp8Scale scale_mode) {
+    enter("dispatch_fp8");
+    check_plan(plan, "dispatch_fp8");
+    const Layout& l = *layout_;
+    FLATEP_CHECK(l.hidden % kFp8BlockSize == 0, "dispatch_fp8: hidden (H) must be a multiple of ", kFp8BlockSize,
+                 " for FP8 rows (one scale per ", kFp8BlockSize, " channels), got H=", l.hidden);
+    FLATEP_CHECK(x_bf16 == nullptr || x_fp8 == nullptr,
+                 "dispatch_fp8: pass x_bf16 (quantised in the op) or x_fp8 with x_scales, not both");
+    FLATEP_CHECK(plan.num_tokens() == 0 || x_bf16 != nullptr || x_fp8 != nullptr,
+                 "dispatch_fp8: x_bf16 and x_fp8 are both null; pass one of them");
+    FLATEP_CHECK(x_fp8 == nullptr || x_scales != nullptr,
+                 "dispatch_fp8: x_scales is null; x_fp8 needs its [s][H/128] fp32 scales");
+    FLATEP_CHECK(x_scales == nullptr || x_fp8 != nullptr,
+                 "dispatch_fp8: x_scales is set without x_fp8; bf16 rows (x_bf16) get their scales in the op");
+    FLATEP_CHECK(scale_mode == Fp8Scale::kFloat || scale_mode == Fp8Scale::kUe8m0,
+                 "dispatch_fp8: scale_mode must be Fp8Scale::kFloat (0) or kUe8m0 (1), got ", int(scale_mode));
+    FLATEP_CHECK(recv_x != nullptr, "dispatch_fp8: recv_x is null");
+    FLATEP_CHECK(recv_scales != nullptr, "dispatch_fp8: recv_scales is null");
+    auto args =
+        common_args<DispatchFp8Args>(l, config_.rank, plan, plan.data().op_view(), region_, &epoch_, timeout_s_);
+    args.x_bf16 = x_bf16;
+    args.x_fp8 = x_fp8;
+    args.x_scales = x_scales;
+    args.topk_weights = topk_weights;
+    args.scale_mode = scale_mode;
+    args.recv_x = recv_x;
+    args.recv_scales = recv_scales;
+    args.recv_w = recv_w;
+    if (device_ != nullptr) {
+        device_->fill_sync(args.sync);
+        device_->dispatch_fp8(args, stream_);
+    } else {
+        guard_->run(args.sync.status, [&] { host::dispatch_fp8(args, op_stats_); });
     }
     after_op();
 }

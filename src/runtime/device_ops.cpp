@@ -11,6 +11,7 @@
 #include "kernels/combine_grad/combine_grad.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/dispatch/dispatch.cuh"
+#include "kernels/dispatch/dispatch_fp8.cuh"
 #include "kernels/entry_values/entry_values.cuh"
 #include "kernels/plan/plan.cuh"
 #include "transport/barrier_host.hpp"
@@ -90,6 +91,9 @@ void Context::fill_sync(SyncArgs& sync) const {
 
 void Context::plan(const PlanArgs& args, void* stream) const { kernels::launch(args, as_stream(stream)); }
 void Context::dispatch(const DispatchArgs& args, void* stream) const { kernels::launch(args, as_stream(stream)); }
+void Context::dispatch_fp8(const DispatchFp8Args& args, void* stream) const {
+    kernels::launch(args, as_stream(stream));
+}
 void Context::combine(const CombineArgs& args, void* stream) const { kernels::launch(args, as_stream(stream)); }
 void Context::entry_values(const EntryValuesArgs& args, void* stream) const {
     kernels::launch(args, as_stream(stream));
@@ -137,6 +141,7 @@ Context::~Context() = default;
 void Context::fill_sync(SyncArgs&) const { no_cuda(); }
 void Context::plan(const PlanArgs&, void*) const { no_cuda(); }
 void Context::dispatch(const DispatchArgs&, void*) const { no_cuda(); }
+void Context::dispatch_fp8(const DispatchFp8Args&, void*) const { no_cuda(); }
 void Context::combine(const CombineArgs&, void*) const { no_cuda(); }
 void Context::entry_values(const EntryValuesArgs&, void*) const { no_cuda(); }
 void Context::combine_grad(const CombineGradArgs&, void*) const { no_cuda(); }

@@ -11,6 +11,7 @@
 #include "kernels/combine/combine_args.hpp"
 #include "kernels/combine_grad/combine_grad_args.hpp"
 #include "kernels/dispatch/dispatch_args.hpp"
+#include "kernels/dispatch/dispatch_fp8_args.hpp"
 #include "kernels/entry_values/entry_values_args.hpp"
 #include "kernels/plan/plan_args.hpp"
 
@@ -64,6 +65,7 @@ class Context {
     // Launches on `stream` (a cudaStream_t; null = the legacy default stream).
     void plan(const PlanArgs& args, void* stream) const;
     void dispatch(const DispatchArgs& args, void* stream) const;
+    void dispatch_fp8(const DispatchFp8Args& args, void* stream) const;
     void combine(const CombineArgs& args, void* stream) const;
     void entry_values(const EntryValuesArgs& args, void* stream) const;
     void combine_grad(const CombineGradArgs& args, void* stream) const;  // local: no barrier

@@ -80,6 +80,8 @@ const char* op_name(OpId op) {
             return "reduce_grad";
         case kOpEntryValues:
             return "entry_values";
+        case kOpDispatchFp8:
+            return "dispatch_fp8";
     }
     return "unknown op";
 }

@@ -28,6 +28,7 @@ enum OpId : int32_t {
     kOpPrefetch = 4,
     kOpGradReduce = 5,
     kOpEntryValues = 6,
+    kOpDispatchFp8 = 7,  // dispatch of FP8 rows: its own tag, so a rank in it never meets a peer in dispatch
 };
 
 // First failed wait of a rank, written by the GPU into host-mapped memory so the host can read it, without any

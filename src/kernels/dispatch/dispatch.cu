@@ -4,12 +4,13 @@
 #include "kernels/common/groups.cuh"
 #include "kernels/common/vector.cuh"
 #include "kernels/dispatch/dispatch.cuh"
+#include "kernels/dispatch/dispatch_fp8.cuh"
+#include "kernels/dispatch/token_entries.cuh"
 
 namespace flatep::kernels {
 
 namespace {
 
-constexpr unsigned kFull = 0xffffffffu;
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 7;  // 16-byte words in flight per lane: 7*32*16 = 3.5 KiB per warp (a 7168-wide row: 4 steps)
@@ -25,19 +26,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(Layout l, const
     const int num_tokens = p.header[kHeaderNumTokens];
     const int64_t n16 = l.row_bytes() / 16;
     for (int64_t t = warp; t < num_tokens; t += num_warps) {
-        int d = -1, row = -1;
-        if (lane < K) {
-            d = p.entry_rank[t * K + lane];
-            row = p.entry_row[t * K + lane];
-            if (d >= 0) {
-                const float w = topk_weights != nullptr ? topk_weights[t * K + lane] : 1.0f;
-                reinterpret_cast<float*>(peers.ptr[d] + sym.recv_w_offset)[row] = w;
-            }
-        }
-        const unsigned same = __match_any_sync(kFull, (lane < K && d >= 0) ? d : -1 - lane);
-        const bool head = lane < K && d >= 0 && __ffs(same) - 1 == lane;
-        const unsigned heads = __ballot_sync(kFull, head);
-        if (heads == 0) continue;
+        const TokenEntries entries = token_entries(p, K, t, topk_weights, peers, sym.recv_w_offset, lane);
+        if (entries.heads == 0) continue;
         const uint4* src = reinterpret_cast<const uint4*>(x) + t * n16;
         for (int64_t i0 = 0; i0 < n16; i0 += 32 * kUnroll) {
             uint4 v[kUnroll];
@@ -46,10 +36,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(Layout l, const
                 const int64_t i = i0 + 32 * u + lane;
                 if (i < n16) v[u] = ld_v4(src + i);
             }
-            for (unsigned rest = heads; rest != 0; rest &= rest - 1) {
-                const int k = __ffs(rest) - 1;
-                const int dk = __shfl_sync(kFull, d, k);
-                const int rowk = __shfl_sync(kFull, row, k);
+            for (unsigned rest = entries.heads; rest != 0; rest &= rest - 1) {
+                int dk, rowk;
+                head_target(entries, __ffs(rest) - 1, &dk, &rowk);
                 uint4* dst = reinterpret_cast<uint4*>(peers.ptr[dk] + sym.recv_x_offset) + int64_t(rowk) * n16;
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) {
@@ -111,6 +100,7 @@ void preload_dispatch_kernels() {
     cudaFuncAttributes attr{};
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_push_kernel));
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_fanout_kernel));
+    preload_dispatch_fp8_kernels();  // the FP8 dispatch's kernels (dispatch_fp8.cu)
 }
 
 }  // namespace flatep::kernels

@@ -1,0 +1,147 @@
+// The FP8 quantisation rule of design §6 in plain integer and IEEE fp32 arithmetic, used by both backends: the CPU
+// backend and the CUDA kernels compile these same functions, so they agree bit for bit. No cuda_fp8 intrinsics: the
+// e4m3 rounding is done here on the bits. The only fp32 operation is one division per value (x / scale), IEEE round
+// to nearest even on both sides (__fdiv_rn on the device, whatever the compile flags; plain `/` on the host, which
+// assumes denormals are not flushed: the default of C++ and of torch).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "common/bf16.hpp"
+#include "common/macros.hpp"
+#include "flatep/fp8.hpp"
+
+namespace flatep::fp8 {
+
+inline constexpr uint8_t kE4m3Nan = 0x7f;               // what a NaN input quantises to (whatever its sign)
+inline constexpr uint8_t kE4m3MaxBits = 0x7e;           // 448
+inline constexpr uint32_t kFloatMaxBits = 0x43e00000u;  // 448.0f: |v| at or above it saturates
+inline constexpr uint32_t kBf16FiniteLimit = 0x7f80u;   // bf16 magnitudes at or above it are Inf or NaN
+
+FLATEP_HD uint32_t float_bits(float value) {
+#if defined(__CUDA_ARCH__)
+    return __float_as_uint(value);
+#else
+    uint32_t word;
+    std::memcpy(&word, &value, sizeof(word));
+    return word;
+#endif
+}
+
+FLATEP_HD float float_from_bits(uint32_t word) {
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(word);
+#else
+    float value;
+    std::memcpy(&value, &word, sizeof(value));
+    return value;
+#endif
+}
+
+FLATEP_HD int count_leading_zeros(uint32_t word) {  // word != 0
+#if defined(__CUDA_ARCH__)
+    return __clz(word);
+#else
+    return __builtin_clz(word);
+#endif
+}
+
+// The amax contribution of one bf16 value: its magnitude bits when finite, 0 for NaN and +-Inf (ignored). Magnitude
+// bits of finite bf16 values order like the values, so amax is an integer max: exact and order-free.
+FLATEP_HD uint32_t bf16_amax_bits(uint16_t bits) {
+    const uint32_t magnitude = bits & 0x7fffu;
+    return magnitude < kBf16FiniteLimit ? magnitude : 0u;
+}
+
+// The scale of a block whose amax (bf16 magnitude bits, from bf16_amax_bits) is given.
+//   amax == 0 (zeros, NaN and Inf only): 1.
+//   kFloat: amax / 448 in fp32, round to nearest even (a subnormal fp32 for amax < 448 * 2^-126).
+//   kUe8m0: 2^e for the smallest integer e with 448 * 2^e >= amax, computed exactly from amax's bits (e in
+//   [-141, 120] for bf16 amax; below -126 the power of two is an fp32 subnormal, still exact).
+FLATEP_HD float block_scale(uint32_t amax_bits, Fp8Scale mode) {
+    if (amax_bits == 0) return 1.0f;
+    const uint32_t word = amax_bits << 16;  // amax as fp32 bits
+    if (mode == Fp8Scale::kFloat) {
+        const float amax = float_from_bits(word);
+#if defined(__CUDA_ARCH__)
+        return __fdiv_rn(amax, kFp8Max);
+#else
+        return amax / kFp8Max;
+#endif
+    }
+    // amax = 1.f * 2^exponent with f the 23 fraction bits (normalising a subnormal amax first).
+    int exponent = int(word >> 23) - 127;
+    uint32_t fraction = word & 0x7fffffu;
+    if ((word >> 23) == 0) {
+        const int shift = count_leading_zeros(fraction) - 8;  // brings the leading one to bit 23
+        fraction = (fraction << shift) & 0x7fffffu;
+        exponent = -126 - shift;
+    }
+    // 448 = 1.75 * 2^8: amax <= 448 * 2^(exponent-8) exactly when f <= 0.75, else one power of two more.
+    const int e = exponent - 8 + (fraction > 0x600000u ? 1 : 0);
+    return e >= -126 ? float_from_bits(uint32_t(e + 127) << 23) : float_from_bits(1u << (e + 149));
+}
+
+// fp32 -> e4m3 (fn): round to nearest, ties to even, on the bits; saturating: |v| >= 448 (Inf included) gives +-448;
+// NaN gives 0x7f; the sign is kept otherwise (-0 and negative values that round to zero give 0x80).
+FLATEP_HD uint8_t float_to_e4m3(float value) {
+    const uint32_t word = float_bits(value);
+    const uint32_t sign = (word >> 24) & 0x80u;
+    const uint32_t magnitude = word & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return kE4m3Nan;
+    if (magnitude >= kFloatMaxBits) return uint8_t(sign | kE4m3MaxBits);
+    const uint32_t exponent = magnitude >> 23, fraction = magnitude & 0x7fffffu;
+    uint32_t q, rest, half;
+    if (exponent >= 121u) {  // >= 2^-6: an e4m3 normal (biased exponent exponent - 120), 3 fraction bits kept
+        q = ((exponent - 120u) << 3) | (fraction >> 20);
+        rest = fraction & 0xfffffu;
+        half = 0x80000u;
+    } else {  // below 2^-6: an e4m3 subnormal, q = round(|v| * 2^9) in [0, 8] (8 is the smallest normal, 0x08)
+        const uint32_t significand = exponent == 0 ? fraction : (fraction | 0x800000u);
+        uint32_t shift = exponent == 0 ? 140u : 141u - exponent;  // |v| * 2^9 = significand * 2^-shift, shift >= 21
+        if (shift > 25u) shift = 25u;                             // significand < 2^24: rounds to 0 either way
+        q = significand >> shift;
+        rest = significand & ((1u << shift) - 1u);
+        half = 1u << (shift - 1u);
+    }
+    if (rest > half || (rest == half && (q & 1u) != 0)) ++q;  // a carry moves into the exponent, as it should
+    return uint8_t(sign | q);
+}
+
+// e4m3 (fn) -> fp32, exact; 0x7f and 0xff give a quiet NaN.
+FLATEP_HD float e4m3_to_float(uint8_t q) {
+    const uint32_t sign = uint32_t(q & 0x80u) << 24;
+    const uint32_t exponent = (q >> 3) & 0xfu, mantissa = q & 0x7u;
+    if (exponent == 0xfu && mantissa == 0x7u) return float_from_bits(0x7fc00000u);
+    if (exponent != 0) return float_from_bits(sign | ((exponent + 120u) << 23) | (mantissa << 20));
+    if (mantissa == 0) return float_from_bits(sign);
+    const int top = 31 - count_leading_zeros(mantissa);  // value = mantissa * 2^-9 = 1.x * 2^(top - 9)
+    return float_from_bits(sign | (uint32_t(top - 9 + 127) << 23) | ((mantissa << (23 - top)) & 0x7fffffu));
+}
+
+// One bf16 value of a block with this scale: e4m3(x / scale), the division in fp32 (IEEE, round to nearest even).
+FLATEP_HD uint8_t quantize_value(uint16_t x, float scale) {
+#if defined(__CUDA_ARCH__)
+    return float_to_e4m3(__fdiv_rn(bf16_to_float(x), scale));
+#else
+    return float_to_e4m3(bf16_to_float(x) / scale);
+#endif
+}
+
+// One row of H = num_blocks * 128 bf16 values -> H e4m3 bytes and num_blocks scales (host and device, one thread).
+FLATEP_HD void quantize_row(const uint16_t* x, int num_blocks, Fp8Scale mode, uint8_t* q, float* scales) {
+    for (int b = 0; b < num_blocks; ++b) {
+        const uint16_t* block = x + int64_t(b) * kFp8BlockSize;
+        uint32_t amax = 0;
+        for (int i = 0; i < kFp8BlockSize; ++i) {
+            const uint32_t m = bf16_amax_bits(block[i]);
+            amax = m > amax ? m : amax;
+        }
+        const float scale = block_scale(amax, mode);
+        scales[b] = scale;
+        for (int i = 0; i < kFp8BlockSize; ++i) q[int64_t(b) * kFp8BlockSize + i] = quantize_value(block[i], scale);
+    }
+}
+
+}  // namespace flatep::fp8

@@ -1,0 +1,205 @@
+#include "common/check.hpp"
+#include "common/fp8.hpp"
+#include "kernels/common/barrier.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/groups.cuh"
+#include "kernels/common/vector.cuh"
+#include "kernels/dispatch/dispatch_fp8.cuh"
+#include "kernels/dispatch/token_entries.cuh"
+
+namespace flatep::kernels {
+
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+// A lane's unit of work: 16 channels (32 bytes of bf16 in, one 16-byte word of e4m3 out), so the 8 lanes of an
+// aligned lane octet hold one 128-channel block and reduce its amax with three shuffles.
+constexpr int kChunkChannels = 16;
+constexpr int kLanesPerBlock = kFp8BlockSize / kChunkChannels;
+constexpr int kUnroll = 7;  // chunks in flight per lane: 7*32 chunks = 3584 channels per warp step (7168: 2 steps)
+
+static_assert(kLanesPerBlock == 8 && 32 % kLanesPerBlock == 0, "a block must be one aligned lane octet");
+
+FLATEP_DEVICE uint32_t word_amax(uint32_t word) {
+    const uint32_t lo = fp8::bf16_amax_bits(uint16_t(word & 0xffffu)), hi = fp8::bf16_amax_bits(uint16_t(word >> 16));
+    return lo > hi ? lo : hi;
+}
+
+FLATEP_DEVICE uint32_t chunk_amax(const uint4& a, const uint4& b) {
+    const uint32_t m0 = max(word_amax(a.x), word_amax(a.y)), m1 = max(word_amax(a.z), word_amax(a.w));
+    const uint32_t m2 = max(word_amax(b.x), word_amax(b.y)), m3 = max(word_amax(b.z), word_amax(b.w));
+    return max(max(m0, m1), max(m2, m3));
+}
+
+// Four e4m3 bytes (little-endian, first channel lowest) of the four bf16 values in two words.
+FLATEP_DEVICE uint32_t quantise_words(uint32_t lo, uint32_t hi, float scale) {
+    return uint32_t(fp8::quantize_value(uint16_t(lo & 0xffffu), scale)) |
+           uint32_t(fp8::quantize_value(uint16_t(lo >> 16), scale)) << 8 |
+           uint32_t(fp8::quantize_value(uint16_t(hi & 0xffffu), scale)) << 16 |
+           uint32_t(fp8::quantize_value(uint16_t(hi >> 16), scale)) << 24;
+}
+
+// One lane's 16 channels (a, b: 32 bytes of bf16) -> 16 e4m3 bytes, and the scale of the block the lane's octet holds
+// (every lane of the octet returns it). Every lane of the warp must call it (shuffles over the whole warp).
+FLATEP_DEVICE uint4 quantise_chunk(const uint4& a, const uint4& b, Fp8Scale mode, float* scale_out) {
+    uint32_t amax = chunk_amax(a, b);
+#pragma unroll
+    for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2)
+        amax = max(amax, __shfl_xor_sync(kFull, amax, offset));
+    const float scale = fp8::block_scale(amax, mode);
+    *scale_out = scale;
+    return make_uint4(quantise_words(a.x, a.y, scale), quantise_words(a.z, a.w, scale), quantise_words(b.x, b.y, scale),
+                      quantise_words(b.z, b.w, scale));
+}
+
+// Source side: warp per token, as the bf16 dispatch. Lanes k < K hold entry k; the first lane of each destination rank
+// (ascending k) is the chain head, whose row receives the token's e4m3 row and scales; every entry writes its weight.
+// kQuantise: the row is read as bf16 and quantised here, once for all its destinations; else e4m3 bytes and scales
+// are read as given.
+template <bool kQuantise>
+__global__ void __launch_bounds__(kThreads)
+    dispatch_fp8_push_kernel(Layout l, const uint16_t* x_bf16, const uint8_t* x_fp8, const float* x_scales,
+                             const float* topk_weights, Fp8Scale mode, PlanView p, SymmetricLayout sym,
+                             int64_t scales_offset, PeerPointers peers) {
+    const int lane = threadIdx.x % 32;
+    const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int64_t num_warps = int64_t(gridDim.x) * blockDim.x / 32;
+    const int K = l.topk, H = l.hidden, num_blocks = l.hidden / kFp8BlockSize;
+    const int num_tokens = p.header[kHeaderNumTokens];
+    const int64_t num_chunks = H / kChunkChannels;  // also the 16-byte words of an e4m3 row
+    for (int64_t t = warp; t < num_tokens; t += num_warps) {
+        const TokenEntries entries = token_entries(p, K, t, topk_weights, peers, sym.recv_w_offset, lane);
+        if (entries.heads == 0) continue;
+        for (int64_t i0 = 0; i0 < num_chunks; i0 += 32 * kUnroll) {
+            uint4 q[kUnroll];
+            float scale[kUnroll];
+            if constexpr (kQuantise) {
+                const uint4* src = reinterpret_cast<const uint4*>(x_bf16 + t * H);
+                uint4 raw[kUnroll][2];
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int64_t i = i0 + 32 * u + lane;
+                    raw[u][0] = raw[u][1] = make_uint4(0, 0, 0, 0);
+                    if (i < num_chunks) {
+                        raw[u][0] = ld_v4(src + 2 * i);
+                        raw[u][1] = ld_v4(src + 2 * i + 1);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) q[u] = quantise_chunk(raw[u][0], raw[u][1], mode, &scale[u]);
+            } else {
+                const uint4* src = reinterpret_cast<const uint4*>(x_fp8 + t * H);
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int64_t i = i0 + 32 * u + lane;
+                    if (i < num_chunks) q[u] = ld_v4(src + i);
+                }
+            }
+            for (unsigned rest = entries.heads; rest != 0; rest &= rest - 1) {
+                int dk, rowk;
+                head_target(entries, __ffs(rest) - 1, &dk, &rowk);
+                uint4* dst = reinterpret_cast<uint4*>(peers.ptr[dk] + sym.recv_x_offset) + int64_t(rowk) * num_chunks;
+                float* dst_scales =
+                    reinterpret_cast<float*>(peers.ptr[dk] + scales_offset) + int64_t(rowk) * num_blocks;
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int64_t i = i0 + 32 * u + lane;
+                    if (i < num_chunks) {
+                        st_v4(dst + i, q[u]);
+                        if constexpr (kQuantise) {
+                            if (lane % kLanesPerBlock == 0) dst_scales[i / kLanesPerBlock] = scale[u];
+                        }
+                    }
+                }
+            }
+        }
+        if constexpr (!kQuantise) {
+            const float* src_scales = x_scales + t * num_blocks;
+            for (unsigned rest = entries.heads; rest != 0; rest &= rest - 1) {
+                int dk, rowk;
+                head_target(entries, __ffs(rest) - 1, &dk, &rowk);
+                float* dst_scales =
+                    reinterpret_cast<float*>(peers.ptr[dk] + scales_offset) + int64_t(rowk) * num_blocks;
+                for (int j = lane; j < num_blocks; j += 32) dst_scales[j] = src_scales[j];
+            }
+        }
+    }
+}
+
+// Destination side: warp per row of this rank.
+__global__ void __launch_bounds__(kThreads)
+    dispatch_fp8_fanout_kernel(Layout l, int rank, PlanView p, const uint8_t* sym_x, const float* sym_scales,
+                               const float* sym_w, uint8_t* recv_x, float* recv_scales, float* recv_w) {
+    const int lane = threadIdx.x % 32;
+    const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int64_t num_warps = int64_t(gridDim.x) * blockDim.x / 32;
+    const int64_t n16 = l.hidden / 16;
+    const int num_blocks = l.hidden / kFp8BlockSize;
+    const int32_t end = rows_end(l, p, rank);
+    for (int64_t r = warp; r < end; r += num_warps) {
+        const RowKind kind = classify_row(l, p, rank, r);
+        uint4* dst = reinterpret_cast<uint4*>(recv_x) + r * n16;
+        float* dst_scales = recv_scales + r * num_blocks;
+        if (kind == kRowReal) {
+            const int64_t head = p.row_head[r];
+            const uint4* src = reinterpret_cast<const uint4*>(sym_x) + head * n16;
+            const float* src_scales = sym_scales + head * num_blocks;
+            if (dst != src) warp_copy_v4<kUnroll>(dst, src, n16, lane);
+            if (dst_scales != src_scales)
+                for (int j = lane; j < num_blocks; j += 32) dst_scales[j] = src_scales[j];
+            if (recv_w != nullptr && lane == 0) recv_w[r] = sym_w[r];
+        } else if (kind == kRowPadding) {
+            warp_zero_v4(dst, n16, lane);
+            for (int j = lane; j < num_blocks; j += 32) dst_scales[j] = 0.0f;
+            if (recv_w != nullptr && lane == 0) recv_w[r] = 0.0f;
+        }
+    }
+}
+
+bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+}  // namespace
+
+void launch(const DispatchFp8Args& a, cudaStream_t stream) {
+    const Layout& l = a.layout;
+    FLATEP_CHECK(l.hidden % kFp8BlockSize == 0, "dispatch_fp8: hidden (H) must be a multiple of ", kFp8BlockSize,
+                 " (one scale per ", kFp8BlockSize, " channels), got H=", l.hidden);
+    FLATEP_CHECK(a.recv_x != nullptr && a.recv_scales != nullptr, "dispatch_fp8: recv_x and recv_scales must be set");
+    FLATEP_CHECK(a.x_bf16 == nullptr || a.x_fp8 == nullptr, "dispatch_fp8: pass x_bf16 or x_fp8, not both");
+    FLATEP_CHECK(a.x_fp8 == nullptr || a.x_scales != nullptr, "dispatch_fp8: x_scales is null (x_fp8 needs them)");
+    FLATEP_CHECK(a.rank >= 0 && a.rank < l.num_ranks, "dispatch_fp8: rank must be in [0, ", l.num_ranks, "), got ",
+                 a.rank);
+    FLATEP_CHECK(aligned(a.x_bf16, 16) && aligned(a.x_fp8, 16) && aligned(a.recv_x, 16),
+                 "dispatch_fp8: x_bf16, x_fp8 and recv_x must be 16-byte aligned");
+    FLATEP_CHECK(aligned(a.x_scales, 4) && aligned(a.recv_scales, 4),
+                 "dispatch_fp8: x_scales and recv_scales must be 4-byte aligned");
+    const SymmetricLayout sym = make_symmetric_layout(l);
+    const int64_t scales_offset = fp8_recv_scales_offset(l, sym);
+    PeerPointers peers{};
+    for (int r = 0; r < l.num_ranks; ++r) peers.ptr[r] = a.peers[r];
+    launch_barrier(a.sync, kOpDispatchFp8, stream);  // destinations are done with the previous contents
+    const int push_blocks = grid_blocks(a.sync, ceil_div(l.num_tokens, kWarps), 4);
+    // An empty call (s = 0, no rows given) pushes nothing; the pre-quantised kernel then reads no row.
+    auto push = a.x_bf16 != nullptr ? dispatch_fp8_push_kernel<true> : dispatch_fp8_push_kernel<false>;
+    push<<<push_blocks, kThreads, 0, stream>>>(l, a.x_bf16, a.x_fp8, a.x_scales, a.topk_weights, a.scale_mode, a.plan,
+                                               sym, scales_offset, peers);
+    FLATEP_CUDA_CHECK_LAUNCH();
+    launch_barrier(a.sync, kOpDispatchFp8, stream);  // every source's rows, scales and weights have landed
+    const uint8_t* base = a.peers[a.rank];
+    const int fan_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kWarps), 4);
+    dispatch_fp8_fanout_kernel<<<fan_blocks, kThreads, 0, stream>>>(
+        l, a.rank, a.plan, base + fp8_recv_x_offset(sym), reinterpret_cast<const float*>(base + scales_offset),
+        reinterpret_cast<const float*>(base + sym.recv_w_offset), a.recv_x, a.recv_scales, a.recv_w);
+    FLATEP_CUDA_CHECK_LAUNCH();
+}
+
+void preload_dispatch_fp8_kernels() {
+    cudaFuncAttributes attr{};
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_fp8_push_kernel<true>));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_fp8_push_kernel<false>));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_fp8_fanout_kernel));
+}
+
+}  // namespace flatep::kernels

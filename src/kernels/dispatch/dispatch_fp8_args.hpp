@@ -1,0 +1,41 @@
+// Args of dispatch_fp8 (design §3, §5, §6): dispatch of e4m3 rows with one fp32 scale per 128 channels. The same plan,
+// chains, receive layout and weights as dispatch; rows are quantised by the source before they are pushed (bf16
+// input) or pushed as given (pre-quantised input), so a row crosses to its destination as H + H/32 bytes instead of
+// 2H.
+#pragma once
+
+#include <cstdint>
+
+#include "flatep/fp8.hpp"
+#include "layout/layout.hpp"
+#include "planner/plan.hpp"
+#include "transport/sync.hpp"
+
+namespace flatep {
+
+struct DispatchFp8Args {
+    Layout layout;  // hidden % 128 == 0
+    int rank;
+    const uint16_t* x_bf16;     // [s][H] bf16 token rows, quantised on the way out; or null
+    const uint8_t* x_fp8;       // [s][H] e4m3 token rows (pre-quantised); or null. Exactly one of x_bf16 / x_fp8
+    const float* x_scales;      // [s][H/128] fp32 scales of x_fp8; null with x_bf16
+    const float* topk_weights;  // [s][K] fp32 routing weights, or null (every weight 1)
+    Fp8Scale scale_mode;        // how x_bf16's scales are chosen (unused with x_fp8: its scales move as given)
+    PlanView plan;              // this rank's plan (after plan op)
+    uint8_t* peers[kMaxRanks];  // symmetric buffer bases
+    uint8_t* recv_x;            // [NvS][H] e4m3 out; may be this rank's symmetric FP8 rows (fp8_recv_x_offset)
+    float* recv_scales;         // [NvS][H/128] fp32 out; may be this rank's symmetric scales (fp8_recv_scales_offset)
+    float* recv_w;              // [NvS] fp32 out: routing weight per row, 0 on padding; may be null
+    SyncArgs sync;
+};
+
+// Where a rank's symmetric buffer stages FP8 rows: inside the bf16 receive region ([NvS][H] bf16 = 2*NvS*H bytes),
+// which holds the [NvS][H] e4m3 rows followed by their [NvS][H/128] fp32 scales (NvS*H*33/32 bytes). A bf16 dispatch
+// and an FP8 dispatch share it: each op rewrites what it reads.
+FLATEP_HD int64_t fp8_recv_x_offset(const SymmetricLayout& sym) { return sym.recv_x_offset; }
+FLATEP_HD int64_t fp8_recv_scales_offset(const Layout& l, const SymmetricLayout& sym) {
+    return sym.recv_x_offset + int64_t(l.num_recv_rows) * l.hidden;  // a multiple of 128 bytes past an aligned base
+}
+FLATEP_HD int fp8_num_blocks(const Layout& l) { return l.hidden / kFp8BlockSize; }
+
+}  // namespace flatep
