@@ -1,0 +1,295 @@
+// FP8 dispatch against bf16 dispatch, R virtual ranks on one GPU (issue 19, design §6 "FP8 rows"). Per case, on the
+// same plan of the same routing: bf16 dispatch, FP8 dispatch of bf16 rows (quantised in the sender's kernel), FP8
+// dispatch of pre-quantised rows; each the median over iterations (CUDA events, after warm-up) from a common start of
+// every rank to the end of the last, its time against the bf16 dispatch's, and the bytes per rank: pushed to the
+// destinations (rows, scales, weights; local rows included), of them to other ranks (what crosses NVLink with one rank
+// per GPU), and all device-memory bytes read or written (the sources' rows, the pushes, the fan-out). Receive rows go
+// to the symmetric region (no copy-out), as in ops_bench.
+//
+//   fp8_bench [--preset moonep,deepep] [shape and skew flags] [--iters 20] [--warmup 3] [--csv fp8_bench.csv]
+//
+// Default: the MoonEP config at maxvio 1 (the preset's other targets with --maxvio) and the DeepEP config. Flags and
+// presets: benchmarks/common/flags.hpp.
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/csv.hpp"
+#include "common/cuda_timing.cuh"
+#include "common/flags.hpp"
+#include "common/routing_cases.hpp"
+#include "gpu_harness.hpp"
+#include "kernels/dispatch/dispatch_fp8.cuh"
+
+using namespace flatep;
+using namespace flatep::gpu_test;
+
+namespace {
+
+// Median time (us) of `op` (one launch per rank, each on its rank's stream) from a common start of every rank stream
+// to the end of the last one.
+bench::Timing time_ranks(LocalDeviceGroup& group, int iters, int warmup, const std::function<void()>& op) {
+    const int R = group.num_ranks();
+    cudaStream_t s0 = group.stream(0);
+    cudaEvent_t fork, join[kMaxRanks];
+    FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    for (int r = 0; r < R; ++r) FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(&join[r], cudaEventDisableTiming));
+    bench::EventPair ev;
+    std::vector<float> us;
+    for (int it = 0; it < warmup + iters; ++it) {
+        group.synchronize();
+        ev.start(s0);
+        FLATEP_CUDA_CHECK(cudaEventRecord(fork, s0));
+        for (int r = 1; r < R; ++r) FLATEP_CUDA_CHECK(cudaStreamWaitEvent(group.stream(r), fork));
+        op();
+        for (int r = 1; r < R; ++r) {
+            FLATEP_CUDA_CHECK(cudaEventRecord(join[r], group.stream(r)));
+            FLATEP_CUDA_CHECK(cudaStreamWaitEvent(s0, join[r]));
+        }
+        ev.stop(s0);
+        const float t = ev.elapsed_us();
+        if (it >= warmup) us.push_back(t);
+    }
+    cudaEventDestroy(fork);
+    for (int r = 0; r < R; ++r) cudaEventDestroy(join[r]);
+    return bench::summarize(us);
+}
+
+// Bytes of one dispatch, all ranks together, from the plans: a row is row_bytes (bf16: 2H; FP8: H + H/32) plus the
+// weights; source_row_bytes is what a source reads per token row.
+struct Bytes {
+    double pushed = 0, remote = 0, total = 0;
+};
+struct PlanCounts {
+    int64_t tokens = 0, entries = 0, pairs = 0, remote_pairs = 0, real = 0, dups = 0, padding = 0;
+};
+
+PlanCounts count_plan(const Layout& l, int rank, const std::vector<int32_t>& words, int num_tokens) {
+    const PlanView p = make_plan_view(l, const_cast<int32_t*>(words.data()));
+    PlanCounts c;
+    c.tokens = num_tokens;
+    for (int t = 0; t < num_tokens; ++t) {
+        for (int k = 0; k < l.topk; ++k) {
+            const int d = p.entry_rank[t * l.topk + k];
+            if (d < 0) continue;
+            ++c.entries;
+            bool seen = false;
+            for (int k0 = 0; k0 < k && !seen; ++k0) seen = p.entry_rank[t * l.topk + k0] == d;
+            if (!seen) {
+                ++c.pairs;
+                if (d != rank) ++c.remote_pairs;
+            }
+        }
+    }
+    const int32_t* cu = p.cu_seqlens + int64_t(rank) * l.num_groups();
+    for (int32_t row = 0; row < cu[l.num_groups() - 1]; ++row) {
+        const int32_t head = p.row_head[row];
+        if (head < 0) {
+            ++c.padding;
+        } else {
+            ++c.real;
+            if (head != row) ++c.dups;
+        }
+    }
+    return c;
+}
+
+Bytes bytes_of(const std::vector<PlanCounts>& counts, double row_bytes, double source_row_bytes) {
+    Bytes b;
+    for (const PlanCounts& c : counts) {
+        b.pushed += c.pairs * row_bytes + c.entries * 4.0;
+        b.remote += c.remote_pairs * row_bytes;  // (weights to other ranks left out: 4 bytes per entry)
+        // sources: read the row and the weights, write the pushes; destinations: copy duplicates (read + write),
+        // zero padding, read the staged weight and write recv_w of every real row.
+        b.total += c.tokens * source_row_bytes + c.entries * 4.0 + c.pairs * row_bytes + c.entries * 4.0 +
+                   2.0 * c.dups * row_bytes + c.padding * row_bytes + c.real * 8.0;
+    }
+    return b;
+}
+
+void run_case(const bench::Case& c, double sigma, int iters, int warmup, bench::CsvWriter& csv) {
+    const Layout l = make_layout(c.shape.config());
+    const int R = l.num_ranks, S = l.num_tokens, H = l.hidden, nb = H / kFp8BlockSize;
+    CaseSpec spec;
+    spec.name = c.preset;
+    spec.config = c.shape.config();
+    spec.separate_recv = false;  // into the symmetric region
+    spec.sigma = sigma;
+    spec.seed = 42;
+    LocalDeviceGroup group(R, false, 30.0);
+    DeviceCase dev(spec, l, group);
+    const auto topk = make_routing(spec, spec.seed);
+    std::vector<int32_t> all_counts(size_t(R) * l.num_experts, 0);
+    std::vector<uint8_t*> xq(R);
+    std::vector<float*> xs(R);
+    {
+        std::vector<std::vector<uint16_t>> x(R);
+        std::vector<std::vector<uint8_t>> q(R);
+        std::vector<std::vector<float>> scales(R), weights(R);
+        std::vector<std::thread> threads;
+        for (int r = 0; r < R; ++r) {  // rows and weights on the host, quantised there once for the pre-quantised op
+            threads.emplace_back([&, r] {
+                x[r].resize(size_t(S) * H);
+                fill_bf16(x[r].data(), int64_t(S) * H, 100 + uint64_t(r));
+                q[r].resize(size_t(S) * H);
+                scales[r].resize(size_t(S) * nb);
+                quantize_fp8_rows(x[r].data(), S, H, Fp8Scale::kFloat, q[r].data(), scales[r].data());
+                weights[r].resize(size_t(S) * l.topk);
+                fill_f32(weights[r].data(), int64_t(S) * l.topk, 200 + uint64_t(r), 0.f, 1.f);
+            });
+        }
+        for (auto& t : threads) t.join();
+        for (int r = 0; r < R; ++r) {
+            std::vector<int32_t> t32(topk[r].begin(), topk[r].end());
+            for (int32_t e : t32) ++all_counts[size_t(r) * l.num_experts + e];
+            auto& p = dev.ranks[r];
+            FLATEP_CUDA_CHECK(cudaMemcpy(p.topk, t32.data(), t32.size() * 4, cudaMemcpyHostToDevice));
+            FLATEP_CUDA_CHECK(cudaMemcpy(p.x, x[r].data(), x[r].size() * 2, cudaMemcpyHostToDevice));
+            FLATEP_CUDA_CHECK(cudaMemcpy(p.weights, weights[r].data(), weights[r].size() * 4, cudaMemcpyHostToDevice));
+            FLATEP_CUDA_CHECK(cudaMalloc(&xq[r], q[r].size()));
+            FLATEP_CUDA_CHECK(cudaMalloc(&xs[r], scales[r].size() * 4));
+            FLATEP_CUDA_CHECK(cudaMemcpy(xq[r], q[r].data(), q[r].size(), cudaMemcpyHostToDevice));
+            FLATEP_CUDA_CHECK(cudaMemcpy(xs[r], scales[r].data(), scales[r].size() * 4, cudaMemcpyHostToDevice));
+        }
+    }
+    FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
+    const double maxvio = routing::maxvio(all_counts.data(), R, l.num_experts);
+    auto sync = [&](int r) { return group.sync_args(r, dev.regions, dev.sym.barrier_offset, dev.sym.status_offset); };
+    for (int r = 0; r < R; ++r) {
+        PlanArgs a{};
+        a.layout = l;
+        a.rank = r;
+        a.num_tokens = S;
+        a.topk_idx = dev.ranks[r].topk;
+        a.index_bytes = 4;
+        a.planner = PlannerKind::kBalanced;
+        for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
+        a.plan = make_plan_view(l, dev.ranks[r].plan);
+        a.sync = sync(r);
+        a.workspace = dev.ranks[r].workspace;
+        kernels::launch(a, group.stream(r));
+    }
+    group.synchronize();
+    auto bf16_args = [&](int r) {
+        DispatchArgs a{};
+        a.layout = l;
+        a.rank = r;
+        a.x = dev.ranks[r].x;
+        a.topk_weights = dev.ranks[r].weights;
+        a.plan = make_plan_view(l, dev.ranks[r].plan);
+        for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
+        a.recv_x = dev.ranks[r].recv_x;
+        a.recv_w = dev.ranks[r].recv_w;
+        a.sync = sync(r);
+        return a;
+    };
+    auto fp8_args = [&](int r, bool pre) {
+        DispatchFp8Args a{};
+        a.layout = l;
+        a.rank = r;
+        a.x_bf16 = pre ? nullptr : dev.ranks[r].x;
+        a.x_fp8 = pre ? xq[r] : nullptr;
+        a.x_scales = pre ? xs[r] : nullptr;
+        a.topk_weights = dev.ranks[r].weights;
+        a.scale_mode = Fp8Scale::kFloat;
+        a.plan = make_plan_view(l, dev.ranks[r].plan);
+        for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
+        a.recv_x = dev.regions[r].local + fp8_recv_x_offset(dev.sym);
+        a.recv_scales = reinterpret_cast<float*>(dev.regions[r].local + fp8_recv_scales_offset(l, dev.sym));
+        a.recv_w = dev.ranks[r].recv_w;
+        a.sync = sync(r);
+        return a;
+    };
+    const bench::Timing t_bf16 = time_ranks(group, iters, warmup, [&] {
+        for (int r = 0; r < R; ++r) kernels::launch(bf16_args(r), group.stream(r));
+    });
+    const bench::Timing t_fp8 = time_ranks(group, iters, warmup, [&] {
+        for (int r = 0; r < R; ++r) kernels::launch(fp8_args(r, false), group.stream(r));
+    });
+    const bench::Timing t_pre = time_ranks(group, iters, warmup, [&] {
+        for (int r = 0; r < R; ++r) kernels::launch(fp8_args(r, true), group.stream(r));
+    });
+    group.synchronize();
+    for (int r = 0; r < R; ++r) {
+        const WaitRecord& w = group.wait_record(r);
+        FLATEP_CHECK_RUNTIME(w.code == 0, "a wait failed: op ", w.op, " rank ", w.rank, " peer ", w.peer);
+    }
+    std::vector<PlanCounts> counts(R);
+    for (int r = 0; r < R; ++r) {
+        std::vector<int32_t> words(size_t(make_plan_sizes(l).total_words));
+        FLATEP_CUDA_CHECK(cudaMemcpy(words.data(), dev.ranks[r].plan, words.size() * 4, cudaMemcpyDeviceToHost));
+        counts[r] = count_plan(l, r, words, S);
+    }
+    const double bf16_row = 2.0 * H, fp8_row = H + 4.0 * nb;
+    struct Row {
+        const char* op;
+        bench::Timing t;
+        Bytes bytes;
+    };
+    const Row rows[] = {{"dispatch_bf16", t_bf16, bytes_of(counts, bf16_row, bf16_row)},
+                        {"dispatch_fp8", t_fp8, bytes_of(counts, fp8_row, bf16_row)},
+                        {"dispatch_fp8_prequantised", t_pre, bytes_of(counts, fp8_row, fp8_row)}};
+    for (const Row& row : rows) {
+        const double ratio = row.t.median_us / t_bf16.median_us;
+        const double gbps = row.bytes.total / (row.t.median_us * 1e-6) / 1e9;
+        std::printf("%-7s %6.1f %6.2f %-26s %10.1f %7.3f %11.1f %11.1f %11.1f %9.0f\n", c.preset.c_str(),
+                    c.skew.maxvio_target(), maxvio, row.op, row.t.median_us, ratio, row.bytes.pushed / R / 1e6,
+                    row.bytes.remote / R / 1e6, row.bytes.total / R / 1e6, gbps);
+        csv.row(c.preset, bench::fixed(c.skew.maxvio_target(), 2), bench::fixed(maxvio, 4), row.op,
+                bench::fixed(row.t.median_us, 2), bench::fixed(row.t.min_us, 2), bench::fixed(ratio, 4),
+                bench::fixed(row.bytes.pushed / R, 0), bench::fixed(row.bytes.remote / R, 0),
+                bench::fixed(row.bytes.total / R, 0), bench::fixed(gbps, 1), R, S, l.num_experts, H, l.topk);
+    }
+    std::fflush(stdout);
+    for (int r = 0; r < R; ++r) {
+        cudaFree(xq[r]);
+        cudaFree(xs[r]);
+    }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+    std::string csv_path = "fp8_bench.csv";
+    int iters = 20, warmup = 3;
+    bench::Flags flags("fp8_bench",
+                       "FP8 dispatch (bf16 rows quantised in the kernel, pre-quantised rows) against bf16 "
+                       "dispatch on R virtual ranks of one GPU");
+    flags.add_sweep({"moonep", "deepep"});
+    flags.add_timing(&iters, &warmup);
+    flags.add_csv(&csv_path);
+    flags.parse(argc, argv);
+    std::vector<bench::Case> cases = flags.cases();
+    if (!flags.given("--maxvio") && !flags.given("--sigma")) {  // MoonEP at maxvio 1 unless asked otherwise
+        std::erase_if(cases,
+                      [](const bench::Case& c) { return c.preset == "moonep" && c.skew.maxvio_target() != 1.0; });
+    }
+    for (const bench::Case& c : cases) {
+        const Config cfg = flags.validated(c.shape);
+        if (cfg.num_ranks > kMaxRanks) flags.fail("--ranks: at most " + std::to_string(kMaxRanks) + " virtual ranks");
+        if (cfg.hidden % kFp8BlockSize != 0)
+            flags.fail("--hidden " + std::to_string(cfg.hidden) + ": FP8 rows need a multiple of 128");
+    }
+    int num_devices = 0;
+    if (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0) {
+        std::printf("SKIP: no CUDA device\n");
+        return 0;
+    }
+    bench::SigmaTable sigmas(/*bisection_ranks=*/8);
+    sigmas.prepare(cases, {42});
+    bench::CsvWriter csv(csv_path, {"config", "maxvio_target", "maxvio", "op", "time_us_median", "time_us_min",
+                                    "ratio_to_bf16", "pushed_bytes_per_rank", "remote_bytes_per_rank",
+                                    "total_bytes_per_rank", "agg_GBps", "R", "S", "E", "H", "K"});
+    std::printf("%-7s %6s %6s %-26s %10s %7s %11s %11s %11s %9s\n", "config", "target", "maxvio", "op", "median_us",
+                "vs_bf16", "MB_pushed", "MB_remote", "MB_total", "agg_GB/s");
+    std::printf(
+        "(bytes per rank; pushed: rows, scales and weights written to destinations, local included; remote: "
+        "rows to other ranks; total: every device-memory byte read or written)\n");
+    for (const bench::Case& c : cases) run_case(c, sigmas.sigma(c, 42), iters, warmup, csv);
+    return 0;
+}
