@@ -22,8 +22,11 @@
 //   - the weighted combine of the dispatched rows is within 2% of x * sum_k w_k (bf16 partial sums).
 // Every row is a function of (source rank, token) (elements 0-3 spell them), every weight of (source, token, k).
 //
-//   ep_bench_multi [--csv ep_bench_multi.csv] [--ranks R] [--iters 20] [--warmup 5] [--configs deepep,moonep]
-//                  [--maxvio 0.2,1,10,20] [--timeout 60] [--deadline 600]
+//   ep_bench_multi [--csv ep_bench_multi.csv] [--ranks R] [--iters 20] [--warmup 5] [--preset deepep,moonep]
+//                  [--maxvio 0.2,1,10,20] [shape flags] [--timeout 60] [--deadline 600]
+//
+// Flags: benchmarks/common/flags.hpp (the set every driver shares); --ranks is one value here (default: every
+// visible GPU) and replaces the presets' R.
 //
 // CSV: one row per (config, maxvio, op, impl); the columns are described at kCsvHeader. Exits 0 with "SKIP" when
 // fewer than 2 GPUs are visible.
@@ -39,13 +42,14 @@
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "common/bf16.hpp"
 #include "common/check.hpp"
+#include "common/cuda_timing.cuh"
+#include "common/flags.hpp"
 #include "flatep/buffer.hpp"
 #include "flatep/ipc.hpp"
 #include "kernels/common/barrier.cuh"
@@ -233,10 +237,7 @@ CheckResult run_check(cudaStream_t stream, const std::function<void(unsigned lon
     return CheckResult{int64_t(host[0]), host[0] == 0 ? -1 : int64_t(host[1])};
 }
 
-float median_of(std::vector<float> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0f : v[v.size() / 2];
-}
+float median_of(const std::vector<float>& v) { return bench::median(v); }
 
 std::string join(const std::vector<double>& values, const char* format) {
     std::string text;
@@ -251,9 +252,9 @@ std::string join(const std::vector<double>& values, const char* format) {
 // ---- The cases ----
 
 struct Case {
-    std::string config;  // "deepep" or "moonep"
-    int E, S, K, H;
-    double maxvio_target;  // < 0: uniform routing (sigma 0)
+    std::string config;  // the preset's name
+    int E, S, K, H, align;
+    double maxvio_target;  // < 0: routing of the given sigma (0: uniform)
     double sigma;
 };
 
@@ -265,7 +266,7 @@ Config make_config(const Case& c, int R, int rank) {
     cfg.num_tokens = c.S;
     cfg.topk = c.K;
     cfg.hidden = c.H;
-    cfg.align = 128;
+    cfg.align = c.align;
     return cfg;
 }
 
@@ -458,8 +459,7 @@ struct Options {
     std::string csv_path = "ep_bench_multi.csv";
     int ranks = 0;  // 0: every visible GPU
     int iters = 20, warmup = 5;
-    std::vector<std::string> configs = {"deepep", "moonep"};
-    std::vector<double> maxvios = {0.2, 1.0, 10.0, 20.0};
+    std::vector<bench::Case> cases;  // the sweep (ranks replaced by the process count)
     double timeout_s = 60, deadline_s = 600;
 };
 
@@ -500,12 +500,8 @@ class RankBench {
         hold_.rank = rank_;
         hold_.num_ranks = R_;
         hold_.timeout_s = kHoldTimeoutS;
-        FLATEP_CUDA_CHECK(cudaEventCreate(&start_));
-        FLATEP_CUDA_CHECK(cudaEventCreate(&stop_));
     }
     ~RankBench() {
-        cudaEventDestroy(start_);
-        cudaEventDestroy(stop_);
         cudaFreeHost(hold_host_);
         transport_->release(flags_);
     }
@@ -525,14 +521,12 @@ class RankBench {
             hold_kernel<<<1, 1, 0, stream_>>>(hold_, hold_device_, hold_value_, host_bound_.get());
             FLATEP_CUDA_CHECK_LAUNCH();
             kernels::launch_barrier(gate_, kOpNone, stream_);
-            FLATEP_CUDA_CHECK(cudaEventRecord(start_, stream_));
+            events_.start(stream_);
             op();
-            FLATEP_CUDA_CHECK(cudaEventRecord(stop_, stream_));
+            events_.stop(stream_);
             __atomic_store_n(hold_host_, hold_value_, __ATOMIC_RELEASE);  // everything is enqueued: let it run
-            FLATEP_CUDA_CHECK(cudaEventSynchronize(stop_));
-            float ms = 0;
-            FLATEP_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
-            if (it >= options_.warmup) us.push_back(ms * 1000.0f);
+            const float t = events_.elapsed_us();
+            if (it >= options_.warmup) us.push_back(t);
         }
         int32_t status[4];
         FLATEP_CUDA_CHECK(cudaMemcpy(status, status_.get(), sizeof(status), cudaMemcpyDeviceToHost));
@@ -578,7 +572,7 @@ class RankBench {
     uint64_t hold_value_ = 0;
     DeviceArray<int32_t> hold_status_, host_bound_;
     SyncArgs hold_{};
-    cudaEvent_t start_ = nullptr, stop_ = nullptr;
+    bench::EventPair events_;
     int failures_ = 0;
 };
 
@@ -783,7 +777,7 @@ void report(const Case& c, int R, int iters, const std::vector<RankSummary>& ran
     for (const RankSummary& s : ranks) failures += s.failures;
     char target[32];
     if (c.maxvio_target < 0) {
-        std::snprintf(target, sizeof(target), "uniform");
+        std::snprintf(target, sizeof(target), c.sigma == 0 ? "uniform" : "of sigma %g", c.sigma);
     } else {
         std::snprintf(target, sizeof(target), "%g", c.maxvio_target);
     }
@@ -851,16 +845,6 @@ void report(const Case& c, int R, int iters, const std::vector<RankSummary>& ran
 }
 
 // ---- Process roles ----
-
-std::vector<std::string> split(const std::string& text) {
-    std::vector<std::string> parts;
-    std::stringstream stream(text);
-    std::string part;
-    while (std::getline(stream, part, ',')) {
-        if (!part.empty()) parts.push_back(part);
-    }
-    return parts;
-}
 
 int rank_main(int rank, int R, std::shared_ptr<Bootstrap> boot, const std::vector<Case>& cases,
               const Options& options) {
@@ -940,54 +924,28 @@ int probe_gpus() {
     return std::min(count, kMaxProbedGpus);
 }
 
-bool parse(int argc, char** argv, Options& o) {
-    for (int i = 1; i < argc; ++i) {
-        const std::string a = argv[i];
-        const bool has_value = i + 1 < argc;
-        if (a == "--csv" && has_value) {
-            o.csv_path = argv[++i];
-        } else if (a == "--ranks" && has_value) {
-            o.ranks = std::atoi(argv[++i]);
-        } else if (a == "--iters" && has_value) {
-            o.iters = std::atoi(argv[++i]);
-        } else if (a == "--warmup" && has_value) {
-            o.warmup = std::atoi(argv[++i]);
-        } else if (a == "--configs" && has_value) {
-            o.configs = split(argv[++i]);
-        } else if (a == "--maxvio" && has_value) {
-            o.maxvios.clear();
-            for (const std::string& v : split(argv[++i])) o.maxvios.push_back(std::atof(v.c_str()));
-        } else if (a == "--timeout" && has_value) {
-            o.timeout_s = std::atof(argv[++i]);
-        } else if (a == "--deadline" && has_value) {
-            o.deadline_s = std::atof(argv[++i]);
-        } else {
-            std::fprintf(stderr,
-                         "ep_bench_multi: unknown or incomplete argument '%s'\n"
-                         "usage: ep_bench_multi [--csv PATH] [--ranks R] [--iters N] [--warmup N] "
-                         "[--configs deepep,moonep] [--maxvio 0.2,1,10,20] [--timeout S] [--deadline S]\n",
-                         a.c_str());
-            return false;
-        }
+void parse(int argc, char** argv, Options& o) {
+    bench::Flags flags("ep_bench_multi", "FlatEP against NCCL's all-to-all, one process per GPU");
+    flags.add_sweep({"deepep", "moonep"});
+    flags.add_timing(&o.iters, &o.warmup);
+    flags.add_csv(&o.csv_path);
+    flags.add("--timeout", &o.timeout_s, "seconds any wait may take");
+    flags.add("--deadline", &o.deadline_s, "seconds the whole run may take");
+    flags.parse(argc, argv);
+    o.cases = flags.cases();
+    if (flags.given("--ranks")) {
+        for (const bench::Case& c : o.cases)
+            if (c.shape.ranks != o.cases[0].shape.ranks) flags.fail("--ranks: one value (the number of processes)");
+        o.ranks = o.cases.empty() ? 0 : o.cases[0].shape.ranks;
     }
-    for (const std::string& c : o.configs) {
-        if (c != "deepep" && c != "moonep") {
-            std::fprintf(stderr, "ep_bench_multi: unknown config '%s' (deepep, moonep)\n", c.c_str());
-            return false;
-        }
-    }
-    if (o.iters < 1 || o.warmup < 0 || o.timeout_s <= 0 || o.deadline_s <= 0) {
-        std::fprintf(stderr, "ep_bench_multi: --iters must be >= 1, --warmup >= 0, --timeout and --deadline > 0\n");
-        return false;
-    }
-    return true;
+    if (!(o.timeout_s > 0) || !(o.deadline_s > 0)) flags.fail("--timeout and --deadline must be > 0");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
     Options options;
-    if (!parse(argc, argv, options)) return 2;
+    parse(argc, argv, options);
     // Inherited by the rank processes: NVLink multicast stays off (design §7; a must on shared hosts), and every
     // kernel is loaded at context creation (no lazy module load while a peer's kernel spins, see barrier.cuh).
     setenv("NCCL_NVLS_ENABLE", "0", 1);
@@ -1018,22 +976,21 @@ int main(int argc, char** argv) {
 
     // Cases; sigma for each target maxvio by bisection on the generator (host only, before forking; one thread each).
     std::vector<Case> cases;
-    for (const std::string& name : options.configs) {
-        const bool moonep = name == "moonep";
-        Case base{name, moonep ? 384 : 256, moonep ? 8192 : 4096, 8, 7168, -1.0, 0.0};
-        if (base.E % R != 0) {
-            std::printf("ep_bench_multi: skipping %s: E=%d is not a multiple of R=%d\n", name.c_str(), base.E, R);
+    for (const bench::Case& bc : options.cases) {
+        const bench::Shape& sh = bc.shape;
+        Case c{bc.preset,
+               sh.experts,
+               sh.tokens,
+               sh.topk,
+               sh.hidden,
+               sh.align,
+               bc.skew.maxvio_target(),
+               bc.skew.is_sigma ? bc.skew.value : 0.0};
+        if (c.E % R != 0) {
+            std::printf("ep_bench_multi: skipping %s: E=%d is not a multiple of R=%d\n", bc.preset.c_str(), c.E, R);
             continue;
         }
-        if (!moonep) {
-            cases.push_back(base);
-            continue;
-        }
-        for (double target : options.maxvios) {
-            Case c = base;
-            c.maxvio_target = target;
-            cases.push_back(c);
-        }
+        cases.push_back(c);
     }
     std::vector<std::string> errors(cases.size());
     std::vector<std::thread> threads;

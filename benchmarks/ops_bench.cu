@@ -1,27 +1,41 @@
-// Per-op benchmark of the CUDA data plane, R virtual ranks on one GPU (design §9): MoonEP config at maxvio
-// 0.2/1/10/20 and the DeepEP config. Per op: median time over many iterations (CUDA events, after warm-up) from a
-// common start of all ranks to the end of the last, bytes moved per rank (each byte read or written in device
-// memory once, local rows included), aggregate bandwidth over all ranks against a device-to-device copy measured in
-// the same run. Planner: the planner kernel alone and the whole plan op. CSV out.
+// Per-op benchmark of the CUDA data plane, R virtual ranks on one GPU (design §9). Per case (shape, routing skew,
+// tokens per call s): per op the median time over many iterations (CUDA events, after warm-up) from a common start
+// of all ranks to the end of the last, bytes moved per rank (each byte read or written in device memory once, local
+// rows included), aggregate bandwidth over all ranks against a device-to-device copy measured in the same run.
+// Planner: the planner kernels alone and the whole plan op. CSV out.
 //
-//   ops_bench [--csv out.csv] [--iters 20] [--warmup 3] [--hp 1024] [--quick] [--config moonep|deepep]
-//             [--planner-only [--planner-profile] [--maxvio 0.2,1,10,20,-1] [--seeds 3]]
-// --planner-only: only the planner kernels on the host-generated counts of each config (--maxvio: the MoonEP config's
-// maxvio targets, -1 = the DeepEP config; --seeds: routings per target) (no data plane, no cross-rank
-// barrier, so it also runs under a kernel profiler), graph-timed, with the plan's P and replicas.
+//   ops_bench [--preset moonep,deepep] [shape and skew flags] [--tokens-per-call s,..] [--iters 20] [--warmup 3]
+//             [--ffn 1024] [--csv ops_bench.csv]
+//   ops_bench --planner-only [--planner-profile] [--seeds 3] [--preset ..] [shape and skew flags] [--csv ..]
+//
+// Shape and skew flags, presets (moonep, deepep, moonep-sweep, k3): benchmarks/common/flags.hpp, e.g.
+// `--preset k3 --ffn 512` (Kimi K3's shape on 8 virtual ranks) or `--preset moonep --maxvio 1` (one MoonEP case).
+// --ffn: H', the expert width; prefetch and reduce_grad move H*H' elements per expert. --tokens-per-call: s <= S
+// tokens each rank passes (default S; one case per value). Routing sigmas of --maxvio targets are bisected on
+// min(R, 8) ranks (--sigma-cache keeps them between runs).
+// --planner-only: only the planner kernels on host-generated counts of every case (no data plane, no cross-rank
+// barrier, so it also runs under a kernel profiler; --seeds routings per case, seeds 42..), graph-timed, with the
+// plan's P and replicas, the greedy's, the host planner's time, and whether the GPU plan equals the host planner's
+// bitwise (exit status 1 when one does not).
 // --planner-profile: also where the planner's time goes, from device stamps (kernels::set_planner_profile): for each
-// config, medians over a graph of 10 back-to-back planners of the kernels' spans and of the phases of the candidate
+// case, medians over a graph of 10 back-to-back planners of the kernels' spans and of the phases of the candidate
 // blocks, the greedy block and select_derive_kernel, the slowest candidates, and the greedy planner kind's phases.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <future>
+#include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "common/csv.hpp"
+#include "common/cuda_timing.cuh"
+#include "common/flags.hpp"
+#include "common/routing_cases.hpp"
 #include "gpu_harness.hpp"
+#include "planner/planner.hpp"
 
 using namespace flatep;
 using namespace flatep::gpu_test;
@@ -42,27 +56,20 @@ void fill_device_bf16(void* dst, int64_t n, uint64_t seed) {
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 
-float median(std::vector<float> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
+using bench::Timing;
 
 // Median time (us) of `op` enqueued on every rank stream, from a common start to the last rank's end.
-struct Timing {
-    float median_us, min_us;
-};
 Timing time_op(LocalDeviceGroup& group, int iters, int warmup, const std::function<void()>& op) {
     const int R = group.num_ranks();
     cudaStream_t s0 = group.stream(0);
-    cudaEvent_t start, stop, fork, join[kMaxRanks];
-    FLATEP_CUDA_CHECK(cudaEventCreate(&start));
-    FLATEP_CUDA_CHECK(cudaEventCreate(&stop));
+    bench::EventPair ev;
+    cudaEvent_t fork, join[kMaxRanks];
     FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
     for (int r = 0; r < R; ++r) FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(&join[r], cudaEventDisableTiming));
     std::vector<float> times;
     for (int it = 0; it < warmup + iters; ++it) {
         group.synchronize();
-        FLATEP_CUDA_CHECK(cudaEventRecord(start, s0));
+        ev.start(s0);
         FLATEP_CUDA_CHECK(cudaEventRecord(fork, s0));
         for (int r = 1; r < R; ++r) FLATEP_CUDA_CHECK(cudaStreamWaitEvent(group.stream(r), fork));
         op();
@@ -70,71 +77,13 @@ Timing time_op(LocalDeviceGroup& group, int iters, int warmup, const std::functi
             FLATEP_CUDA_CHECK(cudaEventRecord(join[r], group.stream(r)));
             FLATEP_CUDA_CHECK(cudaStreamWaitEvent(s0, join[r]));
         }
-        FLATEP_CUDA_CHECK(cudaEventRecord(stop, s0));
-        FLATEP_CUDA_CHECK(cudaEventSynchronize(stop));
-        float ms = 0;
-        FLATEP_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-        if (it >= warmup) times.push_back(ms * 1000.f);
+        ev.stop(s0);
+        const float us = ev.elapsed_us();
+        if (it >= warmup) times.push_back(us);
     }
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
     cudaEventDestroy(fork);
     for (int r = 0; r < R; ++r) cudaEventDestroy(join[r]);
-    return Timing{median(times), *std::min_element(times.begin(), times.end())};
-}
-
-// Device time of a single-stream op without host launch latency: `batch` launches of op captured in one CUDA graph,
-// the graph replayed; per-op time = replay time / batch (kernel-to-kernel gaps inside the graph included).
-Timing time_graph(cudaStream_t stream, int iters, int warmup, int batch, const std::function<void()>& op) {
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    FLATEP_CUDA_CHECK(cudaStreamSynchronize(stream));
-    FLATEP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < batch; ++i) op();
-    FLATEP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    FLATEP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    cudaEvent_t start, stop;
-    FLATEP_CUDA_CHECK(cudaEventCreate(&start));
-    FLATEP_CUDA_CHECK(cudaEventCreate(&stop));
-    std::vector<float> times;
-    for (int it = 0; it < warmup + iters; ++it) {
-        FLATEP_CUDA_CHECK(cudaEventRecord(start, stream));
-        FLATEP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-        FLATEP_CUDA_CHECK(cudaEventRecord(stop, stream));
-        FLATEP_CUDA_CHECK(cudaEventSynchronize(stop));
-        float ms = 0;
-        FLATEP_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-        if (it >= warmup) times.push_back(ms * 1000.f / float(batch));
-    }
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    return Timing{median(times), *std::min_element(times.begin(), times.end())};
-}
-
-double copy_bandwidth_gbps(int iters) {
-    const size_t bytes = size_t(4) << 30;
-    void *a = nullptr, *b = nullptr;
-    FLATEP_CUDA_CHECK(cudaMalloc(&a, bytes));
-    FLATEP_CUDA_CHECK(cudaMalloc(&b, bytes));
-    fill_device_bf16(a, int64_t(bytes / 2), 7);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    std::vector<float> times;
-    for (int it = 0; it < iters + 2; ++it) {
-        cudaEventRecord(e0);
-        FLATEP_CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
-        cudaEventRecord(e1);
-        cudaEventSynchronize(e1);
-        float ms = 0;
-        cudaEventElapsedTime(&ms, e0, e1);
-        if (it >= 2) times.push_back(ms);
-    }
-    cudaFree(a);
-    cudaFree(b);
-    return 2.0 * double(bytes) / (double(median(times)) * 1e-3) / 1e9;  // read + write
+    return bench::summarize(times);
 }
 
 struct Bytes {
@@ -181,17 +130,6 @@ Bytes count_bytes(const Layout& l, const std::vector<RankOutputs>& outs, int num
         b.dispatch_remote_rows += remote;
     }
     return b;
-}
-
-Config make_config(int R, int E, int S, int K, int H) {
-    Config c;
-    c.num_ranks = R;
-    c.num_experts = E;
-    c.num_tokens = S;
-    c.topk = K;
-    c.hidden = H;
-    c.align = 128;
-    return c;
 }
 
 // --planner-profile: the stamps of kProfileBatch back-to-back planners captured in one graph (as timed above),
@@ -256,7 +194,7 @@ ProfileClock fit_clock(const std::vector<PlannerProfileRecord>& recs, int last_s
     return ProfileClock{fitted > 0.5 * rated && fitted < 2 * rated ? fitted : rated};
 }
 
-double median_of(std::vector<double> v) { return v.empty() ? 0.0 : median(std::vector<float>(v.begin(), v.end())); }
+double median_of(const std::vector<double>& v) { return bench::median(v); }
 
 // Prints a few lines: balanced planner spans and phases, the slowest candidates, the greedy planner kind's phases.
 void print_planner_profile(const Layout& l, const std::vector<PlannerProfileRecord>& balanced,
@@ -385,38 +323,45 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
                 median_of(gm[5]));
 }
 
-// Planner kernels alone on the counts of the MoonEP config (maxvio 0.2/1/10/20, 3 seeds) and the DeepEP config.
-int planner_bench(int iters, int warmup, bool profile, const std::vector<double>& maxvios, int num_seeds) {
-    std::printf("%-7s %6s %4s %8s %3s %4s %12s %12s\n", "config", "maxvio", "seed", "realised", "P", "reps",
-                "balanced_us", "greedy_us");
+struct Options {
+    std::vector<bench::Case> cases;
+    std::vector<int> tokens_per_call;  // empty: S
+    int iters = 20, warmup = 3, seeds = 3;
+    bool planner_only = false, planner_profile = false;
+    std::string csv = "ops_bench.csv", sigma_cache;
+};
+
+// The plan's global part (everything before the per-rank entry arrays): where a GPU plan must equal the host's.
+int64_t global_words(const Layout& l) { return make_plan_sizes(l).entry_rank; }
+
+// Planner kernels alone on host-generated counts of every case (--seeds routings each): graph-timed balanced and
+// greedy planners, P and replicas of both, the host planner's time, and the GPU plan against the host's, bitwise.
+int planner_bench(const Options& o, bench::SigmaTable& sigmas) {
+    // clang-format off
+    bench::CsvWriter csv(o.csv, {"config", "R", "S", "E", "H", "K", "align", "capacity_factor", "maxvio_target", "sigma",
+                                 "seed", "maxvio", "P", "replicas", "P_greedy", "replicas_greedy", "balanced_us",
+                                 "balanced_min_us", "greedy_us", "greedy_min_us", "host_balanced_us", "bitwise_host",
+                                 "valid", "not_worse_than_greedy", "candidate_path", "timed_runs"});
+    // clang-format on
+    std::printf("%-13s %-26s %6s %4s %8s %3s %4s %4s %4s %12s %12s %10s %7s\n", "config", "shape", "maxvio", "seed",
+                "realised", "P", "reps", "P_g", "re_g", "balanced_us", "greedy_us", "host_us", "bitwise");
     cudaStream_t stream = nullptr;
     FLATEP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    auto layout_of = [](double mv) {
-        return make_layout(mv < 0 ? make_config(8, 256, 4096, 8, 7168) : make_config(8, 384, 8192, 8, 7168));
-    };
-    // The routings' sigmas (a bisection each, seconds on the host) for every (maxvio, seed), searched in parallel.
-    std::vector<std::future<double>> sigmas;
-    for (double mv : maxvios) {
-        for (uint64_t seed = 42; seed < 42 + uint64_t(num_seeds); ++seed) {
-            const Layout l = layout_of(mv);
-            sigmas.push_back(std::async(std::launch::async, [mv, seed, l] {
-                return mv < 0 ? 0.0
-                              : routing::sigma_for_maxvio(mv, l.num_ranks, l.num_experts, l.num_tokens, l.topk, seed);
-            }));
-        }
-    }
-    size_t next_sigma = 0;
-    for (double mv : maxvios) {
-        const Layout l = layout_of(mv);
+    int mismatches = 0;
+    // Count matrices do not depend on H: the cases that differ only there share them.
+    std::map<std::tuple<int, int, int, int, double, uint64_t>, std::vector<int32_t>> counts_of;
+    for (const bench::Case& c : o.cases) {
+        const Layout l = make_layout(c.shape.config());
         const size_t words = size_t(make_plan_sizes(l).total_words);
         int32_t* d_plan = nullptr;
         void* ws = nullptr;
         FLATEP_CUDA_CHECK(cudaMalloc(&d_plan, words * 4));
         FLATEP_CUDA_CHECK(cudaMalloc(&ws, kernels::plan_workspace_bytes(l)));
-        for (uint64_t seed = 42; seed < 42 + uint64_t(num_seeds); ++seed) {
-            const double sigma = sigmas[next_sigma++].get();
-            const std::vector<int32_t> tpe =
-                routing::generate_counts(l.num_ranks, l.num_experts, l.num_tokens, l.topk, sigma, seed);
+        for (uint64_t seed = 42; seed < 42 + uint64_t(o.seeds); ++seed) {
+            const double sigma = sigmas.sigma(c, seed);
+            std::vector<int32_t>& tpe = counts_of[{l.num_ranks, l.num_experts, l.num_tokens, l.topk, sigma, seed}];
+            if (tpe.empty())
+                tpe = bench::generate_counts_parallel(l.num_ranks, l.num_experts, l.num_tokens, l.topk, sigma, seed);
             std::vector<int32_t> init(words, 0);
             std::copy(tpe.begin(), tpe.end(), init.begin() + make_plan_sizes(l).tpe_all);
             FLATEP_CUDA_CHECK(cudaMemcpy(d_plan, init.data(), words * 4, cudaMemcpyHostToDevice));
@@ -426,16 +371,51 @@ int planner_bench(int iters, int warmup, bool profile, const std::vector<double>
                     kernels::launch_planner(l, kind, view, ws, kernels::PlannerEngine::kParallel, stream);
                 };
             };
-            const Timing greedy = time_graph(stream, iters, warmup, 10, planner(PlannerKind::kGreedy));
-            const Timing balanced = time_graph(stream, iters, warmup, 10, planner(PlannerKind::kBalanced));
+            // A planner slower than 1 ms (the balanced one off its candidate path) is timed over fewer runs.
+            const bool slow = bench::time_graph(stream, 1, 1, 1, planner(PlannerKind::kBalanced)).median_us > 1000;
+            const int batch = slow ? 1 : 10, iters = slow ? std::min(o.iters, 3) : o.iters;
+            const Timing greedy = bench::time_graph(stream, iters, o.warmup, batch, planner(PlannerKind::kGreedy));
+            const Timing balanced =
+                bench::time_graph(stream, iters, slow ? 1 : o.warmup, batch, planner(PlannerKind::kBalanced));
             FLATEP_CUDA_CHECK(cudaStreamSynchronize(stream));
             std::vector<int32_t> out(words);
             FLATEP_CUDA_CHECK(cudaMemcpy(out.data(), d_plan, words * 4, cudaMemcpyDeviceToHost));
             const PlanStats& st = *make_plan_view(l, out.data()).stats;
-            std::printf("%-7s %6.1f %4d %8.2f %3d %4d %12.1f %12.1f\n", mv < 0 ? "deepep" : "moonep", mv, int(seed),
-                        routing::maxvio(tpe.data(), l.num_ranks, l.num_experts), st.makespan, st.total_replicas,
-                        balanced.median_us, greedy.median_us);
-            if (profile) {
+            // The host planner on the same counts: the oracle, and the greedy's P and replicas.
+            HostPlan host(l), host_greedy(l);
+            std::copy(tpe.begin(), tpe.end(), host.view.tpe_all);
+            std::copy(tpe.begin(), tpe.end(), host_greedy.view.tpe_all);
+            const Timing host_t = bench::time_host(3, 0, [&] { plan_counts(l, PlannerKind::kBalanced, host.view); });
+            plan_counts(l, PlannerKind::kGreedy, host_greedy.view);
+            const bool bitwise = std::equal(out.begin(), out.begin() + global_words(l), host.view.tpe_all);
+            mismatches += !bitwise;
+            const PlanStats& gs = *host_greedy.view.stats;
+            // The GPU plan's global part checked as a plan (check_plan on the host plan with it copied in: balance,
+            // slots, conservation), and no worse than the greedy on P and on replicas.
+            HostPlan gpu_plan(l);
+            std::copy(out.begin(), out.begin() + global_words(l), gpu_plan.view.tpe_all);
+            const std::string bad = check_plan(l, gpu_plan.view);
+            const bool not_worse = st.makespan <= gs.makespan && st.total_replicas <= gs.total_replicas;
+            if (!bad.empty()) std::printf("FAIL: invalid GPU plan (%s): %s\n", c.shape.label().c_str(), bad.c_str());
+            if (!not_worse) std::printf("FAIL: balanced plan worse than the greedy (%s)\n", c.shape.label().c_str());
+            mismatches += !bad.empty() || !not_worse;
+            const double realised = routing::maxvio(tpe.data(), l.num_ranks, l.num_experts);
+            std::printf("%-13s %-26s %6.1f %4d %8.2f %3d %4d %4d %4d %12.1f %12.1f %10.1f %7s\n", c.preset.c_str(),
+                        c.shape.label().c_str(), c.skew.maxvio_target(), int(seed), realised, st.makespan,
+                        st.total_replicas, gs.makespan, gs.total_replicas, balanced.median_us, greedy.median_us,
+                        host_t.median_us, bitwise ? "yes" : "NO");
+            csv.row(c.preset, l.num_ranks, l.num_tokens, l.num_experts, l.hidden, l.topk, l.align,
+                    c.shape.capacity_factor, c.skew.maxvio_target(), sigma, seed, bench::fixed(realised, 4),
+                    st.makespan, st.total_replicas, gs.makespan, gs.total_replicas, bench::fixed(balanced.median_us, 2),
+                    bench::fixed(balanced.min_us, 2), bench::fixed(greedy.median_us, 2), bench::fixed(greedy.min_us, 2),
+                    bench::fixed(host_t.median_us, 1), int(bitwise), int(bad.empty()), int(not_worse),
+                    int(kernels::planner_uses_candidate_path(l)), iters * batch);
+            if (!kernels::planner_uses_candidate_path(l))
+                std::printf(
+                    "  balanced planner off its candidate path: a candidate block needs %zu KiB of shared "
+                    "memory (at most 200): planner_core::plan_alloc ran on one thread\n",
+                    kernels::planner_candidate_smem_bytes(l) / 1024);
+            if (o.planner_profile && !slow) {
                 const auto greedy_kind = profile_planner(l, PlannerKind::kGreedy, view, ws, stream);
                 const auto balanced_kind = profile_planner(l, PlannerKind::kBalanced, view, ws, stream);
                 print_planner_profile(l, balanced_kind, greedy_kind);
@@ -446,7 +426,187 @@ int planner_bench(int iters, int warmup, bool profile, const std::vector<double>
         cudaFree(ws);
     }
     cudaStreamDestroy(stream);
-    return 0;
+    if (mismatches > 0)
+        std::printf("FAIL: %d GPU plans differ from the host planner's, invalid or worse\n", mismatches);
+    return mismatches == 0 ? 0 : 1;
+}
+
+// The data plane of one case at s tokens per call: every op timed, bytes from the plans, one CSV row per op.
+void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma, double copy_gbps,
+                     bench::CsvWriter& csv) {
+    const Layout l = make_layout(c.shape.config());
+    CaseSpec spec;
+    spec.name = c.preset;
+    spec.config = c.shape.config();
+    spec.separate_recv = false;
+    spec.weighted = true;
+    spec.num_tokens = s;
+    spec.expert_elems = int64_t(l.hidden) * c.shape.ffn;
+    spec.sigma = sigma;
+    spec.seed = 42;
+    LocalDeviceGroup group(l.num_ranks, false, 30.0);
+    DeviceCase dev(spec, l, group);
+    // Inputs: routing from the generator; data random on the device (never zeros).
+    const auto topk = make_routing(spec, spec.seed);
+    std::vector<int32_t> all_counts(size_t(l.num_ranks) * l.num_experts, 0);
+    for (int r = 0; r < l.num_ranks; ++r) {
+        std::vector<int32_t> t32(topk[r].begin(), topk[r].end());
+        for (int32_t e : t32) ++all_counts[size_t(r) * l.num_experts + e];
+        auto& p = dev.ranks[r];
+        FLATEP_CUDA_CHECK(cudaMemcpy(p.topk, t32.data(), t32.size() * 4, cudaMemcpyHostToDevice));
+        fill_device_bf16(p.x, int64_t(s) * l.hidden, 100 + r);
+        fill_device_bf16(p.weights, int64_t(s) * l.topk * 2, 200 + r);  // bf16 pairs: finite floats
+        fill_device_bf16(p.y, int64_t(l.num_recv_rows) * l.hidden, 300 + r);
+        fill_device_bf16(p.expert_w, int64_t(l.experts_per_rank) * spec.expert_elems, 400 + r);
+        fill_device_bf16(p.grads, int64_t(l.experts_per_rank) * spec.expert_elems * 2, 500 + r);
+        fill_device_bf16(dev.red_regions[r].local, int64_t(l.experts_per_rank) * spec.expert_elems * 2, 600 + r);
+    }
+    FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
+    const double maxvio = routing::maxvio(all_counts.data(), l.num_ranks, l.num_experts);
+    const int R = l.num_ranks;
+    auto sync = [&](int r) { return group.sync_args(r, dev.regions, dev.sym.barrier_offset, dev.sym.status_offset); };
+    auto plan_args = [&](int r) {
+        PlanArgs a{};
+        a.layout = l;
+        a.rank = r;
+        a.num_tokens = s;
+        a.topk_idx = dev.ranks[r].topk;
+        a.index_bytes = 4;
+        a.planner = PlannerKind::kBalanced;
+        for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
+        a.plan = make_plan_view(l, dev.ranks[r].plan);
+        a.sync = sync(r);
+        a.workspace = dev.ranks[r].workspace;
+        return a;
+    };
+    auto dispatch_args = [&](int r) {
+        DispatchArgs a{};
+        a.layout = l;
+        a.rank = r;
+        a.x = dev.ranks[r].x;
+        a.topk_weights = dev.ranks[r].weights;
+        a.plan = make_plan_view(l, dev.ranks[r].plan);
+        for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
+        a.recv_x = dev.ranks[r].recv_x;
+        a.recv_w = dev.ranks[r].recv_w;
+        a.sync = sync(r);
+        return a;
+    };
+    auto combine_args = [&](int r) {
+        CombineArgs a{};
+        a.layout = l;
+        a.rank = r;
+        a.y = dev.ranks[r].y;
+        a.weights = dev.ranks[r].recv_w;
+        a.plan = make_plan_view(l, dev.ranks[r].plan);
+        for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
+        a.out = dev.ranks[r].out_alloc;
+        a.sync = sync(r);
+        return a;
+    };
+    auto prefetch_args = [&](int r) {
+        PrefetchArgs a{};
+        a.rank = r;
+        a.num_ranks = R;
+        a.experts_per_rank = l.experts_per_rank;
+        a.expert_bytes = spec.expert_elems * 2;
+        a.slot_expert = make_plan_view(l, dev.ranks[r].plan).slot_expert;
+        a.weights = reinterpret_cast<const uint8_t*>(dev.ranks[r].expert_w);
+        for (int p = 0; p < R; ++p) a.slot_pools[p] = dev.slot_regions[r].peers[p];
+        a.sync = sync(r);
+        return a;
+    };
+    auto reduce_args = [&](int r) {
+        GradReduceArgs a{};
+        a.rank = r;
+        a.num_ranks = R;
+        a.experts_per_rank = l.experts_per_rank;
+        a.expert_elems = spec.expert_elems;
+        a.slot_expert = make_plan_view(l, dev.ranks[r].plan).slot_expert;
+        a.grads = dev.ranks[r].grads;
+        for (int p = 0; p < R; ++p) a.reduce_pools[p] = reinterpret_cast<float*>(dev.red_regions[r].peers[p]);
+        a.sync = sync(r);
+        return a;
+    };
+    const Timing t_plan = time_op(group, o.iters, o.warmup, [&] {
+        for (int r = 0; r < R; ++r) kernels::launch(plan_args(r), group.stream(r));
+    });
+    // Planner kernels alone (rank 0's counts; every rank runs the same planner on the same input), device time
+    // from a graph of 10 back-to-back planners (as in a captured step; no host launch latency).
+    const Timing t_planner = bench::time_graph(group.stream(0), o.iters, o.warmup, 10, [&] {
+        kernels::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.ranks[0].plan), dev.ranks[0].workspace,
+                                kernels::PlannerEngine::kParallel, group.stream(0));
+    });
+    const Timing t_planner_greedy = bench::time_graph(group.stream(0), o.iters, o.warmup, 10, [&] {
+        kernels::launch_planner(l, PlannerKind::kGreedy, make_plan_view(l, dev.ranks[0].plan), dev.ranks[0].workspace,
+                                kernels::PlannerEngine::kParallel, group.stream(0));
+    });
+    // Restore rank 0's balanced plan (the greedy run above overwrote its global part).
+    kernels::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.ranks[0].plan), dev.ranks[0].workspace,
+                            kernels::PlannerEngine::kParallel, group.stream(0));
+    group.synchronize();
+    const Timing t_dispatch = time_op(group, o.iters, o.warmup, [&] {
+        for (int r = 0; r < R; ++r) kernels::launch(dispatch_args(r), group.stream(r));
+    });
+    const Timing t_combine = time_op(group, o.iters, o.warmup, [&] {
+        for (int r = 0; r < R; ++r) kernels::launch(combine_args(r), group.stream(r));
+    });
+    const Timing t_prefetch = time_op(group, o.iters, o.warmup, [&] {
+        for (int r = 0; r < R; ++r) kernels::launch(prefetch_args(r), group.stream(r));
+    });
+    const Timing t_reduce = time_op(group, std::max(3, o.iters / 4), 1, [&] {
+        for (int r = 0; r < R; ++r) kernels::launch(reduce_args(r), group.stream(r));
+    });
+    // Bytes, from the plans.
+    std::vector<RankOutputs> outs(R);
+    for (int r = 0; r < R; ++r) {
+        outs[r].plan.resize(size_t(make_plan_sizes(l).total_words));
+        FLATEP_CUDA_CHECK(
+            cudaMemcpy(outs[r].plan.data(), dev.ranks[r].plan, outs[r].plan.size() * 4, cudaMemcpyDeviceToHost));
+    }
+    for (int r = 0; r < R; ++r) {
+        const WaitRecord& w = group.wait_record(r);
+        FLATEP_CHECK_RUNTIME(w.code == 0, "timeout in op ", w.op, " rank ", w.rank, " peer ", w.peer);
+    }
+    const Bytes bytes = count_bytes(l, outs, s, true);
+    const PlanStats& st = *make_plan_view(l, outs[0].plan.data()).stats;
+    double pre_bytes = 0, red_bytes = 0;
+    for (int d = 0; d < R; ++d) {
+        pre_bytes += 2.0 * st.replicas_in[d] * double(spec.expert_elems) * 2;  // read + write per replica
+        // owner: read grad + each slot, write grad; then the slot zeroed
+        red_bytes += st.replicas_in[d] * double(spec.expert_elems) * 4 * 2;
+        red_bytes += 2.0 * st.replicas_out[d] * 0;  // grads of owners with replicas: read+write once per expert
+    }
+    for (int d = 0; d < R; ++d) {
+        std::vector<char> has(size_t(l.experts_per_rank), 0);
+        const int32_t* se = make_plan_view(l, outs[d].plan.data()).slot_expert;
+        for (int i = 0; i < R * l.experts_per_rank; ++i)
+            if (se[i] >= 0 && se[i] / l.experts_per_rank == d) has[se[i] % l.experts_per_rank] = 1;
+        for (char h : has) red_bytes += h ? 2.0 * double(spec.expert_elems) * 4 : 0;
+    }
+    struct Row {
+        const char* op;
+        Timing t;
+        double bytes;  // all ranks
+    };
+    const Row rows[] = {{"plan", t_plan, 0},
+                        {"planner", t_planner, 0},
+                        {"planner_greedy", t_planner_greedy, 0},
+                        {"dispatch", t_dispatch, bytes.dispatch},
+                        {"combine", t_combine, bytes.combine},
+                        {"prefetch", t_prefetch, pre_bytes},
+                        {"reduce_grad", t_reduce, red_bytes}};
+    for (const Row& row : rows) {
+        const double gbps = row.bytes > 0 ? row.bytes / (row.t.median_us * 1e-6) / 1e9 : 0;
+        std::printf("%-13s %-26s %5d %6.1f %6.2f %-14s %10.1f %12.1f %9.0f %6.2f\n", c.preset.c_str(),
+                    c.shape.label().c_str(), s, c.skew.maxvio_target(), maxvio, row.op, row.t.median_us,
+                    row.bytes / R / 1e6, gbps, gbps / copy_gbps);
+        csv.row(c.preset, bench::fixed(c.skew.maxvio_target(), 2), bench::fixed(maxvio, 4), row.op,
+                bench::fixed(row.t.median_us, 2), bench::fixed(row.t.min_us, 2), bench::fixed(row.bytes / R, 0),
+                bench::fixed(gbps, 1), bench::fixed(copy_gbps, 1), bench::fixed(gbps / copy_gbps, 4), st.total_replicas,
+                st.makespan, R, l.num_tokens, s, l.num_experts, l.hidden, l.topk, c.shape.ffn, l.align, sigma);
+    }
+    std::fflush(stdout);
 }
 
 }  // namespace
@@ -454,239 +614,66 @@ int planner_bench(int iters, int warmup, bool profile, const std::vector<double>
 int main(int argc, char** argv) {
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
     setenv("CUDA_MODULE_LOADING", "EAGER", 1);  // see kernels::preload_all_kernels
+    Options o;
+    bench::Flags flags("ops_bench", "The CUDA data plane and planner on R virtual ranks of one GPU");
+    flags.add_sweep({"moonep", "deepep"}, /*default_ffn=*/1024);
+    flags.add_timing(&o.iters, &o.warmup);
+    flags.add_csv(&o.csv);
+    flags.add("--tokens-per-call", &o.tokens_per_call, "s: tokens each rank passes, <= S (default S), a list sweeps");
+    flags.add_switch("--planner-only", &o.planner_only, "only the planner kernels, graph-timed, vs the host planner");
+    flags.add_switch("--planner-profile", &o.planner_profile, "with --planner-only: where the planner's time goes");
+    flags.add("--seeds", &o.seeds, "--planner-only: routings per case (seeds 42..)", 1, 1000);
+    flags.add("--sigma-cache", &o.sigma_cache, "CSV of routing sigmas found before: read, and appended to");
+    flags.parse(argc, argv);
+    o.cases = flags.cases();
+    for (const bench::Case& c : o.cases) {
+        const Config cfg = flags.validated(c.shape);
+        if (cfg.num_ranks > kMaxRanks) flags.fail("--ranks: at most " + std::to_string(kMaxRanks) + " virtual ranks");
+        for (int s : o.tokens_per_call)
+            if (s < 1 || s > cfg.num_tokens)
+                flags.fail("--tokens-per-call " + std::to_string(s) + ": needs 1 <= s <= S (" + c.shape.label() + ")");
+    }
+    if (o.planner_profile && !o.planner_only) flags.fail("--planner-profile needs --planner-only");
     int num_devices = 0;
     if (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0) {
         std::printf("SKIP: no CUDA device\n");
         return 0;
     }
-    std::string csv_path = "ops_bench.csv";
-    int iters = 20, warmup = 3, hp = 1024;
-    bool quick = false, planner_only = false, planner_profile = false;
-    std::string only_config;  // --config moonep|deepep: that config's rows only
-    std::vector<double> planner_maxvios = {0.2, 1.0, 10.0, 20.0, -1.0};  // -1: the DeepEP config
-    int planner_seeds = 3;
-    for (int i = 1; i < argc; ++i) {
-        if (!std::strcmp(argv[i], "--maxvio") && i + 1 < argc) {
-            planner_maxvios.clear();
-            std::string list = argv[++i];
-            for (size_t at = 0; at <= list.size();) {
-                const size_t comma = std::min(list.find(',', at), list.size());
-                planner_maxvios.push_back(std::atof(list.substr(at, comma - at).c_str()));
-                at = comma + 1;
-            }
-        }
-        if (!std::strcmp(argv[i], "--seeds") && i + 1 < argc) planner_seeds = std::atoi(argv[++i]);
-        if (!std::strcmp(argv[i], "--planner-only")) planner_only = true;
-        if (!std::strcmp(argv[i], "--planner-profile")) planner_profile = true;
-        if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv_path = argv[++i];
-        if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::atoi(argv[++i]);
-        if (!std::strcmp(argv[i], "--warmup") && i + 1 < argc) warmup = std::atoi(argv[++i]);
-        if (!std::strcmp(argv[i], "--hp") && i + 1 < argc) hp = std::atoi(argv[++i]);
-        if (!std::strcmp(argv[i], "--quick")) quick = true;
-        if (!std::strcmp(argv[i], "--config") && i + 1 < argc) only_config = argv[++i];
-    }
-    if (planner_only) return planner_bench(iters, warmup, planner_profile, planner_maxvios, planner_seeds);
-    const double copy_gbps = copy_bandwidth_gbps(10);
+    bench::SigmaTable sigmas(/*bisection_ranks=*/8, o.sigma_cache);
+    std::vector<uint64_t> seeds;
+    for (int i = 0; i < (o.planner_only ? o.seeds : 1); ++i) seeds.push_back(42 + uint64_t(i));
+    sigmas.prepare(o.cases, seeds);
+    if (o.planner_only) return planner_bench(o, sigmas);
+
+    const double copy_gbps = bench::copy_bandwidth_gbps(10);
     std::printf("device-to-device copy: %.0f GB/s (read + write)\n", copy_gbps);
-    FILE* csv = std::fopen(csv_path.c_str(), "w");
-    FLATEP_CHECK_RUNTIME(csv != nullptr, "cannot open ", csv_path);
-    std::fprintf(csv,
-                 "config,maxvio_target,maxvio,op,time_us_median,time_us_min,bytes_per_rank,agg_GBps,copy_GBps,"
-                 "ratio_to_copy,replicas,makespan\n");
-
-    struct Bench {
-        std::string name;
-        Config config;
-        double maxvio;  // < 0: uniform
-    };
-    std::vector<Bench> benches;
-    for (double mv : {0.2, 1.0, 10.0, 20.0}) benches.push_back({"moonep", make_config(8, 384, 8192, 8, 7168), mv});
-    benches.push_back({"deepep", make_config(8, 256, 4096, 8, 7168), -1.0});
-    if (quick) benches = {{"moonep", make_config(8, 384, 8192, 8, 7168), 1.0}};
-    if (!only_config.empty()) {
-        std::erase_if(benches, [&](const Bench& b) { return b.name != only_config; });
-        FLATEP_CHECK(!benches.empty(), "--config must be moonep or deepep, got '", only_config, "'");
+    bench::CsvWriter csv(o.csv, {"config",
+                                 "maxvio_target",
+                                 "maxvio",
+                                 "op",
+                                 "time_us_median",
+                                 "time_us_min",
+                                 "bytes_per_rank",
+                                 "agg_GBps",
+                                 "copy_GBps",
+                                 "ratio_to_copy",
+                                 "replicas",
+                                 "makespan",
+                                 "R",
+                                 "S",
+                                 "s",
+                                 "E",
+                                 "H",
+                                 "K",
+                                 "ffn",
+                                 "align",
+                                 "sigma"});
+    std::printf("%-13s %-26s %5s %6s %6s %-14s %10s %12s %9s %6s\n", "config", "shape", "s", "target", "maxvio", "op",
+                "median_us", "MB_per_rank", "agg_GB/s", "ratio");
+    for (const bench::Case& c : o.cases) {
+        const double sigma = sigmas.sigma(c, 42);
+        const std::vector<int> calls = o.tokens_per_call.empty() ? std::vector<int>{c.shape.tokens} : o.tokens_per_call;
+        for (int s : calls) data_plane_case(o, c, s, sigma, copy_gbps, csv);
     }
-
-    std::printf("%-7s %6s %6s %-12s %10s %12s %9s %6s\n", "config", "target", "maxvio", "op", "median_us",
-                "MB_per_rank", "agg_GB/s", "ratio");
-    for (const Bench& bench : benches) {
-        const Layout l = make_layout(bench.config);
-        CaseSpec spec;
-        spec.name = bench.name;
-        spec.config = bench.config;
-        spec.separate_recv = false;
-        spec.weighted = true;
-        spec.expert_elems = int64_t(l.hidden) * hp;
-        spec.sigma = bench.maxvio < 0 ? 0.0
-                                      : routing::sigma_for_maxvio(bench.maxvio, l.num_ranks, l.num_experts,
-                                                                  l.num_tokens, l.topk, 42);
-        spec.seed = 42;
-        LocalDeviceGroup group(l.num_ranks, false, 30.0);
-        DeviceCase dev(spec, l, group);
-        // Inputs: routing from the generator; data random on the device (never zeros).
-        const auto topk = make_routing(spec, spec.seed);
-        std::vector<int32_t> all_counts(size_t(l.num_ranks) * l.num_experts, 0);
-        for (int r = 0; r < l.num_ranks; ++r) {
-            std::vector<int32_t> t32(topk[r].begin(), topk[r].end());
-            for (int32_t e : t32) ++all_counts[size_t(r) * l.num_experts + e];
-            auto& p = dev.ranks[r];
-            FLATEP_CUDA_CHECK(cudaMemcpy(p.topk, t32.data(), t32.size() * 4, cudaMemcpyHostToDevice));
-            fill_device_bf16(p.x, int64_t(l.num_tokens) * l.hidden, 100 + r);
-            fill_device_bf16(p.weights, int64_t(l.num_tokens) * l.topk * 2, 200 + r);  // bf16 pairs: finite floats
-            fill_device_bf16(p.y, int64_t(l.num_recv_rows) * l.hidden, 300 + r);
-            fill_device_bf16(p.expert_w, int64_t(l.experts_per_rank) * spec.expert_elems, 400 + r);
-            fill_device_bf16(p.grads, int64_t(l.experts_per_rank) * spec.expert_elems * 2, 500 + r);
-            fill_device_bf16(dev.red_regions[r].local, int64_t(l.experts_per_rank) * spec.expert_elems * 2, 600 + r);
-        }
-        FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
-        const double maxvio = routing::maxvio(all_counts.data(), l.num_ranks, l.num_experts);
-        const int R = l.num_ranks;
-        auto sync = [&](int r) {
-            return group.sync_args(r, dev.regions, dev.sym.barrier_offset, dev.sym.status_offset);
-        };
-        auto plan_args = [&](int r) {
-            PlanArgs a{};
-            a.layout = l;
-            a.rank = r;
-            a.num_tokens = l.num_tokens;
-            a.topk_idx = dev.ranks[r].topk;
-            a.index_bytes = 4;
-            a.planner = PlannerKind::kBalanced;
-            for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
-            a.plan = make_plan_view(l, dev.ranks[r].plan);
-            a.sync = sync(r);
-            a.workspace = dev.ranks[r].workspace;
-            return a;
-        };
-        auto dispatch_args = [&](int r) {
-            DispatchArgs a{};
-            a.layout = l;
-            a.rank = r;
-            a.x = dev.ranks[r].x;
-            a.topk_weights = dev.ranks[r].weights;
-            a.plan = make_plan_view(l, dev.ranks[r].plan);
-            for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
-            a.recv_x = dev.ranks[r].recv_x;
-            a.recv_w = dev.ranks[r].recv_w;
-            a.sync = sync(r);
-            return a;
-        };
-        auto combine_args = [&](int r) {
-            CombineArgs a{};
-            a.layout = l;
-            a.rank = r;
-            a.y = dev.ranks[r].y;
-            a.weights = dev.ranks[r].recv_w;
-            a.plan = make_plan_view(l, dev.ranks[r].plan);
-            for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
-            a.out = dev.ranks[r].out_alloc;
-            a.sync = sync(r);
-            return a;
-        };
-        auto prefetch_args = [&](int r) {
-            PrefetchArgs a{};
-            a.rank = r;
-            a.num_ranks = R;
-            a.experts_per_rank = l.experts_per_rank;
-            a.expert_bytes = spec.expert_elems * 2;
-            a.slot_expert = make_plan_view(l, dev.ranks[r].plan).slot_expert;
-            a.weights = reinterpret_cast<const uint8_t*>(dev.ranks[r].expert_w);
-            for (int p = 0; p < R; ++p) a.slot_pools[p] = dev.slot_regions[r].peers[p];
-            a.sync = sync(r);
-            return a;
-        };
-        auto reduce_args = [&](int r) {
-            GradReduceArgs a{};
-            a.rank = r;
-            a.num_ranks = R;
-            a.experts_per_rank = l.experts_per_rank;
-            a.expert_elems = spec.expert_elems;
-            a.slot_expert = make_plan_view(l, dev.ranks[r].plan).slot_expert;
-            a.grads = dev.ranks[r].grads;
-            for (int p = 0; p < R; ++p) a.reduce_pools[p] = reinterpret_cast<float*>(dev.red_regions[r].peers[p]);
-            a.sync = sync(r);
-            return a;
-        };
-        const Timing t_plan = time_op(group, iters, warmup, [&] {
-            for (int r = 0; r < R; ++r) kernels::launch(plan_args(r), group.stream(r));
-        });
-        // Planner kernels alone (rank 0's counts; every rank runs the same planner on the same input), device time
-        // from a graph of 10 back-to-back planners (as in a captured step; no host launch latency).
-        const Timing t_planner = time_graph(group.stream(0), iters, warmup, 10, [&] {
-            kernels::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.ranks[0].plan),
-                                    dev.ranks[0].workspace, kernels::PlannerEngine::kParallel, group.stream(0));
-        });
-        const Timing t_planner_greedy = time_graph(group.stream(0), iters, warmup, 10, [&] {
-            kernels::launch_planner(l, PlannerKind::kGreedy, make_plan_view(l, dev.ranks[0].plan),
-                                    dev.ranks[0].workspace, kernels::PlannerEngine::kParallel, group.stream(0));
-        });
-        // Restore rank 0's balanced plan (the greedy run above overwrote its global part).
-        kernels::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.ranks[0].plan), dev.ranks[0].workspace,
-                                kernels::PlannerEngine::kParallel, group.stream(0));
-        group.synchronize();
-        const Timing t_dispatch = time_op(group, iters, warmup, [&] {
-            for (int r = 0; r < R; ++r) kernels::launch(dispatch_args(r), group.stream(r));
-        });
-        const Timing t_combine = time_op(group, iters, warmup, [&] {
-            for (int r = 0; r < R; ++r) kernels::launch(combine_args(r), group.stream(r));
-        });
-        const Timing t_prefetch = time_op(group, iters, warmup, [&] {
-            for (int r = 0; r < R; ++r) kernels::launch(prefetch_args(r), group.stream(r));
-        });
-        const Timing t_reduce = time_op(group, std::max(3, iters / 4), 1, [&] {
-            for (int r = 0; r < R; ++r) kernels::launch(reduce_args(r), group.stream(r));
-        });
-        // Bytes, from the plans.
-        std::vector<RankOutputs> outs(R);
-        for (int r = 0; r < R; ++r) {
-            outs[r].plan.resize(size_t(make_plan_sizes(l).total_words));
-            FLATEP_CUDA_CHECK(
-                cudaMemcpy(outs[r].plan.data(), dev.ranks[r].plan, outs[r].plan.size() * 4, cudaMemcpyDeviceToHost));
-        }
-        for (int r = 0; r < R; ++r) {
-            const WaitRecord& w = group.wait_record(r);
-            FLATEP_CHECK_RUNTIME(w.code == 0, "timeout in op ", w.op, " rank ", w.rank, " peer ", w.peer);
-        }
-        const Bytes bytes = count_bytes(l, outs, l.num_tokens, true);
-        const PlanStats& st = *make_plan_view(l, outs[0].plan.data()).stats;
-        double pre_bytes = 0, red_bytes = 0;
-        for (int d = 0; d < R; ++d) {
-            pre_bytes += 2.0 * st.replicas_in[d] * double(spec.expert_elems) * 2;  // read + write per replica
-            // owner: read grad + each slot, write grad; then the slot zeroed
-            red_bytes += st.replicas_in[d] * double(spec.expert_elems) * 4 * 2;
-            red_bytes += 2.0 * st.replicas_out[d] * 0;  // grads of owners with replicas: read+write once per expert
-        }
-        for (int d = 0; d < R; ++d) {
-            std::vector<char> has(size_t(l.experts_per_rank), 0);
-            const int32_t* se = make_plan_view(l, outs[d].plan.data()).slot_expert;
-            for (int i = 0; i < R * l.experts_per_rank; ++i)
-                if (se[i] >= 0 && se[i] / l.experts_per_rank == d) has[se[i] % l.experts_per_rank] = 1;
-            for (char h : has) red_bytes += h ? 2.0 * double(spec.expert_elems) * 4 : 0;
-        }
-        struct Row {
-            const char* op;
-            Timing t;
-            double bytes;  // all ranks
-        };
-        const Row rows[] = {{"plan", t_plan, 0},
-                            {"planner", t_planner, 0},
-                            {"planner_greedy", t_planner_greedy, 0},
-                            {"dispatch", t_dispatch, bytes.dispatch},
-                            {"combine", t_combine, bytes.combine},
-                            {"prefetch", t_prefetch, pre_bytes},
-                            {"reduce_grad", t_reduce, red_bytes}};
-        for (const Row& row : rows) {
-            const double gbps = row.bytes > 0 ? row.bytes / (row.t.median_us * 1e-6) / 1e9 : 0;
-            std::printf("%-7s %6.1f %6.2f %-12s %10.1f %12.1f %9.0f %6.2f\n", bench.name.c_str(), bench.maxvio, maxvio,
-                        row.op, row.t.median_us, row.bytes / R / 1e6, gbps, gbps / copy_gbps);
-            std::fprintf(csv, "%s,%.2f,%.4f,%s,%.2f,%.2f,%.0f,%.1f,%.1f,%.4f,%d,%d\n", bench.name.c_str(), bench.maxvio,
-                         maxvio, row.op, row.t.median_us, row.t.min_us, row.bytes / R, gbps, copy_gbps,
-                         gbps / copy_gbps, st.total_replicas, st.makespan);
-        }
-        std::fflush(stdout);
-        std::fflush(csv);
-    }
-    std::fclose(csv);
     return 0;
 }

@@ -67,9 +67,9 @@ def main():
     host_rows = []
     for R, E, S, K in CONFIGS:
         csv_path = os.path.join(args.cache, f"host_R{R}_E{E}_S{S}_K{K}.csv")
-        cmd = [tool, "--R", str(R), "--E", str(E), "--S", str(S), "--K", str(K), "--seeds", str(args.seeds),
-               "--maxvio", ",".join(f"{m:g}" for m in MAXVIO), "--factors", ",".join(f"{f:g}" for f in FACTORS),
-               "--repeats", str(args.repeats), "--dump", args.cache, "--csv", csv_path]
+        cmd = [tool, "--ranks", str(R), "--experts", str(E), "--tokens", str(S), "--topk", str(K), "--seeds",
+               str(args.seeds), "--maxvio", ",".join(f"{m:g}" for m in MAXVIO), "--factors",
+               ",".join(f"{f:g}" for f in FACTORS), "--iters", str(args.repeats), "--dump", args.cache, "--csv", csv_path]
         if not (args.reuse_host and os.path.exists(csv_path)):
             print("+", " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)

@@ -1,21 +1,21 @@
 // flatep-plan-stats: quality and host time of the planners (one-donor greedy vs the default balanced planner) on
 // generated routings over a maxvio sweep. Prints a table and writes CSV.
 //
-//   flatep-plan-stats [--R 8] [--E 384] [--S 8192] [--K 8] [--align 128] [--capacity-factor 1.0]
-//                     [--maxvio 0.2,1,10,20] [--seeds 3] [--repeats 21] [--csv plan_stats.csv]
+//   flatep-plan-stats [--ranks 8] [--experts 384] [--tokens 8192] [--topk 8] [--align 128] [--capacity-factor 1.0]
+//                     [--maxvio 0.2,1,10,20] [--seeds 3] [--iters 21] [--csv plan_stats.csv]
 //
-// sigma for each target maxvio is found once (routing::sigma_for_maxvio with seed 1) and every seed then draws
-// its own routing with that sigma; the realised maxvio of each draw is reported next to the target.
+// (benchmarks/common/flags.hpp: the flag set every driver shares.) sigma for each target maxvio is found once
+// (routing::sigma_for_maxvio with seed 1) and every seed then draws its own routing with that sigma; the realised
+// maxvio of each draw is reported next to the target. --iters: host planner runs per plan, median reported.
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "common/flags.hpp"
+#include "common/timing.hpp"
 #include "flatep/config.hpp"
 #include "flatep/error.hpp"
 #include "layout/layout.hpp"
@@ -28,7 +28,7 @@ struct Options {
     flatep::Config config;
     std::vector<double> maxvio{0.2, 1.0, 10.0, 20.0};
     int seeds = 3;
-    int repeats = 21;
+    int iters = 21, warmup = 0;
     std::string csv = "plan_stats.csv";
 };
 
@@ -39,58 +39,17 @@ struct Options {
 
 Options parse(int argc, char** argv) {
     Options o;
-    o.config.num_ranks = 8;
-    o.config.num_experts = 384;
-    o.config.num_tokens = 8192;
-    o.config.topk = 8;
-    o.config.hidden = 8;
-    for (int i = 1; i < argc; ++i) {
-        const std::string flag = argv[i];
-        if (flag == "--help" || flag == "-h") {
-            std::printf(
-                "usage: flatep-plan-stats [--R n] [--E n] [--S n] [--K n] [--align n] [--capacity-factor f]\n"
-                "                         [--maxvio a,b,..] [--seeds n] [--repeats n] [--csv path]\n");
-            std::exit(0);
-        }
-        if (i + 1 >= argc) usage_error("option " + flag + " needs a value");
-        const std::string value = argv[++i];
-        char* end = nullptr;
-        auto as_int = [&]() {
-            const long v = std::strtol(value.c_str(), &end, 10);
-            if (*end != '\0' || v < 0 || v > (1L << 30)) usage_error("bad integer for " + flag + ": " + value);
-            return int(v);
-        };
-        if (flag == "--R") {
-            o.config.num_ranks = as_int();
-        } else if (flag == "--E") {
-            o.config.num_experts = as_int();
-        } else if (flag == "--S") {
-            o.config.num_tokens = as_int();
-        } else if (flag == "--K") {
-            o.config.topk = as_int();
-        } else if (flag == "--align") {
-            o.config.align = as_int();
-        } else if (flag == "--seeds") {
-            o.seeds = std::max(1, as_int());
-        } else if (flag == "--repeats") {
-            o.repeats = std::max(1, as_int());
-        } else if (flag == "--capacity-factor") {
-            o.config.capacity_factor = std::strtod(value.c_str(), &end);
-            if (*end != '\0') usage_error("bad number for --capacity-factor: " + value);
-        } else if (flag == "--maxvio") {
-            o.maxvio.clear();
-            std::stringstream ss(value);
-            std::string item;
-            while (std::getline(ss, item, ',')) {
-                o.maxvio.push_back(std::strtod(item.c_str(), &end));
-                if (*end != '\0') usage_error("bad number in --maxvio: " + item);
-            }
-        } else if (flag == "--csv") {
-            o.csv = value;
-        } else {
-            usage_error("unknown option " + flag);
-        }
-    }
+    flatep::bench::Shape shape;
+    shape.hidden = 8;  // the planner does not read H
+    flatep::bench::Flags flags("flatep-plan-stats", "Quality and host time of the greedy and balanced planners");
+    flags.add_shape(&shape);
+    flags.add("--maxvio", &o.maxvio, "target maxvios of the routing (sigma by bisection)");
+    flags.add("--seeds", &o.seeds, "routings per target", 1);
+    flags.add_timing(&o.iters, &o.warmup);
+    flags.add_csv(&o.csv);
+    flags.parse(argc, argv);
+    if (o.maxvio.empty()) flags.fail("--maxvio needs at least one value");
+    o.config = flags.validated(shape);
     return o;
 }
 
@@ -124,14 +83,8 @@ int main(int argc, char** argv) {
                 for (flatep::PlannerKind kind : {flatep::PlannerKind::kGreedy, flatep::PlannerKind::kBalanced}) {
                     flatep::HostPlan plan(l);
                     std::copy(counts.begin(), counts.end(), plan.view.tpe_all);
-                    std::vector<double> times;
-                    for (int rep = 0; rep < o.repeats; ++rep) {
-                        const auto t0 = std::chrono::steady_clock::now();
-                        flatep::plan_counts(l, kind, plan.view);
-                        const auto t1 = std::chrono::steady_clock::now();
-                        times.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-                    }
-                    std::sort(times.begin(), times.end());
+                    const flatep::bench::Timing t =
+                        flatep::bench::time_host(o.iters, o.warmup, [&] { flatep::plan_counts(l, kind, plan.view); });
                     const std::string bad = flatep::check_plan(l, plan.view);
                     if (!bad.empty()) {
                         std::fprintf(stderr, "flatep-plan-stats: error: invalid %s plan (maxvio %g seed %llu): %s\n",
@@ -139,11 +92,10 @@ int main(int argc, char** argv) {
                         return 1;
                     }
                     const flatep::PlanStats& st = *plan.view.stats;
-                    rows.push_back(Row{flatep::planner_name(kind), target, real, seed, st.max_load_before / sk,
-                                       st.makespan, st.total_replicas, st.max_replicas_in, st.max_replicas_out,
-                                       st.entries_moved, st.entries_total,
-                                       st.entries_total ? double(st.entries_on_source) / double(st.entries_total) : 1,
-                                       times[times.size() / 2]});
+                    rows.push_back(Row{
+                        flatep::planner_name(kind), target, real, seed, st.max_load_before / sk, st.makespan,
+                        st.total_replicas, st.max_replicas_in, st.max_replicas_out, st.entries_moved, st.entries_total,
+                        st.entries_total ? double(st.entries_on_source) / double(st.entries_total) : 1, t.median_us});
                 }
             }
         }

@@ -16,9 +16,10 @@
 // (min(1, CPUs/R)), and the same statistics are printed for it: how many slow steps the machine makes on its own.
 // Prints the figures, appends one CSV row (--csv), exits 1 when a check fails. Not part of CI.
 //
-//   flatep-soak [--R 4] [--E 32] [--S 64] [--K 4] [--H 64] [--F 32] [--align 8] [--capacity-factor 1.0]
-//               [--steps 10000] [--warmup 200] [--replay-every 97] [--sigma-max 3.0] [--seed 1]
-//               [--max-step-ratio 3] [--timeout 30] [--baseline 1] [--csv soak.csv]
+//   flatep-soak [--ranks 4] [--experts 32] [--tokens 64] [--topk 4] [--hidden 64] [--ffn 32] [--align 8]
+//               [--capacity-factor 1.0] [--steps 10000] [--warmup 200] [--replay-every 97] [--sigma-max 3.0]
+//               [--seed 1] [--max-step-ratio 3] [--timeout 30] [--baseline 1] [--csv soak.csv]
+// (benchmarks/common/flags.hpp: the flag set every driver shares; --warmup counts steps here.)
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/mman.h>
@@ -35,6 +36,7 @@
 #include <vector>
 
 #include "common/bf16.hpp"
+#include "common/flags.hpp"
 #include "flatep/buffer.hpp"
 #include "flatep/error.hpp"
 #include "flatep/expert_pools.hpp"
@@ -67,74 +69,31 @@ struct Options {
 
 Options parse(int argc, char** argv) {
     Options o;
-    o.config.num_ranks = 4;
-    o.config.num_experts = 32;
-    o.config.num_tokens = 64;
-    o.config.topk = 4;
-    o.config.hidden = 64;
-    o.config.align = 8;
-    for (int i = 1; i < argc; ++i) {
-        const std::string flag = argv[i];
-        if (i + 1 >= argc) usage_error("missing value after " + flag);
-        const std::string value = argv[++i];
-        auto as_int = [&] {
-            char* end = nullptr;
-            const long v = std::strtol(value.c_str(), &end, 10);
-            if (end == value.c_str() || *end != '\0') usage_error(flag + " must be an integer, got '" + value + "'");
-            return int(v);
-        };
-        auto as_double = [&] {
-            char* end = nullptr;
-            const double v = std::strtod(value.c_str(), &end);
-            if (end == value.c_str() || *end != '\0') usage_error(flag + " must be a number, got '" + value + "'");
-            return v;
-        };
-        if (flag == "--R")
-            o.config.num_ranks = as_int();
-        else if (flag == "--E")
-            o.config.num_experts = as_int();
-        else if (flag == "--S")
-            o.config.num_tokens = as_int();
-        else if (flag == "--K")
-            o.config.topk = as_int();
-        else if (flag == "--H")
-            o.config.hidden = as_int();
-        else if (flag == "--F")
-            o.ffn = as_int();
-        else if (flag == "--align")
-            o.config.align = as_int();
-        else if (flag == "--capacity-factor")
-            o.config.capacity_factor = as_double();
-        else if (flag == "--steps")
-            o.steps = as_int();
-        else if (flag == "--warmup")
-            o.warmup = as_int();
-        else if (flag == "--replay-every")
-            o.replay_every = as_int();
-        else if (flag == "--sigma-max")
-            o.sigma_max = as_double();
-        else if (flag == "--seed")
-            o.seed = uint64_t(as_int());
-        else if (flag == "--max-step-ratio")
-            o.max_step_ratio = as_double();
-        else if (flag == "--timeout")
-            o.timeout_s = as_double();
-        else if (flag == "--baseline")
-            o.baseline = as_int() != 0;
-        else if (flag == "--csv")
-            o.csv = value;
-        else
-            usage_error("unknown flag " + flag);
-    }
-    try {
-        o.config.validate();
-    } catch (const flatep::Error& e) {
-        usage_error(e.message());
-    }
-    if (o.steps < 1 || o.warmup < 0 || o.warmup >= o.steps)
-        usage_error("need --steps >= 1 and 0 <= --warmup < --steps");
-    if (o.replay_every < 1) usage_error("--replay-every must be >= 1");
-    if (o.ffn < 1) usage_error("--F must be >= 1");
+    flatep::bench::Shape shape;
+    shape.ranks = 4;
+    shape.experts = 32;
+    shape.tokens = 64;
+    shape.topk = 4;
+    shape.hidden = 64;
+    shape.ffn = o.ffn;
+    shape.align = 8;
+    int baseline = 1;
+    flatep::bench::Flags flags("flatep-soak", "Soak test of the CPU backend over processes");
+    flags.add_shape(&shape);
+    flags.add("--steps", &o.steps, "steps in all (warm-up included)", 1);
+    flags.add("--warmup", &o.warmup, "steps before the drift and time baselines", 0);
+    flags.add("--replay-every", &o.replay_every, "replay every n-th step at the end", 1);
+    flags.add("--sigma-max", &o.sigma_max, "per-step routing sigma drawn from [0, this]");
+    flags.add("--seed", &o.seed, "run seed");
+    flags.add("--max-step-ratio", &o.max_step_ratio, "fail a step slower than this times the median");
+    flags.add("--timeout", &o.timeout_s, "timeout of every wait (s)");
+    flags.add("--baseline", &baseline, "1: also run the no-FlatEP compute baseline", 0, 1);
+    flags.add_csv(&o.csv);
+    flags.parse(argc, argv);
+    o.config = flags.validated(shape);
+    o.ffn = shape.ffn;
+    o.baseline = baseline != 0;
+    if (o.warmup >= o.steps) usage_error("need --warmup < --steps");
     return o;
 }
 

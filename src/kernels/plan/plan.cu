@@ -1480,6 +1480,10 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
 
 size_t plan_workspace_bytes(const Layout& l) { return size_t(workspace_sizes(l).total) * sizeof(int32_t); }
 
+size_t planner_candidate_smem_bytes(const Layout& l) { return candidate_smem_bytes(l); }
+
+bool planner_uses_candidate_path(const Layout& l) { return candidate_smem_bytes(l) <= kMaxPlannerSmem; }
+
 void set_planner_engine(PlannerEngine engine) { g_engine.store(int(engine)); }
 
 PlannerProfileSlots planner_profile_slots(const Layout& l) {

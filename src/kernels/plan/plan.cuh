@@ -18,6 +18,13 @@ namespace flatep::kernels {
 // Device scratch the plan op needs (PlanArgs::workspace), in bytes.
 size_t plan_workspace_bytes(const Layout& layout);
 
+// Shared memory one block of the balanced planner's candidate path needs (the counts, planner_core's workspace,
+// home_ahead's table), and whether launch_planner takes that path (the need is at most 200 KiB). Where it does not
+// (e.g. E=896 at R >= 32), the balanced planner runs planner_core::plan_alloc on one thread of
+// planner_parallel_kernel over global memory: the same plan, at the host planner's pace or slower.
+size_t planner_candidate_smem_bytes(const Layout& layout);
+bool planner_uses_candidate_path(const Layout& layout);
+
 // The whole plan op of args.rank on `stream` (collective: every rank launches it on its own stream). Kernels:
 // histogram -> all-gather + barrier -> planner -> routing + chain push -> barrier -> chain unpack.
 void launch(const PlanArgs& args, cudaStream_t stream);

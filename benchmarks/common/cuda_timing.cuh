@@ -1,0 +1,86 @@
+// CUDA-event timing shared by the GPU benchmark drivers: an event pair, graph-replay timing of a single-stream op,
+// and the device-to-device copy bandwidth every data-plane figure is set beside (design §9).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <functional>
+#include <vector>
+
+#include "kernels/common/cuda_check.cuh"
+#include "timing.hpp"
+
+namespace flatep::bench {
+
+// Two timing events on one stream: record(start), work, record(stop), elapsed_us() (waits for stop).
+class EventPair {
+  public:
+    EventPair() {
+        FLATEP_CUDA_CHECK(cudaEventCreate(&start_));
+        FLATEP_CUDA_CHECK(cudaEventCreate(&stop_));
+    }
+    ~EventPair() {
+        cudaEventDestroy(start_);
+        cudaEventDestroy(stop_);
+    }
+    EventPair(const EventPair&) = delete;
+    EventPair& operator=(const EventPair&) = delete;
+    void start(cudaStream_t s) { FLATEP_CUDA_CHECK(cudaEventRecord(start_, s)); }
+    void stop(cudaStream_t s) { FLATEP_CUDA_CHECK(cudaEventRecord(stop_, s)); }
+    float elapsed_us() {
+        FLATEP_CUDA_CHECK(cudaEventSynchronize(stop_));
+        float ms = 0;
+        FLATEP_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+        return ms * 1000.f;
+    }
+
+  private:
+    cudaEvent_t start_ = nullptr, stop_ = nullptr;
+};
+
+// Device time of a single-stream op without host launch latency: `batch` launches of op captured in one CUDA graph,
+// the graph replayed warmup + iters times; per-op time = replay time / batch (gaps between kernels included).
+inline Timing time_graph(cudaStream_t stream, int iters, int warmup, int batch, const std::function<void()>& op) {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    FLATEP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    FLATEP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < batch; ++i) op();
+    FLATEP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    FLATEP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    EventPair ev;
+    std::vector<float> us;
+    for (int it = 0; it < warmup + iters; ++it) {
+        ev.start(stream);
+        FLATEP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+        ev.stop(stream);
+        const float t = ev.elapsed_us();
+        if (it >= warmup) us.push_back(t / float(batch));
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    return summarize(us);
+}
+
+// Device-to-device copy bandwidth (GB/s, bytes read + written), median of `iters` cudaMemcpyAsync of `bytes` after
+// two untimed ones. The source is filled with a non-zero pattern first.
+inline double copy_bandwidth_gbps(int iters, size_t bytes = size_t(4) << 30) {
+    void *a = nullptr, *b = nullptr;
+    FLATEP_CUDA_CHECK(cudaMalloc(&a, bytes));
+    FLATEP_CUDA_CHECK(cudaMalloc(&b, bytes));
+    FLATEP_CUDA_CHECK(cudaMemset(a, 0x5a, bytes));
+    EventPair ev;
+    std::vector<float> us;
+    for (int it = 0; it < iters + 2; ++it) {
+        ev.start(nullptr);
+        FLATEP_CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+        ev.stop(nullptr);
+        const float t = ev.elapsed_us();
+        if (it >= 2) us.push_back(t);
+    }
+    cudaFree(a);
+    cudaFree(b);
+    return 2.0 * double(bytes) / (double(median(us)) * 1e-6) / 1e9;
+}
+
+}  // namespace flatep::bench
