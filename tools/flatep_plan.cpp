@@ -11,11 +11,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <string>
+#include <vector>
 
 #include "flatep/error.hpp"
 #include "json.hpp"
@@ -39,22 +41,37 @@ constexpr size_t kMaxInputBytes = size_t(32) << 20;
     std::exit(1);
 }
 
-void write_matrix(flatep::json::Writer& w, const char* name, const int32_t* data, int rows, int cols) {
-    w.key(name);
-    w.begin_array();
-    for (int r = 0; r < rows; ++r) {
-        w.begin_array();
-        for (int c = 0; c < cols; ++c) w.value(int64_t(data[int64_t(r) * cols + c]));
-        w.end_array();
-    }
-    w.end_array();
+using Json = nlohmann::ordered_json;  // members in the order written
+
+Json matrix(const int32_t* data, int rows, int cols) {
+    Json m = Json::array();
+    for (int r = 0; r < rows; ++r)
+        m.push_back(std::vector<int32_t>(data + int64_t(r) * cols, data + int64_t(r + 1) * cols));
+    return m;
 }
 
-void write_vector(flatep::json::Writer& w, const char* name, const int32_t* data, int n) {
-    w.key(name);
-    w.begin_array();
-    for (int i = 0; i < n; ++i) w.value(int64_t(data[i]));
-    w.end_array();
+// Indented JSON whose arrays of scalars stay on one line, so that a matrix reads as one row per line.
+void write_indented(std::string& out, const Json& v, int depth) {
+    if (v.is_array() && std::none_of(v.begin(), v.end(), [](const Json& x) { return x.is_structured(); })) {
+        out += '[';
+        for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + v[i].dump();
+        out += ']';
+        return;
+    }
+    if (!v.is_structured() || v.empty()) {
+        out += v.dump();
+        return;
+    }
+    out += v.is_object() ? '{' : '[';
+    for (auto it = v.begin(); it != v.end(); ++it) {
+        out += it == v.begin() ? "\n" : ",\n";
+        out.append(size_t(depth + 1) * 2, ' ');
+        if (v.is_object()) out += Json(it.key()).dump() + ": ";
+        write_indented(out, *it, depth + 1);
+    }
+    out += '\n';
+    out.append(size_t(depth) * 2, ' ');
+    out += v.is_object() ? '}' : ']';
 }
 
 const std::string kInputLimit = "flatep-plan's input limit of " + std::to_string(kMaxInputBytes) + " bytes (32 MiB)";
@@ -143,65 +160,45 @@ int main(int argc, char** argv) {
         if (!bad.empty()) fail("internal error: the plan violates its invariants: " + bad);
 
         const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
-        flatep::json::Writer w(compact);
-        w.begin_object();
-        w.key("R");
-        w.value(R);
-        w.key("E");
-        w.value(E);
-        w.key("S");
-        w.value(l.num_tokens);
-        w.key("K");
-        w.value(l.topk);
-        w.key("align");
-        w.value(l.align);
-        w.key("capacity_factor");
-        w.value(c.capacity_factor);
-        w.key("capacity");
-        w.value(l.capacity);
-        w.key("experts_per_rank");
-        w.value(epn);
-        w.key("num_recv_rows");
-        w.value(l.num_recv_rows);
-        w.key("exact");
-        w.value(l.exact);
-        w.key("planner");
-        w.value(flatep::planner_name(kind));
-        write_matrix(w, "alloc", plan.view.alloc, R, E);
-        write_matrix(w, "keep", plan.view.keep, R, E);
-        write_matrix(w, "group_row", plan.view.group_row, R, E);
-        write_matrix(w, "slot_expert", plan.view.slot_expert, R, epn);
-        write_matrix(w, "cu_seqlens", plan.view.cu_seqlens, R, 2 * epn);
         const flatep::PlanStats& st = *plan.view.stats;
-        w.key("stats");
-        w.begin_object();
-        w.key("entries_total");
-        w.value(st.entries_total);
-        w.key("entries_moved");
-        w.value(st.entries_moved);
-        w.key("entries_on_source");
-        w.value(st.entries_on_source);
-        w.key("max_load_before");
-        w.value(st.max_load_before);
-        w.key("max_load_after");
-        w.value(st.max_load_after);
-        w.key("min_load_after");
-        w.value(st.min_load_after);
-        w.key("total_replicas");
-        w.value(st.total_replicas);
-        w.key("makespan");
-        w.value(st.makespan);
-        w.key("max_replicas_in");
-        w.value(st.max_replicas_in);
-        w.key("max_replicas_out");
-        w.value(st.max_replicas_out);
-        write_vector(w, "loads_before", st.loads_before, R);
-        write_vector(w, "loads_after", st.loads_after, R);
-        write_vector(w, "replicas_in", st.replicas_in, R);
-        write_vector(w, "replicas_out", st.replicas_out, R);
-        w.end_object();
-        w.end_object();
-        std::fwrite(w.str().data(), 1, w.str().size(), stdout);
+        const Json stats = {
+            {"entries_total", st.entries_total},
+            {"entries_moved", st.entries_moved},
+            {"entries_on_source", st.entries_on_source},
+            {"max_load_before", st.max_load_before},
+            {"max_load_after", st.max_load_after},
+            {"min_load_after", st.min_load_after},
+            {"total_replicas", st.total_replicas},
+            {"makespan", st.makespan},
+            {"max_replicas_in", st.max_replicas_in},
+            {"max_replicas_out", st.max_replicas_out},
+            {"loads_before", std::vector<int32_t>(st.loads_before, st.loads_before + R)},
+            {"loads_after", std::vector<int32_t>(st.loads_after, st.loads_after + R)},
+            {"replicas_in", std::vector<int32_t>(st.replicas_in, st.replicas_in + R)},
+            {"replicas_out", std::vector<int32_t>(st.replicas_out, st.replicas_out + R)},
+        };
+        const Json out = {
+            {"R", R},
+            {"E", E},
+            {"S", l.num_tokens},
+            {"K", l.topk},
+            {"align", l.align},
+            {"capacity_factor", c.capacity_factor},
+            {"capacity", l.capacity},
+            {"experts_per_rank", epn},
+            {"num_recv_rows", l.num_recv_rows},
+            {"exact", l.exact},
+            {"planner", flatep::planner_name(kind)},
+            {"alloc", matrix(plan.view.alloc, R, E)},
+            {"keep", matrix(plan.view.keep, R, E)},
+            {"group_row", matrix(plan.view.group_row, R, E)},
+            {"slot_expert", matrix(plan.view.slot_expert, R, epn)},
+            {"cu_seqlens", matrix(plan.view.cu_seqlens, R, 2 * epn)},
+            {"stats", stats},
+        };
+        std::string printed = compact ? out.dump() : "";
+        if (!compact) write_indented(printed, out, 0);
+        std::fwrite(printed.data(), 1, printed.size(), stdout);
         std::fputc('\n', stdout);
         if (std::fflush(stdout) != 0) fail("cannot write the output");
     } catch (const flatep::Error& e) {

@@ -6,7 +6,7 @@
 // Size: at most kMaxRequestCounts counts (R*E), checked twice so that memory stays bounded (about 200 MB) whatever the
 // input: the JSON parser stops after the values such a request can hold, and R*E is checked before the count matrix
 // is allocated.
-// Header-only on purpose: it depends only on json.hpp (header-only reader) and the Config validation.
+// Header-only on purpose: it depends only on json.hpp (nlohmann-json within limits) and the Config validation.
 #pragma once
 
 #include <cstdint>
@@ -34,20 +34,20 @@ struct PlanRequest {
 namespace plan_request_detail {
 
 inline std::string describe(const json::Value& v) {
-    if (v.type == json::Type::kNumber) {
-        if (v.is_integer) return std::to_string(v.integer);
-        return "a non-integer number";
-    }
-    const bool vowel = v.type == json::Type::kArray || v.type == json::Type::kObject;
-    return std::string(vowel ? "an " : "a ") + json::type_name(v.type);
+    if (v.is_number_integer()) return v.dump();
+    if (v.is_number()) return "a non-integer number";
+    if (v.is_boolean()) return "a bool";
+    const bool vowel = v.is_array() || v.is_object();
+    return std::string(vowel ? "an " : "a ") + v.type_name();
 }
 
 // An int32 field; "" or the error.
 inline std::string read_int32(const json::Value& v, const std::string& name, int32_t& out) {
-    if (v.type != json::Type::kNumber || !v.is_integer) return name + " must be an integer, got " + describe(v);
-    if (v.integer < INT32_MIN || v.integer > INT32_MAX)
-        return name + " = " + std::to_string(v.integer) + " does not fit int32";
-    out = int32_t(v.integer);
+    if (!v.is_number_integer()) return name + " must be an integer, got " + describe(v);
+    const bool fits = v.is_number_unsigned() ? v.get<uint64_t>() <= uint64_t(INT32_MAX)
+                                             : v.get<int64_t>() >= INT32_MIN && v.get<int64_t>() <= INT32_MAX;
+    if (!fits) return name + " = " + v.dump() + " does not fit int32";
+    out = v.get<int32_t>();
     return "";
 }
 
@@ -65,12 +65,12 @@ inline std::string parse_plan_request(std::string_view text, bool allow_partial,
                " counts can hold (flatep-plan's limit)";
     if (!parsed.ok) return parsed.error;
     const json::Value& root = parsed.value;
-    if (root.type != json::Type::kObject) return "the input must be a JSON object, got " + describe(root);
+    if (!root.is_object()) return "the input must be a JSON object, got " + describe(root);
     static const char* const kKnown[] = {"R", "E", "S", "K", "align", "capacity_factor", "tpe"};
-    for (const auto& m : root.members) {
+    for (auto m = root.begin(); m != root.end(); ++m) {
         bool known = false;
-        for (const char* k : kKnown) known = known || m.first == k;
-        if (!known) return "unknown field \"" + json::printable(m.first) + "\"";
+        for (const char* k : kKnown) known = known || m.key() == k;
+        if (!known) return "unknown field \"" + json::printable(m.key()) + "\"";
     }
     Config c;
     c.rank = 0;
@@ -87,8 +87,8 @@ inline std::string parse_plan_request(std::string_view text, bool allow_partial,
                              {"align", &c.align, false}};
     c.align = 128;
     for (const IntField& f : ints) {
-        const json::Value* v = root.find(f.name);
-        if (v == nullptr) {
+        const auto v = root.find(f.name);
+        if (v == root.end()) {
             if (f.required) return std::string("missing field \"") + f.name + "\"";
             continue;
         }
@@ -97,38 +97,37 @@ inline std::string parse_plan_request(std::string_view text, bool allow_partial,
         if (!err.empty()) return err;
         *f.dst = value;
     }
-    if (const json::Value* v = root.find("capacity_factor")) {
-        if (v->type != json::Type::kNumber) return "field \"capacity_factor\" must be a number, got " + describe(*v);
-        c.capacity_factor = v->number;
+    if (const auto v = root.find("capacity_factor"); v != root.end()) {
+        if (!v->is_number()) return "field \"capacity_factor\" must be a number, got " + describe(*v);
+        c.capacity_factor = v->get<double>();
     }
-    const json::Value* tpe = root.find("tpe");
-    if (tpe == nullptr) return "missing field \"tpe\"";
+    const auto tpe = root.find("tpe");
+    if (tpe == root.end()) return "missing field \"tpe\"";
     try {
         c.validate();
     } catch (const Error& e) {
         return e.message();
     }
-    if (tpe->type != json::Type::kArray) return "field \"tpe\" must be an array of R arrays, got " + describe(*tpe);
+    if (!tpe->is_array()) return "field \"tpe\" must be an array of R arrays, got " + describe(*tpe);
     const int R = c.num_ranks, E = c.num_experts;
     if (int64_t(R) * E > kMaxRequestCounts)
         return "R*E = " + std::to_string(int64_t(R) * E) + " counts (R=" + std::to_string(R) +
                ", E=" + std::to_string(E) + ") is above flatep-plan's limit of " + std::to_string(kMaxRequestCounts);
-    if (int64_t(tpe->items.size()) != R)
-        return "tpe must have R = " + std::to_string(R) + " rows, got " + std::to_string(tpe->items.size());
+    if (int64_t(tpe->size()) != R)
+        return "tpe must have R = " + std::to_string(R) + " rows, got " + std::to_string(tpe->size());
     const int64_t sk = int64_t(c.num_tokens) * c.topk;
     std::vector<int32_t> counts(size_t(R) * size_t(E));
     for (int s = 0; s < R; ++s) {
-        const json::Value& row = tpe->items[size_t(s)];
+        const json::Value& row = (*tpe)[size_t(s)];
         const std::string row_name = "tpe[" + std::to_string(s) + "]";
-        if (row.type != json::Type::kArray) return row_name + " must be an array of E integers, got " + describe(row);
-        if (int64_t(row.items.size()) != E)
-            return row_name + " must have E = " + std::to_string(E) + " entries, got " +
-                   std::to_string(row.items.size());
+        if (!row.is_array()) return row_name + " must be an array of E integers, got " + describe(row);
+        if (int64_t(row.size()) != E)
+            return row_name + " must have E = " + std::to_string(E) + " entries, got " + std::to_string(row.size());
         int64_t sum = 0;
         for (int e = 0; e < E; ++e) {
             const std::string name = row_name + "[" + std::to_string(e) + "]";
             int32_t v = 0;
-            const std::string err = read_int32(row.items[size_t(e)], name, v);
+            const std::string err = read_int32(row[size_t(e)], name, v);
             if (!err.empty()) return err;
             if (v < 0) return name + " = " + std::to_string(v) + " is negative";
             counts[size_t(s) * E + e] = v;

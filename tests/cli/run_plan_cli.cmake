@@ -86,7 +86,7 @@ if(NOT cap EQUAL 12)
 endif()
 
 # Invalid inputs: exact one-line messages.
-expect_error(bad_json.json "invalid JSON at byte 67: unexpected end of input, expected ',' or ']'")
+expect_error(bad_json.json "invalid JSON at byte 67: syntax error while parsing array - unexpected end of input; expected ']'")
 expect_error(bad_row_sum.json "tpe row 1 sums to 7, expected S*K = 8 (use --allow-partial for partial batches)")
 expect_error(bad_negative.json "tpe[1][2] = -1 is negative")
 expect_error(bad_size.json "tpe[1] must have E = 4 entries, got 3")

@@ -28,7 +28,7 @@ TEST(PlanRequestBounds, JsonStopsAtTheValueLimit) {
     const json::ParseResult r = json::parse("[1, 2, 3]", 3);  // the array and three numbers: four values
     EXPECT_FALSE(r.ok);
     EXPECT_TRUE(r.too_many_values);
-    EXPECT_EQ(r.error, "JSON document of more than 3 values (the limit, reached at byte 7)");
+    EXPECT_EQ(r.error, "JSON document of more than 3 values (the limit)");
     EXPECT_TRUE(json::parse("[1, 2, 3]", 4).ok);
     EXPECT_TRUE(json::parse("[1, 2, 3]").ok);  // no limit by default
 }
