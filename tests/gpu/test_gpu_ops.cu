@@ -5,6 +5,8 @@
 //   test_gpu_ops            all cases
 //   test_gpu_ops --quick    the small cases only (compute-sanitizer runs)
 //   test_gpu_ops --case NAME
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -198,17 +200,56 @@ bool run_case(const CaseSpec& c, bool graph, bool device_per_rank) {
     return true;
 }
 
-// The planner alone: random and adversarial count matrices, both GPU engines against the host planner.
+// Count matrices of MoonEP's sweep shapes (R up to 64, E=896, S=8192) in microseconds instead of the generator's
+// seconds: each rank's S*K entries spread over the experts in proportion to the generator's popularity of sigma
+// (jittered per rank), largest share first, at most S per expert (K distinct experts per token: a valid matrix).
+std::vector<int32_t> spread_counts(int R, int E, int S, int K, double sigma, uint64_t seed) {
+    const std::vector<double> pop = routing::popularity(E, sigma, seed);
+    std::vector<int32_t> tpe(size_t(R) * E, 0);
+    for (int r = 0; r < R; ++r) {
+        std::vector<double> w(static_cast<size_t>(E));
+        const uint64_t stream = routing::mix64(seed * 131 + uint64_t(r));
+        for (int e = 0; e < E; ++e)
+            w[size_t(e)] = pop[size_t(e)] * std::exp(0.3 * routing::normal(stream, uint64_t(e)));
+        int32_t* row = tpe.data() + size_t(r) * E;
+        int64_t left = int64_t(S) * K;
+        while (left > 0) {
+            double open = 0;
+            for (int e = 0; e < E; ++e) open += row[e] < S ? w[size_t(e)] : 0.0;
+            int64_t added = 0;
+            for (int e = 0; e < E && open > 0; ++e) {
+                if (row[e] >= S) continue;
+                const int64_t share = std::min<int64_t>(int64_t(double(left) * w[size_t(e)] / open), S - row[e]);
+                row[e] += int32_t(share);
+                added += share;
+            }
+            for (int e = 0; e < E && added == 0 && left > 0; ++e) {  // rounding left a remainder: one each
+                if (row[e] < S) ++row[e], --left;
+            }
+            left -= added;
+        }
+    }
+    return tpe;
+}
+
+// The planner alone: random and adversarial count matrices, both GPU engines against the host planner, at small
+// shapes, at the configs benchmarked, and at every shape of MoonEP's sweep (E=896, K 8 and 16, R 8 to 64).
 bool run_planner_sweep(int num_matrices) {
     struct Shape {
         int R, E, S, K, align;
         double cf;
+        bool sweep = false;  // MoonEP's sweep: spread_counts, a fixed set of matrices, the serial engine once
     };
     const Shape shapes[] = {{2, 8, 64, 2, 8, 1.0},       {4, 32, 256, 4, 16, 1.0},    {8, 384, 8192, 8, 128, 1.0},
                             {8, 64, 512, 6, 1, 1.25},    {8, 256, 4096, 8, 128, 1.0}, {16, 64, 128, 4, 4, 1.0},
                             {8, 384, 8192, 8, 128, 1.5}, {64, 128, 64, 4, 1, 1.0}};
+    std::vector<Shape> all(std::begin(shapes), std::end(shapes));
+    for (int R : {8, 16, 32, 64})
+        for (int K : {8, 16}) all.push_back(Shape{R, 896, 8192, K, 128, 1.0, true});
+    const int num_small = int(sizeof(shapes) / sizeof(shapes[0]));
+    constexpr int kSweepMatrices = 7;  // sigmas 0, 0.5, 1, 2, 3, 1 (another seed), one hot expert set
     int done = 0;
-    for (const Shape& sh : shapes) {
+    for (const Shape& sh : all) {
         Config cfg;
         cfg.num_ranks = sh.R;
         cfg.num_experts = sh.E;
@@ -219,12 +260,11 @@ bool run_planner_sweep(int num_matrices) {
         cfg.capacity_factor = sh.cf;
         const Layout l = make_layout(cfg);
         const size_t words = size_t(make_plan_sizes(l).total_words);
-        int32_t *d_plan = nullptr, *d_plan2 = nullptr;
+        int32_t* d_plan = nullptr;
         void* ws = nullptr;
         FLATEP_CUDA_CHECK(cudaMalloc(&d_plan, words * 4));
-        FLATEP_CUDA_CHECK(cudaMalloc(&d_plan2, words * 4));
         FLATEP_CUDA_CHECK(cudaMalloc(&ws, kernels::plan_workspace_bytes(l)));
-        const int per_shape = num_matrices / int(sizeof(shapes) / sizeof(shapes[0])) + 1;
+        const int per_shape = sh.sweep ? kSweepMatrices : num_matrices / num_small + 1;
         for (int m = 0; m < per_shape; ++m) {
             std::vector<int32_t> tpe;
             const double sigmas[] = {0.0, 0.5, 1.0, 2.0, 3.0};
@@ -232,6 +272,8 @@ bool run_planner_sweep(int num_matrices) {
                 tpe.assign(size_t(sh.R) * sh.E, 0);
                 for (int r = 0; r < sh.R; ++r)
                     for (int k = 0; k < sh.K; ++k) tpe[size_t(r) * sh.E + (m + k) % sh.E] = sh.S;
+            } else if (sh.sweep) {
+                tpe = spread_counts(sh.R, sh.E, sh.S, sh.K, m < 5 ? sigmas[m] : 1.0, 1000 + m);
             } else {
                 tpe = routing::generate_counts(sh.R, sh.E, sh.S, sh.K, sigmas[m % 5], 1000 + m);
             }
@@ -240,7 +282,8 @@ bool run_planner_sweep(int num_matrices) {
                 std::copy(tpe.begin(), tpe.end(), host.view.tpe_all);
                 plan_counts(l, PlannerKind(kind), host.view);
                 for (int engine = 0; engine < 2; ++engine) {
-                    if (engine == 1 && (sh.E > 64 && m % 3 != 0)) continue;  // serial engine is slow: sample it
+                    // The serial engine (one GPU thread) is slow: sampled.
+                    if (engine == 1 && (sh.sweep ? m != 0 : sh.E > 64 && m % 3 != 0)) continue;
                     std::vector<int32_t> init(words, 0);
                     std::copy(tpe.begin(), tpe.end(), init.begin() + make_plan_sizes(l).tpe_all);
                     FLATEP_CUDA_CHECK(cudaMemcpy(d_plan, init.data(), words * 4, cudaMemcpyHostToDevice));
@@ -254,7 +297,8 @@ bool run_planner_sweep(int num_matrices) {
                         if (got[w] != want[w]) {
                             g_first = "planner (" + std::string(engine ? "serial" : "parallel") + ", " +
                                       planner_name(PlannerKind(kind)) + ", R=" + std::to_string(sh.R) +
-                                      " E=" + std::to_string(sh.E) + " matrix " + std::to_string(m) +
+                                      " E=" + std::to_string(sh.E) + " S=" + std::to_string(sh.S) +
+                                      " K=" + std::to_string(sh.K) + " matrix " + std::to_string(m) +
                                       "): " + plan_word_name(l, w) + " got " + std::to_string(got[w]) + " expected " +
                                       std::to_string(want[w]);
                             return false;
@@ -265,10 +309,9 @@ bool run_planner_sweep(int num_matrices) {
             }
         }
         cudaFree(d_plan);
-        cudaFree(d_plan2);
         cudaFree(ws);
     }
-    std::printf("  planner sweep: %d plans bitwise equal to the host planner\n", done);
+    std::printf("  planner sweep: %d plans bitwise equal to the host planner (MoonEP's sweep shapes included)\n", done);
     return true;
 }
 
