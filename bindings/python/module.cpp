@@ -271,6 +271,17 @@ void bind_buffer(py::module_& m) {
             },
             py::arg("plan"), py::arg("x"), py::arg("topk_weights"), py::arg("recv_x"), py::arg("recv_w"), Release())
         .def(
+            "dispatch_fp8",
+            [](Buffer& b, const Plan& plan, uintptr_t x_bf16, uintptr_t x_fp8, uintptr_t x_scales,
+               uintptr_t topk_weights, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_w, bool ue8m0) {
+                b.dispatch_fp8(plan, as_ptr<const uint16_t>(x_bf16), as_ptr<const uint8_t>(x_fp8),
+                               as_ptr<const float>(x_scales), as_ptr<const float>(topk_weights),
+                               as_ptr<uint8_t>(recv_x), as_ptr<float>(recv_scales), as_ptr<float>(recv_w),
+                               ue8m0 ? Fp8Scale::kUe8m0 : Fp8Scale::kFloat);
+            },
+            py::arg("plan"), py::arg("x_bf16"), py::arg("x_fp8"), py::arg("x_scales"), py::arg("topk_weights"),
+            py::arg("recv_x"), py::arg("recv_scales"), py::arg("recv_w"), py::arg("ue8m0"), Release())
+        .def(
             "combine",
             [](Buffer& b, const Plan& plan, uintptr_t y, uintptr_t weights, uintptr_t out) {
                 b.combine(plan, as_ptr<const uint16_t>(y), as_ptr<const float>(weights), as_ptr<uint16_t>(out));
@@ -304,6 +315,15 @@ void bind_buffer(py::module_& m) {
         .def_property_readonly("capacity", [](const Buffer& b) { return b.layout().capacity; })
         .def_property_readonly("num_recv_rows", [](const Buffer& b) { return b.layout().num_recv_rows; })
         .def_property_readonly("planner", [](const Buffer& b) { return std::string(planner_name(b.planner())); });
+    m.def(
+        "quantize_fp8",
+        [](uintptr_t x, int64_t rows, int hidden, bool ue8m0, uintptr_t q, uintptr_t scales) {
+            quantize_fp8_rows(as_ptr<const uint16_t>(x), rows, hidden, ue8m0 ? Fp8Scale::kUe8m0 : Fp8Scale::kFloat,
+                              as_ptr<uint8_t>(q), as_ptr<float>(scales));
+        },
+        py::arg("x"), py::arg("rows"), py::arg("hidden"), py::arg("ue8m0"), py::arg("q"), py::arg("scales"),
+        "The C++ FP8 rule (flatep::quantize_fp8_rows) over host memory: x [rows][hidden] bf16 -> q [rows][hidden] "
+        "e4m3 bytes, scales [rows][hidden/128] fp32. flatep.fp8.quantize is the same rule in torch.");
 }
 
 void bind_pools(py::module_& m) {

@@ -11,6 +11,13 @@ H = hidden, NvS = receive rows = round_up(C + 2*epn*(align-1), align), C = ceil(
     y = grouped_gemm(recv_x, expert_weights, offs=cu_seqlens)    # [NvS, H] bf16
     out = buffer.combine(plan, y, recv_w)                 # [s, H] bf16: sum_k w * y over each token's K rows
 
+FP8 rows (H a multiple of 128; design §6 "FP8 rows"; forward only, see dispatch):
+
+    (recv_q, recv_scales), recv_w, cu_seqlens = buffer.dispatch(plan, x, topk_weights, fp8=True)
+                                                          # x [s, H] bf16, quantised inside the op (flatep.fp8's rule),
+                                                          # or x = (x_q [s, H] e4m3, x_scales [s, H/128] fp32);
+                                                          # recv_q [NvS, H] e4m3, recv_scales [NvS, H/128] fp32
+
 dispatch and combine are autograd-aware (design §3): combine's backward is a dispatch of the output gradient with
 the saved plan, dispatch's backward an unweighted combine of the row gradients; the routing weights' gradient
 returns to the tokens' ranks through the plan (entry_values). Every call is collective over the group: all ranks
@@ -28,6 +35,7 @@ plan to the host, which waits for the device.
 import torch
 
 from . import _C
+from . import fp8 as _fp8
 from ._tensors import address, check_int, check_tensor, check_timeout, shape_text
 from .distributed import device_guard, group_rank_size, resolve_device, transport_for
 
@@ -237,7 +245,7 @@ class Buffer:
                 b.check_status()  # host backend: reporting now costs no device synchronisation
             return Plan(self, cplan, storage)
 
-    def dispatch(self, plan, x, topk_weights=None):
+    def dispatch(self, plan, x, topk_weights=None, *, fp8=False, ue8m0=False):
         """Sends every token row to the rows of its K experts (collective; autograd-aware).
 
         Args:
@@ -252,7 +260,23 @@ class Buffer:
             cu_seqlens: [2*epn] int32 (= plan.cu_seqlens).
         Backward: grad_x = unweighted combine of grad_recv_x; grad_topk_weights = grad_recv_w read back at each
         entry's row.
+
+        FP8 rows (fp8=True; H must be a multiple of 128): each row moves as H e4m3 bytes plus H/128 fp32 scales, about
+        half the bytes of bf16. x is either [s, H] bf16, quantised inside the op by the rule of flatep.fp8 (ue8m0=True:
+        power-of-two scales), or a tuple (x_q, x_scales) of already-quantised rows: x_q [s, H] e4m3
+        (float8_e4m3fn or uint8), x_scales [s, H/128] fp32, moved as given (ue8m0 is then not used). Returns
+        ((recv_q, recv_scales), recv_w, cu_seqlens): recv_q [NvS, H] e4m3 (float8_e4m3fn where torch has it, else
+        uint8), recv_scales [NvS, H/128] fp32, in the same rows as bf16's (padding rows: zero bytes, zero scales;
+        rows past the last group end not written). Both backends give the same bits. Forward only: with autograd
+        recording, x or topk_weights requiring grad raises (detach them or use torch.no_grad()); combine stays bf16,
+        and its backward (a dispatch of the output gradient) stays bf16.
         """
+        if not isinstance(fp8, bool) or not isinstance(ue8m0, bool):
+            raise ValueError(f"dispatch: fp8 and ue8m0 must be bools, got fp8={fp8!r}, ue8m0={ue8m0!r}")
+        if fp8:
+            return self._dispatch_fp8(plan, x, topk_weights, ue8m0)
+        if isinstance(x, tuple):
+            raise ValueError("dispatch: x is a tuple (pre-quantised FP8 rows, scales); pass fp8=True")
         self._check_plan("dispatch", plan)
         x = check_tensor(
             "dispatch", "x", x, (torch.bfloat16,), (plan.num_tokens, self.hidden), self.device,
@@ -265,6 +289,52 @@ class Buffer:
 
         recv_x, recv_w = DispatchFunction.apply(self, plan, x, topk_weights)
         return recv_x, recv_w, plan.cu_seqlens
+
+    def _dispatch_fp8(self, plan, x, topk_weights, ue8m0):
+        """dispatch(..., fp8=True): the checks, then _dispatch_fp8_raw."""
+        self._check_plan("dispatch", plan)
+        s, H = plan.num_tokens, self.hidden
+        if H % _fp8.BLOCK != 0:
+            raise ValueError(
+                f"dispatch: fp8=True needs hidden (H) to be a multiple of {_fp8.BLOCK} (one scale per {_fp8.BLOCK} "
+                f"channels), got H={H}"
+            )
+        x_q = x_scales = x_bf16 = None
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise ValueError(f"dispatch: fp8 x must be a bf16 tensor or a tuple (x_q, x_scales), got a tuple of "
+                                 f"{len(x)} items")
+            x_q = check_tensor("dispatch", "x_q", x[0], _fp8.E4M3_DTYPES, (s, H), self.device)
+            x_scales = check_tensor("dispatch", "x_scales", x[1], (torch.float32,), (s, H // _fp8.BLOCK), self.device)
+        else:
+            x_bf16 = check_tensor("dispatch", "x", x, (torch.bfloat16,), (s, H), self.device)
+        if topk_weights is not None:
+            topk_weights = check_tensor(
+                "dispatch", "topk_weights", topk_weights, (torch.float32,), (s, self.topk), self.device
+            )
+        if torch.is_grad_enabled():
+            for name, t in (("x", x_bf16), ("x_scales", x_scales), ("topk_weights", topk_weights)):
+                if t is not None and t.requires_grad:
+                    raise ValueError(
+                        f"dispatch: fp8=True is forward-only (no autograd), but {name} requires grad; detach it or "
+                        "run under torch.no_grad()"
+                    )
+        return self._dispatch_fp8_raw(plan, x_bf16, x_q, x_scales, topk_weights, ue8m0)
+
+    def _dispatch_fp8_raw(self, plan, x_bf16, x_q, x_scales, topk_weights, ue8m0=False):
+        """FP8 dispatch without checks beyond the plan (no autograd): exactly one of x_bf16 [s, H] bf16 or (x_q [s, H]
+        e4m3, x_scales [s, H/128] fp32), contiguous on this Buffer's device. Returns ((recv_q, recv_scales), recv_w,
+        cu_seqlens) as dispatch(..., fp8=True)."""
+        recv_q = torch.empty(self.num_recv_rows, self.hidden, dtype=torch.uint8, device=self.device)
+        recv_scales = torch.empty(self.num_recv_rows, self.hidden // _fp8.BLOCK, dtype=torch.float32,
+                                  device=self.device)
+        recv_w = torch.empty(self.num_recv_rows, dtype=torch.float32, device=self.device)
+        with device_guard(self.device):
+            self._live("dispatch").dispatch_fp8(
+                plan._plan, address(x_bf16), address(x_q), address(x_scales), address(topk_weights), address(recv_q),
+                address(recv_scales), address(recv_w), ue8m0,
+            )
+        return (_fp8.as_e4m3(recv_q), recv_scales), recv_w, plan.cu_seqlens
 
     def combine(self, plan, y, weights=None):
         """Sums each token's K expert-output rows back on its source rank (collective; autograd-aware).
