@@ -37,7 +37,68 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--kernel-us", type=float, default=0.0, help="ops_bench's plan+dispatch+combine at s=S (us)")
     p.add_argument("--csv", default=None)
+    p.add_argument("--profile", default=None, help="directory: torch-profiler tables of one step per mode and s, and "
+                   "a cProfile of the host side of an eager step at s = --small")
     return p.parse_args()
+
+
+class RankThreads:
+    """R persistent host threads; run(fn) calls fn(r) on thread r, all released at once, and waits for all."""
+
+    def __init__(self, num_ranks):
+        import threading
+
+        self.n = num_ranks
+        self.start = threading.Barrier(num_ranks + 1)
+        self.done = threading.Barrier(num_ranks + 1)
+        self.fn = None
+        self.threads = [threading.Thread(target=self._body, args=(r,), daemon=True) for r in range(num_ranks)]
+        for t in self.threads:
+            t.start()
+
+    def _body(self, r):
+        while True:
+            self.start.wait()
+            if self.fn is None:
+                return
+            self.fn(r)
+            self.done.wait()
+
+    def run(self, fn):
+        self.fn = fn
+        self.start.wait()
+        self.done.wait()
+
+    def close(self):
+        self.fn = None
+        self.start.wait()
+
+
+def profile_step(a, s, eager, replay, replay_all):
+    """Where a step's time goes: per mode, a torch-profiler table (CUDA kernels and host-side ops, sorted by total
+    CUDA time) of three steps, and for eager a cProfile of the host side (the Python and binding calls)."""
+    import cProfile
+    import pstats
+
+    os.makedirs(a.profile, exist_ok=True)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    for name, run in (("eager", eager), ("graph", replay), ("graph_all", replay_all)):
+        run()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(3):
+                run()
+            torch.cuda.synchronize()
+        with open(os.path.join(a.profile, f"s{s}_{name}.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(5):
+        eager()
+    torch.cuda.synchronize()
+    pr.disable()
+    with open(os.path.join(a.profile, f"s{s}_eager_host.txt"), "w") as f:
+        pstats.Stats(pr, stream=f).sort_stats("tottime").print_stats(40)
 
 
 def main():
@@ -77,10 +138,15 @@ def main():
             keep.clear()
         return statistics.median(times)
 
+    # One host thread per rank, each enqueuing its own rank's step, as R processes do (one thread enqueuing all R
+    # ranks' steps serialises R processes' host work).
+    pool = RankThreads(R)
+
     rows = []
     for s in (a.tokens, a.small):
         eager_kept = timed(lambda: [step(r, s, True) for r in range(R)])
         eager_dropped = timed(lambda: [step(r, s, False) for r in range(R)])
+        eager_threads = timed(lambda: pool.run(lambda r: step(r, s, False)))
         graphs = []
         for r in range(R):
             g = torch.cuda.CUDAGraph()
@@ -95,26 +161,50 @@ def main():
                     graphs[r].replay()
 
         graph_us = timed(replay)
-        rows.append((s, eager_kept, eager_dropped, graph_us))
-        del graphs
+        # Every rank's step in ONE graph (each rank on its own stream inside the capture, forked from and joined to
+        # the capture stream by events): one launch, as R processes launching their graphs at the same time; R
+        # launches from one thread (above) start the last rank R launch latencies after the first.
+        whole = torch.cuda.CUDAGraph()
+        capture_stream = torch.cuda.Stream(device)
+        with torch.cuda.graph(whole, stream=capture_stream):
+            fork = torch.cuda.Event()
+            fork.record(capture_stream)
+            joins = []
+            for r in range(R):
+                streams[r].wait_event(fork)
+                step(r, s, False)
+                joins.append(torch.cuda.Event())
+                joins[-1].record(streams[r])
+            for e in joins:
+                capture_stream.wait_event(e)
+        torch.cuda.synchronize()
+        graph_all_us = timed(whole.replay)
+        rows.append((s, eager_kept, eager_dropped, graph_us, graph_all_us, eager_threads))
+        if a.profile:
+            profile_step(a, s, lambda: [step(r, s, False) for r in range(R)], replay, whole.replay)
+        del graphs, whole
     for b in bufs:
         b.check_status()
-    full = {mode: rows[0][i + 1] for i, mode in enumerate(("eager_kept", "eager_dropped", "graph"))}
-    print("R,S,H,E,K,s,eager_kept_us,eager_dropped_us,graph_us,kernel_us,eager_kept/kernel,eager_dropped/kernel,"
-          "graph/kernel,eager_kept/full,graph/full")
+    pool.close()
+    modes = ("eager_kept", "eager_dropped", "graph", "graph_all", "eager_threads")
+    full = {mode: rows[0][i + 1] for i, mode in enumerate(modes)}
+    header = ("R,S,H,E,K,s,eager_kept_us,eager_dropped_us,graph_us,graph_all_us,eager_threads_us,kernel_us,"
+              "eager_kept/kernel,eager_dropped/kernel,graph/kernel,graph_all/kernel,eager_threads/kernel,"
+              "eager_kept/full,graph/full,graph_all/full,eager_threads/full")
+    print(header)
     out = []
-    for s, ek, ed, gr in rows:
+    for s, ek, ed, gr, ga, et in rows:
         k = a.kernel_us
         ratio = (lambda v: f"{v / k:.3f}") if k > 0 and s == a.tokens else (lambda v: "")
-        line = (f"{R},{a.tokens},{a.hidden},{a.experts},{a.topk},{s},{ek:.1f},{ed:.1f},{gr:.1f},"
-                f"{k if s == a.tokens else ''},{ratio(ek)},{ratio(ed)},{ratio(gr)},"
-                f"{ek / full['eager_kept']:.3f},{gr / full['graph']:.3f}")
+        line = (f"{R},{a.tokens},{a.hidden},{a.experts},{a.topk},{s},{ek:.1f},{ed:.1f},{gr:.1f},{ga:.1f},{et:.1f},"
+                f"{k if s == a.tokens else ''},{ratio(ek)},{ratio(ed)},{ratio(gr)},{ratio(ga)},{ratio(et)},"
+                f"{ek / full['eager_kept']:.3f},{gr / full['graph']:.3f},{ga / full['graph_all']:.3f},"
+                f"{et / full['eager_threads']:.3f}")
         print(line)
         out.append(line)
     if a.csv:
         with open(a.csv, "w") as f:
-            f.write("R,S,H,E,K,s,eager_kept_us,eager_dropped_us,graph_us,kernel_us,eager_kept/kernel,"
-                    "eager_dropped/kernel,graph/kernel,eager_kept/full,graph/full\n" + "\n".join(out) + "\n")
+            f.write(header + "\n" + "\n".join(out) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 """Trains a tiny MoE model with FlatEP across R processes and checks its loss curve against the dense reference.
 
 Model: y = x + MoE(x) (flatep.nn.MoE: router, top-K experts y = silu(x W1) W2), regressing a fixed random teacher
-network, Adam on fp32 parameters. Each rank trains on its own batch of S tokens per step; the router is replicated
-(its gradient is all-reduced), the experts are sharded E/R per rank (their gradients, replicas included, come back
+network, Adam (flatep.optim.MainGradOptimizer: fp32 masters of the bf16 expert weights, which are the library's
+memory). Each rank trains on its own batch of S tokens per step; the router is replicated (its gradient is
+all-reduced), the experts are sharded E/R per rank (their gradients, replicas included, come back
 through reduce_grad). The dense single-process reference (flatep.testing.DenseMoE) is trained on the union of the
 ranks' batches with the same init and optimizer; the two loss curves must agree within --tolerance.
 
@@ -87,7 +88,9 @@ def train(rank, R, args):
         args.hidden, args.ffn, args.experts, args.topk, num_tokens=args.tokens, align=args.align,
         capacity_factor=args.capacity_factor, seed=args.seed, device=device,
     )
-    opt = torch.optim.Adam(moe.parameters(), lr=args.lr)
+    # The experts' bf16 weights are the library's memory and their fp32 gradients main_grad: Adam runs on fp32
+    # masters (one copy back per step); the router is an ordinary fp32 parameter.
+    opt = flatep.optim.MainGradOptimizer(torch.optim.Adam, moe.parameters(), lr=args.lr)
     if rank == 0:
         print(
             f"train_moe: R={R} device={device.type} S={args.tokens} H={args.hidden} F={args.ffn} E={args.experts} "

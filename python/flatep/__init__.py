@@ -7,6 +7,7 @@ The package wraps the torch-free C++ runtime (``flatep._C``, built by CMake with
 * :class:`flatep.ExpertPools` / :class:`flatep.ExpertLayer` -- expert weights with slot/reduce pools,
   ``prefetch`` and ``reduce_grad``; compute views are torch tensors over the C++ memory.
 * :class:`flatep.nn.MoE` -- a complete MoE layer (router, experts on ExpertPools, grouped GEMM, combine).
+* :class:`flatep.optim.MainGradOptimizer` -- fp32 master weights for the experts' bf16 parameters and main_grad.
 * :mod:`flatep.testing` -- routing generator, ``maxvio`` and a dense single-process MoE reference.
 """
 
@@ -27,7 +28,7 @@ except ImportError as _error:  # pragma: no cover - exercised only on a broken i
 
 from .buffer import Buffer, Plan  # noqa: E402
 from .pools import ExpertLayer, ExpertPools  # noqa: E402
-from . import nn, testing  # noqa: E402
+from . import nn, optim, testing  # noqa: E402
 
-__all__ = ["Buffer", "Plan", "ExpertPools", "ExpertLayer", "nn", "testing"]
+__all__ = ["Buffer", "Plan", "ExpertPools", "ExpertLayer", "nn", "optim", "testing"]
 __version__ = "0.1.0"

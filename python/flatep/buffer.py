@@ -37,7 +37,8 @@ import torch
 from . import _C
 from . import fp8 as _fp8
 from ._tensors import address, check_int, check_tensor, check_timeout, shape_text
-from .distributed import device_guard, group_rank_size, resolve_device, transport_for
+from .autograd import CombineFunction, DispatchFunction
+from .distributed import current_stream_handle, device_guard, group_rank_size, resolve_device, transport_for
 
 _PLANNERS = ("balanced", "greedy")
 
@@ -53,6 +54,11 @@ def _load_torch_kernels(device, plan_words):
         torch.zeros(256, dtype=torch.float32, device=device)
         torch.empty(plan_words, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)  # construction time: the loads are done before any op
+
+
+def _records_grad(a, b):
+    """True when autograd would record an op on tensors a and b (b may be None)."""
+    return torch.is_grad_enabled() and (a.requires_grad or (b is not None and b.requires_grad))
 
 
 class Plan:
@@ -285,9 +291,10 @@ class Buffer:
             topk_weights = check_tensor(
                 "dispatch", "topk_weights", topk_weights, (torch.float32,), (plan.num_tokens, self.topk), self.device
             )
-        from .autograd import DispatchFunction
-
-        recv_x, recv_w = DispatchFunction.apply(self, plan, x, topk_weights)
+        if _records_grad(x, topk_weights):
+            recv_x, recv_w = DispatchFunction.apply(self, plan, x, topk_weights)
+        else:  # nothing to differentiate: skip autograd's bookkeeping (host time per op)
+            recv_x, recv_w = self._dispatch_raw(plan, x, topk_weights)
         return recv_x, recv_w, plan.cu_seqlens
 
     def _dispatch_fp8(self, plan, x, topk_weights, ue8m0):
@@ -351,9 +358,9 @@ class Buffer:
         y = check_tensor("combine", "y", y, (torch.bfloat16,), (self.num_recv_rows, self.hidden), self.device)
         if weights is not None:
             weights = check_tensor("combine", "weights", weights, (torch.float32,), (self.num_recv_rows,), self.device)
-        from .autograd import CombineFunction
-
-        return CombineFunction.apply(self, plan, y, weights)
+        if _records_grad(y, weights):
+            return CombineFunction.apply(self, plan, y, weights)
+        return self._combine_raw(plan, y, weights)
 
     def entry_values(self, plan, row_values):
         """The reverse path of one fp32 per receive row (collective; not differentiable).
@@ -389,7 +396,7 @@ class Buffer:
         if self._buffer is None:
             raise RuntimeError(f"{op}: this Buffer was destroyed")
         if self.device.type == "cuda":
-            self._buffer.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
+            self._buffer.set_stream(current_stream_handle(self.device))
         return self._buffer
 
     def check_status(self):

@@ -137,9 +137,27 @@ def resolve_device(device):
     return device
 
 
+_NULL_GUARD = contextlib.nullcontext()
+
+
 def device_guard(device):
-    """Context manager making `device` the current CUDA device (a no-op for the CPU)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    """Context manager making `device` the current CUDA device (a no-op for the CPU, and when it is current already:
+    the common case, kept cheap because every op of a step passes here)."""
+    if device.type != "cuda" or torch.cuda.current_device() == device.index:
+        return _NULL_GUARD
+    return torch.cuda.device(device)
+
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):
+
+    def current_stream_handle(device):
+        """The cudaStream_t (an int) of torch's current stream on `device`, without building a torch Stream."""
+        return torch._C._cuda_getCurrentRawStream(device.index)
+
+else:  # older torch: through the Stream object
+
+    def current_stream_handle(device):
+        return torch.cuda.current_stream(device).cuda_stream
 
 
 def group_rank_size(group):

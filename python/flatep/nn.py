@@ -8,11 +8,19 @@ On a CUDA device with torch._grouped_mm the whole layer (forward and backward) r
 the grouped GEMMs read the compute views with offs = cu_seqlens in device memory. (Without torch._grouped_mm the
 loop reads cu_seqlens on the host, a synchronisation.)
 
-Parameters (fp32 master copies; the bf16 compute copies live in ExpertPools):
-    router.weight [E, H]     replicated on every rank: all-reduce its gradient like any data-parallel parameter
-                             (MoE.replicated_parameters()).
-    w1 [epn, H, F], w2 [epn, F, H]    this rank's experts rank*epn .. rank*epn+epn-1; their gradients include the
-                             contributions computed on replicas elsewhere (reduce_grad), so they need no all-reduce.
+Parameters:
+    router.weight [E, H]     fp32, replicated on every rank: all-reduce its gradient (.grad) like any data-parallel
+                             parameter (MoE.replicated_parameters()).
+    w1 [epn, H, F], w2 [epn, F, H]    bf16, this rank's experts rank*epn .. rank*epn+epn-1 (MoE.expert_parameters()).
+                             Zero copy: each IS the own part of the layer's ExpertPools compute view (the memory the
+                             grouped GEMM reads), so nothing is copied in per forward. Their fp32 gradient is
+                             ``w1.main_grad`` / ``w2.main_grad`` (Megatron's convention), the own part of the pools'
+                             gradient view: backward adds into it (accumulating over micro-batches until zeroed,
+                             e.g. by flatep.optim.MainGradOptimizer.zero_grad) and ``.grad`` stays None. It includes
+                             the contributions computed on replicas elsewhere (reduce_grad), so it needs no
+                             all-reduce. Keep them bf16 on the layer's device: converting the module (``.float()``,
+                             ``.to(other device)``) replaces their memory, and the next forward raises ValueError.
+                             ``state_dict`` / ``load_state_dict`` copy into and out of the library's memory in place.
 """
 
 import torch
@@ -90,18 +98,17 @@ def init_router_weight(hidden, num_experts, seed):
 
 
 class _ExpertsFunction(torch.autograd.Function):
-    """recv_x [NvS, H] bf16, w1 [epn, H, F], w2 [epn, F, H] (fp32 masters) -> y [NvS, H] bf16.
+    """recv_x [NvS, H] bf16, w1 [epn, H, F], w2 [epn, F, H] (the layer's bf16 own weights, the compute views' own
+    part) -> y [NvS, H] bf16.
 
-    Forward: masters -> own bf16 weights, prefetch (collective), grouped FFN over the compute views.
-    Backward: the GEMM's weight gradients into the grads views (write_grads: own experts and the replica slots used
-    this step), reduce_grad (collective), the masters' gradients = own_grads."""
+    Forward: prefetch (collective), grouped FFN over the compute views (no weight copy: w1 and w2 are that memory).
+    Backward: the GEMM's weight gradients into the grads views (write_grads with accumulate: added into the own
+    experts' main_grad, the replica slots used this step overwritten), reduce_grad (collective: replicas' gradients
+    added into the owners' main_grad). Returns no gradient for w1 / w2: theirs is main_grad."""
 
     @staticmethod
     def forward(ctx, moe, plan, recv_x, w1, w2):
         pools, layer = moe.pools, moe.expert_layer
-        with torch.no_grad():
-            layer.own_weights(0).copy_(w1)
-            layer.own_weights(1).copy_(w2)
         pools.prefetch(plan, layer)
         on_views = _has_grouped_mm(recv_x)
         with torch.enable_grad():
@@ -122,21 +129,29 @@ class _ExpertsFunction(torch.autograd.Function):
         pools, layer = moe.pools, moe.expert_layer
         y, x_leaf, w1_leaf, w2_leaf = ctx.graph
         ctx.graph = None
+        want_w = (ctx.needs_input_grad[3], ctx.needs_input_grad[4])  # the same on every rank (collectives below)
+        inputs = [leaf for leaf, want in zip((w1_leaf, w2_leaf), want_w) if want]
+        if x_leaf.requires_grad:
+            inputs.append(x_leaf)
+        if not inputs:
+            return None, None, None, None, None
         if ctx.on_views:
             pools.prefetch(plan, layer)
-        inputs = [w1_leaf, w2_leaf] + ([x_leaf] if x_leaf.requires_grad else [])
-        grads = torch.autograd.grad(y, inputs, grad_y.to(y.dtype))
-        # Own groups (zero when without rows: a grouped GEMM need not write them) and the slots used this step; the
-        # plan decides on the device, no synchronisation. Unused slots keep their zero reduce pool.
-        pools.write_grads(plan, layer, 0, grads[0])
-        pools.write_grads(plan, layer, 1, grads[1])
-        pools.reduce_grad(plan, layer)
-        grad_x = grads[2] if len(grads) > 2 else None
+        grads = list(torch.autograd.grad(y, inputs, grad_y.to(y.dtype)))
+        # Own groups with rows added into main_grad (groups without rows untouched: a grouped GEMM need not write
+        # them) and the slots used this step; the plan decides on the device, no synchronisation. Unused slots keep
+        # their zero reduce pool (a projection not written this step adds zeros).
+        for p in (0, 1):
+            if want_w[p]:
+                pools.write_grads(plan, layer, p, grads.pop(0), accumulate=True)
+        if any(want_w):
+            pools.reduce_grad(plan, layer)
+        grad_x = grads.pop(0) if x_leaf.requires_grad else None
         if grad_x is not None and ctx.on_views:  # rows past the last group end are unspecified: make them zero
             end = plan.cu_seqlens[-1].to(device=grad_x.device, dtype=torch.int64)
             past_end = torch.arange(grad_x.shape[0], device=grad_x.device) >= end
             grad_x = grad_x.masked_fill(past_end.unsqueeze(1), 0)
-        return None, None, grad_x, layer.own_grads(0).clone(), layer.own_grads(1).clone()
+        return None, None, grad_x, None, None
 
 
 class MoE(torch.nn.Module):
@@ -197,12 +212,8 @@ class MoE(torch.nn.Module):
         self.experts_per_rank = num_experts // self.num_ranks
         self.expert_offset = self.rank * self.experts_per_rank
         self.router = torch.nn.Linear(hidden, num_experts, bias=False, device=self.device)
-        own = range(self.expert_offset, self.expert_offset + self.experts_per_rank)
-        w1, w2 = init_expert_weights(hidden, ffn, own, seed)
         with torch.no_grad():
             self.router.weight.copy_(init_router_weight(hidden, num_experts, seed))
-        self.w1 = torch.nn.Parameter(w1.to(self.device))
-        self.w2 = torch.nn.Parameter(w2.to(self.device))
         self.pools = pools if pools is not None else shared_pools(
             group, self.experts_per_rank, [(hidden, ffn), (ffn, hidden)], self.device
         )
@@ -211,7 +222,17 @@ class MoE(torch.nn.Module):
             raise ValueError(f"MoE: pools must have epn={self.experts_per_rank} and projections {shapes}")
         if self.pools.device != self.device:
             raise ValueError(f"MoE: pools are on {self.pools.device}, the layer on {self.device}")
-        self.expert_layer = self.pools.register_layer()
+        self.expert_layer = layer = self.pools.register_layer()
+        own = range(self.expert_offset, self.expert_offset + self.experts_per_rank)
+        w1, w2 = init_expert_weights(hidden, ffn, own, seed)
+        with torch.no_grad():  # once, at construction: from here on the parameters are the library's memory
+            layer.own_weights(0).copy_(w1)
+            layer.own_weights(1).copy_(w2)
+        self.w1 = torch.nn.Parameter(layer.own_weights(0))
+        self.w2 = torch.nn.Parameter(layer.own_weights(1))
+        for p, param in enumerate((self.w1, self.w2)):
+            param.main_grad = layer.own_grads(p)  # fp32, the own part of the pools' gradient view
+            param._flatep_owner = layer  # the memory lives while the parameter does
         self.buffer = None
         self.num_tokens = num_tokens
         self.last_plan = None
@@ -230,6 +251,26 @@ class MoE(torch.nn.Module):
         """Parameters every rank holds a full copy of (the router): all-reduce their gradients across the group."""
         return list(self.router.parameters())
 
+    def expert_parameters(self):
+        """This rank's expert weights [w1, w2]: bf16 over the library's memory, fp32 gradients in ``main_grad``."""
+        return [self.w1, self.w2]
+
+    def zero_main_grad(self):
+        """Zeroes the experts' main_grad (backward accumulates into it)."""
+        for param in self.expert_parameters():
+            param.main_grad.zero_()
+
+    def _check_zero_copy(self):
+        layer = self.expert_layer
+        for p, (name, param) in enumerate((("w1", self.w1), ("w2", self.w2))):
+            own = layer.own_weights(p)
+            if param.dtype != own.dtype or param.device != own.device or param.data_ptr() != own.data_ptr():
+                raise ValueError(
+                    f"MoE: {name} is no longer the library's expert memory (it is {str(param.dtype)[6:]} on "
+                    f"{param.device}; was the module converted with .float() / .to()?): expert parameters must stay "
+                    f"bf16 on {self.device}; build the layer again"
+                )
+
     @torch.no_grad()
     def load_dense(self, dense):
         """Copies the weights of a flatep.testing.DenseMoE (router and this rank's experts)."""
@@ -244,6 +285,7 @@ class MoE(torch.nn.Module):
             raise ValueError(f"MoE: x must be a [s, H={self.hidden}] tensor, got {shape}")
         if x.device != self.device:
             raise ValueError(f"MoE: x is on {x.device}, but the layer is on {self.device}")
+        self._check_zero_copy()
         if self.buffer is None:
             self._make_buffer(int(x.shape[0]))
         weights, idx = route(x, self.router.weight, self.topk, topk_idx)

@@ -29,7 +29,7 @@ import torch
 from . import _C
 from ._tensors import INT64_MAX, address, check_int, check_tensor, check_timeout, tensor_at
 from .buffer import Plan
-from .distributed import device_guard, group_rank_size, resolve_device, transport_for
+from .distributed import current_stream_handle, device_guard, group_rank_size, resolve_device, transport_for
 
 
 class ExpertLayer:
@@ -121,7 +121,7 @@ class ExpertPools:
         """The C++ pools, with the current CUDA stream set on device pools (prefetch / reduce_grad are enqueued on
         it). Call the op inside device_guard(self.device)."""
         if self.device.type == "cuda":
-            self._pools.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
+            self._pools.set_stream(current_stream_handle(self.device))
         return self._pools
 
     def _resolve(self, op, plan, layer):

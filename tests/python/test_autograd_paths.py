@@ -236,6 +236,7 @@ def test_moe_gradients(moe_world, x_grad, router_grad, w1_grad, w2_grad):
         for p, flag in zip(params(m), (router_grad, w1_grad, w2_grad)):
             p.requires_grad_(flag)
             p.grad = None
+        m.zero_main_grad()  # backward adds into main_grad
     for p, flag in zip((dense.router_weight, dense.w1, dense.w2), (router_grad, w1_grad, w2_grad)):
         p.requires_grad_(flag)
     x = [x_all[r * S:(r + 1) * S].clone().requires_grad_(x_grad) for r in range(R)]
@@ -262,8 +263,15 @@ def test_moe_gradients(moe_world, x_grad, router_grad, w1_grad, w2_grad):
     for r in range(R):
         lo, hi = r * (E // R), (r + 1) * (E // R)
         check(f"rank {r} x", x[r].grad, xr.grad[r * S:(r + 1) * S] if x_grad else None, BF16_TOL)
-        check(f"rank {r} w1", moes[r].w1.grad, dense.w1.grad[lo:hi] if w1_grad else None, FP32_TOL)
-        check(f"rank {r} w2", moes[r].w2.grad, dense.w2.grad[lo:hi] if w2_grad else None, FP32_TOL)
+        for name, param, want in (("w1", moes[r].w1, w1_grad), ("w2", moes[r].w2, w2_grad)):
+            # Expert gradients live in main_grad (fp32, the library's memory); .grad stays None.
+            assert param.grad is None, f"rank {r} {name}: .grad set (expert gradients go to main_grad)"
+            ref_grad = getattr(dense, name).grad
+            if want:
+                check(f"rank {r} {name}", param.main_grad, ref_grad[lo:hi], FP32_TOL)
+            else:
+                assert not param.main_grad.any(), f"rank {r} {name}: main_grad written though not asked for"
+
         if not router_grad:
             assert moes[r].router.weight.grad is None, f"rank {r}: router gradient where none was asked for"
     if router_grad:  # replicated: the layer's gradient is the sum over the ranks (what an all-reduce gives)
