@@ -10,6 +10,7 @@
 #include "common/check.hpp"
 #include "kernels/common/barrier.cuh"
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/groups.cuh"
 #include "kernels/plan/plan.cuh"
 #include "planner/planner_core.hpp"
 
@@ -1362,16 +1363,7 @@ __global__ void unpack_kernel(Layout l, int rank, SymmetricLayout sym, PeerPoint
     for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < l.num_recv_rows;
          r += int64_t(gridDim.x) * blockDim.x) {
         int32_t h = -1, nx = -1;
-        // First group whose inclusive end is above r.
-        int lo = 0, hi = G;
-        while (lo < hi) {
-            const int mid = (lo + hi) / 2;
-            if (cu[mid] > r) {
-                hi = mid;
-            } else {
-                lo = mid + 1;
-            }
-        }
+        const int lo = find_group(cu, G, r);
         if (lo < G) {
             const int g = lo;
             const int32_t start = g == 0 ? 0 : cu[g - 1];

@@ -1,0 +1,151 @@
+"""A whole training step as one CUDA graph per rank (module level, so torch.multiprocessing can import it).
+
+Model: two flatep.nn.MoE layers with RMS norms and residuals between them, a final norm and an MSE loss; backward
+through everything (router, norms, experts' main_grad, the input). One step = zero every gradient, forward, loss,
+backward, all inside the captured region. Per trial, new tokens, targets and routing (topk_idx at a different skew
+per trial and layer) are written into the static inputs; the replayed graph must give bitwise the loss, output and
+every gradient of the same step run eagerly, and the same plans.
+"""
+
+import json
+
+import torch
+
+import flatep
+from flatep import testing
+
+S, H, F, E, K, ALIGN, LAYERS, TRIALS = 128, 256, 128, 32, 4, 8, 2, 20
+SIGMAS = (0.0, 0.6, 1.2, 2.0)
+
+
+def rms_norm(x, weight, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class TwoLayerModel(torch.nn.Module):
+    def __init__(self, group, device, seed=0):
+        super().__init__()
+        self.moes = torch.nn.ModuleList(
+            flatep.nn.MoE(H, F, E, K, group=group, num_tokens=S, align=ALIGN, seed=seed + 10 * i, device=device)
+            for i in range(LAYERS)
+        )
+        g = torch.Generator().manual_seed(seed + 99)
+        self.norms = torch.nn.ParameterList(
+            torch.nn.Parameter((1 + 0.1 * torch.randn(H, generator=g)).to(device)) for _ in range(LAYERS + 1)
+        )
+
+    def forward(self, x, idx):
+        h = x
+        for i, moe in enumerate(self.moes):
+            h = h + moe(rms_norm(h, self.norms[i]), idx[i])
+        return rms_norm(h, self.norms[LAYERS])
+
+
+class StaticStep:
+    """The static inputs and the step of one rank's model (the same code runs eagerly and under capture)."""
+
+    def __init__(self, model, device):
+        self.model = model
+        self.x = torch.zeros(S, H, device=device, requires_grad=True)
+        self.target = torch.zeros(S, H, device=device)
+        self.idx = torch.zeros(LAYERS, S, K, dtype=torch.int64, device=device)
+        self.params = [p for p in model.parameters() if not hasattr(p, "main_grad")]  # router and norms
+        self.loss = self.out = None
+
+    def write_inputs(self, rank, trial):
+        g = torch.Generator().manual_seed(1000 * trial + rank)
+        with torch.no_grad():
+            self.x.copy_(torch.randn(S, H, generator=g))
+            self.target.copy_(torch.randn(S, H, generator=g))
+            for i in range(LAYERS):
+                sigma = SIGMAS[(trial + i) % len(SIGMAS)]
+                self.idx[i].copy_(testing.sample_topk(E, S, K, rank, sigma=sigma, seed=7 * trial + i).long())
+
+    def step(self):
+        """Zero grads, forward, loss, backward. Gradients accumulate into tensors that exist before the step (the
+        first eager step allocates .grad), so graph replays and eager steps write the same memory."""
+        for p in self.params + [self.x]:
+            if p.grad is not None:
+                p.grad.zero_()
+        for moe in self.model.moes:
+            moe.zero_main_grad()
+        self.out = self.model(self.x, self.idx)
+        self.loss = ((self.out.float() - self.target) ** 2).mean()
+        self.loss.backward()
+
+    def results(self, replayed=False):
+        """Cloned loss, output, every gradient and the layers' cu_seqlens (call after the device is idle): of the
+        last eager step, or with replayed=True of the last replay (the captured step's static tensors and plans;
+        the gradients are the same tensors in both)."""
+        grads = [p.grad for p in self.params + [self.x]]
+        grads += [p.main_grad for moe in self.model.moes for p in moe.expert_parameters()]
+        if replayed:
+            loss, out, plans = self.captured
+        else:
+            loss, out, plans = self.loss, self.out, [moe.last_plan for moe in self.model.moes]
+        return [t.detach().clone() for t in [loss, out] + grads + [plan.cu_seqlens for plan in plans]]
+
+
+def compare(replayed, eager, where):
+    names = ["loss", "out"] + [f"tensor {i}" for i in range(2, len(eager))]
+    for name, a, b in zip(names, replayed, eager):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"{where}: {name}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+        if not torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b):
+            diff = (a.float() - b.float()).abs().max().item()
+            return f"{where}: {name} differs (max |diff| {diff:g})"
+    return None
+
+
+def capture(step, stream):
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="global"):
+        step.step()
+    step.captured = (step.loss, step.out, [moe.last_plan for moe in step.model.moes])  # what replays rewrite
+    return graph
+
+
+def check_rows(model, R):
+    """Host accessors (a synchronisation, outside the graphs): every rank computed S*K rows in each layer."""
+    for i, moe in enumerate(model.moes):
+        loads = moe.last_plan.stats["loads"]
+        if loads != [S * K] * R:
+            return f"layer {i}: loads {loads}, expected {S * K} on each of {R} ranks"
+    return None
+
+
+def run_processes(rank, R, out_path):
+    """One rank per process, every process on cuda:0."""
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    model = TwoLayerModel(None, device)
+    st = StaticStep(model, device)
+    stream = torch.cuda.Stream(device)
+    errors = []
+    with torch.cuda.stream(stream):
+        for trial in (0, 1):  # warm-up: allocates .grad, loads every kernel
+            st.write_inputs(rank, trial)
+            st.step()
+    torch.cuda.synchronize()
+    graph = capture(st, stream)
+    torch.cuda.synchronize()
+    for trial in range(2, 2 + TRIALS):
+        st.write_inputs(rank, trial)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            graph.replay()
+        torch.cuda.synchronize()
+        replayed = st.results(replayed=True)
+        with torch.cuda.stream(stream):
+            st.step()
+        torch.cuda.synchronize()
+        err = compare(replayed, st.results(), f"rank {rank} trial {trial}") or check_rows(model, R)
+        if err:
+            errors.append(err)
+    for moe in model.moes:
+        moe.buffer.check_status()
+    gathered = [None] * R
+    torch.distributed.all_gather_object(gathered, errors)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
