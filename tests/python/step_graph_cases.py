@@ -8,6 +8,7 @@ every gradient of the same step run eagerly, and the same plans.
 """
 
 import json
+import os
 
 import torch
 
@@ -149,3 +150,54 @@ def run_processes(rank, R, out_path):
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(gathered, f)
+
+
+def run_virtual(rank, world_size, out_path, R=4):
+    """R virtual ranks on cuda:0 driven by one host thread, in a process of its own with CUDA_MODULE_LOADING=EAGER:
+    the model's own torch kernels (norms, router, grouped GEMMs, loss, their backward) would otherwise load at
+    their first launch between two ranks' ops, and a lazy load may wait for the kernels running in the context,
+    among them a rank's plan spinning for a peer this thread has yet to enqueue (flatep.virtual's docstring).
+    FlatEP's own kernels need no such help (tests/python/test_gpu_robustness.py runs them under lazy loading)."""
+    os.environ["CUDA_MODULE_LOADING"] = "EAGER"  # before CUDA starts in this process
+    from flatep import virtual
+
+    device = torch.device("cuda", 0)
+    group = virtual.virtual_ranks(R, device, timeout_s=60)
+    models = virtual.run_threads(R, lambda r: TwoLayerModel(group[r], device))
+    steps = [StaticStep(models[r], device) for r in range(R)]
+    streams = [torch.cuda.Stream(device) for _ in range(R)]
+
+    def eager(trial):
+        for r in range(R):
+            steps[r].write_inputs(r, trial)
+        torch.cuda.synchronize()
+        for r in range(R):  # one thread enqueues every rank's whole step, forward and backward
+            with torch.cuda.stream(streams[r]):
+                steps[r].step()
+        torch.cuda.synchronize()
+
+    eager(0)
+    eager(1)  # warm-up: .grad exists
+    graphs = [capture(steps[r], streams[r]) for r in range(R)]
+    torch.cuda.synchronize()
+    errors, seen = [], set()
+    for trial in range(2, 2 + TRIALS):
+        for r in range(R):
+            steps[r].write_inputs(r, trial)
+        torch.cuda.synchronize()
+        for r in range(R):
+            with torch.cuda.stream(streams[r]):
+                graphs[r].replay()
+        torch.cuda.synchronize()
+        replayed = [steps[r].results(replayed=True) for r in range(R)]
+        seen.add(tuple(replayed[0][-1].tolist()))  # rank 0's last layer's cu_seqlens of this replay
+        eager(trial)
+        for r in range(R):
+            err = compare(replayed[r], steps[r].results(), f"rank {r} trial {trial}") or check_rows(models[r], R)
+            if err:
+                errors.append(err)
+    for m in models:
+        for moe in m.moes:
+            moe.buffer.check_status()
+    with open(out_path, "w") as f:
+        json.dump({"errors": errors, "distinct_plans": len(seen)}, f)
