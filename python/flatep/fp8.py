@@ -7,13 +7,15 @@ rule that ``Buffer.dispatch(..., fp8=True)`` applies inside its kernels (tests/p
 
 The rule, per block of 128 channels of a row: amax = the largest |x| over the block's finite values (NaN and +-Inf are
 left out); scale = amax / 448 in fp32 (ue8m0=True: the smallest power of two with 448 * scale >= amax), 1 when amax
-is 0; q = e4m3(x / scale), the division in fp32, then round to nearest even onto e4m3 ("fn": no infinities), with
-|x / scale| >= 448 (Inf included) saturating to +-448 and NaN giving 0x7f.
+is 0; q = e4m3(x * inverse) with inverse = 448 / amax (ue8m0: 1 / scale; 1 when amax is 0), one fp32 division per
+block and one fp32 multiplication per value (x / scale instead in a block whose inverse overflows fp32: amax below
+about 1.3e-36), then round to nearest even onto e4m3 ("fn": no infinities), with |x * inverse| >= 448 (Inf
+included) saturating to +-448 and NaN giving 0x7f.
 
 e4m3 tensors are ``torch.float8_e4m3fn`` where torch has it (2.1 and later) and ``torch.uint8`` holding the same bytes
 otherwise (torch 1.13); both are accepted wherever e4m3 rows go in. Everything here is integer arithmetic on the bits
-plus one IEEE fp32 division per value (by a tensor, never a Python scalar: torch may turn a scalar division into a
-multiplication by the reciprocal), so CPU and CUDA tensors give the same bits.
+plus IEEE fp32 divisions and multiplications of tensors (never by a Python scalar: torch may turn a scalar division
+into a multiplication by the reciprocal), so CPU and CUDA tensors give the same bits.
 """
 
 import torch
@@ -75,6 +77,17 @@ def _block_scales(amax_bits, ue8m0):
     return torch.where(amax_bits == 0, torch.ones_like(scale), scale)
 
 
+def _block_inverses(amax_bits, scales, ue8m0):
+    """The multipliers of the blocks' values: 448 / amax (1 / scale with ue8m0), 1 where amax is 0; one IEEE fp32
+    division of tensors each."""
+    if ue8m0:
+        inverse = torch.ones_like(scales) / scales
+    else:
+        amax = (amax_bits << 16).view(torch.float32)
+        inverse = torch.full_like(amax, E4M3_MAX) / amax
+    return torch.where(amax_bits == 0, torch.ones_like(inverse), inverse)
+
+
 def _float_to_e4m3(v):
     """fp32 tensor -> e4m3 bytes (int32 in [0, 255]): round to nearest even, saturating, NaN -> 0x7f."""
     word = v.contiguous().view(torch.int32)
@@ -114,7 +127,12 @@ def quantize(x, ue8m0=False):
     magnitude = (x.view(torch.int16).to(torch.int32) & 0x7FFF).view(blocks)
     amax_bits = magnitude.masked_fill(magnitude >= 0x7F80, 0).max(dim=-1).values  # NaN and Inf left out
     scales = _block_scales(amax_bits, ue8m0)
-    values = x.to(torch.float32).view(blocks) / scales.unsqueeze(-1).expand(blocks)
+    inverses = _block_inverses(amax_bits, scales, ue8m0)
+    xf = x.to(torch.float32).view(blocks)
+    finite = ((inverses.view(torch.int32) & 0x7F800000) != 0x7F800000).unsqueeze(-1).expand(blocks)
+    by_inverse = xf * inverses.unsqueeze(-1).expand(blocks)
+    by_scale = xf / scales.unsqueeze(-1).expand(blocks)  # only where the inverse overflows (amax < ~1.3e-36)
+    values = torch.where(finite, by_inverse, by_scale)
     q = _float_to_e4m3(values).to(torch.uint8).view(x.shape)
     return as_e4m3(q), scales
 

@@ -1,8 +1,9 @@
 // The FP8 quantisation rule of design §6 in plain integer and IEEE fp32 arithmetic, used by both backends: the CPU
 // backend and the CUDA kernels compile these same functions, so they agree bit for bit. No cuda_fp8 intrinsics: the
-// e4m3 rounding is done here on the bits. The only fp32 operation is one division per value (x / scale), IEEE round
-// to nearest even on both sides (__fdiv_rn on the device, whatever the compile flags; plain `/` on the host, which
-// assumes denormals are not flushed: the default of C++ and of torch).
+// e4m3 rounding is done here on the bits. The fp32 operations are IEEE, round to nearest even, on both sides: per
+// block one division for the scale and one for its inverse (__fdiv_rn on the device, whatever the compile flags;
+// plain `/` on the host, which assumes denormals are not flushed: the default of C++ and of torch), per value one
+// multiplication by the inverse (a division by the scale only in blocks whose inverse is not a finite fp32).
 #pragma once
 
 #include <cstdint>
@@ -83,6 +84,19 @@ FLATEP_HD float block_scale(uint32_t amax_bits, Fp8Scale mode) {
     return e >= -126 ? float_from_bits(uint32_t(e + 127) << 23) : float_from_bits(1u << (e + 149));
 }
 
+// The multiplier of a block's values: 448 / amax (kFloat; one IEEE division), 1 / scale (kUe8m0: exact where it is
+// a normal fp32), 1 when amax is 0. Not finite for amax below about 448 / FLT_MAX (quantize_value then divides).
+FLATEP_HD float block_inverse(uint32_t amax_bits, float scale, Fp8Scale mode) {
+    if (amax_bits == 0) return 1.0f;
+    const float numerator = mode == Fp8Scale::kFloat ? kFp8Max : 1.0f;
+    const float denominator = mode == Fp8Scale::kFloat ? float_from_bits(amax_bits << 16) : scale;
+#if defined(__CUDA_ARCH__)
+    return __fdiv_rn(numerator, denominator);
+#else
+    return numerator / denominator;
+#endif
+}
+
 // fp32 -> e4m3 (fn): round to nearest, ties to even, on the bits; saturating: |v| >= 448 (Inf included) gives +-448;
 // NaN gives 0x7f; the sign is kept otherwise (-0 and negative values that round to zero give 0x80).
 FLATEP_HD uint8_t float_to_e4m3(float value) {
@@ -120,12 +134,15 @@ FLATEP_HD float e4m3_to_float(uint8_t q) {
     return float_from_bits(sign | (uint32_t(top - 9 + 127) << 23) | ((mantissa << (23 - top)) & 0x7fffffu));
 }
 
-// One bf16 value of a block with this scale: e4m3(x / scale), the division in fp32 (IEEE, round to nearest even).
-FLATEP_HD uint8_t quantize_value(uint16_t x, float scale) {
+// One bf16 value of a block with this scale and inverse (block_inverse): e4m3(x * inverse), the product in fp32
+// (IEEE, round to nearest even); e4m3(x / scale) where the inverse is not finite (amax below about 1.3e-36).
+FLATEP_HD uint8_t quantize_value(uint16_t x, float scale, float inverse) {
+    const float v = bf16_to_float(x);
+    const bool finite = (float_bits(inverse) & 0x7f800000u) != 0x7f800000u;
 #if defined(__CUDA_ARCH__)
-    return float_to_e4m3(__fdiv_rn(bf16_to_float(x), scale));
+    return float_to_e4m3(finite ? __fmul_rn(v, inverse) : __fdiv_rn(v, scale));
 #else
-    return float_to_e4m3(bf16_to_float(x) / scale);
+    return float_to_e4m3(finite ? v * inverse : v / scale);
 #endif
 }
 
@@ -138,9 +155,10 @@ FLATEP_HD void quantize_row(const uint16_t* x, int num_blocks, Fp8Scale mode, ui
             const uint32_t m = bf16_amax_bits(block[i]);
             amax = m > amax ? m : amax;
         }
-        const float scale = block_scale(amax, mode);
+        const float scale = block_scale(amax, mode), inverse = block_inverse(amax, scale, mode);
         scales[b] = scale;
-        for (int i = 0; i < kFp8BlockSize; ++i) q[int64_t(b) * kFp8BlockSize + i] = quantize_value(block[i], scale);
+        for (int i = 0; i < kFp8BlockSize; ++i)
+            q[int64_t(b) * kFp8BlockSize + i] = quantize_value(block[i], scale, inverse);
     }
 }
 

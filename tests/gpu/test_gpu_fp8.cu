@@ -44,18 +44,25 @@ __global__ void e4m3_all_kernel(uint8_t* out, uint64_t stride) {
         out[i] = fp8::float_to_e4m3(fp8::float_from_bits(uint32_t(i * stride)));
 }
 
-__global__ void scales_kernel(float* out) {  // every bf16 magnitude (finite or not), both modes
+// Every bf16 magnitude (finite or not), both modes: scales in out[0, 0x10000), their inverses in out[0x10000, ...).
+__global__ void scales_kernel(float* out) {
     const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < 0x8000u) {
-        out[i] = fp8::block_scale(fp8::bf16_amax_bits(uint16_t(i)), Fp8Scale::kFloat);
-        out[0x8000u + i] = fp8::block_scale(fp8::bf16_amax_bits(uint16_t(i)), Fp8Scale::kUe8m0);
+        const uint32_t amax = fp8::bf16_amax_bits(uint16_t(i));
+        const Fp8Scale modes[2] = {Fp8Scale::kFloat, Fp8Scale::kUe8m0};
+        for (int m = 0; m < 2; ++m) {
+            const float scale = fp8::block_scale(amax, modes[m]);
+            out[0x8000u * m + i] = scale;
+            out[0x10000u + 0x8000u * m + i] = fp8::block_inverse(amax, scale, modes[m]);
+        }
     }
 }
 
-__global__ void quantize_values_kernel(const float* scales, int num_scales, uint8_t* out) {  // every bf16 x
+__global__ void quantize_values_kernel(const float* scales, const float* inverses, int num_scales,
+                                       uint8_t* out) {  // every bf16 x
     const int64_t n = int64_t(num_scales) << 16;
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-        out[i] = fp8::quantize_value(uint16_t(i & 0xffff), scales[i >> 16]);
+        out[i] = fp8::quantize_value(uint16_t(i & 0xffff), scales[i >> 16], inverses[i >> 16]);
 }
 
 template <typename F>
@@ -94,32 +101,48 @@ bool run_rule(bool quick) {
         }
     }
     float* d_scales = nullptr;
-    FLATEP_CUDA_CHECK(cudaMalloc(&d_scales, 0x10000 * sizeof(float)));
+    FLATEP_CUDA_CHECK(cudaMalloc(&d_scales, 0x20000 * sizeof(float)));
     scales_kernel<<<0x8000 / 256, 256>>>(d_scales);
     FLATEP_CUDA_CHECK_LAUNCH();
-    std::vector<float> scales(0x10000);
+    std::vector<float> scales(0x20000);  // scales, then their inverses
     FLATEP_CUDA_CHECK(cudaMemcpy(scales.data(), d_scales, scales.size() * 4, cudaMemcpyDeviceToHost));
     for (uint32_t i = 0; i < 0x10000u; ++i) {
         const Fp8Scale mode = i < 0x8000u ? Fp8Scale::kFloat : Fp8Scale::kUe8m0;
-        const float want_scale = fp8::block_scale(fp8::bf16_amax_bits(uint16_t(i & 0x7fffu)), mode);
-        if (fp8::float_bits(scales[i]) != fp8::float_bits(want_scale)) {
-            char buf[160];
-            std::snprintf(buf, sizeof(buf), "block_scale(amax 0x%04x, %s): device 0x%08x host 0x%08x", i & 0x7fffu,
-                          mode_name(mode), fp8::float_bits(scales[i]), fp8::float_bits(want_scale));
+        const uint32_t amax = fp8::bf16_amax_bits(uint16_t(i & 0x7fffu));
+        const float want_scale = fp8::block_scale(amax, mode);
+        const float want_inverse = fp8::block_inverse(amax, want_scale, mode);
+        if (fp8::float_bits(scales[i]) != fp8::float_bits(want_scale) ||
+            fp8::float_bits(scales[0x10000u + i]) != fp8::float_bits(want_inverse)) {
+            char buf[200];
+            std::snprintf(buf, sizeof(buf),
+                          "block_scale / block_inverse(amax 0x%04x, %s): device 0x%08x 0x%08x host 0x%08x 0x%08x",
+                          i & 0x7fffu, mode_name(mode), fp8::float_bits(scales[i]),
+                          fp8::float_bits(scales[0x10000u + i]), fp8::float_bits(want_scale),
+                          fp8::float_bits(want_inverse));
             g_first = buf;
             return false;
         }
     }
-    // Every bf16 value divided by the scales of every 64th amax of both modes (subnormal scales included).
-    std::vector<float> picked;
-    for (uint32_t i = 0; i < 0x10000u; i += 64) picked.push_back(scales[i]);
+    // Every bf16 value quantised with the scale and inverse of every 64th amax of both modes (subnormal scales and
+    // non-finite inverses, where the rule divides, included).
+    std::vector<float> picked, picked_inverse;
+    for (uint32_t i = 0; i < 0x10000u; i += 64) {
+        picked.push_back(scales[i]);
+        picked_inverse.push_back(scales[0x10000u + i]);
+    }
+    for (uint32_t i : {1u, 2u, 3u, 0x8001u, 0x8003u}) {  // tiny amax: inverses that overflow
+        picked.push_back(scales[i]);
+        picked_inverse.push_back(scales[0x10000u + i]);
+    }
     const int num_scales = int(picked.size());
     float* d_picked = nullptr;
     uint8_t* d_q = nullptr;
-    FLATEP_CUDA_CHECK(cudaMalloc(&d_picked, picked.size() * 4));
+    FLATEP_CUDA_CHECK(cudaMalloc(&d_picked, picked.size() * 8));
     FLATEP_CUDA_CHECK(cudaMalloc(&d_q, size_t(num_scales) << 16));
     FLATEP_CUDA_CHECK(cudaMemcpy(d_picked, picked.data(), picked.size() * 4, cudaMemcpyHostToDevice));
-    quantize_values_kernel<<<2048, 256>>>(d_picked, num_scales, d_q);
+    FLATEP_CUDA_CHECK(
+        cudaMemcpy(d_picked + picked.size(), picked_inverse.data(), picked.size() * 4, cudaMemcpyHostToDevice));
+    quantize_values_kernel<<<2048, 256>>>(d_picked, d_picked + picked.size(), num_scales, d_q);
     FLATEP_CUDA_CHECK_LAUNCH();
     std::vector<uint8_t> q(size_t(num_scales) << 16);
     FLATEP_CUDA_CHECK(cudaMemcpy(q.data(), d_q, q.size(), cudaMemcpyDeviceToHost));
@@ -127,8 +150,9 @@ bool run_rule(bool quick) {
     cudaFree(d_q);
     cudaFree(d_scales);
     std::vector<uint8_t> want_q(q.size());
-    parallel_for(int64_t(q.size()),
-                 [&](int64_t i) { want_q[i] = fp8::quantize_value(uint16_t(i & 0xffff), picked[size_t(i >> 16)]); });
+    parallel_for(int64_t(q.size()), [&](int64_t i) {
+        want_q[i] = fp8::quantize_value(uint16_t(i & 0xffff), picked[size_t(i >> 16)], picked_inverse[size_t(i >> 16)]);
+    });
     for (size_t i = 0; i < q.size(); ++i) {
         if (q[i] != want_q[i]) {
             char buf[200];

@@ -251,3 +251,17 @@ def test_cuda_dispatch_fp8_bitwise_equals_the_cpu_backend(ue8m0):
             assert torch.equal(bits(q[:end].cpu()), bits(cq[:end])), r
             assert torch.equal(bits(s[:end].cpu()), bits(cs[:end])), r
             assert torch.equal(bits(w8[:end].cpu()), bits(cw[:end])), r
+
+
+def test_values_are_multiplied_by_the_block_inverse():
+    # The rule multiplies by 448 / amax (one division per block): -0.1708984375 (bf16 0xbe2f) in a block of amax
+    # 12.25 gives 0xcd, where dividing by 12.25 / 448 would give 0xcc. A block whose inverse overflows divides.
+    x = torch.zeros(2, 128, dtype=torch.bfloat16)
+    x[0, 0] = 12.25
+    x.view(torch.int16)[0, 1] = torch.tensor(0xBE2F - 0x10000, dtype=torch.int16)
+    x.view(torch.int16)[1, 0] = 1  # the smallest bf16 subnormal
+    q, s = fp8.quantize(x)
+    want_q, want_s = cpp_quantize(x, False)
+    assert bits(q)[0, :3].tolist() == [0x7E, 0xCD, 0x00]
+    assert bits(q)[1, :2].tolist() == [0x7E, 0x00]  # not 0x7f: 0 * inf would be NaN
+    assert torch.equal(bits(q), want_q) and torch.equal(bits(s), bits(want_s))

@@ -34,11 +34,11 @@ FLATEP_DEVICE uint32_t chunk_amax(const uint4& a, const uint4& b) {
 }
 
 // Four e4m3 bytes (little-endian, first channel lowest) of the four bf16 values in two words.
-FLATEP_DEVICE uint32_t quantise_words(uint32_t lo, uint32_t hi, float scale) {
-    return uint32_t(fp8::quantize_value(uint16_t(lo & 0xffffu), scale)) |
-           uint32_t(fp8::quantize_value(uint16_t(lo >> 16), scale)) << 8 |
-           uint32_t(fp8::quantize_value(uint16_t(hi & 0xffffu), scale)) << 16 |
-           uint32_t(fp8::quantize_value(uint16_t(hi >> 16), scale)) << 24;
+FLATEP_DEVICE uint32_t quantise_words(uint32_t lo, uint32_t hi, float scale, float inverse) {
+    return uint32_t(fp8::quantize_value(uint16_t(lo & 0xffffu), scale, inverse)) |
+           uint32_t(fp8::quantize_value(uint16_t(lo >> 16), scale, inverse)) << 8 |
+           uint32_t(fp8::quantize_value(uint16_t(hi & 0xffffu), scale, inverse)) << 16 |
+           uint32_t(fp8::quantize_value(uint16_t(hi >> 16), scale, inverse)) << 24;
 }
 
 // One lane's 16 channels (a, b: 32 bytes of bf16) -> 16 e4m3 bytes, and the scale of the block the lane's octet holds
@@ -48,10 +48,10 @@ FLATEP_DEVICE uint4 quantise_chunk(const uint4& a, const uint4& b, Fp8Scale mode
 #pragma unroll
     for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2)
         amax = max(amax, __shfl_xor_sync(kFull, amax, offset));
-    const float scale = fp8::block_scale(amax, mode);
+    const float scale = fp8::block_scale(amax, mode), inverse = fp8::block_inverse(amax, scale, mode);
     *scale_out = scale;
-    return make_uint4(quantise_words(a.x, a.y, scale), quantise_words(a.z, a.w, scale), quantise_words(b.x, b.y, scale),
-                      quantise_words(b.z, b.w, scale));
+    return make_uint4(quantise_words(a.x, a.y, scale, inverse), quantise_words(a.z, a.w, scale, inverse),
+                      quantise_words(b.x, b.y, scale, inverse), quantise_words(b.z, b.w, scale, inverse));
 }
 
 // Source side: warp per token, as the bf16 dispatch. Lanes k < K hold entry k; the first lane of each destination rank

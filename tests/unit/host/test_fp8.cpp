@@ -221,6 +221,33 @@ TEST(Fp8Rule, QuantizeRowBlocks) {
     EXPECT_EQ(tq[0], nearest_e4m3(double(bf16_to_float(0x0001)) / double(ts)));
 }
 
+TEST(Fp8Rule, ValuesAreMultipliedByTheBlockInverse) {
+    // amax 12.25: inverse = 448 / 12.25 (one division per block), q = e4m3(x * inverse). For x = -0.1708984375
+    // (bf16 0xbe2f) the product rounds to e4m3 0xcd, where x / (12.25 / 448) would give 0xcc: the rule is the
+    // multiplication.
+    std::vector<uint16_t> row(kFp8BlockSize, 0);
+    row[0] = float_to_bf16(12.25f);
+    row[1] = 0xbe2f;
+    std::vector<uint8_t> q(row.size());
+    float s = 0;
+    quantize_fp8_rows(row.data(), 1, kFp8BlockSize, Fp8Scale::kFloat, q.data(), &s);
+    EXPECT_EQ(bits_of(s), bits_of(12.25f / 448.0f));
+    EXPECT_EQ(bits_of(fp8::block_inverse(float_to_bf16(12.25f), s, Fp8Scale::kFloat)), bits_of(448.0f / 12.25f));
+    EXPECT_EQ(q[0], 0x7e);
+    EXPECT_EQ(q[1], 0xcd);
+    EXPECT_EQ(q[2], 0x00);
+    // amax the smallest bf16 subnormal: 448 / amax overflows fp32, so the block divides by its scale; a
+    // multiplication by the infinite inverse would turn the zeros into NaN (0x7f).
+    std::vector<uint16_t> tiny(kFp8BlockSize, 0);
+    tiny[0] = 0x0001;
+    std::vector<uint8_t> tq(tiny.size());
+    float ts = 0;
+    quantize_fp8_rows(tiny.data(), 1, kFp8BlockSize, Fp8Scale::kFloat, tq.data(), &ts);
+    EXPECT_TRUE(std::isinf(fp8::block_inverse(0x0001u, ts, Fp8Scale::kFloat)));
+    EXPECT_EQ(tq[0], 0x7e);  // 2^-133 / (2^-133 / 448) = 448
+    EXPECT_EQ(tq[1], 0x00);
+}
+
 TEST(Fp8Rule, RejectsBadArguments) {
     std::vector<uint16_t> x(200);
     std::vector<uint8_t> q(200);
