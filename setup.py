@@ -55,7 +55,7 @@ class CMakeBuild(build_ext):
 
 setup(
     package_dir={"": "python"},
-    packages=["flatep"],
+    packages=["flatep", "flatep.integrations"],
     ext_modules=[CMakeExtension("flatep._C")],
     cmdclass={"build_ext": CMakeBuild},
     zip_safe=False,
