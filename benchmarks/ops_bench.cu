@@ -341,7 +341,8 @@ int planner_bench(const Options& o, bench::SigmaTable& sigmas) {
     bench::CsvWriter csv(o.csv, {"config", "R", "S", "E", "H", "K", "align", "capacity_factor", "maxvio_target", "sigma",
                                  "seed", "maxvio", "P", "replicas", "P_greedy", "replicas_greedy", "balanced_us",
                                  "balanced_min_us", "greedy_us", "greedy_min_us", "host_balanced_us", "bitwise_host",
-                                 "valid", "not_worse_than_greedy", "candidate_path", "timed_runs"});
+                                 "valid", "not_worse_than_greedy", "candidate_path", "timed_runs",
+                                 "planner_path"});
     // clang-format on
     std::printf("%-13s %-26s %6s %4s %8s %3s %4s %4s %4s %12s %12s %10s %7s\n", "config", "shape", "maxvio", "seed",
                 "realised", "P", "reps", "P_g", "re_g", "balanced_us", "greedy_us", "host_us", "bitwise");
@@ -409,12 +410,15 @@ int planner_bench(const Options& o, bench::SigmaTable& sigmas) {
                     st.makespan, st.total_replicas, gs.makespan, gs.total_replicas, bench::fixed(balanced.median_us, 2),
                     bench::fixed(balanced.min_us, 2), bench::fixed(greedy.median_us, 2), bench::fixed(greedy.min_us, 2),
                     bench::fixed(host_t.median_us, 1), int(bitwise), int(bad.empty()), int(not_worse),
-                    int(kernels::planner_uses_candidate_path(l)), iters * batch);
+                    int(kernels::planner_uses_candidate_path(l)), iters * batch, kernels::planner_path_name(l));
             if (!kernels::planner_uses_candidate_path(l))
                 std::printf(
-                    "  balanced planner off its candidate path: a candidate block needs %zu KiB of shared "
-                    "memory (at most 200): planner_core::plan_alloc ran on one thread\n",
+                    "  balanced planner off its candidate path (FLATEP_PLANNER_PLACEMENT=shared): a candidate block "
+                    "needs %zu KiB of shared memory (at most 200): planner_core::plan_alloc ran on one thread\n",
                     kernels::planner_candidate_smem_bytes(l) / 1024);
+            else
+                std::printf("  balanced planner path: %s, %zu KiB of shared memory per candidate block\n",
+                            kernels::planner_path_name(l), kernels::planner_candidate_smem_bytes(l) / 1024);
             if (o.planner_profile && !slow) {
                 const auto greedy_kind = profile_planner(l, PlannerKind::kGreedy, view, ws, stream);
                 const auto balanced_kind = profile_planner(l, PlannerKind::kBalanced, view, ws, stream);

@@ -9,6 +9,11 @@
 #                   (graph-timed) at every shape of the sweep (S=8192, E=896, H 3584/7168, K 8/16, R 8/16/32/64)
 #                   and maxvio 1/5/20, P and replicas beside the greedy's, bitwise vs the host planner, valid,
 #                   never worse than the greedy; where the time goes per case in the log     planner_moonep_sweep.csv
+#   planner_sweep_bench_shared
+#                   the same with FLATEP_PLANNER_PLACEMENT=shared: the candidate path before issue 22's fix (E=896,
+#                   R >= 32 then falls back to plan_alloc on one thread), for the A/B against the default placement
+#                   (auto: counts in global memory at R=32, counts and allocation at R=64; column planner_path)
+#                                                                                     planner_moonep_sweep_shared.csv
 #   planner_reference
 #                   the same at the two configs of today's figures (moonep maxvio 0.2/1/10/20, deepep)
 #                                                                                            planner_reference.csv
@@ -38,7 +43,7 @@ mkdir -p "$OUT"
 BUILD=${BUILD_DIR:-build-cuda}
 JOBS=${JOBS:-16}
 DEADLINE_S=${BENCH_DEADLINE_S:-400}
-ALL_STEPS="build planner_sweep planner_sweep_bench planner_reference data_plane_k3 s1024_k3 host_check"
+ALL_STEPS="build planner_sweep planner_sweep_bench planner_sweep_bench_shared planner_reference data_plane_k3 s1024_k3 host_check"
 STEPS=${BENCH_STEPS:-$ALL_STEPS}
 [[ " $STEPS " == *" build "* ]] || STEPS="build $STEPS"  # the binaries are always brought up to date
 SUMMARY=$OUT/summary_moonep.txt
@@ -108,6 +113,8 @@ step build 240 "$SELF" __build
 step planner_sweep 120 "$BUILD"/tests/gpu/test_gpu_ops --case planner_sweep
 step planner_sweep_bench 150 "$OPS" --planner-only --planner-profile --preset moonep-sweep --seeds 1 --iters 20 \
     --sigma-cache "$SIGMAS" --csv "$OUT/planner_moonep_sweep.csv"
+step planner_sweep_bench_shared 200 env FLATEP_PLANNER_PLACEMENT=shared "$OPS" --planner-only --preset moonep-sweep \
+    --seeds 1 --iters 20 --sigma-cache "$SIGMAS" --csv "$OUT/planner_moonep_sweep_shared.csv"
 step planner_reference 60 "$OPS" --planner-only --preset moonep,deepep --seeds 1 --iters 20 \
     --sigma-cache "$SIGMAS" --csv "$OUT/planner_reference.csv"
 step data_plane_k3 150 "$OPS" --preset k3 --ffn 512 --iters 20 --warmup 3 --sigma-cache "$SIGMAS" \

@@ -75,6 +75,31 @@ FLATEP_HD Workspace make_workspace(const Layout& l, int32_t* base) {
     return w;
 }
 
+// The same workspace with the candidate allocation `cand` ([R*E]) elsewhere (the GPU planner keeps it in global
+// memory, or next to the counts, where shared memory does not hold everything): every other array packed into
+// `small` (planner_small_workspace_words(l) words), in make_workspace's order.
+FLATEP_HD int64_t planner_small_workspace_words(const Layout& l) {
+    return planner_workspace_words(l) - int64_t(l.num_ranks) * l.num_experts;
+}
+
+FLATEP_HD Workspace make_workspace_split(const Layout& l, int32_t* small, int32_t* cand) {
+    const int R = l.num_ranks, E = l.num_experts;
+    Workspace w{};
+    w.total = small;
+    w.target = w.total + E;
+    w.load = w.target + R;
+    w.room = w.load + R;
+    w.excess = w.room + R;
+    w.num_in = w.excess + R;
+    w.num_out = w.num_in + R;
+    w.cand = cand;
+    w.item_expert = w.num_out + R;
+    w.item_size = w.item_expert + E;
+    w.item_state = w.item_size + E;
+    w.itemized = w.item_state + E;
+    return w;
+}
+
 // Executors. Every function below takes an executor `x` that says who runs it:
 //   SerialExec: one thread (the host planner, tests, the serial GPU reference);
 //   a warp executor (kernels/plan/plan.cu): the 32 lanes of a warp run the same code with the same scalars, split

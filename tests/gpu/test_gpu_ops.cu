@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -249,6 +250,7 @@ bool run_planner_sweep(int num_matrices) {
     const int num_small = int(sizeof(shapes) / sizeof(shapes[0]));
     constexpr int kSweepMatrices = 7;  // sigmas 0, 0.5, 1, 2, 3, 1 (another seed), one hot expert set
     int done = 0;
+    std::map<std::string, int> done_by_path;
     for (const Shape& sh : all) {
         Config cfg;
         cfg.num_ranks = sh.R;
@@ -281,21 +283,40 @@ bool run_planner_sweep(int num_matrices) {
                 HostPlan host(l);
                 std::copy(tpe.begin(), tpe.end(), host.view.tpe_all);
                 plan_counts(l, PlannerKind(kind), host.view);
-                for (int engine = 0; engine < 2; ++engine) {
+                // The parallel engine under every placement of the balanced planner's candidate path that gives a
+                // distinct path at this shape (kShared off the candidate path: plan_alloc on one thread, sampled
+                // like the serial engine), then the serial engine.
+                const kernels::PlannerPlacement placements[] = {
+                    kernels::PlannerPlacement::kAuto, kernels::PlannerPlacement::kCountsGlobal,
+                    kernels::PlannerPlacement::kGlobal, kernels::PlannerPlacement::kShared};
+                std::vector<std::string> paths_done;
+                for (int variant = 0; variant < 5; ++variant) {
+                    const int engine = variant == 4 ? 1 : 0;
+                    const bool slow_sample = sh.sweep ? m != 0 : sh.E > 64 && m % 3 != 0;
                     // The serial engine (one GPU thread) is slow: sampled.
-                    if (engine == 1 && (sh.sweep ? m != 0 : sh.E > 64 && m % 3 != 0)) continue;
+                    if (engine == 1 && slow_sample) continue;
+                    std::string path = "serial";
+                    if (engine == 0) {
+                        if (kind == 0 && variant > 0) continue;  // the greedy kind has one parallel path
+                        kernels::set_planner_placement(placements[variant]);
+                        path = kind == 0 ? "greedy" : kernels::planner_path_name(l);
+                        if (std::find(paths_done.begin(), paths_done.end(), path) != paths_done.end()) continue;
+                        if (path == "core" && slow_sample) continue;
+                        paths_done.push_back(path);
+                    }
                     std::vector<int32_t> init(words, 0);
                     std::copy(tpe.begin(), tpe.end(), init.begin() + make_plan_sizes(l).tpe_all);
                     FLATEP_CUDA_CHECK(cudaMemcpy(d_plan, init.data(), words * 4, cudaMemcpyHostToDevice));
                     kernels::launch_planner(l, PlannerKind(kind), make_plan_view(l, d_plan), ws,
                                             kernels::PlannerEngine(engine), nullptr);
+                    kernels::set_planner_placement(kernels::PlannerPlacement::kAuto);
                     std::vector<int32_t> got(words);
                     FLATEP_CUDA_CHECK(cudaMemcpy(got.data(), d_plan, words * 4, cudaMemcpyDeviceToHost));
                     const PlanSizes ps = make_plan_sizes(l);
                     const int32_t* want = host.view.tpe_all;
                     for (int64_t w = 0; w < ps.entry_rank; ++w) {  // the global part
                         if (got[w] != want[w]) {
-                            g_first = "planner (" + std::string(engine ? "serial" : "parallel") + ", " +
+                            g_first = "planner (" + std::string(engine ? "serial" : "parallel") + " " + path + ", " +
                                       planner_name(PlannerKind(kind)) + ", R=" + std::to_string(sh.R) +
                                       " E=" + std::to_string(sh.E) + " S=" + std::to_string(sh.S) +
                                       " K=" + std::to_string(sh.K) + " matrix " + std::to_string(m) +
@@ -305,13 +326,16 @@ bool run_planner_sweep(int num_matrices) {
                         }
                     }
                     ++done;
+                    ++done_by_path[path];
                 }
             }
         }
         cudaFree(d_plan);
         cudaFree(ws);
     }
-    std::printf("  planner sweep: %d plans bitwise equal to the host planner (MoonEP's sweep shapes included)\n", done);
+    std::printf("  planner sweep: %d plans bitwise equal to the host planner (MoonEP's sweep shapes included):", done);
+    for (const auto& [path, n] : done_by_path) std::printf(" %s %d", path.c_str(), n);
+    std::printf("\n");
     return true;
 }
 

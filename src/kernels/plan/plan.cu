@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "common/check.hpp"
+#include "common/env.hpp"
 #include "kernels/common/barrier.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/groups.cuh"
@@ -86,6 +87,8 @@ struct PlanWorkspace {
     planner_core::PlanQuality* cand_quality;  // [max_candidates] quality of every balanced-planner candidate
     int32_t* cand_meta;                       // [kMetaWords] the greedy's quality and the number of candidates
     int32_t* stored_alloc;                    // [stored_candidates][R*E] allocations of the first candidates
+    int32_t* cand_scratch;  // [kCandidateBlocks][R*E] working allocation of candidate block b when it is not kept in
+                            // shared memory and its candidate is not stored (CandidateMode::alloc_smem false)
 };
 
 // cand_meta words.
@@ -109,7 +112,7 @@ int segment_tokens(const Layout& l) { return l.topk >= kSegmentEntries ? 1 : kSe
 int num_segments(const Layout& l) { return ceil_div(l.num_tokens, segment_tokens(l)); }
 
 struct WorkspaceSizes {
-    int64_t tpe_local, seg_counts, first_bad, serial_ws, cand_quality, cand_meta, stored_alloc, total;
+    int64_t tpe_local, seg_counts, first_bad, serial_ws, cand_quality, cand_meta, stored_alloc, cand_scratch, total;
 };
 
 WorkspaceSizes workspace_sizes(const Layout& l) {
@@ -127,6 +130,7 @@ WorkspaceSizes workspace_sizes(const Layout& l) {
     s.cand_quality = take(int64_t(max_candidates(l)) * int64_t(sizeof(planner_core::PlanQuality) / 4));
     s.cand_meta = take(kMetaWords);
     s.stored_alloc = take(int64_t(stored_candidates(l)) * l.num_ranks * l.num_experts);
+    s.cand_scratch = take(int64_t(kCandidateBlocks) * l.num_ranks * l.num_experts);
     s.total = at;
     return s;
 }
@@ -142,6 +146,7 @@ PlanWorkspace make_plan_workspace(const Layout& l, void* base) {
     p.cand_quality = reinterpret_cast<planner_core::PlanQuality*>(w + s.cand_quality);
     p.cand_meta = w + s.cand_meta;
     p.stored_alloc = w + s.stored_alloc;
+    p.cand_scratch = w + s.cand_scratch;
     return p;
 }
 
@@ -538,10 +543,42 @@ __global__ void __launch_bounds__(kPlannerThreads)
 // tests/unit/planner/test_planner_candidates.cpp checks the decomposition.
 constexpr int kSelectCached = 1024;  // qualities select_derive_kernel reads from shared memory
 
-// The counts [R*E], planner_core's workspace, home_ahead's table [E].
-size_t candidate_smem_bytes(const Layout& l) {
-    return (size_t(l.num_ranks + 1) * l.num_experts + size_t(planner_core::planner_workspace_words(l))) *
+// Where the blocks of the candidate path keep the counts and the allocation they work on. Shared memory always holds
+// planner_core's small arrays (planner_small_workspace_words) and home_ahead's table [E]; the counts [R*E] (read
+// only: init_home, the locality receiver rule, the evaluation) and the candidate's allocation [R*E] (read and written
+// by every step of the build) each in shared memory or in global memory. The arithmetic is the same either way, so
+// is the plan. Every placement takes the candidate path except kShared where everything does not fit.
+struct CandidateMode {
+    bool candidates;   // the candidate path (else planner_parallel_kernel: plan_alloc on one thread)
+    bool counts_smem;  // the counts in shared memory (else read from plan.tpe_all)
+    bool alloc_smem;   // the allocation in shared memory (else ws.stored_alloc's slot or ws.cand_scratch's)
+};
+
+// Dynamic shared memory of a candidate block (and of select_derive_kernel) for a placement.
+size_t candidate_smem_bytes(const Layout& l, bool counts_smem, bool alloc_smem) {
+    const size_t re = size_t(l.num_ranks) * l.num_experts;
+    return ((counts_smem ? re : 0) + (alloc_smem ? re : 0) + size_t(planner_core::planner_small_workspace_words(l)) +
+            size_t(l.num_experts)) *
            sizeof(int32_t);
+}
+
+CandidateMode candidate_mode(const Layout& l, PlannerPlacement placement) {
+    const bool all = candidate_smem_bytes(l, true, true) <= kMaxPlannerSmem;
+    const bool alloc_only = candidate_smem_bytes(l, false, true) <= kMaxPlannerSmem;
+    switch (placement) {
+        case PlannerPlacement::kShared:
+            return CandidateMode{all, true, true};
+        case PlannerPlacement::kCountsGlobal:
+            return CandidateMode{true, false, alloc_only};
+        case PlannerPlacement::kGlobal:
+            return CandidateMode{true, false, false};
+        case PlannerPlacement::kAuto:
+        default:
+            return all ? CandidateMode{true, true, true} : CandidateMode{true, false, alloc_only};
+    }
+}
+size_t candidate_smem_bytes(const Layout& l, const CandidateMode& m) {
+    return candidate_smem_bytes(l, m.counts_smem, m.alloc_smem);
 }
 
 // Named barrier (not 0, which __syncthreads uses) between warp 0 and the other warps of a candidate block: the
@@ -570,10 +607,64 @@ FLATEP_DEVICE int32_t ahead_of(const int32_t* v, int n, int i) {
     return vi > 0 ? s : -1;
 }
 
+// SerialExec::ahead_sums over v[0, n), n <= kSortItems, by one warp (every lane calls it): the items' keys (value,
+// then the lower index first; 0 for items <= 0) sorted descending by a bitonic network in registers (item p = q*32 +
+// lane in register q), then an exclusive prefix sum of the values in that order scattered back to the items. The
+// same integers as the O(n^2) scan (sums of the same positive values), in O(n log^2 n / 32) steps per lane instead of
+// O(n^2 / 32): at epn = 112 (E=896, R=8) one call took 5.4 us on the H200 and home_ahead_table 8.6 us.
+constexpr int kSortItems = 128;
+FLATEP_DEVICE void warp_ahead_sums_sorted(const int32_t* v, int n, int32_t* out, int lane) {
+    constexpr int kPer = kSortItems / 32;
+    uint64_t key[kPer];
+#pragma unroll
+    for (int q = 0; q < kPer; ++q) {
+        const int p = q * 32 + lane;
+        const int32_t a = p < n ? v[p] : 0;
+        key[q] = a > 0 ? (uint64_t(uint32_t(a)) << 32) | uint64_t(0xffffffffu - uint32_t(p)) : 0;
+        if (p < n && a <= 0) out[p] = -1;
+    }
+#pragma unroll
+    for (int k = 2; k <= kSortItems; k <<= 1) {
+#pragma unroll
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            uint64_t next[kPer];
+#pragma unroll
+            for (int q = 0; q < kPer; ++q) {
+                const int p = q * 32 + lane;
+                const uint64_t other =
+                    j >= 32 ? key[q ^ (j >> 5)] : (uint64_t)__shfl_xor_sync(kFull, (unsigned long long)key[q], j);
+                const bool keep_max = ((p & j) == 0) == ((p & k) == 0);  // descending overall
+                const uint64_t hi = key[q] > other ? key[q] : other, lo = key[q] > other ? other : key[q];
+                next[q] = keep_max ? hi : lo;
+            }
+#pragma unroll
+            for (int q = 0; q < kPer; ++q) key[q] = next[q];
+        }
+    }
+    int32_t carry = 0;
+#pragma unroll
+    for (int q = 0; q < kPer; ++q) {
+        const int32_t a = int32_t(key[q] >> 32);
+        int32_t incl = a;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int32_t t = __shfl_up_sync(kFull, incl, o);
+            if (lane >= o) incl += t;
+        }
+        if (key[q] != 0) out[int(0xffffffffu - uint32_t(key[q]))] = carry + incl - a;
+        carry += __shfl_sync(kFull, incl, 31);
+    }
+}
+
 // home_ahead's table for every rank's home experts from T_e (SerialExec::ahead_sums per rank), by threads
-// [0, nthreads) of the caller (the block's warps other than warp 0).
+// [0, nthreads) of the caller (the block's warps other than warp 0; whole warps). Large groups (epn > 64): one warp
+// per rank, sorted (warp_ahead_sums_sorted); else one item per thread.
 FLATEP_DEVICE void home_ahead_table(const Layout& l, const int32_t* total, int32_t* table, int t, int nthreads) {
-    const int E = l.num_experts, epn = l.experts_per_rank;
+    const int E = l.num_experts, epn = l.experts_per_rank, R = l.num_ranks;
+    if (epn > 64 && epn <= kSortItems) {
+        for (int r = t / 32; r < R; r += nthreads / 32)
+            warp_ahead_sums_sorted(total + r * epn, epn, table + r * epn, t % 32);
+        return;
+    }
     for (int e = t; e < E; e += nthreads) {
         const int base = e / epn * epn;
         table[e] = ahead_of(total + base, epn, e - base);
@@ -671,6 +762,24 @@ struct WarpExec {
             for (int j = 0; j < 3; ++j) {
                 const unsigned at = __ballot_sync(kFull, k.k[j] == ((uint64_t(hi[j]) << 32) | lo[j]));
                 out[j] = (hi[j] | lo[j]) == 0 ? -1 : __ffs(at) - 1;
+            }
+            mark();
+            return;
+        }
+        if (n <= 64) {
+            // Two items per lane (R up to 64), each key evaluated once: per selection the maximum of the lane's two,
+            // the warp maximum, then the lowest index holding it (first items, then second items), as arg_max_of.
+            const planner_core::Keys3 k0 = key(lane);
+            const planner_core::Keys3 k1 = lane + 32 < n ? key(lane + 32) : planner_core::Keys3{{0, 0, 0}};
+#pragma unroll
+            for (int j = 0; j < 3; ++j) {
+                const uint64_t k = k1.k[j] > k0.k[j] ? k1.k[j] : k0.k[j];
+                const unsigned hi = __reduce_max_sync(kFull, unsigned(k >> 32));
+                const unsigned lo = __reduce_max_sync(kFull, unsigned(k >> 32) == hi ? unsigned(k) : 0u);
+                const uint64_t best = (uint64_t(hi) << 32) | lo;
+                const unsigned first = __ballot_sync(kFull, k0.k[j] == best);
+                const unsigned second = __ballot_sync(kFull, k1.k[j] == best);
+                out[j] = (hi | lo) == 0 ? -1 : first != 0 ? __ffs(first) - 1 : 32 + __ffs(second) - 1;
             }
             mark();
             return;
@@ -795,7 +904,11 @@ struct WarpExec {
             sync();
             return;
         }
-        for (int i = lane; i < n; i += 32) out[i] = ahead_of(v, n, i);
+        if (n <= kSortItems) {
+            warp_ahead_sums_sorted(v, n, out, lane);
+        } else {
+            for (int i = lane; i < n; i += 32) out[i] = ahead_of(v, n, i);
+        }
         sync();
     }
 };
@@ -874,12 +987,53 @@ FLATEP_DEVICE void copy_words(int32_t* dst, const int32_t* src, int64_t n, int t
     }
 }
 
-// Shared memory: the counts [R*E], then planner_core's workspace (its cand array holds the candidate).
-FLATEP_DEVICE planner_core::Workspace load_counts(const Layout& l, const PlanView& p, int32_t* smem, int tid,
-                                                  int nthreads) {
+// Allocation in global memory (CandidateMode::alloc_smem false): candidate `index` is built in its stored slot when
+// index < stored, else in ws.cand_scratch's slot of the block building it: block b of the main launch builds candidate
+// b; block b of the overflow launch builds G + b, 2G + b, ... (G = main_blocks). So the allocation of an unstored
+// candidate is still in its slot after the candidate kernels when no later candidate of the same slot was built
+// (select_derive_kernel then copies it instead of rebuilding it): scratch_slot returns the slot, or -1 when it was
+// overwritten.
+FLATEP_HD int scratch_slot(int index, int main_blocks, int count) {
+    const int b = index < main_blocks ? index : (index - main_blocks) % main_blocks;
+    const int first_overflow = main_blocks + b;  // the slot's first overflow candidate
+    const int last =
+        first_overflow < count ? first_overflow + (count - 1 - first_overflow) / main_blocks * main_blocks : b;
+    return last == index ? b : -1;
+}
+
+// Shared memory of a candidate block (and of select_derive_kernel), by CandidateMode. Everything in shared memory:
+// the counts [R*E], then planner_core's workspace (its cand array holds the candidate), then home_ahead's table [E].
+// Else: the counts [R*E] (counts_smem), the allocation [R*E] (alloc_smem), planner_core's small arrays, the table.
+// `cand` is then null where the allocation lives in global memory (the caller points w.cand at it per candidate).
+struct CandidateSmem {
+    const int32_t* counts;  // shared memory, or plan.tpe_all
+    planner_core::Workspace w;
+    int32_t* table;  // [E]: home_ahead's table (candidates), the slot experts (select_derive_kernel)
+};
+FLATEP_DEVICE CandidateSmem carve_candidate_smem(const Layout& l, const PlanView& p, const CandidateMode& m,
+                                                 int32_t* smem) {
     const int64_t re = int64_t(l.num_ranks) * l.num_experts;
-    copy_words(smem, p.tpe_all, re, tid, nthreads);
-    return planner_core::make_workspace(l, smem + re);
+    CandidateSmem c{};
+    if (m.counts_smem && m.alloc_smem) {
+        c.counts = smem;
+        c.w = planner_core::make_workspace(l, smem + re);
+        c.table = smem + re + planner_core::planner_workspace_words(l);
+        return c;
+    }
+    int32_t* at = smem;
+    c.counts = p.tpe_all;
+    if (m.counts_smem) {
+        c.counts = at;
+        at += re;
+    }
+    int32_t* cand = nullptr;
+    if (m.alloc_smem) {
+        cand = at;
+        at += re;
+    }
+    c.w = planner_core::make_workspace_split(l, at, cand);
+    c.table = at + planner_core::planner_small_workspace_words(l);
+    return c;
 }
 
 // planner_core::evaluate_alloc over the whole block (every thread gets the quality). The quality is a count, a sum
@@ -943,7 +1097,8 @@ static_assert(kCandidateThreads % 32 == 0 && kCandidateThreads <= 1024, "whole w
 // return at once when count <= G (the usual case).
 // prof: the profile records (null = off): one per candidate index, then the greedy block's.
 __global__ void __launch_bounds__(kCandidateThreads)
-    candidates_kernel(Layout l, PlanView p, PlanWorkspace ws, int stored, int first, PlannerProfileRecord* prof) {
+    candidates_kernel(Layout l, PlanView p, PlanWorkspace ws, int stored, int first, CandidateMode mode,
+                      PlannerProfileRecord* prof) {
     extern __shared__ int4 smem_words[];  // 16-byte aligned
     __shared__ unsigned long long moved;
     __shared__ int built;
@@ -968,20 +1123,24 @@ __global__ void __launch_bounds__(kCandidateThreads)
         step = gridDim.x;
     }
     if (!greedy_block && begin >= end) return;  // uniform over the block
-    const planner_core::Workspace w = load_counts(l, p, smem, tid, nthreads);
-    int32_t* const ahead_s = smem + re + planner_core::planner_workspace_words(l);  // [E] home_ahead's table
+    const CandidateSmem cs = carve_candidate_smem(l, p, mode, smem);
+    planner_core::Workspace w = cs.w;
+    const int32_t* const counts = cs.counts;
+    int32_t* const ahead_s = cs.table;  // [E] home_ahead's table
+    if (mode.counts_smem) copy_words(const_cast<int32_t*>(counts), p.tpe_all, re, tid, nthreads);
     __syncthreads();
     const Stamp loaded = prof != nullptr ? stamp_now() : Stamp{};
     if (greedy_block) {
         PlannerProfileRecord* rec = prof != nullptr ? prof + max_candidates(l) : nullptr;
-        prepare_home(x, bx, l, smem, w);  // the whole block; warp 0 then skips init_home and fixed_targets
-        if (warp == 0) planner_core::greedy_alloc(x, l, smem, w.cand, w);
+        if (!mode.alloc_smem) w.cand = p.alloc;  // the greedy's plan is built where the plan keeps it
+        prepare_home(x, bx, l, counts, w);       // the whole block; warp 0 then skips init_home and fixed_targets
+        if (warp == 0) planner_core::greedy_alloc(x, l, counts, w.cand, w);
         __syncthreads();
         if (tid == 0) profile_stamp(rec, kStampBuilt);
-        copy_words(p.alloc, w.cand, re, tid, nthreads);
+        if (mode.alloc_smem) copy_words(p.alloc, w.cand, re, tid, nthreads);
         if (tid == 0) profile_stamp(rec, kStampStored);
         const planner_core::PlanQuality greedy =
-            evaluate_alloc_block(l, smem, w.cand, w.num_in, w.num_out, moved, tid, nthreads);
+            evaluate_alloc_block(l, counts, w.cand, w.num_in, w.num_out, moved, tid, nthreads);
         if (tid == 0) {
             const int count = min_of(planner_core::num_candidates(greedy.makespan), max_candidates(l));
             ws.cand_meta[kMetaMakespan] = greedy.makespan;
@@ -1004,7 +1163,12 @@ __global__ void __launch_bounds__(kCandidateThreads)
     Stamp start = entry;  // profile: where the current candidate's phases begin (tid 0)
     for (int index = begin; index < end; index += step) {
         PlannerProfileRecord* rec = prof != nullptr ? prof + index : nullptr;
-        prepare_home(x, bx, l, smem, w);  // the whole block; warp 0 then skips init_home and fixed_targets
+        // Allocation in global memory: a stored candidate is built in its stored slot (no copy afterwards), any
+        // other in the block's scratch.
+        if (!mode.alloc_smem)
+            w.cand =
+                index < stored ? ws.stored_alloc + int64_t(index) * re : ws.cand_scratch + int64_t(blockIdx.x) * re;
+        prepare_home(x, bx, l, counts, w);  // the whole block; warp 0 then skips init_home and fixed_targets
         const bool path = index < planner_core::kNumPathVariants && nthreads > 32;
         if (path && warp != 0) {
             home_ahead_table(l, w.total, ahead_s, tid - 32, nthreads - 32);
@@ -1024,7 +1188,7 @@ __global__ void __launch_bounds__(kCandidateThreads)
                 }
                 __syncwarp();
             }
-            const bool ok = planner_core::build_candidate(x, l, smem, w.cand, w, index);
+            const bool ok = planner_core::build_candidate(x, l, counts, w.cand, w, index);
             x.wait_ahead_table();  // completes the named barrier when the build never read the table
             if (x.lane == 0) {
                 built = ok;
@@ -1038,10 +1202,11 @@ __global__ void __launch_bounds__(kCandidateThreads)
         const bool ok = built != 0;  // uniform over the block
         if (tid == 0) profile_stamp(rec, kStampBuilt);
         // The copy first: its stores drain while the block evaluates.
-        if (ok && index < stored) copy_words(ws.stored_alloc + int64_t(index) * re, w.cand, re, tid, nthreads);
+        if (ok && index < stored && mode.alloc_smem)
+            copy_words(ws.stored_alloc + int64_t(index) * re, w.cand, re, tid, nthreads);
         if (tid == 0) profile_stamp(rec, kStampStored);
         const planner_core::PlanQuality q =
-            ok ? evaluate_alloc_block(l, smem, w.cand, w.num_in, w.num_out, moved, tid, nthreads)
+            ok ? evaluate_alloc_block(l, counts, w.cand, w.num_in, w.num_out, moved, tid, nthreads)
                : planner_core::PlanQuality{planner_core::kNoCandidate, 0, 0};
         if (tid == 0) {
             ws.cand_quality[index] = q;
@@ -1189,7 +1354,8 @@ FLATEP_DEVICE int select_candidate_keys(const planner_core::PlanQuality& greedy,
 
 // prof: the select record (null = off).
 __global__ void __launch_bounds__(kPlannerThreads)
-    select_derive_kernel(Layout l, PlanView p, PlanWorkspace ws, int stored, PlannerProfileRecord* rec) {
+    select_derive_kernel(Layout l, PlanView p, PlanWorkspace ws, int stored, CandidateMode mode,
+                         PlannerProfileRecord* rec) {
     extern __shared__ int4 smem_words[];
     int32_t* smem = reinterpret_cast<int32_t*>(smem_words);
     __shared__ PlannerShared sh;
@@ -1200,7 +1366,8 @@ __global__ void __launch_bounds__(kPlannerThreads)
     // The counts go to shared memory at once (the selection does not need them, and no planner kernel writes them),
     // and the qualities of the main launch's candidates (every one written by this planner) without waiting for the
     // count; those of the overflow candidates (greedy P above 6) once the count is known.
-    copy_words<kWideBatch>(smem, p.tpe_all, re, tid, nthreads);
+    const CandidateSmem cs = carve_candidate_smem(l, p, mode, smem);
+    if (mode.counts_smem) copy_words<kWideBatch>(const_cast<int32_t*>(cs.counts), p.tpe_all, re, tid, nthreads);
     wait_prior_grids();  // the candidate kernels: qualities, count, stored allocations, the greedy's plan.alloc
     if (tid == 0) profile_stamp(rec, kStampSelWaited);
     const int main_count = min_of(min_of(kCandidateBlocks, max_candidates(l)), kSelectCached);
@@ -1231,6 +1398,43 @@ __global__ void __launch_bounds__(kPlannerThreads)
     __syncthreads();
     const int kept = sh.winner;
     if (tid == 0) profile_stamp(rec, kStampSelSelected);
+    if (!mode.counts_smem || !mode.alloc_smem) {
+        // Counts or allocation in global memory: derive from the plan's own allocation (the greedy's is there
+        // already; a stored winner is copied there, one not stored rebuilt there by warp 0 next to the counts).
+        planner_core::Workspace w = cs.w;
+        int32_t* const alloc_s = mode.alloc_smem ? w.cand : p.alloc;
+        // Where the winner's allocation is (null: rebuild it).
+        const int32_t* from = nullptr;
+        if (kept >= 0 && kept < stored) {
+            from = ws.stored_alloc + int64_t(kept) * re;
+        } else if (kept >= 0 && !mode.alloc_smem) {
+            const int slot = scratch_slot(kept, min_of(kCandidateBlocks, max_candidates(l)), count);
+            if (slot >= 0) from = ws.cand_scratch + int64_t(slot) * re;
+        }
+        if (from != nullptr) {
+            copy_words<kWideBatch>(alloc_s, from, re, tid, nthreads, alloc_s != p.alloc ? p.alloc : nullptr);
+        } else if (kept < 0 && alloc_s != p.alloc) {
+            copy_words<kWideBatch>(alloc_s, p.alloc, re, tid, nthreads);
+        }
+        __syncthreads();
+        if (tid == 0) profile_stamp(rec, kStampSelCopied);
+        if (kept >= 0 && from == nullptr) {
+            w.cand = alloc_s;
+            if (tid < 32) {
+                planner_core::build_candidate(WarpExec{tid}, l, cs.counts, w.cand, w, kept);
+                if (alloc_s != p.alloc) copy_words<kWideBatch>(p.alloc, w.cand, re, tid, 32);
+            }
+            __syncthreads();
+        }
+        if (rec != nullptr && tid == 0) {
+            profile_stamp(rec, kStampSelRebuilt);
+            rec->index = kept;
+            rec->sm = sm_id();
+            rec->count = count;
+        }
+        derive_plan_block(l, p, sh, tid, nthreads, cs.counts, alloc_s, cs.table, rec);
+        return;
+    }
     // Shared memory: the counts [R*E], then the allocation derived from (the winner's, or the greedy's).
     int32_t* alloc_s = smem + re;
     if (kept >= 0 && kept < stored) {
@@ -1433,21 +1637,22 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
     } else {
         PlannerProfileRecord* const prof = g_profile.load();
         const PlannerProfileSlots slots = planner_profile_slots(l);
-        const size_t cand_smem = candidate_smem_bytes(l);
-        const bool candidates = kind == PlannerKind::kBalanced && cand_smem <= kMaxPlannerSmem;
+        const CandidateMode mode = candidate_mode(l, planner_placement_now());
+        const size_t cand_smem = candidate_smem_bytes(l, mode);
+        const bool candidates = kind == PlannerKind::kBalanced && mode.candidates;
         if (candidates) {
             allow_smem(reinterpret_cast<const void*>(candidates_kernel), cand_smem);
             allow_smem(reinterpret_cast<const void*>(select_derive_kernel), cand_smem);
             const int stored = stored_candidates(l);
             const int blocks = min_of(kCandidateBlocks, max_candidates(l));
-            candidates_kernel<<<blocks + 1, kCandidateThreads, cand_smem, stream>>>(l, p, ws, stored, 0, prof);
+            candidates_kernel<<<blocks + 1, kCandidateThreads, cand_smem, stream>>>(l, p, ws, stored, 0, mode, prof);
             FLATEP_CUDA_CHECK_LAUNCH();
             if (max_candidates(l) > blocks) {  // only when the greedy's P may exceed 6
                 launch_programmatic(candidates_kernel, blocks, kCandidateThreads, cand_smem, stream, l, p, ws, stored,
-                                    blocks, prof);
+                                    blocks, mode, prof);
             }
             PlannerProfileRecord* const select_rec = prof != nullptr ? prof + slots.select : nullptr;
-            launch_programmatic(select_derive_kernel, 1, kPlannerThreads, cand_smem, stream, l, p, ws, stored,
+            launch_programmatic(select_derive_kernel, 1, kPlannerThreads, cand_smem, stream, l, p, ws, stored, mode,
                                 select_rec);
             FLATEP_CUDA_CHECK_LAUNCH();
             return;
@@ -1472,9 +1677,47 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
 
 size_t plan_workspace_bytes(const Layout& l) { return size_t(workspace_sizes(l).total) * sizeof(int32_t); }
 
-size_t planner_candidate_smem_bytes(const Layout& l) { return candidate_smem_bytes(l); }
+size_t planner_candidate_smem_bytes(const Layout& l) {
+    return candidate_smem_bytes(l, candidate_mode(l, planner_placement_now()));
+}
 
-bool planner_uses_candidate_path(const Layout& l) { return candidate_smem_bytes(l) <= kMaxPlannerSmem; }
+bool planner_uses_candidate_path(const Layout& l) { return candidate_mode(l, planner_placement_now()).candidates; }
+
+const char* planner_path_name(const Layout& l) {
+    const CandidateMode m = candidate_mode(l, planner_placement_now());
+    if (!m.candidates) return "core";  // planner_parallel_kernel: plan_alloc on one thread
+    if (m.counts_smem && m.alloc_smem) return "shared";
+    if (m.alloc_smem) return "counts-global";
+    if (m.counts_smem) return "alloc-global";
+    return "global";
+}
+
+namespace {
+// -1: not read from FLATEP_PLANNER_PLACEMENT yet.
+std::atomic<int> g_placement{-1};
+
+PlannerPlacement planner_placement_from_env() {
+    const std::string v = env::get("FLATEP_PLANNER_PLACEMENT", "auto");
+    if (v == "auto") return PlannerPlacement::kAuto;
+    if (v == "shared") return PlannerPlacement::kShared;
+    if (v == "counts-global" || v == "counts") return PlannerPlacement::kCountsGlobal;
+    if (v == "global") return PlannerPlacement::kGlobal;
+    FLATEP_CHECK(false, "FLATEP_PLANNER_PLACEMENT must be auto, shared, counts-global or global, got '", v, "'");
+    return PlannerPlacement::kAuto;
+}
+}  // namespace
+
+PlannerPlacement planner_placement_now() {
+    int v = g_placement.load();
+    if (v < 0) {
+        int unset = -1;
+        g_placement.compare_exchange_strong(unset, int(planner_placement_from_env()));
+        v = g_placement.load();
+    }
+    return PlannerPlacement(v);
+}
+
+void set_planner_placement(PlannerPlacement placement) { g_placement.store(int(placement)); }
 
 void set_planner_engine(PlannerEngine engine) { g_engine.store(int(engine)); }
 

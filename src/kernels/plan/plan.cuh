@@ -18,12 +18,29 @@ namespace flatep::kernels {
 // Device scratch the plan op needs (PlanArgs::workspace), in bytes.
 size_t plan_workspace_bytes(const Layout& layout);
 
-// Shared memory one block of the balanced planner's candidate path needs (the counts, planner_core's workspace,
-// home_ahead's table), and whether launch_planner takes that path (the need is at most 200 KiB). Where it does not
-// (e.g. E=896 at R >= 32), the balanced planner runs planner_core::plan_alloc on one thread of
-// planner_parallel_kernel over global memory: the same plan, at the host planner's pace or slower.
+// Where the balanced planner's candidate blocks keep the counts tpe_all [R*E] and the allocation each works on [R*E]
+// (planner_core's small arrays and home_ahead's table are always in shared memory, at most 200 KiB a block). The
+// plan is the same bitwise under every placement; only the speed differs.
+enum class PlannerPlacement : int {
+    kAuto = 0,          // everything in shared memory when it fits (E=896: R <= 16), else the counts in global memory
+                        // when the rest fits (R=32), else the counts and the allocation in global memory (R=64)
+    kShared = 1,        // the path before issue 22: everything in shared memory when it fits, else (E=896, R >= 32)
+                        // planner_core::plan_alloc on one thread of planner_parallel_kernel over global memory (ms)
+    kCountsGlobal = 2,  // the counts in global memory, the allocation in shared memory when it fits, else global
+    kGlobal = 3,        // the counts and the allocation in global memory (the workspace's stored / scratch slots)
+};
+// Process-wide; the default comes from FLATEP_PLANNER_PLACEMENT (auto | shared | counts-global | global; auto when
+// unset), read at the first planner launch. Applies to the planners launched afterwards (a captured graph keeps the
+// kernels of its capture).
+void set_planner_placement(PlannerPlacement placement);
+PlannerPlacement planner_placement_now();
+
+// Under the placement now in effect: the dynamic shared memory one block of the balanced planner's candidate path
+// needs, whether launch_planner takes that path (only kShared leaves it, where everything does not fit), and the path
+// by name: "shared", "counts-global", "global", or "core" (plan_alloc on one thread).
 size_t planner_candidate_smem_bytes(const Layout& layout);
 bool planner_uses_candidate_path(const Layout& layout);
+const char* planner_path_name(const Layout& layout);
 
 // The whole plan op of args.rank on `stream` (collective: every rank launches it on its own stream). Kernels:
 // histogram -> all-gather + barrier -> planner -> routing + chain push -> barrier -> chain unpack.
