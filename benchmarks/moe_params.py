@@ -7,7 +7,8 @@ python/flatep and once with an older one (--label) to get the before/after table
     FLATEP_PYTHON=<old tree>/python python3 benchmarks/moe_params.py --label before --csv ...
 
 One rank (a one-rank world, no peers: every expert is local, so the step is the layer's own work: router, plan,
-dispatch, prefetch, grouped GEMMs, combine and their backward), epn = E experts of [H, F] and [F, H], S tokens, top-K.
+dispatch, prefetch, grouped GEMMs, combine and their backward), epn = E experts of W1 [H, 2F] (SwiGLU, the default;
+--activation silu: [H, F]) and W2 [F, H], S tokens, top-K.
 Memory: device memory in use (cudaMemGetInfo: torch's allocator and FlatEP's own CUDA VMM memory alike) after the
 first layer is built, after the last, and the peak of the process over a step (torch's peak allocated plus FlatEP's
 memory, which does not change during a step). Time: median over --iters steps of all layers' forward + backward
@@ -39,6 +40,8 @@ def parse_args():
     p.add_argument("--ffn", type=int, default=2048)
     p.add_argument("--experts", type=int, default=48, help="experts of the rank (epn; MoonEP: 384 / 8)")
     p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--activation", default=None,
+                   help="swiglu (nn.MoE's default) or silu; omitted: the layer's default (older trees: their only FFN)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--label", default="this tree")
@@ -69,7 +72,9 @@ def main():
     base = used_bytes()
     layers, after_layer = [], []
     for i in range(a.layers):  # num_tokens given: the (shared) Buffer is built with the first layer
-        layers.append(flatep.nn.MoE(a.hidden, a.ffn, a.experts, a.topk, num_tokens=a.tokens, seed=i, device=device))
+        extra = {} if a.activation is None else {"activation": a.activation}  # an older tree has no activation
+        layers.append(flatep.nn.MoE(a.hidden, a.ffn, a.experts, a.topk, num_tokens=a.tokens, seed=i, device=device,
+                                    **extra))
         torch.cuda.synchronize()
         after_layer.append(used_bytes() - base)
     params = [p for m in layers for p in m.parameters()]
@@ -99,14 +104,15 @@ def main():
         torch.cuda.synchronize()
         times.append(start.elapsed_time(stop))
     peak = after_layer[-1] + (torch.cuda.max_memory_allocated(device) - torch_before)
-    shapes = [[a.experts, a.hidden, a.ffn], [a.experts, a.ffn, a.hidden]]
+    shapes = [list(p.shape) for p in layers[0].expert_parameters()]  # [epn, H, 2F or F], [epn, F, H]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
     copies = weight_sized_copies(prof, shapes)
     per_layer = (after_layer[-1] - after_layer[0]) / max(1, a.layers - 1) if a.layers > 1 else after_layer[0]
     row = {
-        "label": a.label, "layers": a.layers, "S": a.tokens, "H": a.hidden, "F": a.ffn, "epn": a.experts, "K": a.topk,
+        "label": a.label, "activation": getattr(layers[0], "activation", "silu"), "layers": a.layers,
+        "S": a.tokens, "H": a.hidden, "F": a.ffn, "epn": a.experts, "K": a.topk,
         "ms_per_layer_fwd_bwd": round(statistics.median(times) / a.layers, 3),
         "gib_first_layer": round(after_layer[0] / gib, 2),
         "gib_per_extra_layer": round(per_layer / gib, 2),

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Trains a tiny MoE model with FlatEP across R processes and checks its loss curve against the dense reference.
 
-Model: y = x + MoE(x) (flatep.nn.MoE: router, top-K experts y = silu(x W1) W2), regressing a fixed random teacher
+Model: y = x + MoE(x) (flatep.nn.MoE: router, top-K SwiGLU experts y = (silu(x W1_gate) * x W1_up) W2, or with
+--activation silu y = silu(x W1) W2), regressing a fixed random teacher
 network, Adam (flatep.optim.MainGradOptimizer: fp32 masters of the bf16 expert weights, which are the library's
 memory). Each rank trains on its own batch of S tokens per step; the router is replicated (its gradient is
 all-reduced), the experts are sharded E/R per rank (their gradients, replicas included, come back
@@ -43,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--align", type=int, default=8)
     p.add_argument("--capacity-factor", type=float, default=1.0)
+    p.add_argument("--activation", default="swiglu", choices=flatep.nn.ACTIVATIONS,
+                   help="expert FFN: swiglu (W1 [H, 2F] = gate and up fused) or silu (W1 [H, F])")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
@@ -65,7 +68,8 @@ def teacher(args, x):
 
 def train_dense(args, R, device):
     """The reference: one DenseMoE trained on every rank's batch, same init, same optimizer."""
-    model = DenseMoE(args.hidden, args.ffn, args.experts, args.topk, seed=args.seed).to(device)
+    model = DenseMoE(args.hidden, args.ffn, args.experts, args.topk, seed=args.seed, activation=args.activation)
+    model = model.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     losses = []
     for step in range(args.steps):
@@ -86,7 +90,7 @@ def train(rank, R, args):
         device = torch.device("cuda", torch.cuda.current_device())
     moe = flatep.nn.MoE(
         args.hidden, args.ffn, args.experts, args.topk, num_tokens=args.tokens, align=args.align,
-        capacity_factor=args.capacity_factor, seed=args.seed, device=device,
+        capacity_factor=args.capacity_factor, seed=args.seed, device=device, activation=args.activation,
     )
     # The experts' bf16 weights are the library's memory and their fp32 gradients main_grad: Adam runs on fp32
     # masters (one copy back per step); the router is an ordinary fp32 parameter.
@@ -94,7 +98,7 @@ def train(rank, R, args):
     if rank == 0:
         print(
             f"train_moe: R={R} device={device.type} S={args.tokens} H={args.hidden} F={args.ffn} E={args.experts} "
-            f"K={args.topk} align={args.align} capacity_factor={args.capacity_factor}",
+            f"K={args.topk} align={args.align} capacity_factor={args.capacity_factor} activation={args.activation}",
             flush=True,
         )
     losses = []

@@ -33,6 +33,11 @@ DEBIAN_PACKAGES = {
     "setuptools": "python3-setuptools",
     "torch": "python3-torch",
 }
+# Modules that come with a package above on some platforms and have no Debian package of their own: allowed only as
+# optional imports (try/except ImportError, with a fallback), never as a hard dependency.
+BUNDLED_OPTIONAL = {
+    "triton": "CUDA builds of torch (pip wheels) ship it; nn.py's FP8 dequantisation falls back to torch ops",
+}
 FIRST_PARTY = {"flatep"}  # the package this repository builds (its extension flatep._C is compiled, not a file)
 SCANNED_DIRS = ("python", "tests", "benchmarks", "examples", "tools", "scripts")
 IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError"}
@@ -123,6 +128,9 @@ def check(root, setup_sh):
             seen.add((rel, module))  # one line per module and importing file (its first import)
             site = f"{rel}:{line}: imports {module}" + (" (optional)" if optional else "")
             package = DEBIAN_PACKAGES.get(module)
+            if package is None and optional and module in BUNDLED_OPTIONAL:
+                notes.append(f"check_deps: note: {site}: {BUNDLED_OPTIONAL[module]}")
+                continue
             if package is None:
                 problems.append(f"check_deps: {site}, which has no Debian package in DEBIAN_PACKAGES of "
                                 f"scripts/check_deps.py: add it there (and to {setup_rel})")

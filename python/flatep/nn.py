@@ -1,8 +1,25 @@
 """flatep.nn.MoE: a Mixture-of-Experts layer on FlatEP (router, experts on ExpertPools, grouped GEMM, combine).
 
 Per rank: x [s, H] -> router (fp32 softmax, top-K, weights renormalised to sum 1) -> plan -> dispatch ->
-prefetch replicas -> expert FFN y = silu(x @ W1) @ W2 over the compute views with offs = cu_seqlens (bf16 values,
-fp32 accumulation; torch._grouped_mm on GPU when available, a loop over groups elsewhere) -> weighted combine.
+prefetch replicas -> expert FFN over the compute views with offs = cu_seqlens (bf16 values, fp32 accumulation;
+torch._grouped_mm on GPU when available, a loop over groups elsewhere) -> weighted combine. The expert FFN is
+
+    activation="swiglu" (default): h = x @ W1, W1 [H, 2F] = [gate | up] fused (columns [0, F) the gate projection,
+                                   [F, 2F) the up projection: the layout grouped-GEMM MoE kernels use);
+                                   a = silu(h[:, :F]) * h[:, F:]; y = a @ W2, W2 [F, H]
+    activation="silu":             h = x @ W1, W1 [H, F]; a = silu(h); y = a @ W2, W2 [F, H]
+
+with h rounded to bf16 (the GEMM's bf16 output, fp32 accumulation), a computed in fp32 from h and rounded to bf16,
+y rounded to bf16 (see expert_ffn).
+
+FP8 rows (fp8=True, H a multiple of 128; docs/design.md §6 "FP8 rows"): dispatch moves the token rows as e4m3 plus one
+fp32 scale per 128 channels (flatep.fp8's rule), about half the bytes of bf16; the receive rows are dequantised to
+bf16 on the device (exactly e4m3 value * scale, rounded once to bf16, the bits of flatep.fp8.dequantize) and the
+expert FFN runs in bf16 from there (torch._grouped_mm; _FP8DispatchExpertsFunction says why not
+torch._scaled_grouped_mm). Backward is all bf16: the rows' gradient is the gradient at the dequantised rows, sent back
+to the tokens through an unweighted bf16 combine (straight through the quantisation, as bf16 dispatch's backward),
+the routing weights' through entry_values; the expert GEMMs' backward is bf16 with fp32 weight gradients, as without
+FP8. Accuracy against the bf16 layer: tests/python/test_moe_fp8.py and benchmarks/moe_fp8.py.
 
 On a CUDA device with torch._grouped_mm the whole layer (forward and backward) runs without a host synchronisation:
 the grouped GEMMs read the compute views with offs = cu_seqlens in device memory. (Without torch._grouped_mm the
@@ -11,7 +28,8 @@ loop reads cu_seqlens on the host, a synchronisation.)
 Parameters:
     router.weight [E, H]     fp32, replicated on every rank: all-reduce its gradient (.grad) like any data-parallel
                              parameter (MoE.replicated_parameters()).
-    w1 [epn, H, F], w2 [epn, F, H]    bf16, this rank's experts rank*epn .. rank*epn+epn-1 (MoE.expert_parameters()).
+    w1 [epn, H, 2F] (swiglu) or [epn, H, F] (silu), w2 [epn, F, H]
+                             bf16, this rank's experts rank*epn .. rank*epn+epn-1 (MoE.expert_parameters()).
                              Zero copy: each IS the own part of the layer's ExpertPools compute view (the memory the
                              grouped GEMM reads), so nothing is copied in per forward. Their fp32 gradient is
                              ``w1.main_grad`` / ``w2.main_grad`` (Megatron's convention), the own part of the pools'
@@ -23,9 +41,11 @@ Parameters:
                              ``state_dict`` / ``load_state_dict`` copy into and out of the library's memory in place.
 """
 
+
 import torch
 import torch.nn.functional as F
 
+from . import fp8 as _fp8
 from ._tensors import check_int
 from .buffer import shared_buffer
 from .distributed import group_rank_size, resolve_device
@@ -33,13 +53,55 @@ from .pools import shared_pools
 
 _BF16 = torch.bfloat16
 
+#: The expert activations nn.MoE and flatep.testing.DenseMoE accept (the first is their default).
+ACTIVATIONS = ("swiglu", "silu")
 
-def expert_ffn(x, w1, w2):
-    """One expert on its rows: x [n, H] (bf16 values), w1 [H, F], w2 [F, H] (bf16 values, any float dtype) ->
-    [n, H] bf16. Matmuls accumulate in fp32; h, silu(h) and the output are rounded to bf16, as a bf16 grouped GEMM
-    does. Shared by the distributed layer and the dense reference so both round at the same points."""
+
+def check_activation(op, activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
+    return activation
+
+
+def w1_columns(ffn, activation):
+    """Columns of one expert's W1: 2F for swiglu (gate and up fused), F for silu."""
+    return 2 * ffn if check_activation("w1_columns", activation) == "swiglu" else ffn
+
+
+def expert_projections(hidden, ffn, activation):
+    """The ExpertPools projections of an expert FFN: [(H, 2F), (F, H)] for swiglu, [(H, F), (F, H)] for silu."""
+    return [(hidden, w1_columns(ffn, activation)), (ffn, hidden)]
+
+
+def _activation_of(w1, w2, activation):
+    """The activation the weights' shapes say (W1's columns 2F: swiglu, F: silu, F = W2's rows), checked against the
+    one given (None: inferred)."""
+    ffn, cols = w2.shape[-2], w1.shape[-1]
+    inferred = "swiglu" if cols == 2 * ffn else "silu" if cols == ffn else None
+    if inferred is None or (activation is not None and check_activation("expert_ffn", activation) != inferred):
+        want = f"{2 * ffn} (swiglu) or {ffn} (silu)" if activation is None else w1_columns(ffn, activation)
+        raise ValueError(f"expert_ffn: w1 has {cols} columns, but w2 has F={ffn} rows: w1 needs {want} columns")
+    return inferred
+
+
+def activate(h, activation):
+    """The expert activation on h [n, 2F] (swiglu: columns [0, F) gate, [F, 2F) up) or [n, F] (silu), bf16 values:
+    silu(gate) * up or silu(h), computed in fp32 and rounded to bf16 -> [n, F] bf16."""
+    hf = h.float()
+    if activation == "silu":
+        return F.silu(hf).to(_BF16)
+    ffn = h.shape[-1] // 2
+    return (F.silu(hf[..., :ffn]) * hf[..., ffn:]).to(_BF16)
+
+
+def expert_ffn(x, w1, w2, activation=None):
+    """One expert on its rows: x [n, H] (bf16 values), w1 [H, 2F] (swiglu: [gate | up]) or [H, F] (silu), w2 [F, H]
+    (bf16 values, any float dtype) -> [n, H] bf16. activation: 'swiglu', 'silu' or None (from the shapes). Matmuls
+    accumulate in fp32; h, the activation (computed in fp32) and the output are rounded to bf16, as a bf16 grouped
+    GEMM does. Shared by the distributed layer and the dense reference so both round at the same points."""
+    activation = _activation_of(w1, w2, activation)
     h = (x.float() @ w1.float()).to(_BF16)
-    a = F.silu(h.float()).to(_BF16)
+    a = activate(h, activation)
     return (a.float() @ w2.float()).to(_BF16)
 
 
@@ -47,13 +109,15 @@ def _has_grouped_mm(x):
     return x.is_cuda and hasattr(torch, "_grouped_mm")
 
 
-def grouped_ffn(x, w1, w2, cu_seqlens):
-    """Grouped expert FFN over receive rows: x [NvS, H] bf16, w1 [G, H, F], w2 [G, F, H], cu_seqlens [G] int32
-    (inclusive group ends) -> [NvS, H] bf16; rows past the last group end are zero."""
+def grouped_ffn(x, w1, w2, cu_seqlens, activation=None):
+    """Grouped expert FFN over receive rows: x [NvS, H] bf16, w1 [G, H, 2F] (swiglu) or [G, H, F] (silu),
+    w2 [G, F, H], cu_seqlens [G] int32 (inclusive group ends) -> [NvS, H] bf16; rows past the last group end are
+    zero. activation: as expert_ffn (None: from the shapes)."""
+    activation = _activation_of(w1, w2, activation)
     if _has_grouped_mm(x) and w1.dtype == _BF16:
         offs = cu_seqlens.to(device=x.device, dtype=torch.int32)
         h = torch._grouped_mm(x, w1, offs=offs)
-        a = F.silu(h.float()).to(_BF16)
+        a = activate(h, activation)
         y = torch._grouped_mm(a, w2, offs=offs)
         end = torch.arange(x.shape[0], device=x.device).unsqueeze(1) < offs[-1]
         return torch.where(end, y, torch.zeros_like(y))
@@ -61,7 +125,7 @@ def grouped_ffn(x, w1, w2, cu_seqlens):
     pieces, start = [], 0
     for g, end in enumerate(ends):
         if end > start:
-            pieces.append(expert_ffn(x[start:end], w1[g], w2[g]))
+            pieces.append(expert_ffn(x[start:end], w1[g], w2[g], activation))
         start = max(start, end)
     if start < x.shape[0]:
         pieces.append(torch.zeros(x.shape[0] - start, x.shape[1], dtype=_BF16, device=x.device))
@@ -80,14 +144,16 @@ def route(x, router_weight, topk, topk_idx=None):
     return weights / weights.sum(dim=-1, keepdim=True), idx
 
 
-def init_expert_weights(hidden, ffn, expert_ids, seed):
-    """Deterministic per-expert init (N(0, 1/H) for W1, N(0, 1/F) for W2, from seed and the expert id), so a
-    sharded layer and the dense reference built with the same seed hold the same experts."""
-    w1 = torch.empty(len(expert_ids), hidden, ffn)
+def init_expert_weights(hidden, ffn, expert_ids, seed, activation="swiglu"):
+    """Deterministic per-expert init (N(0, 1/H) for W1, gate and up alike, N(0, 1/F) for W2, from seed and the expert
+    id), so a sharded layer and the dense reference built with the same seed hold the same experts. W1 is
+    [H, 2F] for swiglu, [H, F] for silu."""
+    cols = w1_columns(ffn, activation)
+    w1 = torch.empty(len(expert_ids), hidden, cols)
     w2 = torch.empty(len(expert_ids), ffn, hidden)
     for i, e in enumerate(expert_ids):
         g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(e) + 1)
-        w1[i] = torch.randn(hidden, ffn, generator=g) / hidden**0.5
+        w1[i] = torch.randn(hidden, cols, generator=g) / hidden**0.5
         w2[i] = torch.randn(ffn, hidden, generator=g) / ffn**0.5
     return w1, w2
 
@@ -97,9 +163,114 @@ def init_router_weight(hidden, num_experts, seed):
     return torch.randn(num_experts, hidden, generator=g) / hidden**0.5
 
 
+def dequantize_rows(q, scales):
+    """FP8 receive rows back to bf16: q [N, H] e4m3 (float8_e4m3fn or uint8), scales [N, H/128] fp32 -> [N, H] bf16,
+    each value e4m3_value * scale in fp32 rounded once to bf16: the bits of flatep.fp8.dequantize(q, scales,
+    torch.bfloat16). On a GPU with Triton: one kernel (_make_triton_dequantize); else, with torch's float8 dtype,
+    two elementwise passes and no fp32 temporary (e4m3 -> bf16 is exact; the product is computed in fp32 and written
+    as bf16); uint8 bytes (torch < 2.1) go through flatep.fp8."""
+    if q.dtype == torch.uint8:
+        return _fp8.dequantize(q, scales, _BF16)
+    if q.is_cuda and _triton_dequantize is not None:
+        return _triton_dequantize(q, scales)
+    rows = q.to(_BF16)
+    blocks = rows.view(q.shape[0], q.shape[1] // _fp8.BLOCK, _fp8.BLOCK)
+    torch.mul(blocks, scales.unsqueeze(-1), out=blocks)
+    return rows
+
+
+def _make_triton_dequantize():
+    """One-pass dequantisation on a GPU (Triton, where installed): reads the e4m3 bytes and the block scales once and
+    writes bf16, ~4x less time than the two torch passes (benchmarks/moe_fp8.py). The same arithmetic: e4m3 -> fp32
+    (exact), one fp32 multiply, round to nearest even to bf16."""
+    # Triton comes with CUDA builds of torch (a dependency of torch's CUDA wheels) and has no Debian package; the
+    # CPU backend never needs it: an optional import (scripts/check_deps.py's BUNDLED_OPTIONAL).
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def kernel(q_ptr, s_ptr, out_ptr, num_blocks, BLOCKS: tl.constexpr, CHANNELS: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+        live = b < num_blocks
+        scale = tl.load(s_ptr + b, mask=live, other=0.0)
+        at = b[:, None] * CHANNELS + tl.arange(0, CHANNELS)[None, :]
+        q = tl.load(q_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
+        tl.store(out_ptr + at, (q * scale[:, None]).to(tl.bfloat16), mask=live[:, None])
+
+    def dequantize(q, scales):
+        q, scales = q.contiguous(), scales.contiguous()
+        out = torch.empty(q.shape, dtype=_BF16, device=q.device)
+        num_blocks = scales.numel()
+        if num_blocks:
+            blocks = 32
+            with torch.cuda.device(q.device):
+                kernel[(triton.cdiv(num_blocks, blocks),)](q, scales, out, num_blocks, BLOCKS=blocks,
+                                                           CHANNELS=_fp8.BLOCK, num_warps=4)
+        return out
+
+    return dequantize
+
+
+_triton_dequantize = _make_triton_dequantize() if torch.cuda.is_available() and _fp8.E4M3_DTYPE else None
+
+
+def _experts_forward(ctx, moe, plan, recv_x, want_x_grad):
+    """The experts' forward shared by both autograd functions: prefetch (collective), the grouped FFN over the
+    compute views with its autograd graph kept in ctx for _experts_backward. Returns y [NvS, H] bf16 (detached)."""
+    pools, layer = moe.pools, moe.expert_layer
+    pools.prefetch(plan, layer)
+    on_views = _has_grouped_mm(recv_x)
+    with torch.enable_grad():
+        x_leaf = recv_x.detach().requires_grad_(want_x_grad)
+        # CPU: fp32 copies of the views (the loop computes in fp32 anyway), which also frees backward from the
+        # slot pool. GPU: the bf16 views themselves; backward prefetches again (another layer may have written
+        # the shared slot pool in between).
+        w1_leaf = (layer.weights(0) if on_views else layer.weights(0).float()).detach().requires_grad_()
+        w2_leaf = (layer.weights(1) if on_views else layer.weights(1).float()).detach().requires_grad_()
+        y = grouped_ffn(x_leaf, w1_leaf, w2_leaf, plan.cu_seqlens, moe.activation)
+    ctx.moe, ctx.plan, ctx.on_views = moe, plan, on_views
+    ctx.graph = (y, x_leaf, w1_leaf, w2_leaf)
+    return y.detach()
+
+
+def _experts_backward(ctx, grad_y, want_w):
+    """Backward of _experts_forward: the weight gradients into main_grad (write_grads with accumulate, reduce_grad:
+    collective) for the projections in want_w (the same on every rank); returns the rows' gradient [NvS, H] bf16
+    (zero past the last group end) or None where the rows needed none."""
+    moe, plan = ctx.moe, ctx.plan
+    pools, layer = moe.pools, moe.expert_layer
+    y, x_leaf, w1_leaf, w2_leaf = ctx.graph
+    ctx.graph = None
+    inputs = [leaf for leaf, want in zip((w1_leaf, w2_leaf), want_w) if want]
+    if x_leaf.requires_grad:
+        inputs.append(x_leaf)
+    if not inputs:
+        return None
+    if ctx.on_views:
+        pools.prefetch(plan, layer)
+    grads = list(torch.autograd.grad(y, inputs, grad_y.to(y.dtype)))
+    # Own groups with rows added into main_grad (groups without rows untouched: a grouped GEMM need not write
+    # them) and the slots used this step; the plan decides on the device, no synchronisation. Unused slots keep
+    # their zero reduce pool (a projection not written this step adds zeros).
+    for p in (0, 1):
+        if want_w[p]:
+            pools.write_grads(plan, layer, p, grads.pop(0), accumulate=True)
+    if any(want_w):
+        pools.reduce_grad(plan, layer)
+    grad_x = grads.pop(0) if x_leaf.requires_grad else None
+    if grad_x is not None and ctx.on_views:  # rows past the last group end are unspecified: make them zero
+        end = plan.cu_seqlens[-1].to(device=grad_x.device, dtype=torch.int64)
+        past_end = torch.arange(grad_x.shape[0], device=grad_x.device) >= end
+        grad_x = grad_x.masked_fill(past_end.unsqueeze(1), 0)
+    return grad_x
+
+
 class _ExpertsFunction(torch.autograd.Function):
-    """recv_x [NvS, H] bf16, w1 [epn, H, F], w2 [epn, F, H] (the layer's bf16 own weights, the compute views' own
-    part) -> y [NvS, H] bf16.
+    """recv_x [NvS, H] bf16, w1 [epn, H, 2F or F], w2 [epn, F, H] (the layer's bf16 own weights, the compute views'
+    own part) -> y [NvS, H] bf16.
 
     Forward: prefetch (collective), grouped FFN over the compute views (no weight copy: w1 and w2 are that memory).
     Backward: the GEMM's weight gradients into the grads views (write_grads with accumulate: added into the own
@@ -108,50 +279,56 @@ class _ExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, moe, plan, recv_x, w1, w2):
-        pools, layer = moe.pools, moe.expert_layer
-        pools.prefetch(plan, layer)
-        on_views = _has_grouped_mm(recv_x)
-        with torch.enable_grad():
-            x_leaf = recv_x.detach().requires_grad_(ctx.needs_input_grad[2])
-            # CPU: fp32 copies of the views (the loop computes in fp32 anyway), which also frees backward from the
-            # slot pool. GPU: the bf16 views themselves; backward prefetches again (another layer may have written
-            # the shared slot pool in between).
-            w1_leaf = (layer.weights(0) if on_views else layer.weights(0).float()).detach().requires_grad_()
-            w2_leaf = (layer.weights(1) if on_views else layer.weights(1).float()).detach().requires_grad_()
-            y = grouped_ffn(x_leaf, w1_leaf, w2_leaf, plan.cu_seqlens)
-        ctx.moe, ctx.plan, ctx.on_views = moe, plan, on_views
-        ctx.graph = (y, x_leaf, w1_leaf, w2_leaf)
-        return y.detach()
+        return _experts_forward(ctx, moe, plan, recv_x, ctx.needs_input_grad[2])
 
     @staticmethod
     def backward(ctx, grad_y):
-        moe, plan = ctx.moe, ctx.plan
-        pools, layer = moe.pools, moe.expert_layer
-        y, x_leaf, w1_leaf, w2_leaf = ctx.graph
-        ctx.graph = None
-        want_w = (ctx.needs_input_grad[3], ctx.needs_input_grad[4])  # the same on every rank (collectives below)
-        inputs = [leaf for leaf, want in zip((w1_leaf, w2_leaf), want_w) if want]
-        if x_leaf.requires_grad:
-            inputs.append(x_leaf)
-        if not inputs:
-            return None, None, None, None, None
-        if ctx.on_views:
-            pools.prefetch(plan, layer)
-        grads = list(torch.autograd.grad(y, inputs, grad_y.to(y.dtype)))
-        # Own groups with rows added into main_grad (groups without rows untouched: a grouped GEMM need not write
-        # them) and the slots used this step; the plan decides on the device, no synchronisation. Unused slots keep
-        # their zero reduce pool (a projection not written this step adds zeros).
-        for p in (0, 1):
-            if want_w[p]:
-                pools.write_grads(plan, layer, p, grads.pop(0), accumulate=True)
-        if any(want_w):
-            pools.reduce_grad(plan, layer)
-        grad_x = grads.pop(0) if x_leaf.requires_grad else None
-        if grad_x is not None and ctx.on_views:  # rows past the last group end are unspecified: make them zero
-            end = plan.cu_seqlens[-1].to(device=grad_x.device, dtype=torch.int64)
-            past_end = torch.arange(grad_x.shape[0], device=grad_x.device) >= end
-            grad_x = grad_x.masked_fill(past_end.unsqueeze(1), 0)
-        return None, None, grad_x, None, None
+        want_w = (ctx.needs_input_grad[3], ctx.needs_input_grad[4])
+        return None, None, _experts_backward(ctx, grad_y, want_w), None, None
+
+
+class _FP8DispatchExpertsFunction(torch.autograd.Function):
+    """FP8 dispatch and the experts as one autograd node: x [s, H] bf16, topk_weights [s, K] fp32, w1, w2 ->
+    (y [NvS, H] bf16, recv_w [NvS] fp32). (Buffer.dispatch(..., fp8=True) has no autograd; this node defines it.)
+
+    Forward: the raw FP8 dispatch (x quantised inside the op by flatep.fp8's rule), the receive rows dequantised to
+    bf16 on the device (dequantize_rows), then the experts exactly as _ExpertsFunction (the bf16 grouped FFN).
+
+    Why not torch._scaled_grouped_mm for the first GEMM: on the H200 (SM90, torch 2.11.0+cu130) the scaled grouped
+    GEMM takes e4m3 operands with row-wise fp32 scales only (scale_a [rows] for a 2-D A, scale_b [G, N] for a
+    column-major 3-D B); FlatEP's [rows, H/128] block scales are refused ("scale must be a 1D tensor, but got 2D"),
+    and torch.nn.functional.scaled_grouped_mm with the BlockWise1x128 / BlockWise128x128 recipes finds "No gemm
+    implementation". Mapping the block scales onto one scale per row means requantising every receive row (a second
+    rounding) and quantising and transposing W1's compute view every forward (the weights change every step): at
+    S=8192, H=7168, F=2048, epn=48, K=8 that is 7.2 ms + 37 ms in torch ops to save 2 ms of GEMM (3.6 ms row-wise
+    FP8 against 5.6 ms bf16), while the dequantisation takes 0.46 ms (benchmarks/results/moe_fp8_h200.csv).
+
+    Backward (bf16, like dispatch's own): the experts' backward as _ExpertsFunction (weight gradients into
+    main_grad, reduce_grad), then the gradient at the dequantised rows goes back to the tokens through an unweighted
+    bf16 combine (the K row gradients of a token summed: straight through the quantisation), and recv_w's gradient
+    through entry_values. The collectives run in the order of the bf16 path (experts, combine, entry_values)."""
+
+    @staticmethod
+    def forward(ctx, moe, plan, x, topk_weights, w1, w2):
+        buffer = moe.buffer
+        (recv_q, recv_s), recv_w, _ = buffer._dispatch_fp8_raw(plan, x.contiguous(), None, None,
+                                                                topk_weights.contiguous())
+        recv_x = dequantize_rows(recv_q, recv_s)
+        del recv_q, recv_s
+        y = _experts_forward(ctx, moe, plan, recv_x, ctx.needs_input_grad[2])
+        ctx.buffer = buffer
+        return y, recv_w
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_recv_w):
+        buffer, plan = ctx.buffer, ctx.plan
+        grad_rows = _experts_backward(ctx, grad_y, (ctx.needs_input_grad[4], ctx.needs_input_grad[5]))
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[2]:
+            grad_x = buffer._combine_raw(plan, grad_rows.to(_BF16).contiguous(), None)
+        if ctx.needs_input_grad[3]:
+            grad_w = buffer._entry_values_raw(plan, grad_recv_w.to(torch.float32).contiguous())
+        return None, None, grad_x, grad_w, None, None
 
 
 class MoE(torch.nn.Module):
@@ -171,6 +348,13 @@ class MoE(torch.nn.Module):
             communication memory does not grow with the number of layers.
         device: 'cpu' (default) or a CUDA device (FlatEP built with CUDA); parameters, Buffer and pools live there
             and x must be on it.
+        activation (str): the experts' FFN (module docstring): 'swiglu' (default; w1 [epn, H, 2F] = gate and up
+            fused, columns [0, F) gate, [F, 2F) up; the pools' projections [(H, 2F), (F, H)]) or 'silu' (w1
+            [epn, H, F]; projections [(H, F), (F, H)]).
+        fp8 (bool): dispatch the token rows as FP8 (e4m3 with one fp32 scale per 128 channels; H must be a multiple
+            of 128), dequantised to bf16 on the receiving rank before the expert GEMMs; backward in bf16 (module
+            docstring; _FP8DispatchExpertsFunction). Read at every forward: ``moe.fp8`` may be switched between
+            steps (the weights and the Buffer are the same).
 
     forward(x [s, H] float tensor, topk_idx=None [s, K] int) -> [s, H] in x's dtype. topk_idx overrides the router's
     choice (the weights are still the router's probabilities of those experts, renormalised). After a call,
@@ -192,6 +376,8 @@ class MoE(torch.nn.Module):
         seed=0,
         pools=None,
         device=None,
+        activation="swiglu",
+        fp8=False,
     ):
         super().__init__()
         for name, value, accepted in (
@@ -207,6 +393,8 @@ class MoE(torch.nn.Module):
                 f"MoE: num_experts must be an int multiple of the group size R={self.num_ranks}, got {num_experts!r}"
             )
         self.hidden, self.ffn, self.num_experts, self.topk = hidden, ffn, num_experts, topk
+        self.activation = check_activation("MoE", activation)
+        self.fp8 = fp8  # checked by the setter
         self.group, self.align, self.capacity_factor, self.planner = group, align, capacity_factor, planner
         self.device = resolve_device(device)
         self.experts_per_rank = num_experts // self.num_ranks
@@ -214,17 +402,18 @@ class MoE(torch.nn.Module):
         self.router = torch.nn.Linear(hidden, num_experts, bias=False, device=self.device)
         with torch.no_grad():
             self.router.weight.copy_(init_router_weight(hidden, num_experts, seed))
-        self.pools = pools if pools is not None else shared_pools(
-            group, self.experts_per_rank, [(hidden, ffn), (ffn, hidden)], self.device
-        )
-        shapes = [(hidden, ffn), (ffn, hidden)]
+        shapes = expert_projections(hidden, ffn, self.activation)
+        self.pools = pools if pools is not None else shared_pools(group, self.experts_per_rank, shapes, self.device)
         if self.pools.projections != shapes or self.pools.experts_per_rank != self.experts_per_rank:
-            raise ValueError(f"MoE: pools must have epn={self.experts_per_rank} and projections {shapes}")
+            raise ValueError(
+                f"MoE: pools must have epn={self.experts_per_rank} and projections {shapes} (activation="
+                f"{self.activation!r}), got epn={self.pools.experts_per_rank} and {self.pools.projections}"
+            )
         if self.pools.device != self.device:
             raise ValueError(f"MoE: pools are on {self.pools.device}, the layer on {self.device}")
         self.expert_layer = layer = self.pools.register_layer()
         own = range(self.expert_offset, self.expert_offset + self.experts_per_rank)
-        w1, w2 = init_expert_weights(hidden, ffn, own, seed)
+        w1, w2 = init_expert_weights(hidden, ffn, own, seed, self.activation)
         with torch.no_grad():  # once, at construction: from here on the parameters are the library's memory
             layer.own_weights(0).copy_(w1)
             layer.own_weights(1).copy_(w2)
@@ -238,6 +427,22 @@ class MoE(torch.nn.Module):
         self.last_plan = None
         if num_tokens is not None:
             self._make_buffer(num_tokens)
+
+    @property
+    def fp8(self):
+        """Whether forward dispatches FP8 rows (see the class docstring)."""
+        return self._fp8
+
+    @fp8.setter
+    def fp8(self, value):
+        if not isinstance(value, bool):
+            raise ValueError(f"MoE: fp8 must be a bool, got {value!r}")
+        if value and self.hidden % _fp8.BLOCK != 0:
+            raise ValueError(
+                f"MoE: fp8=True needs hidden (H) to be a multiple of {_fp8.BLOCK} (one scale per {_fp8.BLOCK} "
+                f"channels), got H={self.hidden}"
+            )
+        self._fp8 = value
 
     def _make_buffer(self, num_tokens):
         # One Buffer per shape and process, shared by every layer of that shape (like the pools).
@@ -273,7 +478,11 @@ class MoE(torch.nn.Module):
 
     @torch.no_grad()
     def load_dense(self, dense):
-        """Copies the weights of a flatep.testing.DenseMoE (router and this rank's experts)."""
+        """Copies the weights of a flatep.testing.DenseMoE (router and this rank's experts); its activation must be
+        this layer's."""
+        if getattr(dense, "activation", "silu") != self.activation:
+            raise ValueError(f"MoE.load_dense: the dense reference's activation is {dense.activation!r}, this "
+                             f"layer's {self.activation!r}")
         lo, hi = self.expert_offset, self.expert_offset + self.experts_per_rank
         self.router.weight.copy_(dense.router_weight)
         self.w1.copy_(dense.w1[lo:hi])
@@ -290,8 +499,12 @@ class MoE(torch.nn.Module):
             self._make_buffer(int(x.shape[0]))
         weights, idx = route(x, self.router.weight, self.topk, topk_idx)
         plan = self.buffer.plan(idx)
-        recv_x, recv_w, _ = self.buffer.dispatch(plan, x.to(_BF16), weights)
-        y = _ExpertsFunction.apply(self, plan, recv_x, self.w1, self.w2)
+        if self.fp8:
+            self.buffer._check_plan("dispatch", plan)
+            y, recv_w = _FP8DispatchExpertsFunction.apply(self, plan, x.to(_BF16), weights, self.w1, self.w2)
+        else:
+            recv_x, recv_w, _ = self.buffer.dispatch(plan, x.to(_BF16), weights)
+            y = _ExpertsFunction.apply(self, plan, recv_x, self.w1, self.w2)
         out = self.buffer.combine(plan, y, recv_w)
         self.last_plan = plan
         return out.to(x.dtype)
@@ -299,5 +512,6 @@ class MoE(torch.nn.Module):
     def extra_repr(self):
         return (
             f"hidden={self.hidden}, ffn={self.ffn}, num_experts={self.num_experts}, topk={self.topk}, "
-            f"ranks={self.num_ranks}, experts_per_rank={self.experts_per_rank}"
+            f"ranks={self.num_ranks}, experts_per_rank={self.experts_per_rank}, activation={self.activation!r}, "
+            f"fp8={self.fp8}"
         )

@@ -13,7 +13,8 @@ import tempfile
 import torch
 
 from . import _C
-from .nn import expert_ffn, init_expert_weights, init_router_weight, route
+from . import fp8 as _fp8
+from .nn import check_activation, expert_ffn, init_expert_weights, init_router_weight, route
 
 _BF16 = torch.bfloat16
 
@@ -64,22 +65,40 @@ def _round_bf16(w):
     return w + (w.to(_BF16).float() - w).detach()
 
 
+def _round_fp8(rows):
+    """fp32 rows of bf16 values -> their FP8 round trip (flatep.fp8.quantize then dequantize: the values an FP8
+    dispatch delivers), gradient passed straight through (as nn.MoE's fp8 backward does)."""
+    q, scales = _fp8.quantize(rows.detach().to(_BF16))
+    return rows + (_fp8.dequantize(q, scales, _BF16).float() - rows).detach()
+
+
 class DenseMoE(torch.nn.Module):
     """Single-process MoE with every expert, the reference flatep.nn.MoE is held to.
 
     Same math and rounding points as the distributed layer (flatep.nn.route, flatep.nn.expert_ffn, bf16 token rows,
-    fp32 weighted sum rounded to bf16), same init for the same seed. Parameters: router_weight [E, H], w1 [E, H, F],
-    w2 [E, F, H] (fp32).
+    fp32 weighted sum rounded to bf16), same init for the same seed. Parameters: router_weight [E, H], w1 [E, H, 2F]
+    (activation='swiglu', the default: columns [0, F) gate, [F, 2F) up) or [E, H, F] (activation='silu'),
+    w2 [E, F, H] (fp32, rounded to bf16 where used, their gradients fp32).
+
+    fp8=True: the experts' input rows are the FP8 round trip of the bf16 token rows (flatep.fp8's rule: what an FP8
+    dispatch delivers, dequantised), the router still reads x; the rows' gradient passes straight through the
+    quantisation. nn.MoE(fp8=True) is held to this at bf16 tolerance and to the fp8=False reference at the FP8
+    tolerance (tests/python/test_moe_fp8.py).
 
     forward(x [N, H], topk_idx=None [N, K], chunks=1) -> [N, H] in x's dtype. `chunks` (a count, or a list of
     sizes) splits the router matmul the way the ranks compute it on their own tokens, so that both sides get the
     same logits bit for bit and pick the same experts.
     """
 
-    def __init__(self, hidden, ffn, num_experts, topk, seed=0):
+    def __init__(self, hidden, ffn, num_experts, topk, seed=0, activation="swiglu", fp8=False):
         super().__init__()
         self.hidden, self.ffn, self.num_experts, self.topk = hidden, ffn, num_experts, topk
-        w1, w2 = init_expert_weights(hidden, ffn, range(num_experts), seed)
+        self.activation = check_activation("DenseMoE", activation)
+        if not isinstance(fp8, bool) or (fp8 and hidden % _fp8.BLOCK != 0):
+            raise ValueError(f"DenseMoE: fp8 must be a bool, and fp8=True needs H % {_fp8.BLOCK} == 0; got "
+                             f"fp8={fp8!r}, H={hidden}")
+        self.fp8 = fp8
+        w1, w2 = init_expert_weights(hidden, ffn, range(num_experts), seed, self.activation)
         self.router_weight = torch.nn.Parameter(init_router_weight(hidden, num_experts, seed))
         self.w1 = torch.nn.Parameter(w1)
         self.w2 = torch.nn.Parameter(w2)
@@ -92,13 +111,15 @@ class DenseMoE(torch.nn.Module):
         weights = torch.cat([w for w, _ in routed])
         idx = torch.cat([i for _, i in routed])
         rows = x.to(_BF16).float()
+        if self.fp8:
+            rows = _round_fp8(rows)
         w1, w2 = _round_bf16(self.w1), _round_bf16(self.w2)
         out = torch.zeros(x.shape[0], self.hidden, dtype=torch.float32, device=x.device)
         for e in range(self.num_experts):
             token, k = (idx == e).nonzero(as_tuple=True)
             if token.numel() == 0:
                 continue
-            y = expert_ffn(rows[token], w1[e], w2[e]).float()
+            y = expert_ffn(rows[token], w1[e], w2[e], self.activation).float()
             out = out.index_add(0, token, weights[token, k].unsqueeze(1) * y)
         return out.to(_BF16).to(x.dtype)
 
