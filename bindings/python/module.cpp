@@ -262,6 +262,20 @@ void bind_buffer(py::module_& m) {
             },
             py::arg("topk_idx"), py::arg("index_bytes"), py::arg("num_tokens"), py::arg("plan_storage") = 0, Release())
         .def_property_readonly("plan_words", &Buffer::plan_words)
+        .def_property_readonly("plan_offsets",
+                               [](const Buffer& b) {
+                                   // (slot_expert, cu_seqlens) of this rank: int32 word offsets into a device plan's
+                                   // storage (the same for every plan of the Buffer), so views of them can be made
+                                   // before any plan exists.
+                                   const PlanSizes s = make_plan_sizes(b.layout());
+                                   const int64_t rank = b.config().rank;
+                                   return py::make_tuple(s.slot_expert + rank * b.layout().experts_per_rank,
+                                                         s.cu_seqlens + rank * b.layout().num_groups());
+                               })
+        .def_property(
+            "max_blocks", &Buffer::max_blocks,
+            [](Buffer& b, long long blocks) { b.set_max_blocks(env::check_sm_budget("Buffer", blocks)); },
+            "SM budget: the most thread blocks one launch of an op uses (0: no cap; starts at FLATEP_SM_BUDGET)")
         .def_property_readonly("poisoned", &Buffer::poisoned)
         .def(
             "dispatch",
@@ -360,6 +374,10 @@ void bind_pools(py::module_& m) {
             py::arg("plan"), py::arg("layer"), py::arg("projection"), py::arg("grad"), py::arg("grad_bytes"),
             py::arg("accumulate") = false, Release())
         .def_property_readonly("on_device", &ExpertPools::on_device)
+        .def_property(
+            "max_blocks", &ExpertPools::max_blocks,
+            [](ExpertPools& p, long long blocks) { p.set_max_blocks(env::check_sm_budget("ExpertPools", blocks)); },
+            "SM budget: the most thread blocks one launch of a pools op uses (0: no cap; starts at FLATEP_SM_BUDGET)")
         .def(
             "set_stream", [](ExpertPools& p, uintptr_t stream) { p.set_stream(reinterpret_cast<void*>(stream)); },
             py::arg("stream"))

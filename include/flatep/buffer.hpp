@@ -170,6 +170,12 @@ class Buffer {
     bool on_device() const { return device_ != nullptr; }
     void set_stream(void* cuda_stream) { stream_ = cuda_stream; }
     void* stream() const { return stream_; }
+    // SM budget of this Buffer's kernels: the most thread blocks one launch of an op uses (0: no cap). Starts at
+    // FLATEP_SM_BUDGET (device Buffers; 0 on the host) and applies to the ops enqueued after the call (a captured CUDA
+    // graph keeps the budget it was captured with). Outside [0, 1048576]: kInvalidArgument. No effect on the CPU
+    // backend.
+    void set_max_blocks(int blocks);
+    int max_blocks() const;
 
     // This rank's symmetric receive regions ([NvS][H] bf16, [NvS] fp32): pass them to dispatch to skip the
     // copy-out of chain-head rows. Rewritten by the next dispatch on any rank.
@@ -200,6 +206,7 @@ class Buffer {
     host::OpStats* op_stats_ = nullptr;
     std::unique_ptr<device::Context> device_;
     void* stream_ = nullptr;
+    int max_blocks_ = 0;  // host Buffers: the value set_max_blocks stored (device Buffers keep it in device_)
     std::unique_ptr<CollectiveGuard> guard_;
     double timeout_s_ = 0;  // the transport's timeout when this Buffer was built: every op's waits
     int num_plan_slots_ = 0;

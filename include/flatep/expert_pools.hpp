@@ -126,6 +126,10 @@ class ExpertPools {
     // layer's views are read / written by the kernels in stream order.
     void set_stream(void* cuda_stream) { stream_ = cuda_stream; }
     void* stream() const { return stream_; }
+    // SM budget of prefetch / reduce_grad / write_grads: the most thread blocks one launch uses (0: no cap); starts
+    // at FLATEP_SM_BUDGET on device pools (see Buffer::set_max_blocks). No effect on the CPU backend.
+    void set_max_blocks(int blocks);
+    int max_blocks() const;
     bool on_device() const { return device_ != nullptr; }
 
     // True after a failed cross-rank wait of a pools op (timeout, ranks in different ops or steps, a peer that gave
@@ -146,6 +150,7 @@ class ExpertPools {
     std::unique_ptr<CollectiveGuard> guard_;
     double timeout_s_ = 0;  // the transport's timeout when the pools were built: every op's waits
     void* stream_ = nullptr;
+    int max_blocks_ = 0;  // host pools: the value set_max_blocks stored
     bool debug_ = false;  // FLATEP_DEBUG: device ops also check the plan's layout (a synchronising read)
 };
 

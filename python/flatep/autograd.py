@@ -9,52 +9,90 @@ combine(plan, y, weights) -> out          rows = dispatch(plan, grad_out)       
 
 Every backward op but combine_grad (local) is collective: autograd runs the same graph on every rank, so the ranks meet
 in the same order.
+
+launch (a flatep.distributed.OpLaunch or None): the forward runs inside it (its stream and SM budget); the backward
+runs on the same stream with the same budget, complete in the current stream's order (the backward stream waits for
+the current one, the current one for it), with record_stream on the tensors crossing.
+torch.compile does not use these functions: flatep.ops registers the same backward on the custom ops.
 """
 
+import contextlib
+
 import torch
+
+from .distributed import OpLaunch
+
+
+@contextlib.contextmanager
+def _backward_launch(buffer, launch, reads, writes):
+    """The backward's OpLaunch (same stream and SM budget as the forward's launch); `writes` is filled by the body."""
+    if launch is None:
+        yield
+        return
+    again = OpLaunch(buffer.device, buffer._live("backward"), launch.side, None, launch.blocks, "backward")
+    with again:
+        yield
+    again.finish(False, reads, writes)
+
+
+def _forward(launch):
+    return launch if launch is not None else contextlib.nullcontext()
 
 
 class DispatchFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buffer, plan, x, topk_weights):
-        ctx.buffer, ctx.plan = buffer, plan
+    def forward(ctx, buffer, plan, x, topk_weights, launch=None):
+        ctx.buffer, ctx.plan, ctx.launch = buffer, plan, launch
         ctx.has_weights = topk_weights is not None
-        recv_x, recv_w = buffer._dispatch_raw(plan, x, topk_weights)
+        with _forward(launch):
+            recv_x, recv_w = buffer._dispatch_raw(plan, x, topk_weights)
         return recv_x, recv_w
 
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_w):
         buffer, plan = ctx.buffer, ctx.plan
         grad_x = grad_w = None
-        if ctx.needs_input_grad[2]:
-            grad_x = buffer._combine_raw(plan, grad_recv_x.to(torch.bfloat16).contiguous(), None)
-        if ctx.has_weights and ctx.needs_input_grad[3]:
-            grad_w = buffer._entry_values_raw(plan, grad_recv_w.to(torch.float32).contiguous())
-        return None, None, grad_x, grad_w
+        rows = grad_recv_x.to(torch.bfloat16).contiguous() if ctx.needs_input_grad[2] else None
+        values = grad_recv_w.to(torch.float32).contiguous() if ctx.has_weights and ctx.needs_input_grad[3] else None
+        writes = []
+        with _backward_launch(buffer, ctx.launch, (rows, values, plan._storage), writes):
+            if rows is not None:
+                grad_x = buffer._combine_raw(plan, rows, None)
+            if values is not None:
+                grad_w = buffer._entry_values_raw(plan, values)
+            writes += [grad_x, grad_w]
+        return None, None, grad_x, grad_w, None
 
 
 class CombineFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buffer, plan, y, weights):
-        ctx.buffer, ctx.plan = buffer, plan
+    def forward(ctx, buffer, plan, y, weights, launch=None):
+        ctx.buffer, ctx.plan, ctx.launch = buffer, plan, launch
         ctx.has_weights = weights is not None
         if weights is not None:
             ctx.save_for_backward(y, weights)
-        return buffer._combine_raw(plan, y, weights)
+        with _forward(launch):
+            return buffer._combine_raw(plan, y, weights)
 
     @staticmethod
     def backward(ctx, grad_out):
         buffer, plan = ctx.buffer, ctx.plan
-        # Weighted: rows only feed combine_grad, which never reads rows past the last group end, so they need no fill.
-        # Unweighted: the rows are grad_y itself, which must be defined (zero) on every row.
-        rows, _ = buffer._dispatch_raw(
-            plan, grad_out.to(torch.bfloat16).contiguous(), None, want_weights=False, zero_fill=not ctx.has_weights
-        )
+        grad_out = grad_out.to(torch.bfloat16).contiguous()
+        y = weights = None
+        if ctx.has_weights:
+            y, weights = ctx.saved_tensors
         grad_y = grad_weights = None
-        if not ctx.has_weights:
-            return None, None, rows, None
-        y, weights = ctx.saved_tensors
-        want_y, want_weights = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
-        if want_y or want_weights:  # one fused local op; rows holding no entry get zeros (their y is never read)
-            grad_y, grad_weights = buffer._combine_grad_raw(plan, rows, y, weights, want_y, want_weights)
-        return None, None, grad_y, grad_weights
+        writes = []
+        with _backward_launch(buffer, ctx.launch, (grad_out, y, weights, plan._storage), writes):
+            # Weighted: rows only feed combine_grad, which never reads rows past the last group end, so they need no
+            # fill. Unweighted: the rows are grad_y itself, which must be defined (zero) on every row.
+            rows, _ = buffer._dispatch_raw(plan, grad_out, None, want_weights=False, zero_fill=not ctx.has_weights)
+            writes.append(rows)
+            if not ctx.has_weights:
+                grad_y = rows
+            else:
+                want_y, want_weights = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+                if want_y or want_weights:  # one fused local op; rows holding no entry get zeros (y never read)
+                    grad_y, grad_weights = buffer._combine_grad_raw(plan, rows, y, weights, want_y, want_weights)
+                    writes += [grad_y, grad_weights]
+        return None, None, grad_y, grad_weights, None

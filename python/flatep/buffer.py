@@ -36,9 +36,15 @@ import torch
 
 from . import _C
 from . import fp8 as _fp8
+from . import ops as _ops
 from ._tensors import address, check_int, check_tensor, check_timeout, shape_text
 from .autograd import CombineFunction, DispatchFunction
-from .distributed import current_stream_handle, device_guard, group_rank_size, resolve_device, transport_for
+from .distributed import (
+    EventHandle, OpLaunch, check_num_sms, current_stream_handle, device_guard, group_rank_size,
+    resolve_device, transport_for,
+)
+
+__all__ = ["Buffer", "Plan", "EventHandle", "shared_buffer", "release_shared_buffers"]
 
 _PLANNERS = ("balanced", "greedy")
 
@@ -74,24 +80,52 @@ class Plan:
         generation (int): the Buffer's plan counter (identical on every rank for the same step).
     """
 
-    def __init__(self, buffer, cplan, storage=None):
+    def __init__(self, buffer, cplan, storage=None, handle=None, num_tokens=None):
+        # Eager: cplan is the C++ plan. Under torch.compile (the plan op): cplan is None, (handle, storage) are the
+        # op's outputs and the C++ plan is found through the handle when a diagnostic needs it (flatep.ops).
         self._buffer = buffer
-        self._plan = cplan
+        self._cplan = cplan
         self._storage = storage  # device plans: the int32 tensor the plan arrays live in (torch's allocator)
-        rank = buffer.rank
-        self.num_tokens = cplan.num_tokens
-        self.generation = cplan.generation
-        if cplan.on_device:  # views of the plan's own device memory: no copy, no kernel, no synchronisation
-            epn, base = buffer.experts_per_rank, storage.data_ptr()
-            at = (cplan.device_slot_expert(rank) - base) // 4
-            self.slot_expert = storage[at : at + epn]
-            at = (cplan.device_cu_seqlens(rank) - base) // 4
-            self.cu_seqlens = storage[at : at + 2 * epn]
+        epn = buffer.experts_per_rank
+        self._handle_tensor = handle
+        if cplan is None:
+            self.num_tokens = num_tokens
+            at_slots, at_seqlens = buffer._plan_offsets if buffer.device.type == "cuda" else (0, epn)
+            self.slot_expert = storage[at_slots : at_slots + epn]
+            self.cu_seqlens = storage[at_seqlens : at_seqlens + 2 * epn]
         else:
-            self.slot_expert = torch.from_numpy(cplan.slot_expert(rank))
-            self.cu_seqlens = torch.from_numpy(cplan.cu_seqlens(rank))
+            self.num_tokens = cplan.num_tokens
+            if cplan.on_device:  # views of the plan's own device memory: no copy, no kernel, no synchronisation
+                at_slots, at_seqlens = buffer._plan_offsets
+                self.slot_expert = storage[at_slots : at_slots + epn]
+                self.cu_seqlens = storage[at_seqlens : at_seqlens + 2 * epn]
+            else:
+                self.slot_expert = torch.from_numpy(cplan.slot_expert(buffer.rank))
+                self.cu_seqlens = torch.from_numpy(cplan.cu_seqlens(buffer.rank))
+                # what a compiled op on this plan takes as storage (flatep.ops: slot_expert then cu_seqlens)
+                self._storage = torch.cat([self.slot_expert, self.cu_seqlens]) if _ops.AVAILABLE else None
         self._stats = None
         self._real_rows = None
+
+    @property
+    def _handle(self):
+        """What the custom ops take (flatep.ops); made at first use, so eager steps, which never need it, keep the
+        path they had before torch.compile support (no handle tensor, no registry entry per plan)."""
+        if self._handle_tensor is None and self._cplan is not None and _ops.AVAILABLE:
+            self._handle_tensor = _ops.plan_handle(self._cplan)
+        return self._handle_tensor
+
+    @property
+    def _plan(self):
+        """The C++ plan."""
+        if self._cplan is None:
+            self._cplan = _ops.plan_of(self._handle_tensor)
+        return self._cplan
+
+    @property
+    def generation(self):
+        """int: the Buffer's plan counter (identical on every rank for the same step)."""
+        return self._plan.generation
 
     @property
     def stats(self):
@@ -165,9 +199,26 @@ class Buffer:
         timeout_s (float): bound on every cross-rank wait of this object, seconds in (0, 86400]; kept from
             construction on, whatever later objects of the group set. None: the group's transport's timeout at
             construction (FLATEP_TIMEOUT_S or 100 s, unless virtual_ranks or an earlier object set one).
+        num_sms (int or None): SM budget of this Buffer's kernels: the most thread blocks one launch of an op uses, in
+            [0, 1048576] (0: no cap). None: FLATEP_SM_BUDGET (default no cap). Each op also takes num_sms for that
+            call only (its backward uses the same). No effect on the CPU backend.
+        stream_priority (int): priority of the Buffer's own communication stream ``comm_stream``, created at
+            construction on a CUDA device (torch.cuda.Stream's priority: lower is higher, e.g. -1; default 0).
 
     Attributes: rank, num_ranks, num_tokens, hidden, num_experts, topk, experts_per_rank, capacity (C),
-    num_recv_rows (NvS), device.
+    num_recv_rows (NvS), device, num_sms (the Buffer's budget; 0 = no cap), comm_stream (torch.cuda.Stream; None on
+    the CPU backend).
+
+    Streams and events (every op: plan, dispatch, combine, entry_values): ``stream`` (None: the current stream, as
+    always; a CUDA stream of the device, e.g. ``buffer.comm_stream``: the op is enqueued there), ``previous_event``
+    (a torch.cuda.Event or EventHandle the op is ordered after; None: after the current stream's work so far, which
+    is what a side stream then waits for), ``async_finish`` (False: the call is complete in the current stream's
+    order, i.e. the current stream waits for the side stream; True: nothing waits and the op returns an
+    EventHandle as its last result, whose current_stream_wait() the compute stream calls before using the outputs).
+    Tensors crossing streams are record_stream'ed. No host synchronisation; all of it works inside CUDA-graph
+    capture (then the side stream must rejoin: current_stream_wait() before the capture ends). The CPU backend runs
+    every op synchronously on the host: stream must be None (``comm_stream`` is None there) and an EventHandle's
+    event is None (done). Under torch.compile: stream None or comm_stream, no previous_event / async_finish.
     """
 
     def __init__(
@@ -183,6 +234,8 @@ class Buffer:
         planner="balanced",
         device=None,
         timeout_s=None,
+        num_sms=None,
+        stream_priority=0,
     ):
         for name, value, accepted in (
             ("num_tokens", num_tokens, "in [1, 2147483647]"),
@@ -199,6 +252,8 @@ class Buffer:
         timeout_s = check_timeout("Buffer", timeout_s)
         if planner not in _PLANNERS:
             raise ValueError(f"Buffer: planner must be 'balanced' or 'greedy', got {planner!r}")
+        num_sms = check_num_sms("Buffer", num_sms)
+        check_int("Buffer", "stream_priority", stream_priority, "an int (torch.cuda.Stream priority)")
         self.group = group
         self.rank, self.num_ranks = group_rank_size(group)
         self.num_tokens, self.hidden, self.num_experts, self.topk = num_tokens, hidden, num_experts, topk
@@ -213,23 +268,40 @@ class Buffer:
         self.capacity = self._buffer.capacity
         self.num_recv_rows = self._buffer.num_recv_rows
         self._plan_words = self._buffer.plan_words
+        self._plan_offsets = self._buffer.plan_offsets
+        if num_sms is not None:
+            self._buffer.max_blocks = num_sms
+        self.comm_stream = None
         if self.device.type == "cuda":
             _load_torch_kernels(self.device, self._plan_words)
+            self.comm_stream = torch.cuda.Stream(self.device, priority=stream_priority)
+        self._op_id = _ops.register_object(self) if _ops.AVAILABLE else None
+
+    @property
+    def num_sms(self):
+        """int: this Buffer's SM budget (thread blocks per launch; 0 = no cap). Settable."""
+        return self._live("num_sms").max_blocks
+
+    @num_sms.setter
+    def num_sms(self, value):
+        self._live("num_sms").max_blocks = check_num_sms("Buffer", value, none_ok=False)
 
     # ---- public ops ----
 
-    def plan(self, topk_idx):
+    def plan(self, topk_idx, *, stream=None, previous_event=None, async_finish=False, num_sms=None):
         """Plans one step (collective).
 
         Args:
             topk_idx (torch.Tensor): [s, K] int32 or int64, s <= S; expert ids in [0, E).
+            stream, previous_event, async_finish, num_sms: see the class docstring (streams and events).
         Returns:
-            Plan. An id outside [0, E) raises ValueError naming the first bad id (the entry is skipped): the CPU
-            backend at once; a CUDA buffer, without synchronising, at the entry of the first op enqueued after the
-            GPU ran this plan (the GPU writes the error into host-mapped memory), at check_status(), or at once with
-            FLATEP_DEBUG=1.
+            Plan (with async_finish: (Plan, EventHandle)). An id outside [0, E) raises ValueError naming the first
+            bad id (the entry is skipped): the CPU backend at once; a CUDA buffer, without synchronising, at the entry
+            of the first op enqueued after the GPU ran this plan (the GPU writes the error into host-mapped memory),
+            at check_status(), or at once with FLATEP_DEBUG=1.
         """
-        self._live("plan")  # a destroyed Buffer fails first
+        if self._buffer is None:
+            raise RuntimeError("plan: this Buffer was destroyed")
         idx = check_tensor(
             "plan", "topk_idx", topk_idx, (torch.int32, torch.int64), (None, self.topk), self.device,
             f"[s, K={self.topk}] with s <= S={self.num_tokens}",
@@ -239,6 +311,26 @@ class Buffer:
                 f"plan: topk_idx must have shape [s, K={self.topk}] with s <= S={self.num_tokens}, "
                 f"got {shape_text(idx.shape)}"
             )
+        if _ops.compiling():
+            code = _ops.stream_code("plan", self, stream, previous_event, async_finish)
+            num_sms = check_num_sms("plan", num_sms)
+            handle, storage = _ops.plan_op(self._op_id, idx, code, -1 if num_sms is None else num_sms)
+            return Plan(self, None, storage, handle, idx.shape[0])
+        if stream is None and previous_event is None and num_sms is None and not async_finish:
+            return Plan(self, *self._plan_raw(idx))  # today's path
+        with self._launch("plan", stream, previous_event, num_sms) as launch:
+            cplan, storage = self._plan_raw(idx)
+        handle = launch.finish(async_finish, (idx,), (storage,))
+        plan = Plan(self, cplan, storage)
+        return (plan, handle) if async_finish else plan
+
+    def _plan_raw(self, idx, stream=None, blocks=None):
+        """(C++ plan, storage or None) on the current stream (or `stream`: flatep.ops), no checks of idx."""
+        if stream is not None or blocks is not None:
+            with self._launch("plan", stream, None, blocks) as launch:
+                cplan, storage = self._plan_raw(idx)
+            launch.finish(False, (idx,), (storage,))
+            return cplan, storage
         with device_guard(self.device):
             b = self._live("plan")
             # Device plans live in a tensor of torch's caching allocator (no cudaMalloc in steady state; CUDA-graph
@@ -249,9 +341,15 @@ class Buffer:
             cplan = b.plan(address(idx), idx.element_size(), idx.shape[0], address(storage))
             if not b.on_device:
                 b.check_status()  # host backend: reporting now costs no device synchronisation
-            return Plan(self, cplan, storage)
+            return cplan, storage
 
-    def dispatch(self, plan, x, topk_weights=None, *, fp8=False, ue8m0=False):
+    def _launch(self, op, stream, previous_event, num_sms):
+        """The OpLaunch of one op (stream order, SM budget; see flatep.distributed.OpLaunch)."""
+        blocks = check_num_sms(op, num_sms)
+        return OpLaunch(self.device, self._live(op), stream, previous_event, blocks, op)
+
+    def dispatch(self, plan, x, topk_weights=None, *, fp8=False, ue8m0=False, stream=None, previous_event=None,
+                 async_finish=False, num_sms=None):
         """Sends every token row to the rows of its K experts (collective; autograd-aware).
 
         Args:
@@ -264,6 +362,8 @@ class Buffer:
                 follows the rows moved, not the buffer's capacity).
             recv_w: [NvS] fp32, each row's routing weight; 0 on padding rows; unspecified past the last group end.
             cu_seqlens: [2*epn] int32 (= plan.cu_seqlens).
+            With async_finish=True a fourth result, the EventHandle (see the class docstring: streams and events;
+            backward runs on the same stream with the same num_sms, complete in the current stream's order).
         Backward: grad_x = unweighted combine of grad_recv_x; grad_topk_weights = grad_recv_w read back at each
         entry's row.
 
@@ -280,7 +380,16 @@ class Buffer:
         if not isinstance(fp8, bool) or not isinstance(ue8m0, bool):
             raise ValueError(f"dispatch: fp8 and ue8m0 must be bools, got fp8={fp8!r}, ue8m0={ue8m0!r}")
         if fp8:
-            return self._dispatch_fp8(plan, x, topk_weights, ue8m0)
+            if _ops.compiling():
+                raise ValueError("dispatch: fp8=True is not registered as a custom op yet (eager only)")
+            if stream is None and previous_event is None and num_sms is None and not async_finish:
+                return self._dispatch_fp8(plan, x, topk_weights, ue8m0)
+            with self._launch("dispatch", stream, previous_event, num_sms) as launch:
+                (recv_q, recv_s), recv_w, cu = self._dispatch_fp8(plan, x, topk_weights, ue8m0)
+            reads = (x if isinstance(x, torch.Tensor) else None, topk_weights, plan._storage)
+            reads += tuple(x) if isinstance(x, tuple) else ()
+            handle = launch.finish(async_finish, reads, (recv_q, recv_s, recv_w))
+            return ((recv_q, recv_s), recv_w, cu, handle) if async_finish else ((recv_q, recv_s), recv_w, cu)
         if isinstance(x, tuple):
             raise ValueError("dispatch: x is a tuple (pre-quantised FP8 rows, scales); pass fp8=True")
         self._check_plan("dispatch", plan)
@@ -291,11 +400,27 @@ class Buffer:
             topk_weights = check_tensor(
                 "dispatch", "topk_weights", topk_weights, (torch.float32,), (plan.num_tokens, self.topk), self.device
             )
+        if _ops.compiling():
+            code = _ops.stream_code("dispatch", self, stream, previous_event, async_finish)
+            num_sms = check_num_sms("dispatch", num_sms)
+            recv_x, recv_w = _ops.dispatch_op(
+                self._op_id, plan._handle, plan._storage, x, topk_weights, True, False, code,
+                -1 if num_sms is None else num_sms,
+            )
+            return recv_x, recv_w, plan.cu_seqlens
+        default = stream is None and previous_event is None and num_sms is None and not async_finish
+        launch = None if default else self._launch("dispatch", stream, previous_event, num_sms)
         if _records_grad(x, topk_weights):
-            recv_x, recv_w = DispatchFunction.apply(self, plan, x, topk_weights)
-        else:  # nothing to differentiate: skip autograd's bookkeeping (host time per op)
+            recv_x, recv_w = DispatchFunction.apply(self, plan, x, topk_weights, launch)
+        elif default:  # nothing to differentiate: skip autograd's bookkeeping (host time per op)
             recv_x, recv_w = self._dispatch_raw(plan, x, topk_weights)
-        return recv_x, recv_w, plan.cu_seqlens
+        else:
+            with launch:
+                recv_x, recv_w = self._dispatch_raw(plan, x, topk_weights)
+        if default:
+            return recv_x, recv_w, plan.cu_seqlens
+        handle = launch.finish(async_finish, (x, topk_weights, plan._storage), (recv_x, recv_w))
+        return (recv_x, recv_w, plan.cu_seqlens, handle) if async_finish else (recv_x, recv_w, plan.cu_seqlens)
 
     def _dispatch_fp8(self, plan, x, topk_weights, ue8m0):
         """dispatch(..., fp8=True): the checks, then _dispatch_fp8_raw."""
@@ -343,7 +468,7 @@ class Buffer:
             )
         return (_fp8.as_e4m3(recv_q), recv_scales), recv_w, plan.cu_seqlens
 
-    def combine(self, plan, y, weights=None):
+    def combine(self, plan, y, weights=None, *, stream=None, previous_event=None, async_finish=False, num_sms=None):
         """Sums each token's K expert-output rows back on its source rank (collective; autograd-aware).
 
         Args:
@@ -352,30 +477,60 @@ class Buffer:
             weights (torch.Tensor or None): [NvS] fp32 per-row weights (e.g. dispatch's recv_w) or None (unweighted).
         Returns:
             out: [s, H] bf16, out[t] = sum_k weight_row * y_row over token t's K rows (fp32 sums, design §6).
+            With async_finish=True: (out, EventHandle) (see the class docstring: streams and events).
         Backward: grad_y = dispatch of grad_out times the row weight; grad_weights = <dispatched grad_out row, y row>.
         """
         self._check_plan("combine", plan)
         y = check_tensor("combine", "y", y, (torch.bfloat16,), (self.num_recv_rows, self.hidden), self.device)
         if weights is not None:
             weights = check_tensor("combine", "weights", weights, (torch.float32,), (self.num_recv_rows,), self.device)
+        if _ops.compiling():
+            code = _ops.stream_code("combine", self, stream, previous_event, async_finish)
+            num_sms = check_num_sms("combine", num_sms)
+            return _ops.combine_op(
+                self._op_id, plan._handle, plan._storage, plan.num_tokens, y, weights, code,
+                -1 if num_sms is None else num_sms,
+            )
+        default = stream is None and previous_event is None and num_sms is None and not async_finish
+        launch = None if default else self._launch("combine", stream, previous_event, num_sms)
         if _records_grad(y, weights):
-            return CombineFunction.apply(self, plan, y, weights)
-        return self._combine_raw(plan, y, weights)
+            out = CombineFunction.apply(self, plan, y, weights, launch)
+        elif default:
+            return self._combine_raw(plan, y, weights)
+        else:
+            with launch:
+                out = self._combine_raw(plan, y, weights)
+        if default:
+            return out
+        handle = launch.finish(async_finish, (y, weights, plan._storage), (out,))
+        return (out, handle) if async_finish else out
 
-    def entry_values(self, plan, row_values):
+    def entry_values(self, plan, row_values, *, stream=None, previous_event=None, async_finish=False, num_sms=None):
         """The reverse path of one fp32 per receive row (collective; not differentiable).
 
         Args:
             row_values (torch.Tensor): [NvS] fp32, one value per receive row of this rank.
         Returns:
             [s, K] fp32: for each of this rank's entries (t, k), the value at its row on its destination rank
-            (0 for an invalid expert id).
+            (0 for an invalid expert id). With async_finish=True: (out, EventHandle).
         """
         self._check_plan("entry_values", plan)
         row_values = check_tensor(
             "entry_values", "row_values", row_values, (torch.float32,), (self.num_recv_rows,), self.device
         )
-        return self._entry_values_raw(plan, row_values)
+        if _ops.compiling():
+            code = _ops.stream_code("entry_values", self, stream, previous_event, async_finish)
+            num_sms = check_num_sms("entry_values", num_sms)
+            return _ops.entry_values_op(
+                self._op_id, plan._handle, plan._storage, plan.num_tokens, row_values, code,
+                -1 if num_sms is None else num_sms,
+            )
+        if stream is None and previous_event is None and num_sms is None and not async_finish:
+            return self._entry_values_raw(plan, row_values)
+        with self._launch("entry_values", stream, previous_event, num_sms) as launch:
+            out = self._entry_values_raw(plan, row_values)
+        handle = launch.finish(async_finish, (row_values, plan._storage), (out,))
+        return (out, handle) if async_finish else out
 
     def destroy(self):
         """Releases the symmetric buffer (local, never collective). Later calls raise RuntimeError."""
@@ -459,17 +614,17 @@ _shared = {}  # (group id, construction arguments, device) -> (group, Buffer); t
 
 
 def shared_buffer(group, num_tokens, hidden, num_experts, topk, align=128, capacity_factor=1.0, *,
-                  planner="balanced", device=None):
+                  planner="balanced", device=None, num_sms=None, stream_priority=0):
     """The process's Buffer for these arguments, created on first use (collective then), like shared_pools: layers of
     one shape share one Buffer, so communication memory does not grow with the number of layers. Safe because a Plan
     owns its arrays and the symmetric buffer is scratch that every op rewrites (design §8): plans of several layers,
     all made by the one Buffer, stay valid together (backward reuses each layer's saved plan)."""
     key = (id(group), num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner,
-           str(resolve_device(device)))
+           str(resolve_device(device)), num_sms, stream_priority)
     entry = _shared.get(key)
     if entry is None:
         buffer = Buffer(group, num_tokens, hidden, num_experts, topk, align, capacity_factor, planner=planner,
-                        device=device)
+                        device=device, num_sms=num_sms, stream_priority=stream_priority)
         entry = (group, buffer)
         _shared[key] = entry
     return entry[1]

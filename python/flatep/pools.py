@@ -27,17 +27,21 @@ synchronisation. The plan must come from a Buffer on the same device.
 import torch
 
 from . import _C
+from . import ops as _ops
 from ._tensors import INT64_MAX, address, check_int, check_tensor, check_timeout, tensor_at
 from .buffer import Plan
-from .distributed import current_stream_handle, device_guard, group_rank_size, resolve_device, transport_for
+from .distributed import (
+    OpLaunch, check_num_sms, current_stream_handle, device_guard, group_rank_size, resolve_device, transport_for,
+)
 
 
 class ExpertLayer:
     """One layer's expert memory; get it from :meth:`ExpertPools.register_layer`."""
 
-    def __init__(self, pools, clayer):
+    def __init__(self, pools, clayer, index=0):
         self.pools = pools
         self._layer = clayer
+        self._index = index  # position in pools.layers (what the custom ops take)
         epn, device = pools.experts_per_rank, pools.device
         self._weights, self._grads, self._own_weights, self._own_grads = [], [], [], []
         for p, (rows, cols) in enumerate(pools.projections):
@@ -82,13 +86,22 @@ class ExpertPools:
         timeout_s (float): bound on every cross-rank wait of this object, seconds in (0, 86400]; kept from
             construction on, whatever later objects of the group set. None: the group's transport's timeout at
             construction (FLATEP_TIMEOUT_S or 100 s, unless virtual_ranks or an earlier object set one).
+        num_sms (int or None): SM budget of the pools' kernels (thread blocks per launch, 0 = no cap; None:
+            FLATEP_SM_BUDGET); each op also takes num_sms for that call. No effect on the CPU backend.
+        stream_priority (int): priority of the pools' own ``comm_stream`` (CUDA devices; None on the CPU backend).
+
+    prefetch, reduce_grad and write_grads take stream / previous_event / async_finish / num_sms like flatep.Buffer's
+    ops (see its docstring: streams and events); with async_finish=True they return an EventHandle.
     """
 
-    def __init__(self, group, experts_per_rank, projections, *, device=None, timeout_s=None):
+    def __init__(self, group, experts_per_rank, projections, *, device=None, timeout_s=None, num_sms=None,
+                 stream_priority=0):
         if isinstance(experts_per_rank, bool) or not isinstance(experts_per_rank, int) or experts_per_rank < 1:
             raise ValueError(f"ExpertPools: experts_per_rank must be a positive int, got {experts_per_rank!r}")
         check_int("ExpertPools", "experts_per_rank", experts_per_rank, "in [1, 2147483647]")
         timeout_s = check_timeout("ExpertPools", timeout_s)
+        num_sms = check_num_sms("ExpertPools", num_sms)
+        check_int("ExpertPools", "stream_priority", stream_priority, "an int (torch.cuda.Stream priority)")
         shapes = []
         for i, shape in enumerate(projections):
             if len(shape) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
@@ -108,21 +121,63 @@ class ExpertPools:
         self.device = resolve_device(device)
         with device_guard(self.device):
             self._pools = _C.ExpertPools(transport, experts_per_rank, shapes)
+        if num_sms is not None:
+            self._pools.max_blocks = num_sms
+        self.comm_stream = None
+        if self.device.type == "cuda":
+            self.comm_stream = torch.cuda.Stream(self.device, priority=stream_priority)
+        self._op_id = _ops.register_object(self) if _ops.AVAILABLE else None
         self.layers = []
+
+    @property
+    def num_sms(self):
+        """int: the pools' SM budget (thread blocks per launch; 0 = no cap). Settable."""
+        return self._pools.max_blocks
+
+    @num_sms.setter
+    def num_sms(self, value):
+        self._pools.max_blocks = check_num_sms("ExpertPools", value, none_ok=False)
 
     def register_layer(self):
         """A new layer's zero-filled weights and grads with their compute views (local, not collective)."""
         with device_guard(self.device):  # a device layer's memory is allocated on the current device
-            layer = ExpertLayer(self, self._pools.register_layer())
+            layer = ExpertLayer(self, self._pools.register_layer(), len(self.layers))
         self.layers.append(layer)
         return layer
 
-    def _live(self):
+    def _live(self, op=None):
         """The C++ pools, with the current CUDA stream set on device pools (prefetch / reduce_grad are enqueued on
         it). Call the op inside device_guard(self.device)."""
         if self.device.type == "cuda":
             self._pools.set_stream(current_stream_handle(self.device))
         return self._pools
+
+    def _launch(self, op, stream, previous_event, num_sms):
+        blocks = check_num_sms(op, num_sms)
+        return OpLaunch(self.device, self._pools, stream, previous_event, blocks, op)
+
+    def _run(self, op, body, stream, previous_event, async_finish, num_sms, reads):
+        """Runs body() on the op's stream (the default path: directly); returns the EventHandle or None."""
+        if stream is None and previous_event is None and num_sms is None and not async_finish:
+            body()
+            return None
+        with self._launch(op, stream, previous_event, num_sms) as launch:
+            body()
+        return launch.finish(async_finish, reads, ())
+
+    # raw ops (no checks; flatep.ops calls them inside its OpLaunch)
+    def _prefetch_raw(self, plan, layer):
+        with device_guard(self.device):
+            self._live().prefetch(plan._plan, layer._layer)
+
+    def _reduce_grad_raw(self, plan, layer):
+        with device_guard(self.device):
+            self._live().reduce_grad(plan._plan, layer._layer)
+
+    def _write_grads_raw(self, plan, layer, projection, grad, accumulate):
+        with device_guard(self.device):
+            self._live().write_grads(plan._plan, layer._layer, projection, address(grad), grad.element_size(),
+                                     bool(accumulate))
 
     def _resolve(self, op, plan, layer):
         if not isinstance(plan, Plan):
@@ -136,23 +191,39 @@ class ExpertPools:
         if plan._buffer.device != self.device:
             raise ValueError(f"{op}: plan was made by a Buffer on {plan._buffer.device}, but these pools are on "
                              f"{self.device}")
-        return plan._plan, layer._layer
+        return layer
 
-    def prefetch(self, plan, layer=None):
+    def _op_args(self, op, stream, previous_event, async_finish, num_sms):
+        code = _ops.stream_code(op, self, stream, previous_event, async_finish)
+        num_sms = check_num_sms(op, num_sms)
+        return code, -1 if num_sms is None else num_sms
+
+    def prefetch(self, plan, layer=None, *, stream=None, previous_event=None, async_finish=False, num_sms=None):
         """Collective: owners push this step's replicas (plan.slot_expert of every rank) of every projection into the
-        slot pools, i.e. into every layer's weights(p)[epn:]. Call after writing own_weights and before the GEMM."""
-        args = self._resolve("prefetch", plan, layer)
-        with device_guard(self.device):
-            self._live().prefetch(*args)
+        slot pools, i.e. into every layer's weights(p)[epn:]. Call after writing own_weights and before the GEMM.
+        Returns None (with async_finish=True: the EventHandle; the GEMM's stream waits for it)."""
+        layer = self._resolve("prefetch", plan, layer)
+        if _ops.compiling():
+            code, blocks = self._op_args("prefetch", stream, previous_event, async_finish, num_sms)
+            _ops.prefetch_op(self._op_id, layer._index, plan._handle, plan._storage, layer._weights, code, blocks)
+            return None
+        return self._run("prefetch", lambda: self._prefetch_raw(plan, layer), stream, previous_event, async_finish,
+                         num_sms, (plan._storage,))
 
-    def reduce_grad(self, plan, layer=None):
+    def reduce_grad(self, plan, layer=None, *, stream=None, previous_event=None, async_finish=False, num_sms=None):
         """Collective: adds the replicas' gradients (grads(p)[epn:] of every rank) into the owners' own_grads(p) in
-        ascending (rank, slot) order in fp32, then zeroes the consumed slots."""
-        args = self._resolve("reduce_grad", plan, layer)
-        with device_guard(self.device):
-            self._live().reduce_grad(*args)
+        ascending (rank, slot) order in fp32, then zeroes the consumed slots. Returns None (with async_finish=True:
+        the EventHandle)."""
+        layer = self._resolve("reduce_grad", plan, layer)
+        if _ops.compiling():
+            code, blocks = self._op_args("reduce_grad", stream, previous_event, async_finish, num_sms)
+            _ops.reduce_grad_op(self._op_id, layer._index, plan._handle, plan._storage, layer._grads, code, blocks)
+            return None
+        return self._run("reduce_grad", lambda: self._reduce_grad_raw(plan, layer), stream, previous_event,
+                         async_finish, num_sms, (plan._storage,))
 
-    def write_grads(self, plan, layer, projection, grad, accumulate=False):
+    def write_grads(self, plan, layer, projection, grad, accumulate=False, *, stream=None, previous_event=None,
+                    async_finish=False, num_sms=None):
         """Local (not collective), in backward before reduce_grad: writes projection p's weight gradients as a grouped
         GEMM over layer.weights(p) computes them into layer.grads(p), in the state reduce_grad expects.
 
@@ -164,7 +235,7 @@ class ExpertPools:
         are added into own_grads(p) (one fp32 add per element) and own groups without rows are not touched, so the
         own gradients accumulate over micro-batches until the caller zeroes them (Megatron's ``main_grad``); slots
         as above. Enqueued on the current stream on a CUDA device (no host synchronisation)."""
-        args = self._resolve("write_grads", plan, layer)
+        layer = self._resolve("write_grads", plan, layer)
         n = len(self.projections)
         if isinstance(projection, bool) or not isinstance(projection, int) or not 0 <= projection < n:
             raise ValueError(f"write_grads: projection must be an int in [0, {n}), got {projection!r}")
@@ -173,8 +244,13 @@ class ExpertPools:
             "write_grads", "grad", grad, (torch.bfloat16, torch.float32), (2 * self.experts_per_rank, rows, cols),
             self.device,
         )
-        with device_guard(self.device):
-            self._live().write_grads(*args, projection, address(grad), grad.element_size(), bool(accumulate))
+        if _ops.compiling():
+            code, blocks = self._op_args("write_grads", stream, previous_event, async_finish, num_sms)
+            _ops.write_grads_op(self._op_id, layer._index, plan._handle, plan._storage, projection, grad,
+                                bool(accumulate), layer._grads[projection], code, blocks)
+            return None
+        return self._run("write_grads", lambda: self._write_grads_raw(plan, layer, projection, grad, accumulate),
+                         stream, previous_event, async_finish, num_sms, (plan._storage, grad))
 
     def slot_pool(self, p):
         """bf16 [epn, rows, cols]: this rank's slot pool of projection p."""
@@ -192,13 +268,15 @@ class ExpertPools:
 _shared = {}
 
 
-def shared_pools(group, experts_per_rank, projections, device=None):
+def shared_pools(group, experts_per_rank, projections, device=None, num_sms=None, stream_priority=0):
     """The process's ExpertPools for (group, epn, projections, device), created on first use (collective then)."""
     device = resolve_device(device)
-    key = (id(group), experts_per_rank, tuple(tuple(p) for p in projections), str(device))
+    key = (id(group), experts_per_rank, tuple(tuple(p) for p in projections), str(device), num_sms, stream_priority)
     entry = _shared.get(key)
     if entry is None:
-        entry = (group, ExpertPools(group, experts_per_rank, projections, device=device))
+        pools = ExpertPools(group, experts_per_rank, projections, device=device, num_sms=num_sms,
+                            stream_priority=stream_priority)
+        entry = (group, pools)
         _shared[key] = entry
     return entry[1]
 

@@ -39,9 +39,16 @@ int sm_budget() {
     const std::string text = get("FLATEP_SM_BUDGET", "0");
     char* end = nullptr;
     const long value = std::strtol(text.c_str(), &end, 10);
-    FLATEP_CHECK(end != text.c_str() && *end == '\0' && value >= 0 && value <= (1 << 20),
+    FLATEP_CHECK(end != text.c_str() && *end == '\0' && value >= 0 && value <= kMaxSmBudget,
                  "FLATEP_SM_BUDGET must be a non-negative integer, got '", text, "'");
     return int(value);
+}
+
+int check_sm_budget(const char* what, long long blocks) {
+    FLATEP_CHECK(blocks >= 0 && blocks <= kMaxSmBudget, what,
+                 ": max_blocks (SM budget: thread blocks per launch, 0 = no cap) must be in [0, ", kMaxSmBudget,
+                 "], got ", blocks);
+    return int(blocks);
 }
 
 bool debug() { return get("FLATEP_DEBUG", "0") != "0"; }

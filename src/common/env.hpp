@@ -23,6 +23,11 @@ bool debug();
 // FLATEP_SM_BUDGET: most thread blocks one GPU launch of a rank may use (0 = no cap; default 0). Set it when
 // several ranks' kernels share one GPU without MPS-style partitioning.
 int sm_budget();
+// The largest SM budget (FLATEP_SM_BUDGET, or a Buffer's / ExpertPools' max_blocks) accepted.
+inline constexpr int kMaxSmBudget = 1 << 20;
+// Returns `blocks` when it is in [0, kMaxSmBudget]; otherwise throws kInvalidArgument
+// "<what>: max_blocks (SM budget: thread blocks per launch, 0 = no cap) must be in [0, 1048576], got <blocks>".
+int check_sm_budget(const char* what, long long blocks);
 // FLATEP_LOG_LEVEL: 0 quiet, 1 warnings (default), 2 info, 3 debug.
 int log_level();
 // Socket rendezvous of separately launched ranks (flatep::make_socket_bootstrap_from_env, include/flatep/ipc.hpp):

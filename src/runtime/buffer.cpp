@@ -233,6 +233,17 @@ int64_t Buffer::plan_words() const { return make_plan_sizes(*layout_).total_word
 
 bool Buffer::poisoned() const { return guard_->poisoned(); }
 
+void Buffer::set_max_blocks(int blocks) {
+    blocks = env::check_sm_budget("Buffer", blocks);
+    if (device_ != nullptr) {
+        device_->set_max_blocks(blocks);
+    } else {
+        max_blocks_ = blocks;
+    }
+}
+
+int Buffer::max_blocks() const { return device_ != nullptr ? device_->max_blocks() : max_blocks_; }
+
 void Buffer::enter(const char* op) {
     if (device_ == nullptr) return guard_->enter(op, "", 0);
     guard_->enter(op, device_->failure_message(), device_->failure_code());

@@ -60,7 +60,8 @@ class Context {
     // Fills the CUDA-only fields of a SyncArgs (epoch pointer, wait record, SM budget).
     void fill_sync(SyncArgs& sync) const;
     void* workspace() const { return workspace_; }
-    int max_blocks() const { return max_blocks_; }  // SM budget per launch (0: no cap)
+    int max_blocks() const { return max_blocks_; }             // SM budget per launch (0: no cap)
+    void set_max_blocks(int blocks) { max_blocks_ = blocks; }  // checked by the caller (Buffer::set_max_blocks)
 
     // Launches on `stream` (a cudaStream_t; null = the legacy default stream).
     void plan(const PlanArgs& args, void* stream) const;

@@ -45,6 +45,7 @@ class PoolsContext {
     void grad_reduce(const GradReduceArgs& args, void* stream) const;
     void write_grads(const WriteGradsArgs& args, void* stream) const;  // local: no barrier
     int max_blocks() const { return max_blocks_; }                     // SM budget per launch (0: no cap)
+    void set_max_blocks(int blocks) { max_blocks_ = blocks; }          // checked by ExpertPools::set_max_blocks
     // First failed wait recorded by the pools' kernels ("" when none), read without synchronisation.
     std::string failure_message() const { return wait_.failure_message(); }
     int32_t failure_code() const { return wait_.failure_code(); }

@@ -303,6 +303,17 @@ SyncArgs pool_sync(const SymmetricRegion& region, uint64_t* epoch, int rank, int
 }
 }  // namespace
 
+void ExpertPools::set_max_blocks(int blocks) {
+    blocks = env::check_sm_budget("ExpertPools", blocks);
+    if (device_ != nullptr) {
+        device_->set_max_blocks(blocks);
+    } else {
+        max_blocks_ = blocks;
+    }
+}
+
+int ExpertPools::max_blocks() const { return device_ != nullptr ? device_->max_blocks() : max_blocks_; }
+
 void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer) {
     check_args(plan, layer, "prefetch");
     const int R = transport_->num_ranks();
