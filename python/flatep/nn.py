@@ -21,6 +21,17 @@ to the tokens through an unweighted bf16 combine (straight through the quantisat
 the routing weights' through entry_values; the expert GEMMs' backward is bf16 with fp32 weight gradients, as without
 FP8. Accuracy against the bf16 layer: tests/python/test_moe_fp8.py and benchmarks/moe_fp8.py.
 
+Shared expert (shared_ffn=F_s): a dense FFN of the layer's activation, W1 [H, 2F_s] (swiglu) or [H, F_s], W2 [F_s, H],
+applied to every token and added to the routed output: out = bf16(fp32(routed) + fp32(shared)). Its weights are
+ordinary fp32 Parameters (shared_w1, shared_w2), replicated like the router (all-reduce .grad), used as bf16 values
+(shared_expert_ffn). With ``overlap`` (default True) it is computed on the compute (current) stream while plan and
+dispatch run on the Buffer's comm_stream (async_finish=True, then handle.current_stream_wait()).
+
+Micro-batches (forward_microbatches(x_list)): the dispatch of micro-batch i+1 overlaps the expert GEMMs of micro-batch
+i, and the combine of i the shared expert and GEMMs of i+1; each micro-batch has its own plan; the schedule and why it
+is correct: MoE.forward_microbatches. On the CPU backend (no streams, synchronous ops) the same code runs and gives
+the bits of the serial path (tests/python/test_moe_overlap.py).
+
 On a CUDA device with torch._grouped_mm the whole layer (forward and backward) runs without a host synchronisation:
 the grouped GEMMs read the compute views with offs = cu_seqlens in device memory. (Without torch._grouped_mm the
 loop reads cu_seqlens on the host, a synchronisation.)
@@ -39,6 +50,9 @@ Parameters:
                              all-reduce. Keep them bf16 on the layer's device: converting the module (``.float()``,
                              ``.to(other device)``) replaces their memory, and the next forward raises ValueError.
                              ``state_dict`` / ``load_state_dict`` copy into and out of the library's memory in place.
+    shared_w1 [H, 2F_s] or [H, F_s], shared_w2 [F_s, H]
+                             (shared_ffn only) fp32, replicated on every rank like the router
+                             (MoE.replicated_parameters()); used as bf16 values.
 """
 
 
@@ -46,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fp8 as _fp8
+from . import ops as _ops
 from ._tensors import check_int
 from .buffer import shared_buffer
 from .distributed import group_rank_size, resolve_device
@@ -161,6 +176,47 @@ def init_expert_weights(hidden, ffn, expert_ids, seed, activation="swiglu"):
 def init_router_weight(hidden, num_experts, seed):
     g = torch.Generator().manual_seed(int(seed) * 1_000_003)
     return torch.randn(num_experts, hidden, generator=g) / hidden**0.5
+
+
+def init_shared_weights(hidden, ffn, seed, activation="swiglu"):
+    """Deterministic init of the shared expert (as init_expert_weights, from its own stream of `seed`): W1 [H, 2F]
+    (swiglu) or [H, F], W2 [F, H], fp32."""
+    cols = w1_columns(ffn, activation)
+    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + 500_000_009)
+    w1 = torch.randn(hidden, cols, generator=g) / hidden**0.5
+    w2 = torch.randn(ffn, hidden, generator=g) / ffn**0.5
+    return w1, w2
+
+
+def _bf16_values(w):
+    """w's values rounded to bf16, gradient passed straight through in w's dtype (fp32 masters keep fp32 grads)."""
+    return w + (w.to(_BF16).to(w.dtype) - w).detach()
+
+
+def shared_expert_ffn(x, w1, w2, activation):
+    """The shared expert on every token: x [s, H] bf16, w1 [H, 2F] (swiglu) or [H, F], w2 [F, H] (fp32 masters or
+    bf16) -> [s, H] bf16, the weights used as bf16 values. CUDA: two bf16 GEMMs (fp32 accumulation, bf16 out) with
+    the activation of expert_ffn between them; elsewhere expert_ffn itself (fp32 matmuls rounded at the same points).
+    Shared by nn.MoE and flatep.testing.DenseMoE."""
+    if x.is_cuda:
+        h = x.to(_BF16) @ w1.to(_BF16)
+        a = activate(h, activation)
+        return a @ w2.to(_BF16)
+    return expert_ffn(x, _bf16_values(w1), _bf16_values(w2), activation)
+
+
+def add_shared(routed, shared):
+    """out = bf16(fp32(routed) + fp32(shared)): the routed output plus the shared expert's, rounded once."""
+    return (routed.float() + shared.float()).to(_BF16)
+
+
+def _stream_event(device):
+    """An event recorded now on the current CUDA stream of `device` (None on the CPU backend: ops are synchronous)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def dequantize_rows(q, scales):
@@ -355,10 +411,20 @@ class MoE(torch.nn.Module):
             of 128), dequantised to bf16 on the receiving rank before the expert GEMMs; backward in bf16 (module
             docstring; _FP8DispatchExpertsFunction). Read at every forward: ``moe.fp8`` may be switched between
             steps (the weights and the Buffer are the same).
+        shared_ffn (int or None): F_s of a shared expert (module docstring): a dense FFN of the layer's activation on
+            every token, added to the routed output; parameters shared_w1 [H, 2F_s] (swiglu) or [H, F_s], shared_w2
+            [F_s, H], fp32, replicated like the router. None (default): no shared expert.
+        overlap (bool): run communication on the Buffer's comm_stream, overlapped with independent compute (the
+            shared expert during plan + dispatch; in forward_microbatches also the next micro-batch's dispatch during
+            this one's expert GEMMs). False: every op on the current stream, one after the other (the serial
+            reference; the same bits). Read at every forward. Only the bf16 path overlaps: with fp8=True, under
+            torch.compile, or without a shared expert, forward is the serial path (the CPU backend has no streams:
+            there both are the same synchronous ops, in the order of the schedule).
 
     forward(x [s, H] float tensor, topk_idx=None [s, K] int) -> [s, H] in x's dtype. topk_idx overrides the router's
     choice (the weights are still the router's probabilities of those experts, renormalised). After a call,
     ``last_plan`` holds the step's Plan (``last_plan.stats['loads']``: rows per rank).
+    forward_microbatches(x_list, topk_idx=None) -> list of outputs: the micro-batches pipelined (see there).
     """
 
     def __init__(
@@ -378,6 +444,8 @@ class MoE(torch.nn.Module):
         device=None,
         activation="swiglu",
         fp8=False,
+        shared_ffn=None,
+        overlap=True,
     ):
         super().__init__()
         for name, value, accepted in (
@@ -422,9 +490,20 @@ class MoE(torch.nn.Module):
         for p, param in enumerate((self.w1, self.w2)):
             param.main_grad = layer.own_grads(p)  # fp32, the own part of the pools' gradient view
             param._flatep_owner = layer  # the memory lives while the parameter does
+        if shared_ffn is not None:
+            check_int("MoE", "shared_ffn", shared_ffn, "None or in [1, 2147483647]", low=1)
+        if not isinstance(overlap, bool):
+            raise ValueError(f"MoE: overlap must be a bool, got {overlap!r}")
+        self.shared_ffn, self.overlap = shared_ffn, overlap
+        self.shared_w1 = self.shared_w2 = None
+        if shared_ffn is not None:  # replicated like the router: every rank holds the same fp32 masters
+            sw1, sw2 = init_shared_weights(hidden, shared_ffn, seed, self.activation)
+            self.shared_w1 = torch.nn.Parameter(sw1.to(self.device))
+            self.shared_w2 = torch.nn.Parameter(sw2.to(self.device))
         self.buffer = None
         self.num_tokens = num_tokens
         self.last_plan = None
+        self.last_plans = []
         if num_tokens is not None:
             self._make_buffer(num_tokens)
 
@@ -453,8 +532,10 @@ class MoE(torch.nn.Module):
         self.num_tokens = num_tokens
 
     def replicated_parameters(self):
-        """Parameters every rank holds a full copy of (the router): all-reduce their gradients across the group."""
-        return list(self.router.parameters())
+        """Parameters every rank holds a full copy of (the router, the shared expert's): all-reduce their gradients
+        across the group."""
+        shared = [self.shared_w1, self.shared_w2] if self.shared_ffn is not None else []
+        return list(self.router.parameters()) + shared
 
     def expert_parameters(self):
         """This rank's expert weights [w1, w2]: bf16 over the library's memory, fp32 gradients in ``main_grad``."""
@@ -483,35 +564,162 @@ class MoE(torch.nn.Module):
         if getattr(dense, "activation", "silu") != self.activation:
             raise ValueError(f"MoE.load_dense: the dense reference's activation is {dense.activation!r}, this "
                              f"layer's {self.activation!r}")
+        if getattr(dense, "shared_ffn", None) != self.shared_ffn:
+            raise ValueError(f"MoE.load_dense: the dense reference's shared_ffn is {getattr(dense, 'shared_ffn', None)!r},"
+                             f" this layer's {self.shared_ffn!r}")
         lo, hi = self.expert_offset, self.expert_offset + self.experts_per_rank
         self.router.weight.copy_(dense.router_weight)
+        if self.shared_ffn is not None:
+            self.shared_w1.copy_(dense.shared_w1)
+            self.shared_w2.copy_(dense.shared_w2)
         self.w1.copy_(dense.w1[lo:hi])
         self.w2.copy_(dense.w2[lo:hi])
 
-    def forward(self, x, topk_idx=None):
+    def _check_input(self, x, what="x"):
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
             shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"MoE: x must be a [s, H={self.hidden}] tensor, got {shape}")
+            raise ValueError(f"MoE: {what} must be a [s, H={self.hidden}] tensor, got {shape}")
         if x.device != self.device:
-            raise ValueError(f"MoE: x is on {x.device}, but the layer is on {self.device}")
+            raise ValueError(f"MoE: {what} is on {x.device}, but the layer is on {self.device}")
+
+    def _overlapped(self):
+        """Whether this forward runs the overlapped schedule (bf16 dispatch, eager, overlap=True)."""
+        return self.overlap and not self.fp8 and not _ops.compiling()
+
+    def _shared(self, xb):
+        """The shared expert's output on the bf16 rows xb [s, H] -> [s, H] bf16, on the current stream."""
+        return shared_expert_ffn(xb, self.shared_w1, self.shared_w2, self.activation)
+
+    def forward(self, x, topk_idx=None):
+        self._check_input(x)
         self._check_zero_copy()
         if self.buffer is None:
             self._make_buffer(int(x.shape[0]))
         weights, idx = route(x, self.router.weight, self.topk, topk_idx)
-        plan = self.buffer.plan(idx)
-        if self.fp8:
-            self.buffer._check_plan("dispatch", plan)
-            y, recv_w = _FP8DispatchExpertsFunction.apply(self, plan, x.to(_BF16), weights, self.w1, self.w2)
-        else:
-            recv_x, recv_w, _ = self.buffer.dispatch(plan, x.to(_BF16), weights)
+        xb = x.to(_BF16)
+        shared = None
+        if self.shared_ffn is not None and self._overlapped():
+            # plan + dispatch on comm_stream (after the routing, in the current stream's order), the shared expert on
+            # the current stream meanwhile; then the experts wait for the rows. The combine has no independent work
+            # left to hide behind in one micro-batch (forward_microbatches gives it the next one's).
+            buffer, comm = self.buffer, self.buffer.comm_stream
+            plan, planned = buffer.plan(idx, stream=comm, async_finish=True)
+            recv_x, recv_w, _, arrived = buffer.dispatch(plan, xb, weights, stream=comm, previous_event=planned,
+                                                         async_finish=True)
+            shared = self._shared(xb)
+            arrived.current_stream_wait()
             y = _ExpertsFunction.apply(self, plan, recv_x, self.w1, self.w2)
-        out = self.buffer.combine(plan, y, recv_w)
+            out, done = buffer.combine(plan, y, recv_w, stream=comm, async_finish=True)
+            done.current_stream_wait()
+        else:
+            plan = self.buffer.plan(idx)
+            if self.shared_ffn is not None:
+                shared = self._shared(xb)
+            if self.fp8:
+                self.buffer._check_plan("dispatch", plan)
+                y, recv_w = _FP8DispatchExpertsFunction.apply(self, plan, xb, weights, self.w1, self.w2)
+            else:
+                recv_x, recv_w, _ = self.buffer.dispatch(plan, xb, weights)
+                y = _ExpertsFunction.apply(self, plan, recv_x, self.w1, self.w2)
+            out = self.buffer.combine(plan, y, recv_w)
+        if shared is not None:
+            out = add_shared(out, shared)
         self.last_plan = plan
+        self.last_plans = [plan]
         return out.to(x.dtype)
+
+    def forward_microbatches(self, xs, topk_idx=None):
+        """The layer on several micro-batches, pipelined: xs a list of [s_i, H] tensors (s_i <= S), topk_idx None or a
+        list of [s_i, K] (or None) -> the list of outputs, the bits of ``[self(x_i, topk_idx_i) for i]`` (forward and
+        backward; with two micro-batches also every gradient, the replicated parameters' included: the two
+        contributions are added in either order to the same bits; with more, those may differ by fp32 rounding).
+        ``last_plans`` holds the micro-batches' plans (one each), ``last_plan`` the last one.
+
+        Schedule (overlap=True, bf16; otherwise the plain loop). Current stream C (compute), the Buffer's comm_stream M:
+
+            C: route all, record `ready` | shared_0 | wait d_0, prefetch_0 + GEMM_0 | shared_1 | wait d_1, GEMM_1 ...
+            M: plan_0 d_0 (after ready) | plan_1 d_1 (after ready) | c_0 (after GEMM_0) | plan_2 d_2 | c_1 ...
+
+        so the dispatch of micro-batch i+1 runs during the expert GEMMs of i, and the combine of i during the shared
+        expert and GEMMs of i+1. Why it is correct:
+
+        * One Buffer, ops never in flight together: the symmetric receive region and the cross-rank flags are
+          rewritten by every op of the Buffer (plan's all-gather, dispatch, combine; design §3/§5), so two of its ops
+          must not overlap. Every Buffer op of this schedule is enqueued on the one stream M, in one program order
+          (the same on every rank: collectives meet in order), so each starts after the previous one finished: d_{i+1}
+          after c_{i-1}, c_i after d_{i+1}. What crosses streams is per micro-batch and owned: each plan owns its
+          arrays (plan_{i+1} does not invalidate plan_i), recv_x / recv_w / the combine output are tensors of their
+          own (not views of the symmetric region), record_stream'ed by the ops, and C waits on each op's event
+          before reading its outputs.
+        * One slot pool (ExpertPools, shared by every layer), rewritten by every prefetch: prefetch_{i+1} must not
+          run while GEMM_i reads plan_i's replicas. Both are on C, in that order; a peer's prefetch_{i+1} pushes into
+          this rank's slots only after this rank entered prefetch_{i+1} (the op's entry barrier), i.e. after its
+          GEMM_i. The pools' ops (on C) and the Buffer's (on M) are different objects with their own memory and
+          flags, so they may run at the same time.
+        * Backward is not pipelined: autograd runs the nodes on the streams of their forward (combine's and
+          dispatch's backward on M, complete in C's order), in the same order on every rank; the experts' nodes run
+          in the reverse of their forward order, as in the serial loop, so main_grad accumulates in the same order.
+
+        On the CPU backend there are no streams (comm_stream None, events None): the same calls run synchronously
+        in the schedule's order and give the serial loop's bits (tests/python/test_moe_overlap.py)."""
+        if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)) or not xs:
+            raise ValueError(f"MoE.forward_microbatches: xs must be a non-empty list of [s, H] tensors, got "
+                             f"{type(xs).__name__}")
+        n = len(xs)
+        idxs = [None] * n if topk_idx is None else list(topk_idx)
+        if len(idxs) != n:
+            raise ValueError(f"MoE.forward_microbatches: topk_idx has {len(idxs)} items for {n} micro-batches")
+        for i, x in enumerate(xs):
+            self._check_input(x, f"xs[{i}]")
+        self._check_zero_copy()
+        if self.buffer is None:
+            self._make_buffer(max(int(x.shape[0]) for x in xs))
+        if n == 1 or not self._overlapped():
+            outs, plans = [], []
+            for x, idx in zip(xs, idxs):
+                outs.append(self.forward(x, idx))
+                plans.append(self.last_plan)
+            self.last_plans = plans
+            return outs
+        buffer, comm = self.buffer, self.buffer.comm_stream
+        routed = [route(x, self.router.weight, self.topk, idx) for x, idx in zip(xs, idxs)]
+        xbs = [x.to(_BF16) for x in xs]
+        ready = _stream_event(self.device)  # every micro-batch's rows and routing are ready on C
+
+        def send(i):  # plan_i and d_i on M, ordered after `ready` (not after C's later work)
+            plan, planned = buffer.plan(routed[i][1], stream=comm, previous_event=ready, async_finish=True)
+            recv_x, recv_w, _, arrived = buffer.dispatch(plan, xbs[i], routed[i][0], stream=comm,
+                                                         previous_event=planned, async_finish=True)
+            return plan, recv_x, recv_w, arrived
+
+        has_shared = self.shared_ffn is not None
+        shared = [None] * n
+        pending = send(0)
+        if has_shared:
+            shared[0] = self._shared(xbs[0])
+        combined, plans = [], []
+        for i in range(n):
+            plan, recv_x, recv_w, arrived = pending
+            if i + 1 < n:
+                pending = send(i + 1)  # M: after d_i and c_{i-1}; runs during GEMM_i (and shared_{i+1})
+            arrived.current_stream_wait()
+            y = _ExpertsFunction.apply(self, plan, recv_x, self.w1, self.w2)  # C: prefetch_i after GEMM_{i-1}
+            combined.append(buffer.combine(plan, y, recv_w, stream=comm, async_finish=True))  # M: after GEMM_i
+            if has_shared and i + 1 < n:
+                shared[i + 1] = self._shared(xbs[i + 1])  # C: during d_{i+1} and c_i
+            plans.append(plan)
+        outs = []
+        for i, (out, done) in enumerate(combined):
+            done.current_stream_wait()
+            if has_shared:
+                out = add_shared(out, shared[i])
+            outs.append(out.to(xs[i].dtype))
+        self.last_plan, self.last_plans = plans[-1], plans
+        return outs
 
     def extra_repr(self):
         return (
             f"hidden={self.hidden}, ffn={self.ffn}, num_experts={self.num_experts}, topk={self.topk}, "
             f"ranks={self.num_ranks}, experts_per_rank={self.experts_per_rank}, activation={self.activation!r}, "
-            f"fp8={self.fp8}"
+            f"fp8={self.fp8}, shared_ffn={self.shared_ffn}, overlap={self.overlap}"
         )

@@ -14,7 +14,10 @@ import torch
 
 from . import _C
 from . import fp8 as _fp8
-from .nn import check_activation, expert_ffn, init_expert_weights, init_router_weight, route
+from .nn import (
+    add_shared, check_activation, expert_ffn, init_expert_weights, init_router_weight, init_shared_weights, route,
+    shared_expert_ffn,
+)
 
 _BF16 = torch.bfloat16
 
@@ -85,12 +88,16 @@ class DenseMoE(torch.nn.Module):
     quantisation. nn.MoE(fp8=True) is held to this at bf16 tolerance and to the fp8=False reference at the FP8
     tolerance (tests/python/test_moe_fp8.py).
 
+    shared_ffn=F_s: nn.MoE's shared expert (same init for the same seed, flatep.nn.shared_expert_ffn on the bf16 token
+    rows, never FP8: it is local), added to the routed output rounded to bf16: bf16(fp32(routed) + fp32(shared)).
+    Parameters shared_w1 [H, 2F_s] (swiglu) or [H, F_s], shared_w2 [F_s, H], fp32.
+
     forward(x [N, H], topk_idx=None [N, K], chunks=1) -> [N, H] in x's dtype. `chunks` (a count, or a list of
     sizes) splits the router matmul the way the ranks compute it on their own tokens, so that both sides get the
     same logits bit for bit and pick the same experts.
     """
 
-    def __init__(self, hidden, ffn, num_experts, topk, seed=0, activation="swiglu", fp8=False):
+    def __init__(self, hidden, ffn, num_experts, topk, seed=0, activation="swiglu", fp8=False, shared_ffn=None):
         super().__init__()
         self.hidden, self.ffn, self.num_experts, self.topk = hidden, ffn, num_experts, topk
         self.activation = check_activation("DenseMoE", activation)
@@ -102,6 +109,12 @@ class DenseMoE(torch.nn.Module):
         self.router_weight = torch.nn.Parameter(init_router_weight(hidden, num_experts, seed))
         self.w1 = torch.nn.Parameter(w1)
         self.w2 = torch.nn.Parameter(w2)
+        self.shared_ffn = shared_ffn
+        self.shared_w1 = self.shared_w2 = None
+        if shared_ffn is not None:
+            sw1, sw2 = init_shared_weights(hidden, shared_ffn, seed, self.activation)
+            self.shared_w1 = torch.nn.Parameter(sw1)
+            self.shared_w2 = torch.nn.Parameter(sw2)
 
     def forward(self, x, topk_idx=None, chunks=1):
         sizes = [len(c) for c in torch.arange(x.shape[0]).chunk(chunks)] if isinstance(chunks, int) else list(chunks)
@@ -121,7 +134,10 @@ class DenseMoE(torch.nn.Module):
                 continue
             y = expert_ffn(rows[token], w1[e], w2[e], self.activation).float()
             out = out.index_add(0, token, weights[token, k].unsqueeze(1) * y)
-        return out.to(_BF16).to(x.dtype)
+        out = out.to(_BF16)
+        if self.shared_ffn is not None:
+            out = add_shared(out, shared_expert_ffn(x.to(_BF16), self.shared_w1, self.shared_w2, self.activation))
+        return out.to(x.dtype)
 
 
 # ---- multi-process launcher ----
