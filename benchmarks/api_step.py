@@ -36,6 +36,8 @@ def parse_args():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--kernel-us", type=float, default=0.0, help="ops_bench's plan+dispatch+combine at s=S (us)")
+    p.add_argument("--zero-copy", action="store_true", help="dispatch(zero_copy=True): receive rows stay in the "
+                   "symmetric region, the same work as ops_bench's kernels (forward-only use)")
     p.add_argument("--csv", default=None)
     p.add_argument("--profile", default=None, help="directory: torch-profiler tables of one step per mode and s, and "
                    "a cProfile of the host side of an eager step at s = --small")
@@ -120,7 +122,7 @@ def main():
     def step(r, s, hold):
         with torch.cuda.stream(streams[r]), torch.no_grad():
             plan = bufs[r].plan(idx[r][:s])
-            recv_x, recv_w, _ = bufs[r].dispatch(plan, x[r][:s], w[r][:s])
+            recv_x, recv_w, _ = bufs[r].dispatch(plan, x[r][:s], w[r][:s], zero_copy=a.zero_copy)
             out = bufs[r].combine(plan, recv_x, recv_w)
         if hold:
             keep.append(plan)

@@ -262,6 +262,13 @@ void bind_buffer(py::module_& m) {
             },
             py::arg("topk_idx"), py::arg("index_bytes"), py::arg("num_tokens"), py::arg("plan_storage") = 0, Release())
         .def_property_readonly("plan_words", &Buffer::plan_words)
+        .def_property_readonly(
+            "symmetric_recv",
+            [](Buffer& b) {
+                return py::make_tuple(reinterpret_cast<uintptr_t>(b.symmetric_recv_x()),
+                                      reinterpret_cast<uintptr_t>(b.symmetric_recv_w()));
+            },
+            "(recv_x, recv_w) addresses of this rank's symmetric receive region ([NvS][H] bf16, [NvS] fp32)")
         .def_property_readonly("plan_offsets",
                                [](const Buffer& b) {
                                    // (slot_expert, cu_seqlens) of this rank: int32 word offsets into a device plan's

@@ -37,7 +37,7 @@ import torch
 from . import _C
 from . import fp8 as _fp8
 from . import ops as _ops
-from ._tensors import address, check_int, check_tensor, check_timeout, shape_text
+from ._tensors import address, check_int, check_tensor, check_timeout, shape_text, tensor_at
 from .autograd import CombineFunction, DispatchFunction
 from .distributed import (
     EventHandle, OpLaunch, check_num_sms, current_stream_handle, device_guard, group_rank_size,
@@ -268,6 +268,7 @@ class Buffer:
         self.capacity = self._buffer.capacity
         self.num_recv_rows = self._buffer.num_recv_rows
         self._plan_words = self._buffer.plan_words
+        self._symmetric_views = None  # (recv_x, recv_w) over the symmetric receive region: dispatch(zero_copy=True)
         self._plan_offsets = self._buffer.plan_offsets
         if num_sms is not None:
             self._buffer.max_blocks = num_sms
@@ -349,7 +350,7 @@ class Buffer:
         return OpLaunch(self.device, self._live(op), stream, previous_event, blocks, op)
 
     def dispatch(self, plan, x, topk_weights=None, *, fp8=False, ue8m0=False, stream=None, previous_event=None,
-                 async_finish=False, num_sms=None):
+                 async_finish=False, num_sms=None, zero_copy=False):
         """Sends every token row to the rows of its K experts (collective; autograd-aware).
 
         Args:
@@ -367,6 +368,13 @@ class Buffer:
         Backward: grad_x = unweighted combine of grad_recv_x; grad_topk_weights = grad_recv_w read back at each
         entry's row.
 
+        zero_copy=True (forward only, default stream): recv_x and recv_w are views of this rank's symmetric receive
+        region instead of new tensors, so the chain-head rows are not copied out (the same work as the kernels alone).
+        They stay valid until this rank's next dispatch on this Buffer (any layer sharing it, the backward's dispatch
+        of combine's gradient included): consume them first, as a grouped GEMM or combine in the same stream does.
+        Autograd must not record the call (x or topk_weights requiring grad raises), since a saved view would be
+        overwritten before backward.
+
         FP8 rows (fp8=True; H must be a multiple of 128): each row moves as H e4m3 bytes plus H/128 fp32 scales, about
         half the bytes of bf16. x is either [s, H] bf16, quantised inside the op by the rule of flatep.fp8 (ue8m0=True:
         power-of-two scales), or a tuple (x_q, x_scales) of already-quantised rows: x_q [s, H] e4m3
@@ -379,6 +387,9 @@ class Buffer:
         """
         if not isinstance(fp8, bool) or not isinstance(ue8m0, bool):
             raise ValueError(f"dispatch: fp8 and ue8m0 must be bools, got fp8={fp8!r}, ue8m0={ue8m0!r}")
+        if zero_copy is not False:
+            return self._dispatch_zero_copy(plan, x, topk_weights, zero_copy, fp8, (stream, previous_event, num_sms),
+                                            async_finish)
         if fp8:
             if _ops.compiling():
                 raise ValueError("dispatch: fp8=True is not registered as a custom op yet (eager only)")
@@ -421,6 +432,35 @@ class Buffer:
             return recv_x, recv_w, plan.cu_seqlens
         handle = launch.finish(async_finish, (x, topk_weights, plan._storage), (recv_x, recv_w))
         return (recv_x, recv_w, plan.cu_seqlens, handle) if async_finish else (recv_x, recv_w, plan.cu_seqlens)
+
+    def _dispatch_zero_copy(self, plan, x, topk_weights, zero_copy, fp8, stream_args, async_finish):
+        """dispatch(..., zero_copy=True): into the symmetric receive region (see dispatch)."""
+        if zero_copy is not True:
+            raise ValueError(f"dispatch: zero_copy must be a bool, got {zero_copy!r}")
+        if fp8 or async_finish or any(a is not None for a in stream_args) or _ops.compiling():
+            raise ValueError("dispatch: zero_copy=True takes no fp8, stream, previous_event, async_finish or num_sms "
+                             "(and is eager only)")
+        self._check_plan("dispatch", plan)
+        x = check_tensor("dispatch", "x", x, (torch.bfloat16,), (plan.num_tokens, self.hidden), self.device)
+        if topk_weights is not None:
+            topk_weights = check_tensor(
+                "dispatch", "topk_weights", topk_weights, (torch.float32,), (plan.num_tokens, self.topk), self.device
+            )
+        for name, t in (("x", x), ("topk_weights", topk_weights)):
+            if t is not None and torch.is_grad_enabled() and t.requires_grad:
+                raise ValueError(f"dispatch: zero_copy=True is forward-only (its rows are rewritten by the next "
+                                 f"dispatch), but {name} requires grad; detach it or run under torch.no_grad()")
+        if self._symmetric_views is None:
+            x_at, w_at = self._live("dispatch").symmetric_recv
+            self._symmetric_views = (
+                tensor_at(x_at, (self.num_recv_rows, self.hidden), torch.bfloat16, self.device, self),
+                tensor_at(w_at, (self.num_recv_rows,), torch.float32, self.device, self),
+            )
+        recv_x, recv_w = self._symmetric_views
+        with device_guard(self.device):
+            self._live("dispatch").dispatch(plan._plan, address(x), address(topk_weights), address(recv_x),
+                                            address(recv_w))
+        return recv_x, recv_w, plan.cu_seqlens
 
     def _dispatch_fp8(self, plan, x, topk_weights, ue8m0):
         """dispatch(..., fp8=True): the checks, then _dispatch_fp8_raw."""
@@ -533,8 +573,10 @@ class Buffer:
         return (out, handle) if async_finish else out
 
     def destroy(self):
-        """Releases the symmetric buffer (local, never collective). Later calls raise RuntimeError."""
+        """Releases the symmetric buffer (local, never collective). Later calls raise RuntimeError; views returned by
+        dispatch(zero_copy=True) must not be used after it."""
         self._buffer = None
+        self._symmetric_views = None
 
     def __repr__(self):
         return (
