@@ -52,12 +52,12 @@
 #include "common/flags.hpp"
 #include "flatep/buffer.hpp"
 #include "flatep/ipc.hpp"
-#include "kernels/common/barrier.cuh"
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/launch.cuh"
 #include "layout/layout.hpp"
 #include "planner/planner.hpp"
 #include "routing/routing.hpp"
-#include "transport/sync.hpp"
+#include "sync/sync.hpp"
 
 using namespace flatep;
 

@@ -14,7 +14,7 @@
 #include "flatep/error.hpp"
 #include "fuzz_input.hpp"
 #include "layout/layout.hpp"
-#include "planner/plan.hpp"
+#include "layout/plan.hpp"
 
 namespace {
 

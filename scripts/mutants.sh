@@ -125,7 +125,7 @@ MUTANTS = [
      "x_leaf = recv_x.detach().requires_grad_(ctx.needs_input_grad[2])",
      "x_leaf = recv_x.detach().requires_grad_(False)",
      "the MoE layer drops the gradient through the expert FFN into the receive rows"),
-    ("M18", "transport", "src/transport/barrier_host.cpp",
+    ("M18", "transport", "src/sync/barrier_host.cpp",
      "if (now - start_s > sync.timeout_s) {", "if (now - start_s > 10 * sync.timeout_s) {",
      "the host barrier waits ten times its timeout (and still reports the timeout it was given)"),
     # Not one line (the order of a chain has no one-line change): the chain's terms summed in descending k.

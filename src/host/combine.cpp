@@ -6,7 +6,7 @@
 #include "common/bf16.hpp"
 #include "common/check.hpp"
 #include "host/group_rows.hpp"
-#include "transport/barrier_host.hpp"
+#include "sync/barrier_host.hpp"
 
 namespace flatep::host {
 

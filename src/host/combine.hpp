@@ -8,7 +8,7 @@
 #pragma once
 
 #include "host/op_stats.hpp"
-#include "kernels/combine/combine_args.hpp"
+#include "ops/combine_args.hpp"
 
 namespace flatep::host {
 

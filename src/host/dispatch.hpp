@@ -3,7 +3,7 @@
 
 #include "host/group_rows.hpp"
 #include "host/op_stats.hpp"
-#include "kernels/dispatch/dispatch_args.hpp"
+#include "ops/dispatch_args.hpp"
 
 namespace flatep::host {
 

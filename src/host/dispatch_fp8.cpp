@@ -5,7 +5,7 @@
 #include "common/check.hpp"
 #include "common/fp8.hpp"
 #include "host/dispatch.hpp"
-#include "transport/barrier_host.hpp"
+#include "sync/barrier_host.hpp"
 
 namespace flatep::host {
 

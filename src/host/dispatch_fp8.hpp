@@ -2,7 +2,7 @@
 #pragma once
 
 #include "host/op_stats.hpp"
-#include "kernels/dispatch/dispatch_fp8_args.hpp"
+#include "ops/dispatch_fp8_args.hpp"
 
 namespace flatep::host {
 

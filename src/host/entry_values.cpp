@@ -2,7 +2,7 @@
 
 #include "common/check.hpp"
 #include "host/group_rows.hpp"
-#include "transport/barrier_host.hpp"
+#include "sync/barrier_host.hpp"
 
 namespace flatep::host {
 

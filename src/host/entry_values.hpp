@@ -1,7 +1,7 @@
 // CPU twin of entry_values: the reverse path of one fp32 value per receive row.
 #pragma once
 
-#include "kernels/entry_values/entry_values_args.hpp"
+#include "ops/entry_values_args.hpp"
 
 namespace flatep::host {
 

@@ -1,7 +1,7 @@
 // CPU twin of reduce_grad (design §3, §6).
 #pragma once
 
-#include "kernels/grad_reduce/grad_reduce_args.hpp"
+#include "ops/grad_reduce_args.hpp"
 
 namespace flatep::host {
 

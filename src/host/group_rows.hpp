@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "layout/layout.hpp"
-#include "planner/plan.hpp"
+#include "layout/plan.hpp"
 
 namespace flatep::host {
 

@@ -6,7 +6,7 @@
 
 #include "common/check.hpp"
 #include "planner/planner.hpp"
-#include "transport/barrier_host.hpp"
+#include "sync/barrier_host.hpp"
 
 namespace flatep::host {
 

@@ -2,7 +2,7 @@
 // host planner, routing of this rank's entries, and the push of row-chain metadata to the destinations.
 #pragma once
 
-#include "kernels/plan/plan_args.hpp"
+#include "ops/plan_args.hpp"
 
 namespace flatep::host {
 

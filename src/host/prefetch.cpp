@@ -3,7 +3,7 @@
 #include <cstring>
 
 #include "common/check.hpp"
-#include "transport/barrier_host.hpp"
+#include "sync/barrier_host.hpp"
 
 namespace flatep::host {
 

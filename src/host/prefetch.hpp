@@ -1,7 +1,7 @@
 // CPU twin of prefetch (design §3, §5): owners push the weights of this step's replicas into the slot pools.
 #pragma once
 
-#include "kernels/prefetch/prefetch_args.hpp"
+#include "ops/prefetch_args.hpp"
 
 namespace flatep::host {
 

@@ -1,7 +1,7 @@
-// CPU twin of ExpertPools' write_grads (contract in kernels/write_grads/write_grads_args.hpp).
+// CPU twin of ExpertPools' write_grads (contract in ops/write_grads_args.hpp).
 #pragma once
 
-#include "kernels/write_grads/write_grads_args.hpp"
+#include "ops/write_grads_args.hpp"
 
 namespace flatep::host {
 

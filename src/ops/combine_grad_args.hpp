@@ -18,7 +18,7 @@
 
 #include "common/check.hpp"
 #include "layout/layout.hpp"
-#include "planner/plan.hpp"
+#include "layout/plan.hpp"
 
 namespace flatep {
 

@@ -8,8 +8,8 @@
 
 #include "flatep/fp8.hpp"
 #include "layout/layout.hpp"
-#include "planner/plan.hpp"
-#include "transport/sync.hpp"
+#include "layout/plan.hpp"
+#include "sync/sync.hpp"
 
 namespace flatep {
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "common/macros.hpp"
-#include "transport/sync.hpp"
+#include "sync/sync.hpp"
 
 namespace flatep {
 

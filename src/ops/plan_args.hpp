@@ -5,8 +5,8 @@
 #include <cstdint>
 
 #include "layout/layout.hpp"
-#include "planner/plan.hpp"
-#include "transport/sync.hpp"
+#include "layout/plan.hpp"
+#include "sync/sync.hpp"
 
 namespace flatep {
 

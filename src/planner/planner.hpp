@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "layout/layout.hpp"
-#include "planner/plan.hpp"
+#include "layout/plan.hpp"
 
 namespace flatep {
 

@@ -23,7 +23,7 @@
 #include "common/macros.hpp"
 #include "flatep/types.hpp"
 #include "layout/layout.hpp"
-#include "planner/plan.hpp"
+#include "layout/plan.hpp"
 
 namespace flatep::planner_core {
 

@@ -19,8 +19,8 @@
 #include "runtime/collective_guard.hpp"
 #include "runtime/device_ops.hpp"
 #include "runtime/plan_data.hpp"
-#include "transport/barrier_host.hpp"
-#include "transport/sync.hpp"
+#include "sync/barrier_host.hpp"
+#include "sync/sync.hpp"
 
 namespace flatep {
 

@@ -1,4 +1,4 @@
-// Poisoning of a Buffer or ExpertPools after a failed cross-rank wait (transport/sync.hpp): once any rank's wait
+// Poisoning of a Buffer or ExpertPools after a failed cross-rank wait (sync/sync.hpp): once any rank's wait
 // failed (timeout, ranks in different ops or steps, a peer that gave up), the barrier sequence of that object can no
 // longer be trusted on any rank, so every later op raises until the user builds a new one on every rank. The
 // failing rank stores its flag word with the abort bit for its peers, so each peer fails at its next wait on it and is
@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "common/check.hpp"
-#include "transport/barrier_host.hpp"
-#include "transport/sync.hpp"
+#include "sync/barrier_host.hpp"
+#include "sync/sync.hpp"
 
 namespace flatep {
 

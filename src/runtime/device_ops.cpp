@@ -14,12 +14,12 @@
 #include "kernels/dispatch/dispatch_fp8.cuh"
 #include "kernels/entry_values/entry_values.cuh"
 #include "kernels/plan/plan.cuh"
-#include "transport/barrier_host.hpp"
+#include "sync/barrier_host.hpp"
 
 #include <atomic>
 
 namespace flatep::kernels {
-void preload_all_kernels();  // kernels/common/barrier.cuh (a header with device code, so not included here)
+void preload_all_kernels();  // kernels/common/launch.cuh (a header with device code, so not included here)
 }  // namespace flatep::kernels
 #endif
 
@@ -70,7 +70,7 @@ std::string WaitRecordHost::failure_message() const {
 }
 
 Context::Context(const Layout& layout) {
-    kernels::preload_all_kernels();  // no lazy module load while a peer's kernel spins (see barrier.cuh)
+    kernels::preload_all_kernels();  // no lazy module load while a peer's kernel spins (see kernels/common/launch.cuh)
     FLATEP_CUDA_CHECK(cudaMalloc(&epoch_, sizeof(uint64_t)));
     FLATEP_CUDA_CHECK(cudaMemset(epoch_, 0, sizeof(uint64_t)));
     FLATEP_CUDA_CHECK(cudaMalloc(&workspace_, kernels::plan_workspace_bytes(layout)));

@@ -8,18 +8,18 @@
 #include <memory>
 #include <string>
 
-#include "kernels/combine/combine_args.hpp"
-#include "kernels/combine_grad/combine_grad_args.hpp"
-#include "kernels/dispatch/dispatch_args.hpp"
-#include "kernels/dispatch/dispatch_fp8_args.hpp"
-#include "kernels/entry_values/entry_values_args.hpp"
-#include "kernels/plan/plan_args.hpp"
+#include "ops/combine_args.hpp"
+#include "ops/combine_grad_args.hpp"
+#include "ops/dispatch_args.hpp"
+#include "ops/dispatch_fp8_args.hpp"
+#include "ops/entry_values_args.hpp"
+#include "ops/plan_args.hpp"
 
 namespace flatep::device {
 
 bool built_with_cuda();
 
-// A WaitRecord and a twin of the status words (transport/sync.hpp) in host-mapped pinned memory: the GPU writes a
+// A WaitRecord and a twin of the status words (sync/sync.hpp) in host-mapped pinned memory: the GPU writes a
 // rank's first failed wait, and the first error an op records (a bad expert id), into it; the host reads both at
 // every op's entry without any synchronisation. Empty in builds without CUDA.
 class WaitRecordHost {

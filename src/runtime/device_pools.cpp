@@ -14,7 +14,7 @@
 #include "transport/cuda/cu_driver.hpp"
 
 namespace flatep::kernels {
-void preload_all_kernels();  // kernels/common/barrier.cuh (a header with device code, so not included here)
+void preload_all_kernels();  // kernels/common/launch.cuh (a header with device code, so not included here)
 }  // namespace flatep::kernels
 #endif
 
@@ -137,7 +137,7 @@ void destroy_layer_allocation(LayerAllocation& a) noexcept {
 }
 
 PoolsContext::PoolsContext() {
-    kernels::preload_all_kernels();  // no lazy module load while a peer's kernel spins (see barrier.cuh)
+    kernels::preload_all_kernels();  // no lazy module load while a peer's kernel spins (see kernels/common/launch.cuh)
     FLATEP_CUDA_CHECK(cudaMalloc(&epoch_, sizeof(uint64_t)));
     const cudaError_t zeroed = cudaMemset(epoch_, 0, sizeof(uint64_t));
     if (zeroed != cudaSuccess) {

@@ -7,9 +7,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/grad_reduce/grad_reduce_args.hpp"
-#include "kernels/prefetch/prefetch_args.hpp"
-#include "kernels/write_grads/write_grads_args.hpp"
+#include "ops/grad_reduce_args.hpp"
+#include "ops/prefetch_args.hpp"
+#include "ops/write_grads_args.hpp"
 #include "runtime/device_ops.hpp"
 
 namespace flatep::device {

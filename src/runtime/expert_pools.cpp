@@ -15,8 +15,8 @@
 #include "runtime/collective_guard.hpp"
 #include "runtime/device_ops.hpp"
 #include "runtime/device_pools.hpp"
+#include "sync/sync.hpp"
 #include "transport/host_memory.hpp"
-#include "transport/sync.hpp"
 
 namespace flatep {
 

@@ -1,4 +1,4 @@
-#include "transport/barrier_host.hpp"
+#include "sync/barrier_host.hpp"
 
 #include <sched.h>
 

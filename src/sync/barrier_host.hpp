@@ -1,4 +1,4 @@
-// Host implementation of the barrier protocol of transport/sync.hpp (threads of one process or processes sharing
+// Host implementation of the barrier protocol of sync/sync.hpp (threads of one process or processes sharing
 // memfd mappings). Every wait goes through wait_flag_at_least, the one timed-wait helper: on timeout it records
 // kStatusTimeout in the status words and throws flatep::Error(kTimeout) naming the op, rank, peer, expected and
 // observed values.
@@ -8,7 +8,7 @@
 #include <string>
 
 #include "flatep/error.hpp"
-#include "transport/sync.hpp"
+#include "sync/sync.hpp"
 
 namespace flatep::host {
 

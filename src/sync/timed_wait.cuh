@@ -5,8 +5,8 @@
 #include <cstdint>
 
 #include "common/macros.hpp"
-#include "kernels/common/ptx.cuh"
-#include "transport/sync.hpp"
+#include "sync/ptx.cuh"
+#include "sync/sync.hpp"
 
 namespace flatep::kernels {
 

@@ -1,4 +1,4 @@
-#include "transport/local_device.hpp"
+#include "testing/local_device.hpp"
 
 #include <cstdlib>
 #include <cstring>
@@ -7,8 +7,8 @@
 #include "common/env.hpp"
 #include "common/log.hpp"
 #include "common/math.hpp"
-#include "kernels/common/barrier.cuh"
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/launch.cuh"
 
 namespace flatep {
 

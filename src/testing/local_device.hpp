@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "flatep/transport.hpp"
-#include "transport/sync.hpp"
+#include "sync/sync.hpp"
 
 namespace flatep {
 

@@ -4,8 +4,8 @@
 
 #include "common/check.hpp"
 #include "planner/planner.hpp"
-#include "transport/barrier_host.hpp"
-#include "transport/sync.hpp"
+#include "sync/barrier_host.hpp"
+#include "sync/sync.hpp"
 
 namespace flatep::gpu_test {
 

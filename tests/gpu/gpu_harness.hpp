@@ -28,9 +28,9 @@
 #include "kernels/prefetch/prefetch.cuh"
 #include "kernels/write_grads/write_grads.cuh"
 #include "layout/layout.hpp"
-#include "planner/plan.hpp"
+#include "layout/plan.hpp"
 #include "routing/routing.hpp"
-#include "transport/local_device.hpp"
+#include "testing/local_device.hpp"
 #include "transport/local_host.hpp"
 
 namespace flatep::gpu_test {

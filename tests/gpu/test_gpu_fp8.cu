@@ -21,7 +21,7 @@
 #include "host/dispatch_fp8.hpp"
 #include "kernels/dispatch/dispatch_fp8.cuh"
 #include "planner/planner.hpp"
-#include "transport/barrier_host.hpp"
+#include "sync/barrier_host.hpp"
 
 using namespace flatep;
 using namespace flatep::gpu_test;

@@ -3,7 +3,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels/combine/combine_args.hpp"
+#include "ops/combine_args.hpp"
 
 namespace flatep::kernels {
 

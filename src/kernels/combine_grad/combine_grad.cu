@@ -1,9 +1,9 @@
 #include "common/bf16.hpp"
 #include "common/check.hpp"
 #include "kernels/combine_grad/combine_grad.cuh"
-#include "kernels/common/barrier.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/groups.cuh"
+#include "kernels/common/launch.cuh"
 #include "kernels/common/vector.cuh"
 
 namespace flatep::kernels {

@@ -4,7 +4,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels/combine_grad/combine_grad_args.hpp"
+#include "ops/combine_grad_args.hpp"
 
 namespace flatep::kernels {
 

@@ -6,7 +6,7 @@
 
 #include "common/macros.hpp"
 #include "layout/layout.hpp"
-#include "planner/plan.hpp"
+#include "layout/plan.hpp"
 
 namespace flatep::kernels {
 

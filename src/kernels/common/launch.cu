@@ -1,8 +1,8 @@
 #include <mutex>
 #include <vector>
 
-#include "kernels/common/barrier.cuh"
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/launch.cuh"
 
 namespace flatep::kernels {
 

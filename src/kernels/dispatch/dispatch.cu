@@ -1,7 +1,7 @@
 #include "common/check.hpp"
-#include "kernels/common/barrier.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/groups.cuh"
+#include "kernels/common/launch.cuh"
 #include "kernels/common/vector.cuh"
 #include "kernels/dispatch/dispatch.cuh"
 #include "kernels/dispatch/dispatch_fp8.cuh"

@@ -3,7 +3,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels/dispatch/dispatch_args.hpp"
+#include "ops/dispatch_args.hpp"
 
 namespace flatep::kernels {
 

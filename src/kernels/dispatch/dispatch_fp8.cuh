@@ -3,7 +3,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels/dispatch/dispatch_fp8_args.hpp"
+#include "ops/dispatch_fp8_args.hpp"
 
 namespace flatep::kernels {
 
@@ -13,7 +13,7 @@ namespace flatep::kernels {
 // the copy-out when recv_x / recv_scales are not the symmetric region, weights, zeroed padding rows and scales).
 void launch(const DispatchFp8Args& args, cudaStream_t stream);
 
-// Loads the kernels of this file now (see preload_all_kernels in kernels/common/barrier.cuh).
+// Loads the kernels of this file now (see preload_all_kernels in kernels/common/launch.cuh).
 void preload_dispatch_fp8_kernels();
 
 }  // namespace flatep::kernels

@@ -4,8 +4,8 @@
 #include <cstdint>
 
 #include "common/macros.hpp"
-#include "kernels/common/barrier.cuh"
-#include "planner/plan.hpp"
+#include "kernels/common/launch.cuh"
+#include "layout/plan.hpp"
 
 namespace flatep::kernels {
 

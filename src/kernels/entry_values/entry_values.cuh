@@ -3,7 +3,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels/entry_values/entry_values_args.hpp"
+#include "ops/entry_values_args.hpp"
 
 namespace flatep::kernels {
 

@@ -1,6 +1,6 @@
 #include "common/check.hpp"
-#include "kernels/common/barrier.cuh"
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/launch.cuh"
 #include "kernels/grad_reduce/grad_reduce.cuh"
 
 namespace flatep::kernels {

@@ -3,7 +3,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels/grad_reduce/grad_reduce_args.hpp"
+#include "ops/grad_reduce_args.hpp"
 
 namespace flatep::kernels {
 

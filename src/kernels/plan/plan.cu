@@ -9,9 +9,9 @@
 
 #include "common/check.hpp"
 #include "common/env.hpp"
-#include "kernels/common/barrier.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/groups.cuh"
+#include "kernels/common/launch.cuh"
 #include "kernels/plan/plan.cuh"
 #include "planner/planner_core.hpp"
 

@@ -9,9 +9,9 @@
 #include <cstdint>
 
 #include "flatep/types.hpp"
-#include "kernels/plan/plan_args.hpp"
 #include "layout/layout.hpp"
-#include "planner/plan.hpp"
+#include "layout/plan.hpp"
+#include "ops/plan_args.hpp"
 
 namespace flatep::kernels {
 

@@ -1,6 +1,6 @@
 #include "common/check.hpp"
-#include "kernels/common/barrier.cuh"
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/launch.cuh"
 #include "kernels/common/vector.cuh"
 #include "kernels/prefetch/prefetch.cuh"
 

@@ -3,7 +3,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels/prefetch/prefetch_args.hpp"
+#include "ops/prefetch_args.hpp"
 
 namespace flatep::kernels {
 

@@ -1,7 +1,7 @@
 #include "common/bf16.hpp"
 #include "common/check.hpp"
-#include "kernels/common/barrier.cuh"
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/launch.cuh"
 #include "kernels/write_grads/write_grads.cuh"
 
 namespace flatep::kernels {

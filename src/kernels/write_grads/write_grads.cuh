@@ -4,7 +4,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels/write_grads/write_grads_args.hpp"
+#include "ops/write_grads_args.hpp"
 
 namespace flatep::kernels {
 

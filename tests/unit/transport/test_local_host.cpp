@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "flatep/error.hpp"
-#include "transport/barrier_host.hpp"
+#include "sync/barrier_host.hpp"
 #include "transport/host_memory.hpp"
 #include "transport/local_host.hpp"
 #include "unit/host/rank_threads.hpp"
