@@ -24,7 +24,7 @@ void combine(const CombineArgs& a, OpStats* stats) {
     barrier(a.sync, kOpCombine);
 
     // Destination side: one fp32 partial per chain, terms in ascending k, rounded to bf16.
-    auto* partial = reinterpret_cast<uint16_t*>(a.peers[a.rank] + sym.partial_offset);
+    auto* partial = region_at<uint16_t>(a.peers[a.rank], sym.partial_offset);
     for (int g = 0; g < l.num_groups(); ++g) {
         const GroupRows group = group_rows(l, p, a.rank, g);
         for (int32_t h = group.start; h < group.real_end; ++h) {
@@ -55,8 +55,7 @@ void combine(const CombineArgs& a, OpStats* stats) {
             int k = 0;
             while (k < K && ranks[k] != d) ++k;
             if (k == K) continue;  // no entry of t on d
-            const auto* peer_partial =
-                reinterpret_cast<const uint16_t*>(a.peers[d] + sym.partial_offset) + int64_t(rows[k]) * H;
+            const auto* peer_partial = region_at<const uint16_t>(a.peers[d], sym.partial_offset) + int64_t(rows[k]) * H;
             for (int i = 0; i < H; ++i) acc[i] += bf16_to_float(peer_partial[i]);
             if (stats != nullptr) {
                 ++stats->partials_pulled;

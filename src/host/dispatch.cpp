@@ -31,8 +31,8 @@ void dispatch(const DispatchArgs& a, OpStats* stats) {
     barrier(a.sync, kOpDispatch);
 
     // Destination side: fan out from the chain heads, carry weights, zero padding.
-    const auto* sym_x = reinterpret_cast<const uint16_t*>(a.peers[a.rank] + sym.recv_x_offset);
-    const auto* sym_w = reinterpret_cast<const float*>(a.peers[a.rank] + sym.recv_w_offset);
+    const auto* sym_x = region_at<const uint16_t>(a.peers[a.rank], sym.recv_x_offset);
+    const auto* sym_w = region_at<const float>(a.peers[a.rank], sym.recv_w_offset);
     for_each_recv_row(
         l, p, a.rank,
         [&](int32_t r, int32_t head) {

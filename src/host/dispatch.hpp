@@ -20,7 +20,7 @@ void push_token_rows(const Layout& l, const PlanView& p, int num_tokens, const f
         for (int k = 0; k < K; ++k) {
             const int d = ranks[k];
             if (d < 0) continue;
-            reinterpret_cast<float*>(peers[d] + recv_w_offset)[rows[k]] =
+            region_at<float>(peers[d], recv_w_offset)[rows[k]] =
                 topk_weights != nullptr ? topk_weights[int64_t(t) * K + k] : 1.0f;
             bool seen = false;
             for (int k0 = 0; k0 < k && !seen; ++k0) seen = ranks[k0] == d;

@@ -34,7 +34,7 @@ void dispatch_fp8(const DispatchFp8Args& a, OpStats* stats) {
     const float* row_scales = nullptr;
     push_token_rows(l, p, num_tokens, a.topk_weights, a.peers, sym.recv_w_offset, [&](int t, int d, int32_t row) {
         uint8_t* dst_x = a.peers[d] + fp8_recv_x_offset(sym) + int64_t(row) * H;
-        auto* dst_scales = reinterpret_cast<float*>(a.peers[d] + scales_offset) + int64_t(row) * num_blocks;
+        auto* dst_scales = region_at<float>(a.peers[d], scales_offset) + int64_t(row) * num_blocks;
         if (a.x_fp8 != nullptr) {
             row_x = a.x_fp8 + int64_t(t) * H;
             row_scales = a.x_scales + int64_t(t) * num_blocks;
@@ -57,8 +57,8 @@ void dispatch_fp8(const DispatchFp8Args& a, OpStats* stats) {
 
     // Destination side: fan out from the chain heads, carry weights, zero padding.
     const uint8_t* sym_x = a.peers[a.rank] + fp8_recv_x_offset(sym);
-    const auto* sym_scales = reinterpret_cast<const float*>(a.peers[a.rank] + scales_offset);
-    const auto* sym_w = reinterpret_cast<const float*>(a.peers[a.rank] + sym.recv_w_offset);
+    const auto* sym_scales = region_at<const float>(a.peers[a.rank], scales_offset);
+    const auto* sym_w = region_at<const float>(a.peers[a.rank], sym.recv_w_offset);
     for_each_recv_row(
         l, p, a.rank,
         [&](int32_t r, int32_t head) {

@@ -16,7 +16,7 @@ void entry_values(const EntryValuesArgs& a) {
 
     // Entry barrier: sources of the previous op may still read this rank's recv_w region.
     barrier(a.sync, kOpEntryValues);
-    auto* own = reinterpret_cast<float*>(a.peers[a.rank] + sym.recv_w_offset);
+    auto* own = region_at<float>(a.peers[a.rank], sym.recv_w_offset);
     for (int g = 0; g < l.num_groups(); ++g) {
         const GroupRows group = group_rows(l, p, a.rank, g);
         for (int32_t r = group.start; r < group.real_end; ++r) own[r] = a.row_values[r];
@@ -26,7 +26,7 @@ void entry_values(const EntryValuesArgs& a) {
     const int64_t num_entries = int64_t(num_tokens) * l.topk;
     for (int64_t i = 0; i < num_entries; ++i) {
         const int d = p.entry_rank[i];
-        a.out[i] = d < 0 ? 0.0f : reinterpret_cast<const float*>(a.peers[d] + sym.recv_w_offset)[p.entry_row[i]];
+        a.out[i] = d < 0 ? 0.0f : region_at<const float>(a.peers[d], sym.recv_w_offset)[p.entry_row[i]];
     }
 }
 

@@ -17,10 +17,10 @@ struct GroupRows {
 
 // Group g (< 2*epn) of `rank`: g < epn is local expert rank*epn + g, g >= epn is slot g - epn.
 inline GroupRows group_rows(const Layout& l, const PlanView& p, int rank, int g) {
-    const int epn = l.experts_per_rank, E = l.num_experts;
+    const int E = l.num_experts;
     const int32_t* cu = p.cu_seqlens + int64_t(rank) * l.num_groups();
     const int32_t start = g == 0 ? 0 : cu[g - 1];
-    const int expert = g < epn ? rank * epn + g : p.slot_expert[rank * epn + (g - epn)];
+    const int expert = group_expert(l, p, rank, g);
     const int32_t real = expert < 0 ? 0 : p.alloc[int64_t(rank) * E + expert];
     return GroupRows{start, start + real, cu[g]};
 }

@@ -22,7 +22,7 @@ int32_t clamp_to_int32(int64_t value) {
 
 void plan_op(const PlanArgs& a) {
     const Layout& l = a.layout;
-    const int R = l.num_ranks, E = l.num_experts, K = l.topk, epn = l.experts_per_rank;
+    const int R = l.num_ranks, E = l.num_experts, K = l.topk;
     FLATEP_CHECK(a.num_tokens >= 0 && a.num_tokens <= l.num_tokens, "plan: num_tokens must be in [0, S=", l.num_tokens,
                  "], got ", a.num_tokens);
     FLATEP_CHECK(a.index_bytes == 4 || a.index_bytes == 8, "plan: index_bytes must be 4 or 8, got ", a.index_bytes);
@@ -46,7 +46,7 @@ void plan_op(const PlanArgs& a) {
     // may still be reading in its previous plan op.
     barrier(a.sync, kOpPlan);
     for (int d = 0; d < R; ++d) {
-        auto* row = reinterpret_cast<int32_t*>(a.peers[d] + sym.tpe_all_offset) + int64_t(a.rank) * E;
+        auto* row = region_at<int32_t>(a.peers[d], sym.tpe_all_offset) + int64_t(a.rank) * E;
         std::memcpy(row, counts.data(), sizeof(int32_t) * E);
     }
     barrier(a.sync, kOpPlan);
@@ -66,8 +66,8 @@ void plan_op(const PlanArgs& a) {
             bool seen = false;
             for (int k0 = 0; k0 < k && !seen; ++k0) seen = ranks[k0] == d;
             if (seen) continue;  // not the first entry of t on d: already written with its chain
-            auto* head = reinterpret_cast<int32_t*>(a.peers[d] + sym.row_head_offset);
-            auto* next = reinterpret_cast<int32_t*>(a.peers[d] + sym.row_next_offset);
+            auto* head = region_at<int32_t>(a.peers[d], sym.row_head_offset);
+            auto* next = region_at<int32_t>(a.peers[d], sym.row_next_offset);
             int32_t row = rows[k];
             for (int k1 = k + 1; k1 <= K; ++k1) {
                 if (k1 < K && ranks[k1] != d) continue;
@@ -80,14 +80,14 @@ void plan_op(const PlanArgs& a) {
     barrier(a.sync, kOpPlan);
 
     // 5. Copy the staging of the real rows; -1 for padding and rows past the last group.
-    const auto* head = reinterpret_cast<const int32_t*>(a.peers[a.rank] + sym.row_head_offset);
-    const auto* next = reinterpret_cast<const int32_t*>(a.peers[a.rank] + sym.row_next_offset);
+    const auto* head = region_at<const int32_t>(a.peers[a.rank], sym.row_head_offset);
+    const auto* next = region_at<const int32_t>(a.peers[a.rank], sym.row_next_offset);
     for (int r = 0; r < l.num_recv_rows; ++r) {
         p.row_head[r] = -1;
         p.row_next[r] = -1;
     }
     for (int g = 0; g < l.num_groups(); ++g) {
-        const int expert = g < epn ? a.rank * epn + g : p.slot_expert[a.rank * epn + (g - epn)];
+        const int expert = group_expert(l, p, a.rank, g);
         if (expert < 0) continue;
         const int32_t start = p.group_row[a.rank * E + expert];
         const int32_t size = p.alloc[a.rank * E + expert];

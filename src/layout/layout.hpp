@@ -52,6 +52,13 @@ struct SymmetricLayout {
     FLATEP_HD static int64_t align_up(int64_t x) { return round_up<int64_t>(x, kAlignBytes); }
 };
 
+// Typed view of the region at `offset` (one of SymmetricLayout's *_offset) of a symmetric buffer mapped at `base`
+// (this rank's, or a peer's: peers[p]). Every backend reaches a region through this one accessor.
+template <class T, class Byte>
+FLATEP_HD T* region_at(Byte* base, int64_t offset) {
+    return reinterpret_cast<T*>(base + offset);
+}
+
 FLATEP_HD SymmetricLayout make_symmetric_layout(const Layout& l) {
     SymmetricLayout s{};
     int64_t at = 0;

@@ -112,6 +112,28 @@ FLATEP_HD PlanView make_plan_view(const Layout& l, int32_t* base) {
     return v;
 }
 
+// The expert whose rows group g (< 2*epn) of `rank` holds: its home expert rank*epn + g for g < epn, else the expert
+// of slot g - epn (-1: an unused slot). Every backend reads a group's expert through this one function.
+FLATEP_HD int group_expert(const Layout& l, const PlanView& p, int rank, int g) {
+    const int epn = l.experts_per_rank;
+    return g < epn ? rank * epn + g : p.slot_expert[rank * epn + (g - epn)];
+}
+
+// The group holding receive row r of a rank whose G inclusive group ends are cu[] (its cu_seqlens): the first end
+// above r, or G when r is past the last end. Binary search; the host and the kernels share it.
+FLATEP_HD int find_group(const int32_t* cu, int G, int64_t r) {
+    int lo = 0, hi = G;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (cu[mid] > r) {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    return lo;
+}
+
 // Where the j-th entry (in (token, k) order) of source `src` for `expert` is computed: rank and row.
 // Pure arithmetic on the global part of the plan; the host and CUDA routing both call it.
 struct EntryPlace {

@@ -122,7 +122,7 @@ std::string check_plan(const Layout& l, const PlanView& p) {
         int64_t row = 0;
         std::vector<int32_t> want_row(E, -1);
         for (int g = 0; g < 2 * epn; ++g) {
-            const int e = g < epn ? d * epn + g : p.slot_expert[d * epn + g - epn];
+            const int e = group_expert(l, p, d, g);
             if (e >= 0) {
                 want_row[e] = int32_t(row);
                 row += (int64_t(p.alloc[at(d, e)]) + l.align - 1) / l.align * l.align;

@@ -910,7 +910,7 @@ FLATEP_HD void derive_plan(const Layout& l, const PlanView& p) {
         for (int e = 0; e < E; ++e) p.group_row[d * E + e] = -1;
         int32_t row = 0;
         for (int g = 0; g < 2 * epn; ++g) {
-            int e = g < epn ? d * epn + g : p.slot_expert[d * epn + (g - epn)];
+            const int e = group_expert(l, p, d, g);
             if (e >= 0) {
                 p.group_row[d * E + e] = row;
                 row += round_up(p.alloc[d * E + e], l.align);

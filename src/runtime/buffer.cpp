@@ -47,9 +47,9 @@ struct ConfigBlob {
 SyncArgs make_sync(const SymmetricRegion& region, const SymmetricLayout& sym, uint64_t* epoch, int rank, int num_ranks,
                    double timeout_s) {
     SyncArgs s{};
-    for (int p = 0; p < num_ranks; ++p) s.flags[p] = reinterpret_cast<uint64_t*>(region.peers[p] + sym.barrier_offset);
+    for (int p = 0; p < num_ranks; ++p) s.flags[p] = region_at<uint64_t>(region.peers[p], sym.barrier_offset);
     s.epoch = epoch;
-    s.status = reinterpret_cast<int32_t*>(region.local + sym.status_offset);
+    s.status = region_at<int32_t>(region.local, sym.status_offset);
     s.rank = rank;
     s.num_ranks = num_ranks;
     s.timeout_s = timeout_s;
@@ -218,10 +218,10 @@ Buffer::~Buffer() {
 const Layout& Buffer::layout() const { return *layout_; }
 
 uint16_t* Buffer::symmetric_recv_x() {
-    return reinterpret_cast<uint16_t*>(region_.local + make_symmetric_layout(*layout_).recv_x_offset);
+    return region_at<uint16_t>(region_.local, make_symmetric_layout(*layout_).recv_x_offset);
 }
 float* Buffer::symmetric_recv_w() {
-    return reinterpret_cast<float*>(region_.local + make_symmetric_layout(*layout_).recv_w_offset);
+    return region_at<float>(region_.local, make_symmetric_layout(*layout_).recv_w_offset);
 }
 
 uint8_t* Buffer::symmetric_recv_x_fp8() { return region_.local + fp8_recv_x_offset(make_symmetric_layout(*layout_)); }
@@ -249,7 +249,7 @@ void Buffer::enter(const char* op) {
     guard_->enter(op, device_->failure_message(), device_->failure_code());
     int32_t words[4];
     if (device_->take_status(words)) {  // an error an earlier op recorded on the GPU (e.g. a bad expert id)
-        int32_t* status = reinterpret_cast<int32_t*>(region_.local + make_symmetric_layout(*layout_).status_offset);
+        int32_t* status = region_at<int32_t>(region_.local, make_symmetric_layout(*layout_).status_offset);
         device_->zero(status, sizeof(words), stream_);  // stream-ordered: the device copy is reported here too
         throw_status(words);
     }
@@ -445,7 +445,7 @@ void Buffer::combine_grad(const Plan& plan, const uint16_t* rows, const uint16_t
 }
 
 void Buffer::check_status() {
-    int32_t* status = reinterpret_cast<int32_t*>(region_.local + make_symmetric_layout(*layout_).status_offset);
+    int32_t* status = region_at<int32_t>(region_.local, make_symmetric_layout(*layout_).status_offset);
     int32_t words[4];
     if (device_ != nullptr) {
         device_->read(words, status, sizeof(words), stream_);  // a synchronising point: the record is complete now

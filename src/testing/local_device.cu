@@ -9,6 +9,7 @@
 #include "common/math.hpp"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/launch.cuh"
+#include "layout/layout.hpp"
 
 namespace flatep {
 
@@ -150,10 +151,9 @@ void LocalDeviceGroup::release(std::vector<SymmetricRegion>& regions) noexcept {
 SyncArgs LocalDeviceGroup::sync_args(int rank, const std::vector<SymmetricRegion>& regions, int64_t barrier_offset,
                                      int64_t status_offset) const {
     SyncArgs s{};
-    for (int p = 0; p < num_ranks_; ++p)
-        s.flags[p] = reinterpret_cast<uint64_t*>(regions[rank].peers[p] + barrier_offset);
+    for (int p = 0; p < num_ranks_; ++p) s.flags[p] = region_at<uint64_t>(regions[rank].peers[p], barrier_offset);
     s.epoch = epochs_[rank];
-    s.status = reinterpret_cast<int32_t*>(regions[rank].local + status_offset);
+    s.status = region_at<int32_t>(regions[rank].local, status_offset);
     s.rank = rank;
     s.num_ranks = num_ranks_;
     s.timeout_s = timeout_s_;

@@ -48,7 +48,7 @@ __device__ uint16_t to_bf(float f) {  // round to nearest even (finite inputs)
 __global__ void expert_forward(const int32_t* cu, int G, int rows, const uint16_t* x, const uint16_t* w, uint16_t* y) {
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < int64_t(rows) * kH;
          i += int64_t(gridDim.x) * blockDim.x) {
-        const int r = int(i / kH), h = int(i % kH), g = kernels::find_group(cu, G, r);
+        const int r = int(i / kH), h = int(i % kH), g = find_group(cu, G, r);
         y[i] = g < G ? to_bf(bf(x[i]) * bf(w[int64_t(g) * kH + h])) : uint16_t(0);
     }
 }
@@ -60,7 +60,7 @@ __global__ void expert_backward(const int32_t* cu, int G, int rows, const uint16
     const int64_t stride = int64_t(gridDim.x) * blockDim.x;
     const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     for (int64_t i = tid; i < int64_t(rows) * kH; i += stride) {
-        const int r = int(i / kH), h = int(i % kH), g = kernels::find_group(cu, G, r);
+        const int r = int(i / kH), h = int(i % kH), g = find_group(cu, G, r);
         dx[i] = g < G ? to_bf(bf(dy[i]) * bf(w[int64_t(g) * kH + h])) : uint16_t(0);
     }
     for (int64_t i = tid; i < int64_t(G) * kH; i += stride) {

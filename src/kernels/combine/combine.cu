@@ -10,35 +10,22 @@ namespace flatep::kernels {
 
 namespace {
 
-constexpr unsigned kFull = 0xffffffffu;
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 4;  // 16-byte words per lane per step
 
 FLATEP_DEVICE void unpack_add(float (&acc)[8], const uint4& v) {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    float x[8];
+    unpack_bf16x8(x, v);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        acc[2 * i] = acc[2 * i] + bf16_to_float(uint16_t(w[i] & 0xffffu));
-        acc[2 * i + 1] = acc[2 * i + 1] + bf16_to_float(uint16_t(w[i] >> 16));
-    }
+    for (int e = 0; e < 8; ++e) acc[e] = acc[e] + x[e];
 }
 
 FLATEP_DEVICE void unpack_fma(float (&acc)[8], float weight, const uint4& v) {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    float x[8];
+    unpack_bf16x8(x, v);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        acc[2 * i] = fmaf(weight, bf16_to_float(uint16_t(w[i] & 0xffffu)), acc[2 * i]);
-        acc[2 * i + 1] = fmaf(weight, bf16_to_float(uint16_t(w[i] >> 16)), acc[2 * i + 1]);
-    }
-}
-
-FLATEP_DEVICE uint4 pack_bf16(const float (&acc)[8]) {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-        w[i] = uint32_t(float_to_bf16(acc[2 * i])) | (uint32_t(float_to_bf16(acc[2 * i + 1])) << 16);
-    return make_uint4(w[0], w[1], w[2], w[3]);
+    for (int e = 0; e < 8; ++e) acc[e] = fmaf(weight, x[e], acc[e]);
 }
 
 // Destination side: warp per chain head among this rank's real rows.
@@ -80,7 +67,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
                 const int64_t i = i0 + 32 * u + lane;
-                if (i < n16) st_v4(out + i, pack_bf16(acc[u]));
+                if (i < n16) st_v4(out + i, pack_bf16x8(acc[u]));
             }
         }
     }
@@ -114,7 +101,7 @@ __global__ void __launch_bounds__(kThreads)
             if (head && (dk < d)) ++order;
         }
         if (head) {
-            srcs[order] = reinterpret_cast<const uint4*>(peers.ptr[d] + sym.partial_offset) + int64_t(row) * n16;
+            srcs[order] = region_at<const uint4>(peers.ptr[d], sym.partial_offset) + int64_t(row) * n16;
         }
         __syncwarp();
         const int num_src = __popc(heads);
@@ -139,7 +126,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
                 const int64_t i = i0 + 32 * u + lane;
-                if (i < n16) st_v4(dst + i, pack_bf16(acc[u]));
+                if (i < n16) st_v4(dst + i, pack_bf16x8(acc[u]));
             }
         }
         __syncwarp();
@@ -158,7 +145,7 @@ void launch(const CombineArgs& a, cudaStream_t stream) {
     const SymmetricLayout sym = make_symmetric_layout(l);
     PeerPointers peers{};
     for (int r = 0; r < l.num_ranks; ++r) peers.ptr[r] = a.peers[r];
-    auto* partial = reinterpret_cast<uint16_t*>(a.peers[a.rank] + sym.partial_offset);
+    auto* partial = region_at<uint16_t>(a.peers[a.rank], sym.partial_offset);
     launch_barrier(a.sync, kOpCombine, stream);  // sources are done pulling the previous partials
     const int part_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kWarps), 4);
     if (a.weights != nullptr) {

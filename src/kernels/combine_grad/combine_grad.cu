@@ -10,36 +10,22 @@ namespace flatep::kernels {
 
 namespace {
 
-constexpr unsigned kFull = 0xffffffffu;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 4;  // 16-byte chunks per lane in flight
 
-// The 8 bf16 of a chunk as floats, element order (the low half of each word first).
-FLATEP_DEVICE void unpack(float (&out)[8], const uint4& v) {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        out[2 * i] = bf16_to_float(uint16_t(w[i] & 0xffffu));
-        out[2 * i + 1] = bf16_to_float(uint16_t(w[i] >> 16));
-    }
-}
-
 // grad_y chunk: bf16_rne(a * weight) per element (__fmul_rn: one rounding, never contracted).
 FLATEP_DEVICE uint4 scale_chunk(const float (&a)[8], float weight) {
-    uint32_t w[4];
+    float scaled[8];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        w[i] = uint32_t(float_to_bf16(__fmul_rn(a[2 * i], weight))) |
-               (uint32_t(float_to_bf16(__fmul_rn(a[2 * i + 1], weight))) << 16);
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
+    for (int e = 0; e < 8; ++e) scaled[e] = __fmul_rn(a[e], weight);
+    return pack_bf16x8(scaled);
 }
 
 // One chunk into a lane's dot: elements in order, acc = acc + a * b with a separate multiply and add.
 FLATEP_DEVICE float dot_chunk(float acc, const float (&a)[8], const uint4& bv) {
     float b[8];
-    unpack(b, bv);
+    unpack_bf16x8(b, bv);
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc = __fadd_rn(acc, __fmul_rn(a[e], b[e]));
     return acc;
@@ -88,7 +74,7 @@ __global__ void __launch_bounds__(kThreads)
                 const int64_t i = i0 + 32 * u + lane;
                 if (i >= n16) continue;
                 float av[8];
-                unpack(av, a[u]);
+                unpack_bf16x8(av, a[u]);
                 if constexpr (kGradY) st_v4(out_row + i, scale_chunk(av, weight));
                 if constexpr (kGradWeights) acc = dot_chunk(acc, av, b[u]);
             }

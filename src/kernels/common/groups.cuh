@@ -16,28 +16,14 @@ enum RowKind : int {
     kRowPastEnd = 2,  // past the last group's padded end: unspecified, never touched
 };
 
-// The group holding receive row r: the first of the G inclusive group ends cu[] above r, or G past the last end.
-FLATEP_DEVICE int find_group(const int32_t* cu, int G, int64_t r) {
-    int lo = 0, hi = G;
-    while (lo < hi) {
-        const int mid = (lo + hi) / 2;
-        if (cu[mid] > r) {
-            hi = mid;
-        } else {
-            lo = mid + 1;
-        }
-    }
-    return lo;
-}
-
-// Kind of row r of `rank` (binary search over the rank's inclusive group ends).
+// Kind of row r of `rank` (find_group over the rank's inclusive group ends; layout/plan.hpp).
 FLATEP_DEVICE RowKind classify_row(const Layout& l, const PlanView& p, int rank, int64_t r) {
-    const int G = l.num_groups(), epn = l.experts_per_rank;
+    const int G = l.num_groups();
     const int32_t* cu = p.cu_seqlens + int64_t(rank) * G;
     const int lo = find_group(cu, G, r);
     if (lo >= G) return kRowPastEnd;
     const int32_t start = lo == 0 ? 0 : cu[lo - 1];
-    const int expert = lo < epn ? rank * epn + lo : p.slot_expert[rank * epn + (lo - epn)];
+    const int expert = group_expert(l, p, rank, lo);
     const int32_t size = expert < 0 ? 0 : p.alloc[int64_t(rank) * l.num_experts + expert];
     return r - start < size ? kRowReal : kRowPadding;
 }

@@ -1,11 +1,33 @@
-// 16-byte vector loads/stores and warp-wide row copies shared by the data-plane kernels.
+// 16-byte vector loads/stores, bf16x8 pack/unpack and warp-wide row copies shared by the data-plane kernels.
 #pragma once
 
 #include <cstdint>
 
+#include "common/bf16.hpp"
 #include "common/macros.hpp"
 
 namespace flatep::kernels {
+
+inline constexpr unsigned kFull = 0xffffffffu;  // every lane of a warp (the mask of the *_sync intrinsics)
+
+// The 8 bf16 of a 16-byte word as floats (exact), element order: the low half of each 32-bit word first.
+FLATEP_DEVICE void unpack_bf16x8(float (&out)[8], const uint4& v) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = bf16_to_float(uint16_t(w[i] & 0xffffu));
+        out[2 * i + 1] = bf16_to_float(uint16_t(w[i] >> 16));
+    }
+}
+
+// 8 floats as 8 bf16 (round to nearest even) in one 16-byte word, the layout unpack_bf16x8 reads.
+FLATEP_DEVICE uint4 pack_bf16x8(const float (&in)[8]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        w[i] = uint32_t(float_to_bf16(in[2 * i])) | (uint32_t(float_to_bf16(in[2 * i + 1])) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
 
 // Plain global 16-byte load/store. Peer rows are read only after a barrier (acquire) that follows the writer's
 // release, so ordinary (weak) accesses suffice; no .nc: the data may have been written during this step.

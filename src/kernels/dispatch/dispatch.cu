@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(Layout l, const
             for (unsigned rest = entries.heads; rest != 0; rest &= rest - 1) {
                 int dk, rowk;
                 head_target(entries, __ffs(rest) - 1, &dk, &rowk);
-                uint4* dst = reinterpret_cast<uint4*>(peers.ptr[dk] + sym.recv_x_offset) + int64_t(rowk) * n16;
+                uint4* dst = region_at<uint4>(peers.ptr[dk], sym.recv_x_offset) + int64_t(rowk) * n16;
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) {
                     const int64_t i = i0 + 32 * u + lane;
@@ -91,8 +91,8 @@ void launch(const DispatchArgs& a, cudaStream_t stream) {
     launch_barrier(a.sync, kOpDispatch, stream);  // every source's rows and weights have landed
     const int fan_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kWarps), 4);
     dispatch_fanout_kernel<<<fan_blocks, kThreads, 0, stream>>>(
-        l, a.rank, a.plan, reinterpret_cast<const uint16_t*>(a.peers[a.rank] + sym.recv_x_offset),
-        reinterpret_cast<const float*>(a.peers[a.rank] + sym.recv_w_offset), a.recv_x, a.recv_w);
+        l, a.rank, a.plan, region_at<const uint16_t>(a.peers[a.rank], sym.recv_x_offset),
+        region_at<const float>(a.peers[a.rank], sym.recv_w_offset), a.recv_x, a.recv_w);
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 

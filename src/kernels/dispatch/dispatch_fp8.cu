@@ -11,7 +11,6 @@ namespace flatep::kernels {
 
 namespace {
 
-constexpr unsigned kFull = 0xffffffffu;
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 // A lane's unit of work: 16 channels (32 bytes of bf16 in, one 16-byte word of e4m3 out), so the 8 lanes of an
@@ -100,9 +99,8 @@ __global__ void __launch_bounds__(kThreads)
             for (unsigned rest = entries.heads; rest != 0; rest &= rest - 1) {
                 int dk, rowk;
                 head_target(entries, __ffs(rest) - 1, &dk, &rowk);
-                uint4* dst = reinterpret_cast<uint4*>(peers.ptr[dk] + sym.recv_x_offset) + int64_t(rowk) * num_chunks;
-                float* dst_scales =
-                    reinterpret_cast<float*>(peers.ptr[dk] + scales_offset) + int64_t(rowk) * num_blocks;
+                uint4* dst = region_at<uint4>(peers.ptr[dk], sym.recv_x_offset) + int64_t(rowk) * num_chunks;
+                float* dst_scales = region_at<float>(peers.ptr[dk], scales_offset) + int64_t(rowk) * num_blocks;
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) {
                     const int64_t i = i0 + 32 * u + lane;
@@ -120,8 +118,7 @@ __global__ void __launch_bounds__(kThreads)
             for (unsigned rest = entries.heads; rest != 0; rest &= rest - 1) {
                 int dk, rowk;
                 head_target(entries, __ffs(rest) - 1, &dk, &rowk);
-                float* dst_scales =
-                    reinterpret_cast<float*>(peers.ptr[dk] + scales_offset) + int64_t(rowk) * num_blocks;
+                float* dst_scales = region_at<float>(peers.ptr[dk], scales_offset) + int64_t(rowk) * num_blocks;
                 for (int j = lane; j < num_blocks; j += 32) dst_scales[j] = src_scales[j];
             }
         }
@@ -190,8 +187,8 @@ void launch(const DispatchFp8Args& a, cudaStream_t stream) {
     const uint8_t* base = a.peers[a.rank];
     const int fan_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kWarps), 4);
     dispatch_fp8_fanout_kernel<<<fan_blocks, kThreads, 0, stream>>>(
-        l, a.rank, a.plan, base + fp8_recv_x_offset(sym), reinterpret_cast<const float*>(base + scales_offset),
-        reinterpret_cast<const float*>(base + sym.recv_w_offset), a.recv_x, a.recv_scales, a.recv_w);
+        l, a.rank, a.plan, base + fp8_recv_x_offset(sym), region_at<const float>(base, scales_offset),
+        region_at<const float>(base, sym.recv_w_offset), a.recv_x, a.recv_scales, a.recv_w);
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 

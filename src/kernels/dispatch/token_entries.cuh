@@ -27,7 +27,7 @@ FLATEP_DEVICE TokenEntries token_entries(const PlanView& p, int K, int64_t t, co
         row = p.entry_row[t * K + lane];
         if (d >= 0) {
             const float w = topk_weights != nullptr ? topk_weights[t * K + lane] : 1.0f;
-            reinterpret_cast<float*>(peers.ptr[d] + recv_w_offset)[row] = w;
+            region_at<float>(peers.ptr[d], recv_w_offset)[row] = w;
         }
     }
     const unsigned same = __match_any_sync(0xffffffffu, (lane < K && d >= 0) ? d : -1 - lane);

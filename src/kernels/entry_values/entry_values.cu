@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_entries;
          i += int64_t(gridDim.x) * blockDim.x) {
         const int d = p.entry_rank[i];
-        out[i] = d < 0 ? 0.0f : reinterpret_cast<const float*>(peers.ptr[d] + sym.recv_w_offset)[p.entry_row[i]];
+        out[i] = d < 0 ? 0.0f : region_at<const float>(peers.ptr[d], sym.recv_w_offset)[p.entry_row[i]];
     }
 }
 
@@ -44,7 +44,7 @@ void launch(const EntryValuesArgs& a, cudaStream_t stream) {
     launch_barrier(a.sync, kOpEntryValues, stream);  // sources of the previous op are done with recv_w
     const int publish_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kThreads), 4);
     entry_values_publish_kernel<<<publish_blocks, kThreads, 0, stream>>>(
-        l, a.rank, a.plan, a.row_values, reinterpret_cast<float*>(a.peers[a.rank] + sym.recv_w_offset));
+        l, a.rank, a.plan, a.row_values, region_at<float>(a.peers[a.rank], sym.recv_w_offset));
     FLATEP_CUDA_CHECK_LAUNCH();
     launch_barrier(a.sync, kOpEntryValues, stream);  // every destination's values are published
     const int pull_blocks = grid_blocks(a.sync, ceil_div(l.num_entries(), kThreads), 4);

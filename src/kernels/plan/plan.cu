@@ -12,6 +12,7 @@
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/groups.cuh"
 #include "kernels/common/launch.cuh"
+#include "kernels/common/vector.cuh"
 #include "kernels/plan/plan.cuh"
 #include "planner/planner_core.hpp"
 
@@ -19,7 +20,6 @@ namespace flatep::kernels {
 
 namespace {
 
-constexpr unsigned kFull = 0xffffffffu;
 constexpr int kRouteThreads = 256;  // 8 warps per routing block
 constexpr int kRouteWarps = kRouteThreads / 32;
 constexpr int kSegmentEntries = 2048;  // entries (whole tokens) per routing segment, at most
@@ -211,10 +211,10 @@ __global__ void allgather_kernel(Layout l, int rank, SymmetricLayout sym, PeerPo
     }
     for (int64_t i = threadIdx.x; i < int64_t(R) * E; i += blockDim.x) {
         const int d = int(i / E), e = int(i % E);
-        reinterpret_cast<int32_t*>(peers.ptr[d] + sym.tpe_all_offset)[int64_t(rank) * E + e] = tpe_local[e];
+        region_at<int32_t>(peers.ptr[d], sym.tpe_all_offset)[int64_t(rank) * E + e] = tpe_local[e];
     }
     block_barrier(sync, kOpPlan, threadIdx.x);
-    const int32_t* all = reinterpret_cast<const int32_t*>(peers.ptr[rank] + sym.tpe_all_offset);
+    const int32_t* all = region_at<const int32_t>(peers.ptr[rank], sym.tpe_all_offset);
     for (int64_t i = threadIdx.x; i < int64_t(R) * E; i += blockDim.x) p.tpe_all[i] = all[i];
 }
 
@@ -1541,8 +1541,8 @@ __global__ void __launch_bounds__(kRouteThreads)
                 bool seen = false;
                 for (int k0 = 0; k0 < k && !seen; ++k0) seen = ranks[k0] == d;
                 if (seen) continue;
-                int32_t* head = reinterpret_cast<int32_t*>(peers.ptr[d] + sym.row_head_offset);
-                int32_t* next = reinterpret_cast<int32_t*>(peers.ptr[d] + sym.row_next_offset);
+                int32_t* head = region_at<int32_t>(peers.ptr[d], sym.row_head_offset);
+                int32_t* next = region_at<int32_t>(peers.ptr[d], sym.row_next_offset);
                 int32_t row = rows[k];
                 for (int k1 = k + 1; k1 <= K; ++k1) {
                     if (k1 < K && ranks[k1] != d) continue;
@@ -1560,10 +1560,10 @@ __global__ void __launch_bounds__(kRouteThreads)
 // first bad expert id.
 __global__ void unpack_kernel(Layout l, int rank, SymmetricLayout sym, PeerPointers peers, PlanView p, PlanWorkspace ws,
                               int32_t* status, int32_t* host_status) {
-    const int E = l.num_experts, epn = l.experts_per_rank, G = l.num_groups();
+    const int E = l.num_experts, G = l.num_groups();
     const int32_t* cu = p.cu_seqlens + int64_t(rank) * G;
-    const int32_t* head = reinterpret_cast<const int32_t*>(peers.ptr[rank] + sym.row_head_offset);
-    const int32_t* next = reinterpret_cast<const int32_t*>(peers.ptr[rank] + sym.row_next_offset);
+    const int32_t* head = region_at<const int32_t>(peers.ptr[rank], sym.row_head_offset);
+    const int32_t* next = region_at<const int32_t>(peers.ptr[rank], sym.row_next_offset);
     for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < l.num_recv_rows;
          r += int64_t(gridDim.x) * blockDim.x) {
         int32_t h = -1, nx = -1;
@@ -1571,7 +1571,7 @@ __global__ void unpack_kernel(Layout l, int rank, SymmetricLayout sym, PeerPoint
         if (lo < G) {
             const int g = lo;
             const int32_t start = g == 0 ? 0 : cu[g - 1];
-            const int expert = g < epn ? rank * epn + g : p.slot_expert[rank * epn + (g - epn)];
+            const int expert = group_expert(l, p, rank, g);
             const int32_t size = expert < 0 ? 0 : p.alloc[int64_t(rank) * E + expert];
             if (r - start < size) {
                 h = head[r];

@@ -2,6 +2,7 @@
 #include "common/check.hpp"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/launch.cuh"
+#include "kernels/common/vector.cuh"
 #include "kernels/write_grads/write_grads.cuh"
 
 namespace flatep::kernels {
@@ -12,15 +13,7 @@ constexpr int kThreads = 512;
 constexpr int kVecElems = 8;  // elements per vector step
 
 // 8 elements of the source as floats (exact conversion).
-FLATEP_DEVICE void load8(float (&v)[8], const uint16_t* src) {
-    const uint4 w = *reinterpret_cast<const uint4*>(src);
-    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        v[2 * i] = bf16_to_float(uint16_t(words[i] & 0xffffu));
-        v[2 * i + 1] = bf16_to_float(uint16_t(words[i] >> 16));
-    }
-}
+FLATEP_DEVICE void load8(float (&v)[8], const uint16_t* src) { unpack_bf16x8(v, *reinterpret_cast<const uint4*>(src)); }
 FLATEP_DEVICE void load8(float (&v)[8], const float* src) {
     const float4 a = reinterpret_cast<const float4*>(src)[0], b = reinterpret_cast<const float4*>(src)[1];
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
