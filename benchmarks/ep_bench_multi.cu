@@ -947,7 +947,8 @@ int main(int argc, char** argv) {
     Options options;
     parse(argc, argv, options);
     // Inherited by the rank processes: NVLink multicast stays off (design §7; a must on shared hosts), and every
-    // kernel is loaded at context creation (no lazy module load while a peer's kernel spins, see barrier.cuh).
+    // kernel is loaded at context creation (no lazy module load while a peer's kernel spins, see
+    // kernels/common/launch.cuh).
     setenv("NCCL_NVLS_ENABLE", "0", 1);
     setenv("CUDA_MODULE_LOADING", "EAGER", 1);
     if (access("/dev/nvidiactl", F_OK) != 0) {
