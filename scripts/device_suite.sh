@@ -26,7 +26,11 @@
 # Never stops at a failure: each step has its own log ($OUT/<step>.log), a timeout, and one PASS / FAIL / SKIP line
 # (SKIP: the step ran but found no usable GPU, which on the device machine is a failure too); $OUT/summary.txt grows
 # step by step and ends with the table of step, result and seconds. Exit status: 0 when every selected step passed.
-# The whole run stays within SUITE_DEADLINE_S (default 540 s): a step gets at most the time that is left.
+# The whole run stays within SUITE_DEADLINE_S (default 540 s): a step gets at most the time that is left. With the
+# FP8, whole-step-graph and MoonEP planner-sweep checks the full list takes longer than one 10-minute device call;
+# run it as two calls (the build is reused):
+#   SUITE_STEPS="build gpu_ops gpu_fp8 ipc_gpu ipc_buffer ipc_pools step_graph" scripts/device_suite.sh
+#   SUITE_STEPS="build pytest_cuda train_cuda soak pytest_cpu" scripts/device_suite.sh
 #
 # Environment: OUT, SUITE_STEPS, SUITE_CLEAN=1 (delete build-cuda first), SUITE_JOBS (build jobs, default 16),
 # SUITE_DEADLINE_S, PYTHON (default python3), FLATEP_TIMEOUT_S (default here 60). CUDA_MODULE_LOADING is left as
