@@ -138,7 +138,7 @@ class Buffer {
     //   rows, y: [NvS][H] bf16; weights: [NvS] fp32 (the forward combine's y and weights);
     //   grad_y: [NvS][H] bf16 out, grad_y[i][h] = bf16(float(rows[i][h]) * weights[i]) (one fp32 multiply, RNE);
     //   grad_weights: [NvS] fp32 out, the dot of rows[i] and y[i] in a fixed fp32 order (both backends bitwise equal;
-    //   kernels/combine_grad/combine_grad_args.hpp defines it).
+    //   ops/combine_grad_args.hpp defines it).
     // Only real rows (holding an entry) are computed; padding rows and rows past the last group end get zeros and
     // their rows / y / weights are never read. Either output may be null (not computed), not both; y may be null
     // without grad_weights, weights without grad_y. Device buffers: enqueued on stream(), no host synchronisation.

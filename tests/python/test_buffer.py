@@ -100,7 +100,7 @@ def test_autograd_matches_formulas(buffer):
 
 
 def lane_order_dot(a, b):
-    """The combine_grad dot's order (kernels/combine_grad/combine_grad_args.hpp) in fp32 torch ops, row-wise: lane
+    """The combine_grad dot's order (src/ops/combine_grad_args.hpp) in fp32 torch ops, row-wise: lane
     c % 32 adds the products of chunk c (8 elements) in order, then the xor butterfly over offsets 16, 8, 4, 2, 1."""
     n, h = a.shape
     chunks = (a.float() * b.float()).view(n, h // 8, 8)  # bf16 * bf16 is exact in fp32
