@@ -9,8 +9,18 @@
 
 namespace flatep {
 
-FLATEP_HD float bf16_to_float(uint16_t bits) {
-    const uint32_t word = uint32_t(bits) << 16;
+// The bit pattern of an fp32 value and back (host and device).
+FLATEP_HD uint32_t float_bits(float value) {
+#if defined(__CUDA_ARCH__)
+    return __float_as_uint(value);
+#else
+    uint32_t word;
+    std::memcpy(&word, &value, sizeof(word));
+    return word;
+#endif
+}
+
+FLATEP_HD float float_from_bits(uint32_t word) {
 #if defined(__CUDA_ARCH__)
     return __uint_as_float(word);
 #else
@@ -20,14 +30,11 @@ FLATEP_HD float bf16_to_float(uint16_t bits) {
 #endif
 }
 
+FLATEP_HD float bf16_to_float(uint16_t bits) { return float_from_bits(uint32_t(bits) << 16); }
+
 // Round to nearest, ties to even; NaN stays NaN (quiet bit set), infinities stay infinite.
 FLATEP_HD uint16_t float_to_bf16(float value) {
-#if defined(__CUDA_ARCH__)
-    const uint32_t word = __float_as_uint(value);
-#else
-    uint32_t word;
-    std::memcpy(&word, &value, sizeof(word));
-#endif
+    const uint32_t word = float_bits(value);
     if ((word & 0x7f800000u) == 0x7f800000u && (word & 0x007fffffu) != 0) {
         return uint16_t((word >> 16) | 0x0040u);
     }

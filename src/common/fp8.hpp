@@ -20,25 +20,8 @@ inline constexpr uint8_t kE4m3MaxBits = 0x7e;           // 448
 inline constexpr uint32_t kFloatMaxBits = 0x43e00000u;  // 448.0f: |v| at or above it saturates
 inline constexpr uint32_t kBf16FiniteLimit = 0x7f80u;   // bf16 magnitudes at or above it are Inf or NaN
 
-FLATEP_HD uint32_t float_bits(float value) {
-#if defined(__CUDA_ARCH__)
-    return __float_as_uint(value);
-#else
-    uint32_t word;
-    std::memcpy(&word, &value, sizeof(word));
-    return word;
-#endif
-}
-
-FLATEP_HD float float_from_bits(uint32_t word) {
-#if defined(__CUDA_ARCH__)
-    return __uint_as_float(word);
-#else
-    float value;
-    std::memcpy(&value, &word, sizeof(value));
-    return value;
-#endif
-}
+using flatep::float_bits;  // common/bf16.hpp
+using flatep::float_from_bits;
 
 FLATEP_HD int count_leading_zeros(uint32_t word) {  // word != 0
 #if defined(__CUDA_ARCH__)
