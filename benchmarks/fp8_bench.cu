@@ -30,35 +30,6 @@ using namespace flatep::gpu_test;
 
 namespace {
 
-// Median time (us) of `op` (one launch per rank, each on its rank's stream) from a common start of every rank stream
-// to the end of the last one.
-bench::Timing time_ranks(LocalDeviceGroup& group, int iters, int warmup, const std::function<void()>& op) {
-    const int R = group.num_ranks();
-    cudaStream_t s0 = group.stream(0);
-    cudaEvent_t fork, join[kMaxRanks];
-    FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-    for (int r = 0; r < R; ++r) FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(&join[r], cudaEventDisableTiming));
-    bench::EventPair ev;
-    std::vector<float> us;
-    for (int it = 0; it < warmup + iters; ++it) {
-        group.synchronize();
-        ev.start(s0);
-        FLATEP_CUDA_CHECK(cudaEventRecord(fork, s0));
-        for (int r = 1; r < R; ++r) FLATEP_CUDA_CHECK(cudaStreamWaitEvent(group.stream(r), fork));
-        op();
-        for (int r = 1; r < R; ++r) {
-            FLATEP_CUDA_CHECK(cudaEventRecord(join[r], group.stream(r)));
-            FLATEP_CUDA_CHECK(cudaStreamWaitEvent(s0, join[r]));
-        }
-        ev.stop(s0);
-        const float t = ev.elapsed_us();
-        if (it >= warmup) us.push_back(t);
-    }
-    cudaEventDestroy(fork);
-    for (int r = 0; r < R; ++r) cudaEventDestroy(join[r]);
-    return bench::summarize(us);
-}
-
 // Bytes of one dispatch, all ranks together, from the plans: a row is row_bytes (bf16: 2H; FP8: H + H/32) plus the
 // weights; source_row_bytes is what a source reads per token row.
 struct Bytes {
@@ -204,13 +175,13 @@ void run_case(const bench::Case& c, double sigma, int iters, int warmup, bench::
         a.sync = sync(r);
         return a;
     };
-    const bench::Timing t_bf16 = time_ranks(group, iters, warmup, [&] {
+    const bench::Timing t_bf16 = bench::time_ranks(group, iters, warmup, [&] {
         for (int r = 0; r < R; ++r) kernels::launch(bf16_args(r), group.stream(r));
     });
-    const bench::Timing t_fp8 = time_ranks(group, iters, warmup, [&] {
+    const bench::Timing t_fp8 = bench::time_ranks(group, iters, warmup, [&] {
         for (int r = 0; r < R; ++r) kernels::launch(fp8_args(r, false), group.stream(r));
     });
-    const bench::Timing t_pre = time_ranks(group, iters, warmup, [&] {
+    const bench::Timing t_pre = bench::time_ranks(group, iters, warmup, [&] {
         for (int r = 0; r < R; ++r) kernels::launch(fp8_args(r, true), group.stream(r));
     });
     group.synchronize();

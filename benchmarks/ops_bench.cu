@@ -58,34 +58,6 @@ void fill_device_bf16(void* dst, int64_t n, uint64_t seed) {
 
 using bench::Timing;
 
-// Median time (us) of `op` enqueued on every rank stream, from a common start to the last rank's end.
-Timing time_op(LocalDeviceGroup& group, int iters, int warmup, const std::function<void()>& op) {
-    const int R = group.num_ranks();
-    cudaStream_t s0 = group.stream(0);
-    bench::EventPair ev;
-    cudaEvent_t fork, join[kMaxRanks];
-    FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-    for (int r = 0; r < R; ++r) FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(&join[r], cudaEventDisableTiming));
-    std::vector<float> times;
-    for (int it = 0; it < warmup + iters; ++it) {
-        group.synchronize();
-        ev.start(s0);
-        FLATEP_CUDA_CHECK(cudaEventRecord(fork, s0));
-        for (int r = 1; r < R; ++r) FLATEP_CUDA_CHECK(cudaStreamWaitEvent(group.stream(r), fork));
-        op();
-        for (int r = 1; r < R; ++r) {
-            FLATEP_CUDA_CHECK(cudaEventRecord(join[r], group.stream(r)));
-            FLATEP_CUDA_CHECK(cudaStreamWaitEvent(s0, join[r]));
-        }
-        ev.stop(s0);
-        const float us = ev.elapsed_us();
-        if (it >= warmup) times.push_back(us);
-    }
-    cudaEventDestroy(fork);
-    for (int r = 0; r < R; ++r) cudaEventDestroy(join[r]);
-    return bench::summarize(times);
-}
-
 struct Bytes {
     double dispatch = 0, combine = 0;  // all ranks together
     double dispatch_remote_rows = 0;
@@ -532,7 +504,7 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
         a.sync = sync(r);
         return a;
     };
-    const Timing t_plan = time_op(group, o.iters, o.warmup, [&] {
+    const Timing t_plan = bench::time_ranks(group, o.iters, o.warmup, [&] {
         for (int r = 0; r < R; ++r) kernels::launch(plan_args(r), group.stream(r));
     });
     // Planner kernels alone (rank 0's counts; every rank runs the same planner on the same input), device time
@@ -549,16 +521,16 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     kernels::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.ranks[0].plan), dev.ranks[0].workspace,
                             kernels::PlannerEngine::kParallel, group.stream(0));
     group.synchronize();
-    const Timing t_dispatch = time_op(group, o.iters, o.warmup, [&] {
+    const Timing t_dispatch = bench::time_ranks(group, o.iters, o.warmup, [&] {
         for (int r = 0; r < R; ++r) kernels::launch(dispatch_args(r), group.stream(r));
     });
-    const Timing t_combine = time_op(group, o.iters, o.warmup, [&] {
+    const Timing t_combine = bench::time_ranks(group, o.iters, o.warmup, [&] {
         for (int r = 0; r < R; ++r) kernels::launch(combine_args(r), group.stream(r));
     });
-    const Timing t_prefetch = time_op(group, o.iters, o.warmup, [&] {
+    const Timing t_prefetch = bench::time_ranks(group, o.iters, o.warmup, [&] {
         for (int r = 0; r < R; ++r) kernels::launch(prefetch_args(r), group.stream(r));
     });
-    const Timing t_reduce = time_op(group, std::max(3, o.iters / 4), 1, [&] {
+    const Timing t_reduce = bench::time_ranks(group, std::max(3, o.iters / 4), 1, [&] {
         for (int r = 0; r < R; ++r) kernels::launch(reduce_args(r), group.stream(r));
     });
     // Bytes, from the plans.

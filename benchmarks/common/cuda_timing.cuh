@@ -1,4 +1,5 @@
-// CUDA-event timing shared by the GPU benchmark drivers: an event pair, graph-replay timing of a single-stream op,
+// CUDA-event timing shared by the GPU benchmark drivers: an event pair, the common-start timing of an op on every
+// virtual rank's stream, graph-replay timing of a single-stream op,
 // and the device-to-device copy bandwidth every data-plane figure is set beside (design §9).
 #pragma once
 
@@ -37,6 +38,38 @@ class EventPair {
   private:
     cudaEvent_t start_ = nullptr, stop_ = nullptr;
 };
+
+// Time of `op`, which enqueues work on every rank's stream of `group` (R virtual ranks on one GPU: num_ranks(),
+// stream(r), synchronize()), from a common start to the end of the last rank's work; median / min over iters after
+// warmup. The other ranks' streams wait for rank 0's start event, rank 0's stream for every rank's end.
+template <class Group>
+Timing time_ranks(Group& group, int iters, int warmup, const std::function<void()>& op) {
+    const int R = group.num_ranks();
+    cudaStream_t s0 = group.stream(0);
+    EventPair ev;
+    cudaEvent_t fork;
+    std::vector<cudaEvent_t> join(static_cast<size_t>(R));
+    FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    for (int r = 0; r < R; ++r) FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(join.data() + r, cudaEventDisableTiming));
+    std::vector<float> times;
+    for (int it = 0; it < warmup + iters; ++it) {
+        group.synchronize();
+        ev.start(s0);
+        FLATEP_CUDA_CHECK(cudaEventRecord(fork, s0));
+        for (int r = 1; r < R; ++r) FLATEP_CUDA_CHECK(cudaStreamWaitEvent(group.stream(r), fork));
+        op();
+        for (int r = 1; r < R; ++r) {
+            FLATEP_CUDA_CHECK(cudaEventRecord(join[size_t(r)], group.stream(r)));
+            FLATEP_CUDA_CHECK(cudaStreamWaitEvent(s0, join[size_t(r)]));
+        }
+        ev.stop(s0);
+        const float us = ev.elapsed_us();
+        if (it >= warmup) times.push_back(us);
+    }
+    cudaEventDestroy(fork);
+    for (cudaEvent_t e : join) cudaEventDestroy(e);
+    return summarize(times);
+}
 
 // Device time of a single-stream op without host launch latency: `batch` launches of op captured in one CUDA graph,
 // the graph replayed warmup + iters times; per-op time = replay time / batch (gaps between kernels included).
