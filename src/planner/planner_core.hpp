@@ -57,22 +57,30 @@ FLATEP_HD int64_t planner_workspace_words(const Layout& l) {
     return 5 * e + 6 * r + r * e;
 }
 
-FLATEP_HD Workspace make_workspace(const Layout& l, int32_t* base) {
+// The workspace's arrays from three places: `front` (total [E], then target, load, room, excess, num_in, num_out
+// [R] each), `cand` [R*E] and `items` (item_expert, item_size, item_state, itemized [E] each).
+FLATEP_HD Workspace make_workspace_at(const Layout& l, int32_t* front, int32_t* cand, int32_t* items) {
     const int R = l.num_ranks, E = l.num_experts;
     Workspace w{};
-    w.total = base;
+    w.total = front;
     w.target = w.total + E;
     w.load = w.target + R;
     w.room = w.load + R;
     w.excess = w.room + R;
     w.num_in = w.excess + R;
     w.num_out = w.num_in + R;
-    w.cand = w.num_out + R;
-    w.item_expert = w.cand + R * E;
+    w.cand = cand;
+    w.item_expert = items;
     w.item_size = w.item_expert + E;
     w.item_state = w.item_size + E;
     w.itemized = w.item_state + E;
     return w;
+}
+
+// One block of planner_workspace_words(l) words: front, then cand, then the items.
+FLATEP_HD Workspace make_workspace(const Layout& l, int32_t* base) {
+    const int64_t front = int64_t(l.num_experts) + 6 * int64_t(l.num_ranks);
+    return make_workspace_at(l, base, base + front, base + front + int64_t(l.num_ranks) * l.num_experts);
 }
 
 // The same workspace with the candidate allocation `cand` ([R*E]) elsewhere (the GPU planner keeps it in global
@@ -83,21 +91,7 @@ FLATEP_HD int64_t planner_small_workspace_words(const Layout& l) {
 }
 
 FLATEP_HD Workspace make_workspace_split(const Layout& l, int32_t* small, int32_t* cand) {
-    const int R = l.num_ranks, E = l.num_experts;
-    Workspace w{};
-    w.total = small;
-    w.target = w.total + E;
-    w.load = w.target + R;
-    w.room = w.load + R;
-    w.excess = w.room + R;
-    w.num_in = w.excess + R;
-    w.num_out = w.num_in + R;
-    w.cand = cand;
-    w.item_expert = w.num_out + R;
-    w.item_size = w.item_expert + E;
-    w.item_state = w.item_size + E;
-    w.itemized = w.item_state + E;
-    return w;
+    return make_workspace_at(l, small, cand, small + l.num_experts + 6 * l.num_ranks);
 }
 
 // Executors. Every function below takes an executor `x` that says who runs it:
