@@ -1,9 +1,10 @@
 // The FP8 quantisation rule of design §6 in plain integer and IEEE fp32 arithmetic, used by both backends: the CPU
-// backend and the CUDA kernels compile these same functions, so they agree bit for bit. No cuda_fp8 intrinsics: the
-// e4m3 rounding is done here on the bits. The fp32 operations are IEEE, round to nearest even, on both sides: per
-// block one division for the scale and one for its inverse (__fdiv_rn on the device, whatever the compile flags;
-// plain `/` on the host, which assumes denormals are not flushed: the default of C++ and of torch), per value one
-// multiplication by the inverse (a division by the scale only in blocks whose inverse is not a finite fp32).
+// backend and the CUDA kernels compile these same functions, so they agree bit for bit. The e4m3 rounding is done
+// here on the bits; the kernels convert with the GPU's instruction instead (e4m3x4_from_floats, proven equal to
+// float_to_e4m3 on every fp32 value by test_gpu_fp8). The fp32 operations are IEEE, round to nearest even, on both
+// sides: per block one division for the scale and one for its inverse (__fdiv_rn on the device, whatever the compile
+// flags; plain `/` on the host, which assumes denormals are not flushed: the default of C++ and of torch), per value
+// one multiplication by the inverse (a division by the scale only in blocks whose inverse is not a finite fp32).
 #pragma once
 
 #include <cstdint>
@@ -128,6 +129,46 @@ FLATEP_HD uint8_t quantize_value(uint16_t x, float scale, float inverse) {
     return float_to_e4m3(finite ? v * inverse : v / scale);
 #endif
 }
+
+#if defined(__CUDACC__)
+// The device's form of float_to_e4m3 for four values (v0 in the lowest byte): the GPU's own conversion
+// (cvt.rn.satfinite.e4m3x2.f32: round to nearest even, e4m3 subnormals kept, magnitudes of 448 and above and the
+// infinities saturated to +-448), then every NaN byte (0x7f or 0xff) made 0x7f, the rule's one NaN. That is
+// float_to_e4m3 bit for bit (test_gpu_fp8 puts every fp32 value through both); it takes a few instructions per
+// value where the integer form takes a few dozen, which kept the quantising dispatch compute-bound.
+FLATEP_DEVICE uint32_t e4m3x4_from_floats(float v0, float v1, float v2, float v3) {
+    uint16_t lo = 0, hi = 0;  // cvt d, a, b puts a's byte in the upper half of d
+#if defined(__CUDA_ARCH__)
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(v1), "f"(v0));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(v3), "f"(v2));
+#endif
+    const uint32_t word = uint32_t(lo) | uint32_t(hi) << 16;
+    // A byte's low seven bits are all ones only for NaN (saturation stops at 0x7e): +1 carries into its bit 7 alone.
+    const uint32_t nan_signs = ((word & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+    return word & ~nan_signs;
+}
+
+// quantize_value of the four bf16 values in two words (lo's low half first), in the device's form: four e4m3 bytes.
+FLATEP_DEVICE uint32_t quantize_words(uint32_t lo, uint32_t hi, float scale, float inverse) {
+    float v0 = float_from_bits(lo << 16), v1 = float_from_bits(lo & 0xffff0000u);
+    float v2 = float_from_bits(hi << 16), v3 = float_from_bits(hi & 0xffff0000u);
+    if ((float_bits(inverse) & 0x7f800000u) != 0x7f800000u) {
+        v0 = __fmul_rn(v0, inverse), v1 = __fmul_rn(v1, inverse), v2 = __fmul_rn(v2, inverse);
+        v3 = __fmul_rn(v3, inverse);
+    } else {
+        v0 = __fdiv_rn(v0, scale), v1 = __fdiv_rn(v1, scale), v2 = __fdiv_rn(v2, scale), v3 = __fdiv_rn(v3, scale);
+    }
+    return e4m3x4_from_floats(v0, v1, v2, v3);
+}
+
+// The amax bits (bf16_amax_bits) of the two bf16 values of a word, as one max: two 16-bit lanes at a time.
+FLATEP_DEVICE uint32_t word_amax_bits(uint32_t word) {
+    const uint32_t magnitudes = word & 0x7fff7fffu;
+    const uint32_t finite = __vcmpltu2(magnitudes, 0x7f807f80u);  // 0xffff in each lane below the Inf bits
+    const uint32_t both = magnitudes & finite;
+    return max(both & 0xffffu, both >> 16);
+}
+#endif
 
 // One row of H = num_blocks * 128 bf16 values -> H e4m3 bytes and num_blocks scales (host and device, one thread).
 FLATEP_HD void quantize_row(const uint16_t* x, int num_blocks, Fp8Scale mode, uint8_t* q, float* scales) {

@@ -38,10 +38,26 @@ const char* mode_name(Fp8Scale mode) { return mode == Fp8Scale::kUe8m0 ? "ue8m0"
 
 // ---- the rule: device build against host build ----
 
-__global__ void e4m3_all_kernel(uint8_t* out, uint64_t stride) {
-    const uint64_t n = (uint64_t(1) << 32) / stride;
-    for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x)
-        out[i] = fp8::float_to_e4m3(fp8::float_from_bits(uint32_t(i * stride)));
+// The kernels' conversion (e4m3x4_from_floats, four values at a time) of every stride-th fp32 pattern.
+__global__ void e4m3_all_kernel(uint32_t* out, uint64_t stride) {
+    const uint64_t n = (uint64_t(1) << 32) / stride / 4;
+    for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
+        const uint64_t v = 4 * i * stride;
+        out[i] = fp8::e4m3x4_from_floats(fp8::float_from_bits(uint32_t(v)), fp8::float_from_bits(uint32_t(v + stride)),
+                                         fp8::float_from_bits(uint32_t(v + 2 * stride)),
+                                         fp8::float_from_bits(uint32_t(v + 3 * stride)));
+    }
+}
+
+// The kernels' two-lane amax (word_amax_bits) against bf16_amax_bits of each half, for every 32-bit word.
+__global__ void word_amax_kernel(unsigned long long* mismatches) {
+    unsigned long long bad = 0;
+    for (uint64_t w = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < (uint64_t(1) << 32);
+         w += uint64_t(gridDim.x) * blockDim.x) {
+        const uint32_t a = fp8::bf16_amax_bits(uint16_t(w & 0xffffu)), b = fp8::bf16_amax_bits(uint16_t(w >> 16));
+        bad += fp8::word_amax_bits(uint32_t(w)) != (a > b ? a : b);
+    }
+    if (bad != 0) atomicAdd(mismatches, bad);
 }
 
 // Every bf16 magnitude (finite or not), both modes: scales in out[0, 0x10000), their inverses in out[0x10000, ...).
@@ -59,10 +75,12 @@ __global__ void scales_kernel(float* out) {
 }
 
 __global__ void quantize_values_kernel(const float* scales, const float* inverses, int num_scales,
-                                       uint8_t* out) {  // every bf16 x
-    const int64_t n = int64_t(num_scales) << 16;
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-        out[i] = fp8::quantize_value(uint16_t(i & 0xffff), scales[i >> 16], inverses[i >> 16]);
+                                       uint32_t* out) {  // every bf16 x, four at a time (the kernels' quantize_words)
+    const int64_t n = int64_t(num_scales) << 14;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+        const uint32_t x = uint32_t(4 * i) & 0xffffu;
+        out[i] = fp8::quantize_words(x | (x + 1) << 16, (x + 2) | (x + 3) << 16, scales[i >> 14], inverses[i >> 14]);
+    }
 }
 
 template <typename F>
@@ -79,10 +97,10 @@ void parallel_for(int64_t n, const F& fn) {
 
 bool run_rule(bool quick) {
     const uint64_t stride = quick ? 257 : 1;  // quick: every 257th fp32 pattern
-    const uint64_t n = (uint64_t(1) << 32) / stride;
+    const uint64_t n = (uint64_t(1) << 32) / stride / 4 * 4;
     uint8_t* d_out = nullptr;
     FLATEP_CUDA_CHECK(cudaMalloc(&d_out, n));
-    e4m3_all_kernel<<<4096, 256>>>(d_out, stride);
+    e4m3_all_kernel<<<4096, 256>>>(reinterpret_cast<uint32_t*>(d_out), stride);
     FLATEP_CUDA_CHECK_LAUNCH();
     std::vector<uint8_t> got(n);
     FLATEP_CUDA_CHECK(cudaMemcpy(got.data(), d_out, n, cudaMemcpyDeviceToHost));
@@ -94,9 +112,23 @@ bool run_rule(bool quick) {
     for (uint64_t i = 0; i < n; ++i) {
         if (got[i] != want[i]) {
             char buf[160];
-            std::snprintf(buf, sizeof(buf), "float_to_e4m3(bits 0x%08x): device 0x%02x host 0x%02x",
+            std::snprintf(buf, sizeof(buf), "e4m3 conversion (bits 0x%08x): device 0x%02x host 0x%02x",
                           unsigned(i * stride), got[i], want[i]);
             g_first = buf;
+            return false;
+        }
+    }
+    if (!quick) {
+        unsigned long long* d_bad = nullptr;
+        FLATEP_CUDA_CHECK(cudaMalloc(&d_bad, sizeof(*d_bad)));
+        FLATEP_CUDA_CHECK(cudaMemset(d_bad, 0, sizeof(*d_bad)));
+        word_amax_kernel<<<4096, 256>>>(d_bad);
+        FLATEP_CUDA_CHECK_LAUNCH();
+        unsigned long long bad = 0;
+        FLATEP_CUDA_CHECK(cudaMemcpy(&bad, d_bad, sizeof(bad), cudaMemcpyDeviceToHost));
+        cudaFree(d_bad);
+        if (bad != 0) {
+            g_first = "word_amax_bits differs from bf16_amax_bits on " + std::to_string(bad) + " words";
             return false;
         }
     }
@@ -142,7 +174,8 @@ bool run_rule(bool quick) {
     FLATEP_CUDA_CHECK(cudaMemcpy(d_picked, picked.data(), picked.size() * 4, cudaMemcpyHostToDevice));
     FLATEP_CUDA_CHECK(
         cudaMemcpy(d_picked + picked.size(), picked_inverse.data(), picked.size() * 4, cudaMemcpyHostToDevice));
-    quantize_values_kernel<<<2048, 256>>>(d_picked, d_picked + picked.size(), num_scales, d_q);
+    quantize_values_kernel<<<2048, 256>>>(d_picked, d_picked + picked.size(), num_scales,
+                                          reinterpret_cast<uint32_t*>(d_q));
     FLATEP_CUDA_CHECK_LAUNCH();
     std::vector<uint8_t> q(size_t(num_scales) << 16);
     FLATEP_CUDA_CHECK(cudaMemcpy(q.data(), d_q, q.size(), cudaMemcpyDeviceToHost));
@@ -162,8 +195,8 @@ bool run_rule(bool quick) {
             return false;
         }
     }
-    std::printf("  rule: %llu fp32 values, 65536 amax, %d x 65536 quotients: device == host\n", (unsigned long long)n,
-                num_scales);
+    std::printf("  rule: %llu fp32 values%s, 65536 amax, %d x 65536 quotients: device == host\n", (unsigned long long)n,
+                quick ? "" : ", every bf16 pair's amax", num_scales);
     return true;
 }
 

@@ -21,23 +21,12 @@ constexpr int kUnroll = 7;  // chunks in flight per lane: 7*32 chunks = 3584 cha
 
 static_assert(kLanesPerBlock == 8 && 32 % kLanesPerBlock == 0, "a block must be one aligned lane octet");
 
-FLATEP_DEVICE uint32_t word_amax(uint32_t word) {
-    const uint32_t lo = fp8::bf16_amax_bits(uint16_t(word & 0xffffu)), hi = fp8::bf16_amax_bits(uint16_t(word >> 16));
-    return lo > hi ? lo : hi;
-}
-
 FLATEP_DEVICE uint32_t chunk_amax(const uint4& a, const uint4& b) {
-    const uint32_t m0 = max(word_amax(a.x), word_amax(a.y)), m1 = max(word_amax(a.z), word_amax(a.w));
-    const uint32_t m2 = max(word_amax(b.x), word_amax(b.y)), m3 = max(word_amax(b.z), word_amax(b.w));
+    const uint32_t m0 = max(fp8::word_amax_bits(a.x), fp8::word_amax_bits(a.y));
+    const uint32_t m1 = max(fp8::word_amax_bits(a.z), fp8::word_amax_bits(a.w));
+    const uint32_t m2 = max(fp8::word_amax_bits(b.x), fp8::word_amax_bits(b.y));
+    const uint32_t m3 = max(fp8::word_amax_bits(b.z), fp8::word_amax_bits(b.w));
     return max(max(m0, m1), max(m2, m3));
-}
-
-// Four e4m3 bytes (little-endian, first channel lowest) of the four bf16 values in two words.
-FLATEP_DEVICE uint32_t quantise_words(uint32_t lo, uint32_t hi, float scale, float inverse) {
-    return uint32_t(fp8::quantize_value(uint16_t(lo & 0xffffu), scale, inverse)) |
-           uint32_t(fp8::quantize_value(uint16_t(lo >> 16), scale, inverse)) << 8 |
-           uint32_t(fp8::quantize_value(uint16_t(hi & 0xffffu), scale, inverse)) << 16 |
-           uint32_t(fp8::quantize_value(uint16_t(hi >> 16), scale, inverse)) << 24;
 }
 
 // One lane's 16 channels (a, b: 32 bytes of bf16) -> 16 e4m3 bytes, and the scale of the block the lane's octet holds
@@ -49,8 +38,8 @@ FLATEP_DEVICE uint4 quantise_chunk(const uint4& a, const uint4& b, Fp8Scale mode
         amax = max(amax, __shfl_xor_sync(kFull, amax, offset));
     const float scale = fp8::block_scale(amax, mode), inverse = fp8::block_inverse(amax, scale, mode);
     *scale_out = scale;
-    return make_uint4(quantise_words(a.x, a.y, scale, inverse), quantise_words(a.z, a.w, scale, inverse),
-                      quantise_words(b.x, b.y, scale, inverse), quantise_words(b.z, b.w, scale, inverse));
+    return make_uint4(fp8::quantize_words(a.x, a.y, scale, inverse), fp8::quantize_words(a.z, a.w, scale, inverse),
+                      fp8::quantize_words(b.x, b.y, scale, inverse), fp8::quantize_words(b.z, b.w, scale, inverse));
 }
 
 // Source side: warp per token, as the bf16 dispatch. Lanes k < K hold entry k; the first lane of each destination rank
