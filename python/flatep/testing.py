@@ -140,6 +140,32 @@ class DenseMoE(torch.nn.Module):
         return out.to(x.dtype)
 
 
+def warm_up_local(moe, token_counts, backward=True):
+    """Runs, once per token count and without any collective, the torch computations of `moe`'s forward (and
+    backward) that pick GPU kernels by shape: the router GEMM and softmax/top-K, the shared expert's GEMMs. For
+    virtual ranks driven by one host thread: cuBLAS loads a GEMM's kernels at its first use, and that load waits for
+    the GPU's running kernels, among them a peer's collective spinning until this thread enqueues that peer's part
+    (a deadlock the peer's timeout ends). Call it for every layer before the first step, on the stream the rank's
+    step will use. The gradients it makes are dropped (the replicated parameters' .grad is restored). A no-op on the
+    CPU backend."""
+    if moe.device.type != "cuda":
+        return
+    params = moe.replicated_parameters()
+    saved = [p.grad for p in params]
+    with torch.enable_grad():
+        for s in token_counts:
+            x = torch.randn(int(s), moe.hidden, device=moe.device, requires_grad=backward)
+            weights, _ = route(x, moe.router.weight, moe.topk)
+            loss = weights.sum()
+            if moe.shared_ffn is not None:
+                shared = shared_expert_ffn(x.to(_BF16), moe.shared_w1, moe.shared_w2, moe.activation)
+                loss = loss + shared.float().sum()
+            if backward:
+                loss.backward()
+    for p, g in zip(params, saved):
+        p.grad = g
+
+
 # ---- multi-process launcher ----
 
 

@@ -283,6 +283,9 @@ def run_gpu_case(rank, world_size, out_path):
             res.append(d)
         return res
 
+    for r in range(GPU_R):  # cuBLAS loads kernels at first use: not while a peer's collective spins
+        with torch.cuda.stream(streams[r]):
+            testing.warm_up_local(moes[r], [GPU_S, GPU_S // 2])
     errors = []
     for pipelined in (False, True):
         once(pipelined, False)  # warm-up
