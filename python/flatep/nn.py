@@ -32,6 +32,10 @@ i, and the combine of i the shared expert and GEMMs of i+1; each micro-batch has
 is correct: MoE.forward_microbatches. On the CPU backend (no streams, synchronous ops) the same code runs and gives
 the bits of the serial path (tests/python/test_moe_overlap.py).
 
+torch.compile (design §3, "torch.compile"): under tracing the experts run through flatep.ops' "experts" custom op
+(ffn_forward, saving h and a) and its backward op (experts_backward_step: ffn_backward into main_grad); the shared
+expert and forward_microbatches take their serial schedule; fp8=True and a Buffer not yet made raise ValueError.
+
 On a CUDA device with torch._grouped_mm the whole layer (forward and backward) runs without a host synchronisation:
 the grouped GEMMs read the compute views with offs = cu_seqlens in device memory. (Without torch._grouped_mm the
 loop reads cu_seqlens on the host, a synchronisation.)
@@ -145,6 +149,114 @@ def grouped_ffn(x, w1, w2, cu_seqlens, activation=None):
     if start < x.shape[0]:
         pieces.append(torch.zeros(x.shape[0] - start, x.shape[1], dtype=_BF16, device=x.device))
     return torch.cat(pieces, dim=0)
+
+
+def _groups(cu_seqlens):
+    """(g, start, end) of every group with rows, from inclusive group ends cu_seqlens (read on the host), as
+    grouped_ffn's loop walks them."""
+    start = 0
+    for g, end in enumerate(int(e) for e in cu_seqlens.tolist()):
+        if end > start:
+            yield g, start, end
+        start = max(start, end)
+
+
+def ffn_forward(x, w1, w2, cu_seqlens, activation, save):
+    """grouped_ffn that also returns what ffn_backward needs: (y, h, a) with y [NvS, H] bf16 (bitwise grouped_ffn's:
+    the same operations on the same layouts), h [NvS, 2F or F] the first GEMM's bf16 output and a [NvS, F] the bf16
+    activation (both [0, .] when save=False). x [NvS, H] bf16; w1, w2 the bf16 compute views. The torch.compile path
+    of nn.MoE (flatep.ops "experts"): saving h and a, the backward recomputes no GEMM."""
+    activation = _activation_of(w1, w2, activation)
+    n, cols, ffn = x.shape[0], w1.shape[-1], w2.shape[-2]
+    if _has_grouped_mm(x) and w1.dtype == _BF16:
+        offs = cu_seqlens.to(device=x.device, dtype=torch.int32)
+        h = torch._grouped_mm(x, w1, offs=offs)
+        a = activate(h, activation)
+        y = torch._grouped_mm(a, w2, offs=offs)
+        end = torch.arange(n, device=x.device).unsqueeze(1) < offs[-1]
+        y = torch.where(end, y, torch.zeros_like(y))
+    else:  # the loop of grouped_ffn over fp32 copies of each group's weights (what the eager path's copies hold)
+        y = torch.zeros(n, w2.shape[-1], dtype=_BF16, device=x.device)
+        h = torch.zeros(n if save else 0, cols, dtype=_BF16, device=x.device)
+        a = torch.zeros(n if save else 0, ffn, dtype=_BF16, device=x.device)
+        for g, start, end in _groups(cu_seqlens):
+            hg = (x[start:end].float() @ w1[g].float()).to(_BF16)
+            ag = activate(hg, activation)
+            y[start:end] = (ag.float() @ w2[g].float()).to(_BF16)
+            if save:
+                h[start:end], a[start:end] = hg, ag
+    if not save:
+        h = torch.empty(0, cols, dtype=_BF16, device=x.device)
+        a = torch.empty(0, ffn, dtype=_BF16, device=x.device)
+    return y, h, a
+
+
+def _activation_backward(grad_a, h, activation):
+    """Gradient at h [n, 2F or F] bf16 of activate(h) given grad_a [n, F] bf16: the operations autograd runs for
+    activate (the fp32 values recomputed from h: two elementwise passes, no GEMM), rounded to bf16 as the gradient of
+    h.float() is."""
+    hf, gp = h.float(), grad_a.float()
+    if activation == "silu":
+        return torch.ops.aten.silu_backward(gp, hf).to(_BF16)
+    ffn = h.shape[-1] // 2
+    gate, up = hf[..., :ffn], hf[..., ffn:]
+    grad_gate = torch.ops.aten.silu_backward(gp * up, gate)
+    return torch.cat([grad_gate, gp * F.silu(gate)], dim=-1).to(_BF16)
+
+
+def ffn_backward(grad_y, x, h, a, w1, w2, cu_seqlens, activation, want_x, want_w1, want_w2):
+    """Backward of ffn_forward from its saved (x, h, a) and the compute views w1, w2 (holding the forward's values):
+    (grad_x [NvS, H] bf16 or None, grad_w1, grad_w2 [2*epn, ...] or None), the values autograd gives for
+    grouped_ffn (the eager path of nn.MoE): the GPU path its grouped-GEMM backward formulas (bf16 weight gradients,
+    grad_x zero past the last group end), the loop fp32 GEMMs per group (fp32 weight gradients, zero for groups
+    without rows)."""
+    activation = _activation_of(w1, w2, activation)
+    grad_x = grad_w1 = grad_w2 = None
+    if _has_grouped_mm(x) and w1.dtype == _BF16:
+        offs = cu_seqlens.to(device=x.device, dtype=torch.int32)
+        end = torch.arange(x.shape[0], device=x.device).unsqueeze(1) < offs[-1]
+        grad_y = torch.where(end, grad_y, torch.zeros_like(grad_y))
+        if want_w2:
+            grad_w2 = torch._grouped_mm(a.transpose(-2, -1), grad_y, offs=offs)
+        if want_w1 or want_x:
+            grad_h = _activation_backward(torch._grouped_mm(grad_y, w2.transpose(-2, -1), offs=offs), h, activation)
+            if want_w1:
+                grad_w1 = torch._grouped_mm(x.transpose(-2, -1), grad_h, offs=offs)
+            if want_x:
+                grad_x = torch._grouped_mm(grad_h, w1.transpose(-2, -1), offs=offs).masked_fill(~end, 0)
+        return grad_x, grad_w1, grad_w2
+    fp32 = dict(dtype=torch.float32, device=x.device)
+    grad_w1 = torch.zeros(w1.shape, **fp32) if want_w1 else None
+    grad_w2 = torch.zeros(w2.shape, **fp32) if want_w2 else None
+    grad_x = torch.zeros(x.shape, dtype=_BF16, device=x.device) if want_x else None
+    for g, start, end in _groups(cu_seqlens):
+        grad_yg = grad_y[start:end].float()
+        if want_w2:
+            grad_w2[g] = a[start:end].float().t().mm(grad_yg)
+        if want_w1 or want_x:
+            grad_ag = grad_yg.mm(w2[g].float().t()).to(_BF16)
+            grad_hg = _activation_backward(grad_ag, h[start:end], activation).float()
+            if want_w1:
+                grad_w1[g] = x[start:end].float().t().mm(grad_hg)
+            if want_x:
+                grad_x[start:end] = grad_hg.mm(w1[g].float().t()).to(_BF16)
+    return grad_x, grad_w1, grad_w2
+
+
+def experts_backward_step(pools, layer, plan, grad_y, x, h, a, cu_seqlens, activation, want_x, want_w1, want_w2):
+    """The experts' backward on the torch.compile path (the body of flatep.ops "experts_backward"): prefetch again
+    (collective; another layer may have written the shared slot pool since the forward), ffn_backward over the
+    compute views, the weight gradients into main_grad (write_grads with accumulate, then reduce_grad: collective),
+    as _experts_backward does. Returns grad_x (None when not wanted)."""
+    pools._prefetch_raw(plan, layer)
+    grad_x, grad_w1, grad_w2 = ffn_backward(grad_y, x, h, a, layer.weights(0), layer.weights(1), cu_seqlens,
+                                            activation, want_x, want_w1, want_w2)
+    for p, grad in enumerate((grad_w1, grad_w2)):
+        if grad is not None:
+            pools._write_grads_raw(plan, layer, p, grad.contiguous(), True)
+    if want_w1 or want_w2:
+        pools._reduce_grad_raw(plan, layer)
+    return grad_x
 
 
 def route(x, router_weight, topk, topk_idx=None):
@@ -343,6 +455,22 @@ class _ExpertsFunction(torch.autograd.Function):
         return None, None, _experts_backward(ctx, grad_y, want_w), None, None
 
 
+def _experts_compiled(moe, plan, recv_x):
+    """The experts while torch.compile traces (design §3, "torch.compile"): prefetch (the pools' custom op), then the
+    "experts" custom op: ffn_forward over the compute views, y with h and a saved for its registered backward
+    (experts_backward_step: prefetch again, ffn_backward, write_grads(accumulate) and reduce_grad into main_grad).
+    w1 and w2 are inputs so that autograd runs the backward when they need gradients; like _ExpertsFunction it
+    returns none for them (theirs is main_grad)."""
+    pools, layer = moe.pools, moe.expert_layer
+    pools.prefetch(plan, layer)
+    save = torch.is_grad_enabled() and (recv_x.requires_grad or moe.w1.requires_grad or moe.w2.requires_grad)
+    y, _, _ = _ops.experts_op(
+        pools._op_id, layer._index, plan._handle, plan._storage, plan.cu_seqlens, recv_x, moe.w1, moe.w2,
+        layer._weights[0], layer._weights[1], layer._grads[0], layer._grads[1], moe.activation, save,
+    )
+    return y
+
+
 class _FP8DispatchExpertsFunction(torch.autograd.Function):
     """FP8 dispatch and the experts as one autograd node: x [s, H] bf16, topk_weights [s, K] fp32, w1, w2 ->
     (y [NvS, H] bf16, recv_w [NvS] fp32). (Buffer.dispatch(..., fp8=True) has no autograd; this node defines it.)
@@ -423,7 +551,8 @@ class MoE(torch.nn.Module):
 
     forward(x [s, H] float tensor, topk_idx=None [s, K] int) -> [s, H] in x's dtype. topk_idx overrides the router's
     choice (the weights are still the router's probabilities of those experts, renormalised). After a call,
-    ``last_plan`` holds the step's Plan (``last_plan.stats['loads']``: rows per rank).
+    ``last_plan`` holds the step's Plan (``last_plan.stats['loads']``: rows per rank; None after a
+    torch.compile'd call).
     forward_microbatches(x_list, topk_idx=None) -> list of outputs: the micro-batches pipelined (see there).
     """
 
@@ -548,9 +677,11 @@ class MoE(torch.nn.Module):
 
     def _check_zero_copy(self):
         layer = self.expert_layer
+        compiling = _ops.compiling()  # the compiler traces no data_ptr: dtype and device only
         for p, (name, param) in enumerate((("w1", self.w1), ("w2", self.w2))):
             own = layer.own_weights(p)
-            if param.dtype != own.dtype or param.device != own.device or param.data_ptr() != own.data_ptr():
+            moved = not compiling and param.data_ptr() != own.data_ptr()
+            if param.dtype != own.dtype or param.device != own.device or moved:
                 raise ValueError(
                     f"MoE: {name} is no longer the library's expert memory (it is {str(param.dtype)[6:]} on "
                     f"{param.device}; was the module converted with .float() / .to()?): expert parameters must stay "
@@ -590,9 +721,26 @@ class MoE(torch.nn.Module):
         """The shared expert's output on the bf16 rows xb [s, H] -> [s, H] bf16, on the current stream."""
         return shared_expert_ffn(xb, self.shared_w1, self.shared_w2, self.activation)
 
+    def _check_compilable(self):
+        """Under torch.compile: what the compiled path does not do raises a ValueError saying so."""
+        if not _ops.compiling():
+            return
+        if self.fp8:
+            raise ValueError("MoE: fp8=True is not supported under torch.compile (FP8 dispatch is eager only); set "
+                             "moe.fp8 = False for the compiled model or run it eagerly")
+        if self.buffer is None:
+            raise ValueError("MoE: under torch.compile the layer's Buffer must exist before tracing: pass num_tokens= "
+                             "at construction or run one eager forward first")
+
+    def _experts(self, plan, recv_x):
+        if _ops.compiling():
+            return _experts_compiled(self, plan, recv_x)
+        return _ExpertsFunction.apply(self, plan, recv_x, self.w1, self.w2)
+
     def forward(self, x, topk_idx=None):
         self._check_input(x)
         self._check_zero_copy()
+        self._check_compilable()
         if self.buffer is None:
             self._make_buffer(int(x.shape[0]))
         weights, idx = route(x, self.router.weight, self.topk, topk_idx)
@@ -620,12 +768,14 @@ class MoE(torch.nn.Module):
                 y, recv_w = _FP8DispatchExpertsFunction.apply(self, plan, xb, weights, self.w1, self.w2)
             else:
                 recv_x, recv_w, _ = self.buffer.dispatch(plan, xb, weights)
-                y = _ExpertsFunction.apply(self, plan, recv_x, self.w1, self.w2)
+                y = self._experts(plan, recv_x)
             out = self.buffer.combine(plan, y, recv_w)
         if shared is not None:
             out = add_shared(out, shared)
+        if _ops.compiling():  # a Plan made while tracing holds the graph's tensors: none is kept on the module
+            plan = None
         self.last_plan = plan
-        self.last_plans = [plan]
+        self.last_plans = [plan] if plan is not None else []
         return out.to(x.dtype)
 
     def forward_microbatches(self, xs, topk_idx=None):
@@ -672,6 +822,7 @@ class MoE(torch.nn.Module):
         for i, x in enumerate(xs):
             self._check_input(x, f"xs[{i}]")
         self._check_zero_copy()
+        self._check_compilable()
         if self.buffer is None:
             self._make_buffer(max(int(x.shape[0]) for x in xs))
         if n == 1 or not self._overlapped():
@@ -679,7 +830,7 @@ class MoE(torch.nn.Module):
             for x, idx in zip(xs, idxs):
                 outs.append(self.forward(x, idx))
                 plans.append(self.last_plan)
-            self.last_plans = plans
+            self.last_plans = plans if not _ops.compiling() else []
             return outs
         buffer, comm = self.buffer, self.buffer.comm_stream
         routed = [route(x, self.router.weight, self.topk, idx) for x, idx in zip(xs, idxs)]

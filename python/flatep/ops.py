@@ -21,6 +21,10 @@ ExpertPools) and in C++ plans. So:
   view), which is true, keeps them from being dead-code eliminated and orders the grouped GEMMs that read the views
   after them. Should the compiler hand an op a copy of a view (functionalisation without re-inplacing), the op copies
   the result into it, so the copy holds what the view holds.
+* nn.MoE's experts: ``experts`` (functional: the grouped expert FFN over the compute views, y with h and a, the bf16
+  activations its registered autograd saves) and ``experts_backward`` (mutating the gradient views: prefetch again,
+  the FFN's backward by hand, write_grads with accumulate into main_grad, reduce_grad; returns the rows' gradient).
+  The arithmetic lives in flatep.nn (ffn_forward, ffn_backward, experts_backward_step); design §3 says why by hand.
 * stream: 0 = the current stream, 1 = the Buffer's / pools' own ``comm_stream`` (ordered after the current stream,
   which then waits for it: the call is complete in the current stream's order). num_sms: -1 = the object's setting.
   previous_event / async_finish (an EventHandle is a Python object) are eager-only.
@@ -337,9 +341,77 @@ if AVAILABLE:
     def _(pools_id, layer, handle, storage, projection, grad, accumulate, grads, stream, num_sms):
         return None
 
+    # ---- nn.MoE's experts (see nn._experts_compiled): functional forward, backward into main_grad ----
+
+    @torch.library.custom_op("flatep::experts", mutates_args=())
+    def experts_op(
+        pools_id: int, layer: int, handle: Tensor, storage: Tensor, cu_seqlens: Tensor, recv_x: Tensor, w1: Tensor,
+        w2: Tensor, weights1: Tensor, weights2: Tensor, grads1: Tensor, grads2: Tensor, activation: str, save: bool,
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        # w1, w2 (the parameters) and grads1, grads2 (the gradient views) are read by autograd only: the parameters
+        # make the backward run when they need gradients, the views are what the backward writes
+        return _nn().ffn_forward(_dense(recv_x), weights1, weights2, cu_seqlens, activation, save)
+
+    @experts_op.register_fake
+    def _(pools_id, layer, handle, storage, cu_seqlens, recv_x, w1, w2, weights1, weights2, grads1, grads2,
+          activation, save):
+        rows = recv_x.shape[0] if save else 0
+        y = recv_x.new_empty((recv_x.shape[0], weights2.shape[-1]), dtype=torch.bfloat16)
+        h = recv_x.new_empty((rows, weights1.shape[-1]), dtype=torch.bfloat16)
+        a = recv_x.new_empty((rows, weights2.shape[-2]), dtype=torch.bfloat16)
+        return y, h, a
+
+    @torch.library.custom_op("flatep::experts_backward", mutates_args=("grads1", "grads2"))
+    def experts_backward_op(
+        pools_id: int, layer: int, handle: Tensor, storage: Tensor, cu_seqlens: Tensor, grad_y: Tensor,
+        recv_x: Tensor, h: Tensor, a: Tensor, grads1: Tensor, grads2: Tensor, activation: str, want_x: bool,
+        want_w1: bool, want_w2: bool,
+    ) -> Tensor:
+        # Writes main_grad (the own part of grads1 / grads2) and the reduce pools; prefetches into the compute views
+        # again (the slot pool, which no tensor of the graph reads after the forward's experts).
+        p = _object(pools_id, "ExpertPools")
+        ex = p.layers[layer]
+        grad_x = _nn().experts_backward_step(
+            p, ex, _OpPlan(handle, storage), _dense(grad_y.to(torch.bfloat16)), _dense(recv_x), h, a, cu_seqlens,
+            activation, want_x, want_w1, want_w2,
+        )
+        _sync_views([grads1, grads2], ex._grads)
+        return grad_x if grad_x is not None else _empty(recv_x, torch.bfloat16)
+
+    @experts_backward_op.register_fake
+    def _(pools_id, layer, handle, storage, cu_seqlens, grad_y, recv_x, h, a, grads1, grads2, activation, want_x,
+          want_w1, want_w2):
+        return recv_x.new_empty(recv_x.shape if want_x else (0,), dtype=torch.bfloat16)
+
+    def _experts_setup(ctx, inputs, output):
+        pools_id, layer, handle, storage, cu_seqlens, recv_x, _, _, _, _, grads1, grads2, activation, _ = inputs
+        _, h, a = output
+        ctx.save_for_backward(handle, storage, cu_seqlens, recv_x, h, a, grads1, grads2)
+        ctx.args = (pools_id, layer, activation)
+
+    def _experts_backward(ctx, grad_y, grad_h, grad_a):
+        want_x, want_w1, want_w2 = (bool(ctx.needs_input_grad[i]) for i in (5, 6, 7))
+        grad_x = None
+        if want_x or want_w1 or want_w2:
+            pools_id, layer, activation = ctx.args
+            handle, storage, cu_seqlens, recv_x, h, a, grads1, grads2 = ctx.saved_tensors
+            grad_x = experts_backward_op(pools_id, layer, handle, storage, cu_seqlens, grad_y, recv_x, h, a, grads1,
+                                         grads2, activation, want_x, want_w1, want_w2)
+        # none for w1 / w2: their gradient is main_grad
+        return (None,) * 5 + (grad_x if want_x else None,) + (None,) * 8
+
+    torch.library.register_autograd("flatep::experts", _experts_backward, setup_context=_experts_setup)
+
 else:  # torch < 2.4: no custom ops; every method takes the direct path
     plan_op = dispatch_op = combine_op = entry_values_op = combine_grad_op = None
-    prefetch_op = reduce_grad_op = write_grads_op = None
+    prefetch_op = reduce_grad_op = write_grads_op = experts_op = experts_backward_op = None
+
+
+def _nn():
+    """flatep.nn (the experts' arithmetic; imported at call time: nn imports this module)."""
+    from . import nn
+
+    return nn
 
 
 def stream_code(op, obj, stream, previous_event, async_finish):
