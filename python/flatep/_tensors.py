@@ -42,21 +42,24 @@ def shape_text(shape):
 
 def check_tensor(op, name, value, dtypes, shape, device, shape_names=None):
     """Raises ValueError naming `op` and `name` unless `value` is a tensor of one of `dtypes`, of `shape` (None in a
-    dimension: any size; checked by the caller) on `device`. Returns it contiguous."""
+    dimension: any size; checked by the caller) on `device`. Returns it contiguous. Every op of a step calls it for
+    each tensor argument, so the accepted case builds no text and creates no device object."""
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.device.type != device.type or (device.type == "cuda" and value.device != device):
+    value_device = value.device
+    if value_device != device and (value_device.type != device.type or device.type == "cuda"):
         raise ValueError(
-            f"{op}: {name} is on {value.device}, but this object runs on {device} "
+            f"{op}: {name} is on {value_device}, but this object runs on {device} "
             + ("(the CPU backend: host memory); pass CPU tensors" if device.type == "cpu" else "")
         )
     if value.dtype not in dtypes:
         allowed = " or ".join(str(d).replace("torch.", "") for d in dtypes)
         raise ValueError(f"{op}: {name} must be {allowed}, got {str(value.dtype).replace('torch.', '')}")
-    expected = shape_names if shape_names is not None else shape_text(shape)
-    if value.dim() != len(shape) or any(e is not None and e != d for e, d in zip(shape, value.shape)):
-        raise ValueError(f"{op}: {name} must have shape {expected}, got {shape_text(value.shape)}")
-    return value.contiguous()
+    got = value.shape  # a torch.Size: equal to a tuple of the same sizes (the common case, no None in shape)
+    if got != shape and (len(got) != len(shape) or any(e is not None and e != d for e, d in zip(shape, got))):
+        expected = shape_names if shape_names is not None else shape_text(shape)
+        raise ValueError(f"{op}: {name} must have shape {expected}, got {shape_text(got)}")
+    return value if value.is_contiguous() else value.contiguous()
 
 
 def address(tensor):
