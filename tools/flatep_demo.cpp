@@ -18,6 +18,7 @@
 #include "flatep/buffer.hpp"
 #include "flatep/expert_pools.hpp"
 #include "layout/layout.hpp"
+#include "layout/plan.hpp"
 #include "routing/routing.hpp"
 #include "transport/local_host.hpp"
 
@@ -194,7 +195,7 @@ void run_rank(const Options& o, const Inputs& in, const std::shared_ptr<Transpor
     // Rows [start, start + alloc) of group g are real; the rest of the padded group is zero and stays zero.
     auto group_real_rows = [&](int g, int32_t& start, int32_t& end) {
         start = g == 0 ? 0 : res.cu_seqlens[g - 1];
-        const int expert = g < epn ? rank * epn + g : res.slot_expert[g - epn];
+        const int expert = group_expert(epn, res.slot_expert.data(), rank, g);
         end = start + (expert < 0 ? 0 : res.alloc[int64_t(rank) * o.experts + expert]);
     };
     std::vector<uint16_t> y(int64_t(nvs) * H, 0), h(int64_t(nvs) * F, 0);
@@ -429,7 +430,7 @@ Row run_sweep_point(const Options& o, double target) {
         const RankResult& rr = res[r];
         for (int g = 0; g < 2 * epn; ++g) {
             const int32_t start = g == 0 ? 0 : rr.cu_seqlens[g - 1];
-            const int expert = g < epn ? r * epn + g : rr.slot_expert[g - epn];
+            const int expert = group_expert(epn, rr.slot_expert.data(), r, g);
             const int32_t real = expert < 0 ? 0 : rr.alloc[int64_t(r) * E + expert];
             for (int32_t row_idx = start + real; row_idx < rr.cu_seqlens[g]; ++row_idx) {
                 for (int c = 0; c < H; ++c) dispatch_mismatch += rr.recv_x[int64_t(row_idx) * H + c] != 0;

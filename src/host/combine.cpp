@@ -14,7 +14,7 @@ void combine(const CombineArgs& a, OpStats* stats) {
     const Layout& l = a.layout;
     const int K = l.topk, H = l.hidden;
     const PlanView& p = a.plan;
-    const int num_tokens = p.header[kHeaderNumTokens];
+    const int num_tokens = plan_num_tokens(p);
     FLATEP_CHECK(a.y != nullptr, "combine: y is null");
     FLATEP_CHECK(num_tokens == 0 || a.out != nullptr, "combine: out is null");
     const SymmetricLayout sym = make_symmetric_layout(l);

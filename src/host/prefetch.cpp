@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "common/check.hpp"
+#include "layout/layout.hpp"
 #include "sync/barrier_host.hpp"
 
 namespace flatep::host {
@@ -14,9 +15,9 @@ void prefetch(const PrefetchArgs& a) {
     for (int d = 0; d < a.num_ranks; ++d) {
         for (int j = 0; j < epn; ++j) {
             const int expert = a.slot_expert[d * epn + j];
-            if (expert < 0 || expert / epn != a.rank) continue;
+            if (expert < 0 || home_rank(expert, epn) != a.rank) continue;
             std::memcpy(a.slot_pools[d] + int64_t(j) * a.expert_bytes,
-                        a.weights + int64_t(expert % epn) * a.expert_bytes, size_t(a.expert_bytes));
+                        a.weights + int64_t(local_expert(expert, epn)) * a.expert_bytes, size_t(a.expert_bytes));
         }
     }
     barrier(a.sync, kOpPrefetch);  // every slot is filled before anyone computes with it

@@ -12,6 +12,11 @@ namespace flatep {
 
 struct Config;
 
+// Expert `expert_idx` lives on its home rank expert_idx / epn (design §1), as its local expert expert_idx % epn there.
+// Every backend derives an expert's home and local index through these two (or the Layout members below).
+FLATEP_HD constexpr int home_rank(int expert_idx, int experts_per_rank) { return expert_idx / experts_per_rank; }
+FLATEP_HD constexpr int local_expert(int expert_idx, int experts_per_rank) { return expert_idx % experts_per_rank; }
+
 struct Layout {
     int num_ranks;         // R
     int num_experts;       // E
@@ -26,9 +31,11 @@ struct Layout {
 
     FLATEP_HD int num_groups() const { return 2 * experts_per_rank; }
     FLATEP_HD int num_entries() const { return num_tokens * topk; }  // S*K: entries one rank routes at most
-    FLATEP_HD int home_rank(int expert_idx) const { return expert_idx / experts_per_rank; }
-    FLATEP_HD int local_expert(int expert_idx) const { return expert_idx % experts_per_rank; }
+    FLATEP_HD int home_rank(int expert_idx) const { return flatep::home_rank(expert_idx, experts_per_rank); }
+    FLATEP_HD int local_expert(int expert_idx) const { return flatep::local_expert(expert_idx, experts_per_rank); }
     FLATEP_HD int64_t row_bytes() const { return int64_t(hidden) * 2; }  // one bf16 row
+    // The padded size of a group of `rows` rows (design §5): rows rounded up to align. Every group size and group
+    // end (cu_seqlens) is derived through this one function.
     FLATEP_HD int padded(int rows) const { return round_up(rows, align); }
 };
 

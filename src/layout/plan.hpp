@@ -56,6 +56,9 @@ enum PlanHeader : int {
     kPlanHeaderWords = 8,
 };
 
+// The tokens this rank passed to plan() (s <= S): the rows every op of the step moves for this rank's tokens.
+FLATEP_HD int plan_num_tokens(const PlanView& p) { return p.header[kHeaderNumTokens]; }
+
 // Sizes and offsets (in int32 words) of every array of a plan allocation.
 struct PlanSizes {
     int64_t tpe_all, alloc, keep, spill_start, take_start, group_row, slot_expert, cu_seqlens, stats;
@@ -113,10 +116,16 @@ FLATEP_HD PlanView make_plan_view(const Layout& l, int32_t* base) {
 }
 
 // The expert whose rows group g (< 2*epn) of `rank` holds: its home expert rank*epn + g for g < epn, else the expert
-// of slot g - epn (-1: an unused slot). Every backend reads a group's expert through this one function.
+// of slot g - epn (-1: an unused slot). `rank_slots` is that rank's [epn] row of slot_expert (a plan's, or a copy of
+// it). Every backend reads a group's expert through this one function (or the PlanView form below).
+FLATEP_HD int group_expert(int experts_per_rank, const int32_t* rank_slots, int rank, int g) {
+    const int epn = experts_per_rank;
+    return g < epn ? rank * epn + g : rank_slots[g - epn];
+}
+
 FLATEP_HD int group_expert(const Layout& l, const PlanView& p, int rank, int g) {
     const int epn = l.experts_per_rank;
-    return g < epn ? rank * epn + g : p.slot_expert[rank * epn + (g - epn)];
+    return group_expert(epn, p.slot_expert + rank * epn, rank, g);
 }
 
 // The group holding receive row r of a rank whose G inclusive group ends are cu[] (its cu_seqlens): the first end

@@ -1,11 +1,14 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "flatep/config.hpp"
 #include "flatep/error.hpp"
 #include "layout/layout.hpp"
+#include "layout/plan.hpp"
 
 namespace flatep {
 namespace {
@@ -121,6 +124,13 @@ TEST(Layout, DerivedSizes) {
     EXPECT_TRUE(l.exact);
     EXPECT_EQ(l.home_rank(13), 3);
     EXPECT_EQ(l.local_expert(13), 1);
+    EXPECT_EQ(home_rank(13, 4), 3);
+    EXPECT_EQ(local_expert(13, 4), 1);
+    // Group padding: align 8; an empty group stays empty.
+    EXPECT_EQ(l.padded(0), 0);
+    EXPECT_EQ(l.padded(1), 8);
+    EXPECT_EQ(l.padded(8), 8);
+    EXPECT_EQ(l.padded(9), 16);
 
     Config c = small();
     c.capacity_factor = 1.25;
@@ -129,6 +139,21 @@ TEST(Layout, DerivedSizes) {
     EXPECT_EQ(s.capacity, 80);
     EXPECT_EQ(s.num_recv_rows, 1152);  // round_up(80 + 8*127, 128)
     EXPECT_FALSE(s.exact);
+}
+
+TEST(Layout, GroupExpert) {
+    const Layout l = make_layout(small());  // R = 4, epn = 4
+    std::vector<int32_t> words(size_t(make_plan_sizes(l).total_words) + 64, 0);
+    int32_t* base = words.data();
+    while (reinterpret_cast<uintptr_t>(base) % 256 != 0) ++base;
+    const PlanView p = make_plan_view(l, base);
+    const int32_t slots_of_rank2[4] = {1, 7, -1, -1};
+    std::copy(slots_of_rank2, slots_of_rank2 + 4, p.slot_expert + 2 * 4);
+    const int want[8] = {8, 9, 10, 11, 1, 7, -1, -1};  // own experts 2*epn + g, then the slots
+    for (int g = 0; g < 8; ++g) {
+        EXPECT_EQ(group_expert(l, p, 2, g), want[g]) << "group " << g;
+        EXPECT_EQ(group_expert(4, slots_of_rank2, 2, g), want[g]) << "group " << g;
+    }
 }
 
 TEST(Layout, SymmetricRegionsAreAlignedAndDisjoint) {

@@ -186,7 +186,7 @@ void check_step(const Case& c, const Layout& l, const std::vector<RankInput>& in
         for (int g = 0; g < 2 * epn; ++g) {
             const int32_t* cu = ref.view.cu_seqlens + d * 2 * epn;
             const int start = g == 0 ? 0 : cu[g - 1];
-            const int expert = g < epn ? d * epn + g : ref.view.slot_expert[d * epn + g - epn];
+            const int expert = group_expert(l, ref.view, d, g);
             const int size = expert < 0 ? 0 : ref.view.alloc[d * E + expert];
             for (int r = start; r < start + size; ++r) real[d][r] = 1;
             for (int r = start + size; r < cu[g]; ++r) {
