@@ -8,14 +8,11 @@
 #include <cuda_runtime.h>
 
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/preload.hpp"
 #include "kernels/grad_reduce/grad_reduce.cuh"
 #include "kernels/prefetch/prefetch.cuh"
 #include "kernels/write_grads/write_grads.cuh"
 #include "transport/cuda/cu_driver.hpp"
-
-namespace flatep::kernels {
-void preload_all_kernels();  // kernels/common/launch.cuh (a header with device code, so not included here)
-}  // namespace flatep::kernels
 #endif
 
 namespace flatep::device {
@@ -137,7 +134,7 @@ void destroy_layer_allocation(LayerAllocation& a) noexcept {
 }
 
 PoolsContext::PoolsContext() {
-    kernels::preload_all_kernels();  // no lazy module load while a peer's kernel spins (see kernels/common/launch.cuh)
+    kernels::preload_all_kernels();  // no lazy module load while a peer's kernel spins (see kernels/common/preload.hpp)
     FLATEP_CUDA_CHECK(cudaMalloc(&epoch_, sizeof(uint64_t)));
     const cudaError_t zeroed = cudaMemset(epoch_, 0, sizeof(uint64_t));
     if (zeroed != cudaSuccess) {

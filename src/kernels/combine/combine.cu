@@ -28,6 +28,13 @@ FLATEP_DEVICE void unpack_fma(float (&acc)[8], float weight, const uint4& v) {
     for (int e = 0; e < 8; ++e) acc[e] = fmaf(weight, x[e], acc[e]);
 }
 
+FLATEP_DEVICE void zero_sums(float (&acc)[kUnroll][8]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[u][c] = 0.0f;
+}
+
 // Destination side: warp per chain head among this rank's real rows.
 template <bool kWeighted>
 __global__ void __launch_bounds__(kThreads)
@@ -43,18 +50,10 @@ __global__ void __launch_bounds__(kThreads)
         uint4* out = reinterpret_cast<uint4*>(partial) + h * n16;
         for (int64_t i0 = 0; i0 < n16; i0 += 32 * kUnroll) {
             float acc[kUnroll][8];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-                for (int c = 0; c < 8; ++c) acc[u][c] = 0.0f;
+            zero_sums(acc);
             for (int32_t r = int32_t(h); r >= 0; r = p.row_next[r]) {
-                const uint4* src = reinterpret_cast<const uint4*>(y) + int64_t(r) * n16;
                 uint4 v[kUnroll];
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int64_t i = i0 + 32 * u + lane;
-                    if (i < n16) v[u] = ld_v4(src + i);
-                }
+                warp_load_step(v, reinterpret_cast<const uint4*>(y) + int64_t(r) * n16, i0, n16, lane);
                 if constexpr (kWeighted) {
                     const float w = weights[r];
 #pragma unroll
@@ -64,11 +63,7 @@ __global__ void __launch_bounds__(kThreads)
                     for (int u = 0; u < kUnroll; ++u) unpack_add(acc[u], v[u]);
                 }
             }
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int64_t i = i0 + 32 * u + lane;
-                if (i < n16) st_v4(out + i, pack_bf16x8(acc[u]));
-            }
+            warp_store_bf16x8_step(out, acc, i0, n16, lane);
         }
     }
 }
@@ -81,7 +76,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int64_t num_warps = int64_t(gridDim.x) * blockDim.x / 32;
     const int K = l.topk;
-    const int num_tokens = p.header[kHeaderNumTokens];
+    const int num_tokens = plan_num_tokens(p);
     const int64_t n16 = l.row_bytes() / 16;
     const uint4** srcs = srcs_s[warp_in_block];
     for (int64_t t = warp; t < num_tokens; t += num_warps) {
@@ -108,26 +103,14 @@ __global__ void __launch_bounds__(kThreads)
         uint4* dst = reinterpret_cast<uint4*>(out_x) + t * n16;
         for (int64_t i0 = 0; i0 < n16; i0 += 32 * kUnroll) {
             float acc[kUnroll][8];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-                for (int c = 0; c < 8; ++c) acc[u][c] = 0.0f;
+            zero_sums(acc);
             for (int s = 0; s < num_src; ++s) {
-                const uint4* src = srcs[s];
                 uint4 v[kUnroll];
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int64_t i = i0 + 32 * u + lane;
-                    if (i < n16) v[u] = ld_v4(src + i);
-                }
+                warp_load_step(v, srcs[s], i0, n16, lane);
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) unpack_add(acc[u], v[u]);
             }
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int64_t i = i0 + 32 * u + lane;
-                if (i < n16) st_v4(dst + i, pack_bf16x8(acc[u]));
-            }
+            warp_store_bf16x8_step(dst, acc, i0, n16, lane);
         }
         __syncwarp();
     }
@@ -143,8 +126,7 @@ void launch(const CombineArgs& a, cudaStream_t stream) {
     FLATEP_CHECK(reinterpret_cast<uintptr_t>(a.y) % 16 == 0 && reinterpret_cast<uintptr_t>(a.out) % 16 == 0,
                  "combine: y and out must be 16-byte aligned");
     const SymmetricLayout sym = make_symmetric_layout(l);
-    PeerPointers peers{};
-    for (int r = 0; r < l.num_ranks; ++r) peers.ptr[r] = a.peers[r];
+    const PeerPointers peers = per_rank("combine", a.peers, l.num_ranks);
     auto* partial = region_at<uint16_t>(a.peers[a.rank], sym.partial_offset);
     launch_barrier(a.sync, kOpCombine, stream);  // sources are done pulling the previous partials
     const int part_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kWarps), 4);
@@ -161,10 +143,7 @@ void launch(const CombineArgs& a, cudaStream_t stream) {
 }
 
 void preload_combine_kernels() {
-    cudaFuncAttributes attr{};
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_partial_kernel<true>));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_partial_kernel<false>));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_pull_kernel));
+    preload_kernels(combine_partial_kernel<true>, combine_partial_kernel<false>, combine_pull_kernel);
 }
 
 }  // namespace flatep::kernels

@@ -113,10 +113,8 @@ void launch(const CombineGradArgs& a, cudaStream_t stream) {
 }
 
 void preload_combine_grad_kernels() {
-    cudaFuncAttributes attr{};
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_grad_kernel<true, true>));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_grad_kernel<true, false>));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_grad_kernel<false, true>));
+    preload_kernels(combine_grad_kernel<true, true>, combine_grad_kernel<true, false>,
+                    combine_grad_kernel<false, true>);
 }
 
 }  // namespace flatep::kernels

@@ -12,10 +12,7 @@ __global__ void barrier_kernel(SyncArgs sync, int op) { block_barrier(sync, op, 
 
 }  // namespace
 
-void preload_barrier_kernels() {
-    cudaFuncAttributes attr{};
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, barrier_kernel));
-}
+void preload_barrier_kernels() { preload_kernels(barrier_kernel); }
 
 void preload_all_kernels() {
     preload_barrier_kernels();

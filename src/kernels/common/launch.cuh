@@ -9,21 +9,32 @@
 
 #include "common/macros.hpp"
 #include "common/math.hpp"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/preload.hpp"
 #include "sync/barrier.cuh"
 #include "sync/sync.hpp"
 
 namespace flatep::kernels {
 
-// Every rank's symmetric buffer base as mapped in this process (kernel-parameter copy of an Args' peers array).
-struct PeerPointers {
-    uint8_t* ptr[kMaxRanks];
+// A kernel-parameter copy of one of an Args' per-rank pointer arrays (symmetric buffer bases, slot pools, reduce
+// pools): every rank's pointer as mapped in this process.
+template <class T>
+struct PerRank {
+    T* ptr[kMaxRanks];
 };
+using PeerPointers = PerRank<uint8_t>;  // every rank's symmetric buffer base
 
-// Host: loads every kernel of the library on the current device now. CUDA's lazy module loading may otherwise load
-// a kernel at its first launch and wait for running kernels while doing so, which deadlocks (until the timeout)
-// when a running kernel spins on a peer whose kernel is the one being loaded. The runtime and LocalDeviceGroup
-// (src/testing) call it.
-void preload_all_kernels();
+// Host: the copy of ptrs[0, num_ranks); the rest null. num_ranks must be in [1, kMaxRanks] (kInvalidArgument
+// naming `op` otherwise).
+template <class T>
+PerRank<T> per_rank(const char* op, T* const* ptrs, int num_ranks) {
+    FLATEP_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, op, ": num_ranks out of range: ", num_ranks);
+    PerRank<T> out{};
+    for (int r = 0; r < num_ranks; ++r) out.ptr[r] = ptrs[r];
+    return out;
+}
+
+// Host: each op's kernels loaded now (preload_all_kernels, kernels/common/preload.hpp, calls them all).
 void preload_barrier_kernels();
 void preload_plan_kernels();
 void preload_dispatch_kernels();
@@ -33,6 +44,14 @@ void preload_grad_reduce_kernels();
 void preload_entry_values_kernels();
 void preload_combine_grad_kernels();
 void preload_write_grads_kernels();
+
+// Host: loads the given kernels now (cudaFuncGetAttributes loads a kernel's module); each op's preload_* calls it.
+template <class... Kernels>
+void preload_kernels(Kernels... kernels) {
+    const void* const list[] = {reinterpret_cast<const void*>(kernels)...};
+    cudaFuncAttributes attr{};
+    for (const void* kernel : list) FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+}
 
 // Host: a one-block kernel running block_barrier on `stream` (between two kernels of an op).
 void launch_barrier(const SyncArgs& sync, int op, cudaStream_t stream);

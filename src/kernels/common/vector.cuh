@@ -42,6 +42,38 @@ FLATEP_DEVICE void st_v4(uint4* ptr, const uint4& v) {
                  : "memory");
 }
 
+// One step of a warp's walk along a row of n16 16-byte words: lane `lane` loads the words i0 + 32*u + lane
+// (u < kUnroll) that lie below n16 into v[u]; the others are left as they were.
+template <int kUnroll>
+FLATEP_DEVICE void warp_load_step(uint4 (&v)[kUnroll], const uint4* src, int64_t i0, int64_t n16, int lane) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = i0 + 32 * u + lane;
+        if (i < n16) v[u] = ld_v4(src + i);
+    }
+}
+
+// The store of the same step: v[u] to the words i0 + 32*u + lane below n16.
+template <int kUnroll>
+FLATEP_DEVICE void warp_store_step(uint4* dst, const uint4 (&v)[kUnroll], int64_t i0, int64_t n16, int lane) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = i0 + 32 * u + lane;
+        if (i < n16) st_v4(dst + i, v[u]);
+    }
+}
+
+// The same store of fp32 sums: acc[u] rounded to 8 bf16 (pack_bf16x8), for the words below n16 only.
+template <int kUnroll>
+FLATEP_DEVICE void warp_store_bf16x8_step(uint4* dst, const float (&acc)[kUnroll][8], int64_t i0, int64_t n16,
+                                          int lane) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = i0 + 32 * u + lane;
+        if (i < n16) st_v4(dst + i, pack_bf16x8(acc[u]));
+    }
+}
+
 // Copies n16 16-byte words from src to dst, one warp, kUnroll loads in flight per lane.
 template <int kUnroll = 4>
 FLATEP_DEVICE void warp_copy_v4(uint4* dst, const uint4* src, int64_t n16, int lane) {

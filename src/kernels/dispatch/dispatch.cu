@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(Layout l, const
     const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int64_t num_warps = int64_t(gridDim.x) * blockDim.x / 32;
     const int K = l.topk;
-    const int num_tokens = p.header[kHeaderNumTokens];
+    const int num_tokens = plan_num_tokens(p);
     const int64_t n16 = l.row_bytes() / 16;
     for (int64_t t = warp; t < num_tokens; t += num_warps) {
         const TokenEntries entries = token_entries(p, K, t, topk_weights, peers, sym.recv_w_offset, lane);
@@ -31,20 +31,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(Layout l, const
         const uint4* src = reinterpret_cast<const uint4*>(x) + t * n16;
         for (int64_t i0 = 0; i0 < n16; i0 += 32 * kUnroll) {
             uint4 v[kUnroll];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int64_t i = i0 + 32 * u + lane;
-                if (i < n16) v[u] = ld_v4(src + i);
-            }
+            warp_load_step(v, src, i0, n16, lane);
             for (unsigned rest = entries.heads; rest != 0; rest &= rest - 1) {
                 int dk, rowk;
                 head_target(entries, __ffs(rest) - 1, &dk, &rowk);
-                uint4* dst = region_at<uint4>(peers.ptr[dk], sym.recv_x_offset) + int64_t(rowk) * n16;
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int64_t i = i0 + 32 * u + lane;
-                    if (i < n16) st_v4(dst + i, v[u]);
-                }
+                warp_store_step(region_at<uint4>(peers.ptr[dk], sym.recv_x_offset) + int64_t(rowk) * n16, v, i0, n16,
+                                lane);
             }
         }
     }
@@ -82,8 +74,7 @@ void launch(const DispatchArgs& a, cudaStream_t stream) {
     FLATEP_CHECK(reinterpret_cast<uintptr_t>(a.recv_x) % 16 == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0,
                  "dispatch: x and recv_x must be 16-byte aligned");
     const SymmetricLayout sym = make_symmetric_layout(l);
-    PeerPointers peers{};
-    for (int r = 0; r < l.num_ranks; ++r) peers.ptr[r] = a.peers[r];
+    const PeerPointers peers = per_rank("dispatch", a.peers, l.num_ranks);
     launch_barrier(a.sync, kOpDispatch, stream);  // destinations are done with the previous contents
     const int push_blocks = grid_blocks(a.sync, ceil_div(l.num_tokens, kWarps), 4);
     dispatch_push_kernel<<<push_blocks, kThreads, 0, stream>>>(l, a.x, a.topk_weights, a.plan, sym, peers);
@@ -97,9 +88,7 @@ void launch(const DispatchArgs& a, cudaStream_t stream) {
 }
 
 void preload_dispatch_kernels() {
-    cudaFuncAttributes attr{};
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_push_kernel));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_fanout_kernel));
+    preload_kernels(dispatch_push_kernel, dispatch_fanout_kernel);
     preload_dispatch_fp8_kernels();  // the FP8 dispatch's kernels (dispatch_fp8.cu)
 }
 

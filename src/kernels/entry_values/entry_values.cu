@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(kThreads)
 // Source side: thread per entry; one 4-byte remote read each.
 __global__ void __launch_bounds__(kThreads)
     entry_values_pull_kernel(Layout l, PlanView p, SymmetricLayout sym, PeerPointers peers, float* out) {
-    const int64_t num_entries = int64_t(p.header[kHeaderNumTokens]) * l.topk;
+    const int64_t num_entries = int64_t(plan_num_tokens(p)) * l.topk;
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_entries;
          i += int64_t(gridDim.x) * blockDim.x) {
         const int d = p.entry_rank[i];
@@ -39,8 +39,7 @@ void launch(const EntryValuesArgs& a, cudaStream_t stream) {
     FLATEP_CHECK(a.rank >= 0 && a.rank < l.num_ranks, "entry_values: rank must be in [0, ", l.num_ranks, "), got ",
                  a.rank);
     const SymmetricLayout sym = make_symmetric_layout(l);
-    PeerPointers peers{};
-    for (int r = 0; r < l.num_ranks; ++r) peers.ptr[r] = a.peers[r];
+    const PeerPointers peers = per_rank("entry_values", a.peers, l.num_ranks);
     launch_barrier(a.sync, kOpEntryValues, stream);  // sources of the previous op are done with recv_w
     const int publish_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kThreads), 4);
     entry_values_publish_kernel<<<publish_blocks, kThreads, 0, stream>>>(
@@ -56,10 +55,6 @@ void launch(const EntryValuesArgs& a, cudaStream_t stream) {
 
 namespace flatep::kernels {
 
-void preload_entry_values_kernels() {
-    cudaFuncAttributes attr{};
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, entry_values_publish_kernel));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, entry_values_pull_kernel));
-}
+void preload_entry_values_kernels() { preload_kernels(entry_values_publish_kernel, entry_values_pull_kernel); }
 
 }  // namespace flatep::kernels

@@ -87,11 +87,8 @@ void launch(const WriteGradsArgs& a, cudaStream_t stream) {
 }
 
 void preload_write_grads_kernels() {
-    cudaFuncAttributes attr{};
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, write_grads_kernel<uint16_t, true>));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, write_grads_kernel<uint16_t, false>));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, write_grads_kernel<float, true>));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, write_grads_kernel<float, false>));
+    preload_kernels(write_grads_kernel<uint16_t, true>, write_grads_kernel<uint16_t, false>,
+                    write_grads_kernel<float, true>, write_grads_kernel<float, false>);
 }
 
 }  // namespace flatep::kernels
