@@ -303,15 +303,12 @@ class Buffer:
         """
         if self._buffer is None:
             raise RuntimeError("plan: this Buffer was destroyed")
+        shape = f"[s, K={self.topk}] with s <= S={self.num_tokens}"
         idx = check_tensor(
-            "plan", "topk_idx", topk_idx, (torch.int32, torch.int64), (None, self.topk), self.device,
-            f"[s, K={self.topk}] with s <= S={self.num_tokens}",
+            "plan", "topk_idx", topk_idx, (torch.int32, torch.int64), (None, self.topk), self.device, shape
         )
-        if idx.shape[0] > self.num_tokens:
-            raise ValueError(
-                f"plan: topk_idx must have shape [s, K={self.topk}] with s <= S={self.num_tokens}, "
-                f"got {shape_text(idx.shape)}"
-            )
+        if idx.shape[0] > self.num_tokens:  # the one message of a bad shape, whichever dimension is off
+            raise ValueError(f"plan: topk_idx must have shape {shape}, got {shape_text(idx.shape)}")
         if _ops.compiling():
             code = _ops.stream_code("plan", self, stream, previous_event, async_finish)
             num_sms = check_num_sms("plan", num_sms)

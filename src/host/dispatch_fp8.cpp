@@ -10,16 +10,12 @@
 namespace flatep::host {
 
 void dispatch_fp8(const DispatchFp8Args& a, OpStats* stats) {
+    const PlanView& p = a.plan;
+    const int num_tokens = plan_num_tokens(p);
+    check_dispatch_fp8_args(a);
+    check_dispatch_fp8_x(a, num_tokens);
     const Layout& l = a.layout;
     const int H = l.hidden;
-    const PlanView& p = a.plan;
-    const int num_tokens = p.header[kHeaderNumTokens];
-    FLATEP_CHECK(H % kFp8BlockSize == 0, "dispatch_fp8: hidden (H) must be a multiple of ", kFp8BlockSize,
-                 " (one scale per ", kFp8BlockSize, " channels), got H=", H);
-    FLATEP_CHECK(a.x_bf16 == nullptr || a.x_fp8 == nullptr, "dispatch_fp8: pass x_bf16 or x_fp8, not both");
-    FLATEP_CHECK(num_tokens == 0 || a.x_bf16 != nullptr || a.x_fp8 != nullptr, "dispatch_fp8: x is null");
-    FLATEP_CHECK(a.x_fp8 == nullptr || a.x_scales != nullptr, "dispatch_fp8: x_scales is null (x_fp8 needs them)");
-    FLATEP_CHECK(a.recv_x != nullptr && a.recv_scales != nullptr, "dispatch_fp8: recv_x and recv_scales must be set");
     const SymmetricLayout sym = make_symmetric_layout(l);
     const int num_blocks = fp8_num_blocks(l);
     const int64_t scales_offset = fp8_recv_scales_offset(l, sym);

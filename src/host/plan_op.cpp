@@ -23,10 +23,7 @@ int32_t clamp_to_int32(int64_t value) {
 void plan_op(const PlanArgs& a) {
     const Layout& l = a.layout;
     const int R = l.num_ranks, E = l.num_experts, K = l.topk;
-    FLATEP_CHECK(a.num_tokens >= 0 && a.num_tokens <= l.num_tokens, "plan: num_tokens must be in [0, S=", l.num_tokens,
-                 "], got ", a.num_tokens);
-    FLATEP_CHECK(a.index_bytes == 4 || a.index_bytes == 8, "plan: index_bytes must be 4 or 8, got ", a.index_bytes);
-    FLATEP_CHECK(a.num_tokens == 0 || a.topk_idx != nullptr, "plan: topk_idx is null");
+    check_plan_args(a);
     const SymmetricLayout sym = make_symmetric_layout(l);
     const PlanView& p = a.plan;
 

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "common/check.hpp"
 #include "layout/layout.hpp"
 #include "layout/plan.hpp"
 #include "sync/sync.hpp"
@@ -24,5 +25,25 @@ struct PlanArgs {
     // keeps its own, allocated on first use outside stream capture). The host twin ignores it.
     void* workspace = nullptr;
 };
+
+// The checks of what a caller passes to plan, made once by the Buffer (before it allocates) and again by both
+// backends' plan op: kInvalidArgument naming the argument and the offending value. Expert ids are checked per entry
+// by the op itself (device status word, design §8).
+inline void check_plan_inputs(const Layout& l, int num_tokens, const void* topk_idx, int index_bytes) {
+    FLATEP_CHECK(num_tokens >= 0 && num_tokens <= l.num_tokens, "plan: num_tokens must be in [0, S=", l.num_tokens,
+                 "], got ", num_tokens);
+    FLATEP_CHECK(index_bytes == 4 || index_bytes == 8, "plan: index_bytes must be 4 (int32) or 8 (int64), got ",
+                 index_bytes);
+    FLATEP_CHECK(num_tokens == 0 || topk_idx != nullptr, "plan: topk_idx is null");
+}
+
+// The checks both backends' plan op make: the inputs above, the planner kind and the rank.
+inline void check_plan_args(const PlanArgs& a) {
+    check_plan_inputs(a.layout, a.num_tokens, a.topk_idx, a.index_bytes);
+    FLATEP_CHECK(a.planner == PlannerKind::kGreedy || a.planner == PlannerKind::kBalanced,
+                 "plan: planner kind must be greedy (0) or balanced (1), got ", int(a.planner));
+    FLATEP_CHECK(a.rank >= 0 && a.rank < a.layout.num_ranks, "plan: rank must be in [0, ", a.layout.num_ranks,
+                 "), got ", a.rank);
+}
 
 }  // namespace flatep

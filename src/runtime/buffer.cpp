@@ -16,6 +16,7 @@
 #include "host/entry_values.hpp"
 #include "host/plan_op.hpp"
 #include "layout/layout.hpp"
+#include "ops/plan_args.hpp"
 #include "runtime/collective_guard.hpp"
 #include "runtime/device_ops.hpp"
 #include "runtime/plan_data.hpp"
@@ -27,16 +28,6 @@ namespace flatep {
 namespace {
 
 std::atomic<uint64_t> next_buffer_id{1};
-
-const char* planner_text(PlannerKind kind) {
-    switch (kind) {
-        case PlannerKind::kGreedy:
-            return "greedy";
-        case PlannerKind::kBalanced:
-            return "balanced";
-    }
-    return "unknown";
-}
 
 // What every rank publishes at construction: its config and planner (both trivially copyable).
 struct ConfigBlob {
@@ -184,7 +175,7 @@ Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, Plann
         if (!diff.empty()) FLATEP_THROW(ErrorCategory::kMismatch, "config mismatch with rank ", p, ": ", diff);
         if (theirs.planner != planner_) {
             FLATEP_THROW(ErrorCategory::kMismatch, "config mismatch with rank ", p,
-                         ": planner: ", planner_text(planner_), " vs ", planner_text(theirs.planner));
+                         ": planner: ", planner_name(planner_), " vs ", planner_name(theirs.planner));
         }
         if (theirs.config.rank != p) {
             FLATEP_THROW(ErrorCategory::kMismatch, "config mismatch with rank ", p, ": rank: that rank's config says ",
@@ -226,7 +217,7 @@ float* Buffer::symmetric_recv_w() {
 
 uint8_t* Buffer::symmetric_recv_x_fp8() { return region_.local + fp8_recv_x_offset(make_symmetric_layout(*layout_)); }
 float* Buffer::symmetric_recv_scales() {
-    return reinterpret_cast<float*>(region_.local + fp8_recv_scales_offset(*layout_, make_symmetric_layout(*layout_)));
+    return region_at<float>(region_.local, fp8_recv_scales_offset(*layout_, make_symmetric_layout(*layout_)));
 }
 
 int64_t Buffer::plan_words() const { return make_plan_sizes(*layout_).total_words; }
@@ -267,11 +258,7 @@ void Buffer::check_plan(const Plan& plan, const char* op) const {
 Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t* plan_storage) {
     enter("plan");
     const Layout& l = *layout_;
-    FLATEP_CHECK(num_tokens >= 0 && num_tokens <= l.num_tokens, "plan: num_tokens must be in [0, S=", l.num_tokens,
-                 "], got ", num_tokens);
-    FLATEP_CHECK(index_bytes == 4 || index_bytes == 8, "plan: index_bytes must be 4 (int32) or 8 (int64), got ",
-                 index_bytes);
-    FLATEP_CHECK(num_tokens == 0 || topk_idx != nullptr, "plan: topk_idx is null");
+    check_plan_inputs(l, num_tokens, topk_idx, index_bytes);  // before anything is allocated
 
     auto data = std::make_shared<Plan::Data>(l);
     data->generation = ++generation_;
@@ -351,20 +338,6 @@ void Buffer::dispatch_fp8(const Plan& plan, const uint16_t* x_bf16, const uint8_
     enter("dispatch_fp8");
     check_plan(plan, "dispatch_fp8");
     const Layout& l = *layout_;
-    FLATEP_CHECK(l.hidden % kFp8BlockSize == 0, "dispatch_fp8: hidden (H) must be a multiple of ", kFp8BlockSize,
-                 " for FP8 rows (one scale per ", kFp8BlockSize, " channels), got H=", l.hidden);
-    FLATEP_CHECK(x_bf16 == nullptr || x_fp8 == nullptr,
-                 "dispatch_fp8: pass x_bf16 (quantised in the op) or x_fp8 with x_scales, not both");
-    FLATEP_CHECK(plan.num_tokens() == 0 || x_bf16 != nullptr || x_fp8 != nullptr,
-                 "dispatch_fp8: x_bf16 and x_fp8 are both null; pass one of them");
-    FLATEP_CHECK(x_fp8 == nullptr || x_scales != nullptr,
-                 "dispatch_fp8: x_scales is null; x_fp8 needs its [s][H/128] fp32 scales");
-    FLATEP_CHECK(x_scales == nullptr || x_fp8 != nullptr,
-                 "dispatch_fp8: x_scales is set without x_fp8; bf16 rows (x_bf16) get their scales in the op");
-    FLATEP_CHECK(scale_mode == Fp8Scale::kFloat || scale_mode == Fp8Scale::kUe8m0,
-                 "dispatch_fp8: scale_mode must be Fp8Scale::kFloat (0) or kUe8m0 (1), got ", int(scale_mode));
-    FLATEP_CHECK(recv_x != nullptr, "dispatch_fp8: recv_x is null");
-    FLATEP_CHECK(recv_scales != nullptr, "dispatch_fp8: recv_scales is null");
     auto args =
         common_args<DispatchFp8Args>(l, config_.rank, plan, plan.data().op_view(), region_, &epoch_, timeout_s_);
     args.x_bf16 = x_bf16;
@@ -375,6 +348,8 @@ void Buffer::dispatch_fp8(const Plan& plan, const uint16_t* x_bf16, const uint8_
     args.recv_x = recv_x;
     args.recv_scales = recv_scales;
     args.recv_w = recv_w;
+    check_dispatch_fp8_args(args);
+    check_dispatch_fp8_x(args, plan.num_tokens());
     if (device_ != nullptr) {
         device_->fill_sync(args.sync);
         device_->dispatch_fp8(args, stream_);
