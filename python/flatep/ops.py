@@ -386,7 +386,11 @@ if AVAILABLE:
     def _experts_setup(ctx, inputs, output):
         pools_id, layer, handle, storage, cu_seqlens, recv_x, _, _, _, _, grads1, grads2, activation, _ = inputs
         _, h, a = output
-        ctx.save_for_backward(handle, storage, cu_seqlens, recv_x, h, a, grads1, grads2)
+        ctx.save_for_backward(handle, storage, cu_seqlens, recv_x, h, a)
+        # The gradient views are written (accumulated into) by the backward, not read as saved values: kept as plain
+        # references, not saved tensors, so that a layer called twice in one graph (forward_microbatches) passes
+        # autograd's saved-version check after the first backward has written them.
+        ctx.grad_views = (grads1, grads2)
         ctx.args = (pools_id, layer, activation)
 
     def _experts_backward(ctx, grad_y, grad_h, grad_a):
@@ -394,7 +398,8 @@ if AVAILABLE:
         grad_x = None
         if want_x or want_w1 or want_w2:
             pools_id, layer, activation = ctx.args
-            handle, storage, cu_seqlens, recv_x, h, a, grads1, grads2 = ctx.saved_tensors
+            handle, storage, cu_seqlens, recv_x, h, a = ctx.saved_tensors
+            grads1, grads2 = ctx.grad_views
             grad_x = experts_backward_op(pools_id, layer, handle, storage, cu_seqlens, grad_y, recv_x, h, a, grads1,
                                          grads2, activation, want_x, want_w1, want_w2)
         # none for w1 / w2: their gradient is main_grad

@@ -14,7 +14,9 @@ CPU backend (virtual ranks; no streams, every op synchronous, run in the schedul
 * the arguments' checks.
 GPU (marker cuda; skipped without one): the same comparisons on virtual ranks of one GPU, overlapped (comm_stream)
 against serial (current stream), bitwise, in a process of its own with CUDA_MODULE_LOADING=EAGER (see
-step_graph_cases.run_virtual for why).
+step_graph_cases.run_virtual for why), each rank's forward from a thread of its own and every layer's GEMMs run once
+beforehand (flatep.testing.warm_up_local: cuBLAS loads a kernel at first use, and the load waits for a peer's
+collective that the blocked thread has yet to enqueue; backward runs on torch's one autograd thread per device).
 
 Reproduce: PYTHONPATH=python:build/python /usr/bin/python3 -m pytest -q tests/python/test_moe_overlap.py
 """
@@ -262,17 +264,14 @@ def run_gpu_case(rank, world_size, out_path):
                 p.grad = None
         leaves = [[x.clone().requires_grad_() for x in xs[r]] for r in range(GPU_R)]
         torch.cuda.synchronize()
-        outs = []
-        for r in range(GPU_R):  # one thread enqueues every rank's forward, each on its own stream
+        def step(r):  # a thread per rank (a library's first use of a kernel may block its thread), own stream
             with torch.cuda.stream(streams[r]):
-                if pipelined:
-                    outs.append(moes[r].forward_microbatches(leaves[r]))
-                else:
-                    outs.append([moes[r](torch.cat(leaves[r]))])
-        for r in range(GPU_R):
-            with torch.cuda.stream(streams[r]):
+                out = moes[r].forward_microbatches(leaves[r]) if pipelined else [moes[r](torch.cat(leaves[r]))]
                 gs = gouts[r] if pipelined else [torch.cat(gouts[r])]
-                sum((o.float() * gg).sum() for o, gg in zip(outs[r], gs)).backward()
+                sum((o.float() * gg).sum() for o, gg in zip(out, gs)).backward()
+                return out
+
+        outs = virtual.run_threads(GPU_R, step)
         torch.cuda.synchronize()
         res = []
         for r, m in enumerate(moes):
