@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int64_t num_warps = int64_t(gridDim.x) * blockDim.x / 32;
     const int K = l.topk, H = l.hidden, num_blocks = l.hidden / kFp8BlockSize;
-    const int num_tokens = p.header[kHeaderNumTokens];
+    const int num_tokens = plan_num_tokens(p);
     const int64_t num_chunks = H / kChunkChannels;  // also the 16-byte words of an e4m3 row
     for (int64_t t = warp; t < num_tokens; t += num_warps) {
         const TokenEntries entries = token_entries(p, K, t, topk_weights, peers, sym.recv_w_offset, lane);
@@ -78,17 +78,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) q[u] = quantise_chunk(raw[u][0], raw[u][1], mode, &scale[u]);
             } else {
-                const uint4* src = reinterpret_cast<const uint4*>(x_fp8 + t * H);
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int64_t i = i0 + 32 * u + lane;
-                    if (i < num_chunks) q[u] = ld_v4(src + i);
-                }
+                warp_load_step(q, reinterpret_cast<const uint4*>(x_fp8 + t * H), i0, num_chunks, lane);
             }
             for (unsigned rest = entries.heads; rest != 0; rest &= rest - 1) {
                 int dk, rowk;
                 head_target(entries, __ffs(rest) - 1, &dk, &rowk);
-                uint4* dst = region_at<uint4>(peers.ptr[dk], sym.recv_x_offset) + int64_t(rowk) * num_chunks;
+                uint4* dst = region_at<uint4>(peers.ptr[dk], fp8_recv_x_offset(sym)) + int64_t(rowk) * num_chunks;
                 float* dst_scales = region_at<float>(peers.ptr[dk], scales_offset) + int64_t(rowk) * num_blocks;
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) {
@@ -150,21 +145,14 @@ bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr
 
 void launch(const DispatchFp8Args& a, cudaStream_t stream) {
     const Layout& l = a.layout;
-    FLATEP_CHECK(l.hidden % kFp8BlockSize == 0, "dispatch_fp8: hidden (H) must be a multiple of ", kFp8BlockSize,
-                 " (one scale per ", kFp8BlockSize, " channels), got H=", l.hidden);
-    FLATEP_CHECK(a.recv_x != nullptr && a.recv_scales != nullptr, "dispatch_fp8: recv_x and recv_scales must be set");
-    FLATEP_CHECK(a.x_bf16 == nullptr || a.x_fp8 == nullptr, "dispatch_fp8: pass x_bf16 or x_fp8, not both");
-    FLATEP_CHECK(a.x_fp8 == nullptr || a.x_scales != nullptr, "dispatch_fp8: x_scales is null (x_fp8 needs them)");
-    FLATEP_CHECK(a.rank >= 0 && a.rank < l.num_ranks, "dispatch_fp8: rank must be in [0, ", l.num_ranks, "), got ",
-                 a.rank);
+    check_dispatch_fp8_args(a);
     FLATEP_CHECK(aligned(a.x_bf16, 16) && aligned(a.x_fp8, 16) && aligned(a.recv_x, 16),
                  "dispatch_fp8: x_bf16, x_fp8 and recv_x must be 16-byte aligned");
     FLATEP_CHECK(aligned(a.x_scales, 4) && aligned(a.recv_scales, 4),
                  "dispatch_fp8: x_scales and recv_scales must be 4-byte aligned");
     const SymmetricLayout sym = make_symmetric_layout(l);
     const int64_t scales_offset = fp8_recv_scales_offset(l, sym);
-    PeerPointers peers{};
-    for (int r = 0; r < l.num_ranks; ++r) peers.ptr[r] = a.peers[r];
+    const PeerPointers peers = per_rank("dispatch_fp8", a.peers, l.num_ranks);
     launch_barrier(a.sync, kOpDispatchFp8, stream);  // destinations are done with the previous contents
     const int push_blocks = grid_blocks(a.sync, ceil_div(l.num_tokens, kWarps), 4);
     // An empty call (s = 0, no rows given) pushes nothing; the pre-quantised kernel then reads no row.
@@ -182,10 +170,7 @@ void launch(const DispatchFp8Args& a, cudaStream_t stream) {
 }
 
 void preload_dispatch_fp8_kernels() {
-    cudaFuncAttributes attr{};
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_fp8_push_kernel<true>));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_fp8_push_kernel<false>));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_fp8_fanout_kernel));
+    preload_kernels(dispatch_fp8_push_kernel<true>, dispatch_fp8_push_kernel<false>, dispatch_fp8_fanout_kernel);
 }
 
 }  // namespace flatep::kernels

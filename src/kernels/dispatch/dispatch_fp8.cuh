@@ -13,7 +13,7 @@ namespace flatep::kernels {
 // the copy-out when recv_x / recv_scales are not the symmetric region, weights, zeroed padding rows and scales).
 void launch(const DispatchFp8Args& args, cudaStream_t stream);
 
-// Loads the kernels of this file now (see preload_all_kernels in kernels/common/launch.cuh).
+// Loads the kernels of this file now (see preload_all_kernels in kernels/common/preload.hpp).
 void preload_dispatch_fp8_kernels();
 
 }  // namespace flatep::kernels
