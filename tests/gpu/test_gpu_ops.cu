@@ -432,6 +432,13 @@ int main(int argc, char** argv) {
         s.grads_elems = 1003;
         add(s);
         s = CaseSpec{};
+        s.name = "r4_decode_h7168_row_slices";  // 64 of S=1024 tokens: dispatch's push and combine's pull split rows
+        s.config = make_config(4, 32, 1024, 8, 7168, 128);
+        s.num_tokens = 64;
+        s.sigma = 1.0;
+        s.backward = true;
+        add(s);
+        s = CaseSpec{};
         s.name = "r8_deepep_like_h7168";
         s.config = make_config(8, 256, 1024, 8, 7168, 128);
         s.sigma = 0.0;

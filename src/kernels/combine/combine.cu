@@ -68,7 +68,8 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
-// Source side: warp per token; one pull per destination rank holding entries of the token, ascending rank.
+// Source side: warp per token (row_slices warps per token when the call has fewer tokens than the grid has warps);
+// one pull per destination rank holding entries of the token, ascending rank.
 __global__ void __launch_bounds__(kThreads)
     combine_pull_kernel(Layout l, PlanView p, SymmetricLayout sym, PeerPointers peers, uint16_t* out_x) {
     __shared__ const uint4* srcs_s[kWarps][kMaxTopk];
@@ -79,7 +80,11 @@ __global__ void __launch_bounds__(kThreads)
     const int num_tokens = plan_num_tokens(p);
     const int64_t n16 = l.row_bytes() / 16;
     const uint4** srcs = srcs_s[warp_in_block];
-    for (int64_t t = warp; t < num_tokens; t += num_warps) {
+    constexpr int64_t kStep = 32 * kUnroll;
+    const int num_slices = row_slices(num_tokens, num_warps, ceil_div(n16, kStep));
+    for (int64_t item = warp; item < int64_t(num_tokens) * num_slices; item += num_warps) {
+        const int64_t t = item / num_slices;
+        const int64_t first_step = (item % num_slices) * kStep;
         int d = -1, row = -1;
         if (lane < K) {
             d = p.entry_rank[t * K + lane];
@@ -101,7 +106,7 @@ __global__ void __launch_bounds__(kThreads)
         __syncwarp();
         const int num_src = __popc(heads);
         uint4* dst = reinterpret_cast<uint4*>(out_x) + t * n16;
-        for (int64_t i0 = 0; i0 < n16; i0 += 32 * kUnroll) {
+        for (int64_t i0 = first_step; i0 < n16; i0 += num_slices * kStep) {
             float acc[kUnroll][8];
             zero_sums(acc);
             for (int s = 0; s < num_src; ++s) {

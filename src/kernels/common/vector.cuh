@@ -42,6 +42,15 @@ FLATEP_DEVICE void st_v4(uint4* ptr, const uint4& v) {
                  : "memory");
 }
 
+// How many warps share one row when a call has fewer rows than the grid has warps (a decode-sized call): the row's
+// steps (32*kUnroll words each) are dealt round-robin to num_slices warps, slice j taking steps j, j + num_slices,
+// ...; with as many rows as warps or more, 1 (a warp per row). Every element is still read and summed by one lane in
+// the same order, so the result does not depend on the split.
+FLATEP_DEVICE int row_slices(int64_t num_rows, int64_t num_warps, int64_t num_steps) {
+    const int64_t per_row = num_rows > 0 ? num_warps / num_rows : 1;
+    return int(per_row < 1 ? 1 : (per_row > num_steps ? num_steps : per_row));
+}
+
 // One step of a warp's walk along a row of n16 16-byte words: lane `lane` loads the words i0 + 32*u + lane
 // (u < kUnroll) that lie below n16 into v[u]; the others are left as they were.
 template <int kUnroll>

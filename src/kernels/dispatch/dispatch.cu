@@ -15,8 +15,9 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 7;  // 16-byte words in flight per lane: 7*32*16 = 3.5 KiB per warp (a 7168-wide row: 4 steps)
 
-// Source side: warp per token. Lanes k < K hold entry k; the first lane of each destination rank (ascending k) is
-// the chain head, whose row receives the token's row; every entry writes its weight.
+// Source side: warp per token (row_slices warps per token when the call has fewer tokens than the grid has warps).
+// Lanes k < K hold entry k; the first lane of each destination rank (ascending k) is the chain head, whose row
+// receives the token's row; every entry writes its weight (the token's first slice).
 __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(Layout l, const uint16_t* x, const float* topk_weights,
                                                                  PlanView p, SymmetricLayout sym, PeerPointers peers) {
     const int lane = threadIdx.x % 32;
@@ -25,11 +26,15 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(Layout l, const
     const int K = l.topk;
     const int num_tokens = plan_num_tokens(p);
     const int64_t n16 = l.row_bytes() / 16;
-    for (int64_t t = warp; t < num_tokens; t += num_warps) {
-        const TokenEntries entries = token_entries(p, K, t, topk_weights, peers, sym.recv_w_offset, lane);
+    constexpr int64_t kStep = 32 * kUnroll;
+    const int num_slices = row_slices(num_tokens, num_warps, ceil_div(n16, kStep));
+    for (int64_t item = warp; item < int64_t(num_tokens) * num_slices; item += num_warps) {
+        const int64_t t = item / num_slices;
+        const int64_t slice = item % num_slices;
+        const TokenEntries entries = token_entries(p, K, t, topk_weights, peers, sym.recv_w_offset, lane, slice == 0);
         if (entries.heads == 0) continue;
         const uint4* src = reinterpret_cast<const uint4*>(x) + t * n16;
-        for (int64_t i0 = 0; i0 < n16; i0 += 32 * kUnroll) {
+        for (int64_t i0 = slice * kStep; i0 < n16; i0 += num_slices * kStep) {
             uint4 v[kUnroll];
             warp_load_step(v, src, i0, n16, lane);
             for (unsigned rest = entries.heads; rest != 0; rest &= rest - 1) {

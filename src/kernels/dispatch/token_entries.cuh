@@ -17,15 +17,16 @@ struct TokenEntries {
     unsigned heads;
 };
 
-// Reads token t's entries and stores every entry's routing weight (1 when topk_weights is null) at its row of its
-// destination's recv_w. Every lane of the warp must call it (warp votes).
+// Reads token t's entries and, when write_weights, stores every entry's routing weight (1 when topk_weights is null)
+// at its row of its destination's recv_w. Every lane of the warp must call it (warp votes).
 FLATEP_DEVICE TokenEntries token_entries(const PlanView& p, int K, int64_t t, const float* topk_weights,
-                                         const PeerPointers& peers, int64_t recv_w_offset, int lane) {
+                                         const PeerPointers& peers, int64_t recv_w_offset, int lane,
+                                         bool write_weights = true) {
     int d = -1, row = -1;
     if (lane < K) {
         d = p.entry_rank[t * K + lane];
         row = p.entry_row[t * K + lane];
-        if (d >= 0) {
+        if (d >= 0 && write_weights) {
             const float w = topk_weights != nullptr ? topk_weights[t * K + lane] : 1.0f;
             region_at<float>(peers.ptr[d], recv_w_offset)[row] = w;
         }
