@@ -202,6 +202,7 @@ class Buffer {
     uint64_t generation_ = 0;
     SymmetricRegion region_;
     uint64_t epoch_ = 0;
+    bool recv_marks_valid_ = false;  // a device dispatch has marked the receive region's rows (DispatchArgs)
     bool debug_ = false;
     host::OpStats* op_stats_ = nullptr;
     std::unique_ptr<device::Context> device_;

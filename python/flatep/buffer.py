@@ -369,6 +369,7 @@ class Buffer:
         region instead of new tensors, so the chain-head rows are not copied out (the same work as the kernels alone).
         They stay valid until this rank's next dispatch on this Buffer (any layer sharing it, the backward's dispatch
         of combine's gradient included): consume them first, as a grouped GEMM or combine in the same stream does.
+        Do not write into them: the next zero-copy dispatch leaves padding rows it knows to be zero untouched.
         Autograd must not record the call (x or topk_weights requiring grad raises), since a saved view would be
         overwritten before backward.
 

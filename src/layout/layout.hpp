@@ -46,14 +46,15 @@ Layout make_layout(const Config& config);
 // layout, so a peer's region is peer_base + offset. Regions are 256-byte aligned.
 struct SymmetricLayout {
     static constexpr int64_t kAlignBytes = 256;
-    int64_t barrier_offset;   // uint64_t[kMaxRanks]: barrier epoch written by each peer (see transport/barrier)
-    int64_t status_offset;    // int32_t[4]: device status word (first bad expert id etc.)
-    int64_t tpe_all_offset;   // int32_t[R][E]: all-gathered token counts, row s written by rank s
-    int64_t recv_x_offset;    // bf16[NvS][H]: rows pushed by sources (primary rows of each (source, token))
-    int64_t recv_w_offset;    // float[NvS]: routing weight of every entry row
-    int64_t row_head_offset;  // int32_t[NvS]: staging of the plan's per-row chain heads, written by sources
-    int64_t row_next_offset;  // int32_t[NvS]: staging of the plan's per-row chain links, written by sources
-    int64_t partial_offset;   // bf16[NvS][H]: combine partial sums, pulled by sources
+    int64_t barrier_offset;     // uint64_t[kMaxRanks]: barrier epoch written by each peer (see transport/barrier)
+    int64_t status_offset;      // int32_t[4]: device status word (first bad expert id etc.)
+    int64_t tpe_all_offset;     // int32_t[R][E]: all-gathered token counts, row s written by rank s
+    int64_t recv_x_offset;      // bf16[NvS][H]: rows pushed by sources (primary rows of each (source, token))
+    int64_t recv_w_offset;      // float[NvS]: routing weight of every entry row
+    int64_t row_head_offset;    // int32_t[NvS]: staging of the plan's per-row chain heads, written by sources
+    int64_t row_next_offset;    // int32_t[NvS]: staging of the plan's per-row chain links, written by sources
+    int64_t partial_offset;     // bf16[NvS][H]: combine partial sums, pulled by sources
+    int64_t recv_marks_offset;  // uint8_t[NvS]: 0 where this rank's recv_x row is known zero (dispatch's fan-out)
     int64_t total_bytes;
 
     FLATEP_HD static int64_t align_up(int64_t x) { return round_up<int64_t>(x, kAlignBytes); }
@@ -85,6 +86,8 @@ FLATEP_HD SymmetricLayout make_symmetric_layout(const Layout& l) {
     at = SymmetricLayout::align_up(at + int64_t(l.num_recv_rows) * 4);
     s.partial_offset = at;
     at = SymmetricLayout::align_up(at + int64_t(l.num_recv_rows) * l.row_bytes());
+    s.recv_marks_offset = at;
+    at = SymmetricLayout::align_up(at + int64_t(l.num_recv_rows));
     s.total_bytes = at;
     return s;
 }

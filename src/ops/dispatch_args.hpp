@@ -19,6 +19,11 @@ struct DispatchArgs {
     uint8_t* peers[kMaxRanks];  // symmetric buffer bases
     uint16_t* recv_x;           // [NvS][H] bf16 out: rows grouped by expert; may be this rank's own recv region
     float* recv_w;              // [NvS] fp32 out: routing weight per row, 0 on padding; may be null
+    // The receive region's row marks (SymmetricLayout::recv_marks_offset) are up to date: set by the Buffer once
+    // its first device dispatch has run. Then, when recv_x is the region itself, the CUDA fan-out zeroes only the
+    // padding rows not marked zero already; otherwise (false: a region nobody has marked yet) it zeroes every padding
+    // row and marks every row. The CPU twin zeroes every padding row either way (same outputs).
+    bool marks_valid;
     SyncArgs sync;
 };
 

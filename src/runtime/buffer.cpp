@@ -324,8 +324,10 @@ void Buffer::dispatch(const Plan& plan, const uint16_t* x, const float* topk_wei
     args.recv_x = recv_x;
     args.recv_w = recv_w;
     if (device_ != nullptr) {
+        args.marks_valid = recv_marks_valid_;
         device_->fill_sync(args.sync);
         device_->dispatch(args, stream_);
+        recv_marks_valid_ = true;  // this launch marks every row (stream order: the next dispatch sees them)
     } else {
         guard_->run(args.sync.status, [&] { host::dispatch(args, op_stats_); });
     }

@@ -47,15 +47,19 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(Layout l, const
     }
 }
 
-// Destination side: warp per row of this rank.
+// Destination side: warp per row of this rank. marks: the region's row marks (1: the region's row may be nonzero);
+// a padding row of the region (recv_x == sym_x) marked 0 is zero already and is not written again, which makes a
+// decode-sized call's cost follow its real rows, not the padding of every group. !marks_valid: nothing is trusted,
+// every padding row is zeroed, and the marks past the last group end are set to 1.
 __global__ void __launch_bounds__(kThreads)
     dispatch_fanout_kernel(Layout l, int rank, PlanView p, const uint16_t* sym_x, const float* sym_w, uint16_t* recv_x,
-                           float* recv_w) {
+                           float* recv_w, uint8_t* marks, bool marks_valid) {
     const int lane = threadIdx.x % 32;
     const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int64_t num_warps = int64_t(gridDim.x) * blockDim.x / 32;
     const int64_t n16 = l.row_bytes() / 16;
     const int32_t end = rows_end(l, p, rank);
+    const bool in_region = recv_x == sym_x;
     for (int64_t r = warp; r < end; r += num_warps) {
         const RowKind kind = classify_row(l, p, rank, r);
         uint4* dst = reinterpret_cast<uint4*>(recv_x) + r * n16;
@@ -63,10 +67,19 @@ __global__ void __launch_bounds__(kThreads)
             const uint4* src = reinterpret_cast<const uint4*>(sym_x) + int64_t(p.row_head[r]) * n16;
             if (dst != src) warp_copy_v4<kUnroll>(dst, src, n16, lane);
             if (recv_w != nullptr && lane == 0) recv_w[r] = sym_w[r];
+            if (lane == 0) marks[r] = 1;  // the region's row holds a pushed row (or, copied out, may)
         } else if (kind == kRowPadding) {
-            warp_zero_v4(dst, n16, lane);
+            const bool stale = !in_region || !marks_valid || marks[r] != 0;
+            __syncwarp();  // every lane has read the mark before lane 0 clears it
+            if (stale) warp_zero_v4(dst, n16, lane);
             if (recv_w != nullptr && lane == 0) recv_w[r] = 0.0f;
+            if (in_region && lane == 0) marks[r] = 0;
         }
+    }
+    if (!marks_valid) {
+        for (int64_t r = end + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < l.num_recv_rows;
+             r += int64_t(gridDim.x) * blockDim.x)
+            marks[r] = 1;
     }
 }
 
@@ -88,7 +101,8 @@ void launch(const DispatchArgs& a, cudaStream_t stream) {
     const int fan_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kWarps), 4);
     dispatch_fanout_kernel<<<fan_blocks, kThreads, 0, stream>>>(
         l, a.rank, a.plan, region_at<const uint16_t>(a.peers[a.rank], sym.recv_x_offset),
-        region_at<const float>(a.peers[a.rank], sym.recv_w_offset), a.recv_x, a.recv_w);
+        region_at<const float>(a.peers[a.rank], sym.recv_w_offset), a.recv_x, a.recv_w,
+        region_at<uint8_t>(a.peers[a.rank], sym.recv_marks_offset), a.marks_valid);
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 

@@ -112,13 +112,18 @@ __global__ void __launch_bounds__(kThreads)
 // Destination side: warp per row of this rank.
 __global__ void __launch_bounds__(kThreads)
     dispatch_fp8_fanout_kernel(Layout l, int rank, PlanView p, const uint8_t* sym_x, const float* sym_scales,
-                               const float* sym_w, uint8_t* recv_x, float* recv_scales, float* recv_w) {
+                               const float* sym_w, uint8_t* recv_x, float* recv_scales, float* recv_w,
+                               uint8_t* bf16_marks) {
     const int lane = threadIdx.x % 32;
     const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int64_t num_warps = int64_t(gridDim.x) * blockDim.x / 32;
     const int64_t n16 = l.hidden / 16;
     const int num_blocks = l.hidden / kFp8BlockSize;
     const int32_t end = rows_end(l, p, rank);
+    // The e4m3 rows and scales share the bf16 rows' region: every bf16 row may now be nonzero (dispatch's marks).
+    for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < l.num_recv_rows;
+         r += int64_t(gridDim.x) * blockDim.x)
+        bf16_marks[r] = 1;
     for (int64_t r = warp; r < end; r += num_warps) {
         const RowKind kind = classify_row(l, p, rank, r);
         uint4* dst = reinterpret_cast<uint4*>(recv_x) + r * n16;
@@ -165,7 +170,8 @@ void launch(const DispatchFp8Args& a, cudaStream_t stream) {
     const int fan_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kWarps), 4);
     dispatch_fp8_fanout_kernel<<<fan_blocks, kThreads, 0, stream>>>(
         l, a.rank, a.plan, base + fp8_recv_x_offset(sym), region_at<const float>(base, scales_offset),
-        region_at<const float>(base, sym.recv_w_offset), a.recv_x, a.recv_scales, a.recv_w);
+        region_at<const float>(base, sym.recv_w_offset), a.recv_x, a.recv_scales, a.recv_w,
+        region_at<uint8_t>(a.peers[a.rank], sym.recv_marks_offset));
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 

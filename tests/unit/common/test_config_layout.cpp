@@ -159,9 +159,10 @@ TEST(Layout, GroupExpert) {
 TEST(Layout, SymmetricRegionsAreAlignedAndDisjoint) {
     const Layout l = make_layout(small());
     const SymmetricLayout s = make_symmetric_layout(l);
-    const int64_t offs[] = {s.barrier_offset,  s.status_offset,   s.tpe_all_offset, s.recv_x_offset, s.recv_w_offset,
-                            s.row_head_offset, s.row_next_offset, s.partial_offset, s.total_bytes};
-    const int64_t sizes[] = {64 * 8, 16, 4 * 16 * 4, 120 * 64 * 2, 120 * 4, 120 * 4, 120 * 4, 120 * 64 * 2};
+    const int64_t offs[] = {s.barrier_offset,    s.status_offset,   s.tpe_all_offset,  s.recv_x_offset,
+                            s.recv_w_offset,     s.row_head_offset, s.row_next_offset, s.partial_offset,
+                            s.recv_marks_offset, s.total_bytes};
+    const int64_t sizes[] = {64 * 8, 16, 4 * 16 * 4, 120 * 64 * 2, 120 * 4, 120 * 4, 120 * 4, 120 * 64 * 2, 120};
     for (int i = 0; i + 1 < int(std::size(offs)); ++i) {
         EXPECT_EQ(offs[i] % 256, 0) << i;
         EXPECT_GE(offs[i + 1] - offs[i], sizes[i]) << i;
