@@ -142,7 +142,7 @@ void run_case(const bench::Case& c, double sigma, int iters, int warmup, bench::
         a.plan = make_plan_view(l, dev.ranks[r].plan);
         a.sync = sync(r);
         a.workspace = dev.ranks[r].workspace;
-        kernels::launch(a, group.stream(r));
+        device::launch_plan(a, group.stream(r));
     }
     group.synchronize();
     auto bf16_args = [&](int r) {

@@ -17,7 +17,7 @@
 // barrier, so it also runs under a kernel profiler; --seeds routings per case, seeds 42..), graph-timed, with the
 // plan's P and replicas, the greedy's, the host planner's time, and whether the GPU plan equals the host planner's
 // bitwise (exit status 1 when one does not).
-// --planner-profile: also where the planner's time goes, from device stamps (kernels::set_planner_profile): for each
+// --planner-profile: also where the planner's time goes, from device stamps (planner::set_planner_profile): for each
 // case, medians over a graph of 10 back-to-back planners of the kernels' spans and of the phases of the candidate
 // blocks, the greedy block and select_derive_kernel, the slowest candidates, and the greedy planner kind's phases.
 #include <algorithm>
@@ -107,11 +107,11 @@ Bytes count_bytes(const Layout& l, const std::vector<RankOutputs>& outs, int num
 // --planner-profile: the stamps of kProfileBatch back-to-back planners captured in one graph (as timed above),
 // replayed once to warm up and once more into cleared records.
 constexpr int kProfileBatch = 10;
-using kernels::PlannerProfileRecord;
+using planner::PlannerProfileRecord;
 
 std::vector<PlannerProfileRecord> profile_planner(const Layout& l, PlannerKind kind, const PlanView& view, void* ws,
                                                   cudaStream_t stream) {
-    const kernels::PlannerProfileSlots slots = kernels::planner_profile_slots(l);
+    const planner::PlannerProfileSlots slots = planner::planner_profile_slots(l);
     const size_t count = size_t(slots.total) * kProfileBatch;
     PlannerProfileRecord* records = nullptr;
     FLATEP_CUDA_CHECK(cudaMalloc(&records, count * sizeof(PlannerProfileRecord)));
@@ -120,10 +120,10 @@ std::vector<PlannerProfileRecord> profile_planner(const Layout& l, PlannerKind k
     FLATEP_CUDA_CHECK(cudaStreamSynchronize(stream));
     FLATEP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     for (int i = 0; i < kProfileBatch; ++i) {
-        kernels::set_planner_profile(records + size_t(i) * slots.total);
-        kernels::launch_planner(l, kind, view, ws, kernels::PlannerEngine::kParallel, stream);
+        planner::set_planner_profile(records + size_t(i) * slots.total);
+        planner::launch_planner(l, kind, view, ws, planner::PlannerEngine::kParallel, stream);
     }
-    kernels::set_planner_profile(nullptr);
+    planner::set_planner_profile(nullptr);
     FLATEP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     FLATEP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     FLATEP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
@@ -151,7 +151,7 @@ ProfileClock fit_clock(const std::vector<PlannerProfileRecord>& recs, int last_s
     double ns = 0, cycles = 0;
     for (const PlannerProfileRecord& r : recs) {
         const int last =
-            r.globaltimer[kernels::kStampDeriveEnd] != 0 ? int(kernels::kStampDeriveEnd) : last_stamp_candidate;
+            r.globaltimer[planner::kStampDeriveEnd] != 0 ? int(planner::kStampDeriveEnd) : last_stamp_candidate;
         if (r.globaltimer[0] == 0 || r.globaltimer[last] == 0) continue;
         const double span = double(r.globaltimer[last] - r.globaltimer[0]);
         if (span < 2000) continue;
@@ -171,7 +171,7 @@ double median_of(const std::vector<double>& v) { return bench::median(v); }
 // Prints a few lines: balanced planner spans and phases, the slowest candidates, the greedy planner kind's phases.
 void print_planner_profile(const Layout& l, const std::vector<PlannerProfileRecord>& balanced,
                            const std::vector<PlannerProfileRecord>& greedy_kind) {
-    using namespace kernels;
+    using namespace planner;
     const PlannerProfileSlots slots = planner_profile_slots(l);
     const ProfileClock clk = fit_clock(balanced, kStampEvaluated);
     // Values kept per planner run (medians printed): spans, then the phases of the greedy block, of the mean
@@ -278,7 +278,7 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
     }
     std::printf("    derive warps' ends (us after the pass starts):");
     for (int w = 0; w < 32; ++w)
-        std::printf(" %.2f", double(sr.trace[8 + w] - sr.clock[kernels::kStampSelRebuilt]) * clk.ns_per_cycle * 1e-3);
+        std::printf(" %.2f", double(sr.trace[8 + w] - sr.clock[planner::kStampSelRebuilt]) * clk.ns_per_cycle * 1e-3);
     std::printf("\n");
     // Greedy planner kind: planner_parallel_kernel.
     const ProfileClock gclk = fit_clock(greedy_kind, kStampEvaluated);
@@ -329,7 +329,7 @@ int planner_bench(const Options& o, bench::SigmaTable& sigmas) {
         int32_t* d_plan = nullptr;
         void* ws = nullptr;
         FLATEP_CUDA_CHECK(cudaMalloc(&d_plan, words * 4));
-        FLATEP_CUDA_CHECK(cudaMalloc(&ws, kernels::plan_workspace_bytes(l)));
+        FLATEP_CUDA_CHECK(cudaMalloc(&ws, planner::planner_workspace_bytes(l)));
         for (uint64_t seed = 42; seed < 42 + uint64_t(o.seeds); ++seed) {
             const double sigma = sigmas.sigma(c, seed);
             std::vector<int32_t>& tpe = counts_of[{l.num_ranks, l.num_experts, l.num_tokens, l.topk, sigma, seed}];
@@ -341,7 +341,7 @@ int planner_bench(const Options& o, bench::SigmaTable& sigmas) {
             const PlanView view = make_plan_view(l, d_plan);
             auto planner = [&](PlannerKind kind) {
                 return [&, kind] {
-                    kernels::launch_planner(l, kind, view, ws, kernels::PlannerEngine::kParallel, stream);
+                    planner::launch_planner(l, kind, view, ws, planner::PlannerEngine::kParallel, stream);
                 };
             };
             // A planner slower than 1 ms (the balanced one off its candidate path) is timed over fewer runs.
@@ -382,15 +382,15 @@ int planner_bench(const Options& o, bench::SigmaTable& sigmas) {
                     st.makespan, st.total_replicas, gs.makespan, gs.total_replicas, bench::fixed(balanced.median_us, 2),
                     bench::fixed(balanced.min_us, 2), bench::fixed(greedy.median_us, 2), bench::fixed(greedy.min_us, 2),
                     bench::fixed(host_t.median_us, 1), int(bitwise), int(bad.empty()), int(not_worse),
-                    int(kernels::planner_uses_candidate_path(l)), iters * batch, kernels::planner_path_name(l));
-            if (!kernels::planner_uses_candidate_path(l))
+                    int(planner::planner_uses_candidate_path(l)), iters * batch, planner::planner_path_name(l));
+            if (!planner::planner_uses_candidate_path(l))
                 std::printf(
                     "  balanced planner off its candidate path (FLATEP_PLANNER_PLACEMENT=shared): a candidate block "
                     "needs %zu KiB of shared memory (at most 200): planner_core::plan_alloc ran on one thread\n",
-                    kernels::planner_candidate_smem_bytes(l) / 1024);
+                    planner::planner_candidate_smem_bytes(l) / 1024);
             else
                 std::printf("  balanced planner path: %s, %zu KiB of shared memory per candidate block\n",
-                            kernels::planner_path_name(l), kernels::planner_candidate_smem_bytes(l) / 1024);
+                            planner::planner_path_name(l), planner::planner_candidate_smem_bytes(l) / 1024);
             if (o.planner_profile && !slow) {
                 const auto greedy_kind = profile_planner(l, PlannerKind::kGreedy, view, ws, stream);
                 const auto balanced_kind = profile_planner(l, PlannerKind::kBalanced, view, ws, stream);
@@ -505,21 +505,21 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
         return a;
     };
     const Timing t_plan = bench::time_ranks(group, o.iters, o.warmup, [&] {
-        for (int r = 0; r < R; ++r) kernels::launch(plan_args(r), group.stream(r));
+        for (int r = 0; r < R; ++r) device::launch_plan(plan_args(r), group.stream(r));
     });
     // Planner kernels alone (rank 0's counts; every rank runs the same planner on the same input), device time
     // from a graph of 10 back-to-back planners (as in a captured step; no host launch latency).
     const Timing t_planner = bench::time_graph(group.stream(0), o.iters, o.warmup, 10, [&] {
-        kernels::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.ranks[0].plan), dev.ranks[0].workspace,
-                                kernels::PlannerEngine::kParallel, group.stream(0));
+        planner::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.ranks[0].plan), dev.ranks[0].workspace,
+                                planner::PlannerEngine::kParallel, group.stream(0));
     });
     const Timing t_planner_greedy = bench::time_graph(group.stream(0), o.iters, o.warmup, 10, [&] {
-        kernels::launch_planner(l, PlannerKind::kGreedy, make_plan_view(l, dev.ranks[0].plan), dev.ranks[0].workspace,
-                                kernels::PlannerEngine::kParallel, group.stream(0));
+        planner::launch_planner(l, PlannerKind::kGreedy, make_plan_view(l, dev.ranks[0].plan), dev.ranks[0].workspace,
+                                planner::PlannerEngine::kParallel, group.stream(0));
     });
     // Restore rank 0's balanced plan (the greedy run above overwrote its global part).
-    kernels::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.ranks[0].plan), dev.ranks[0].workspace,
-                            kernels::PlannerEngine::kParallel, group.stream(0));
+    planner::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.ranks[0].plan), dev.ranks[0].workspace,
+                            planner::PlannerEngine::kParallel, group.stream(0));
     group.synchronize();
     const Timing t_dispatch = bench::time_ranks(group, o.iters, o.warmup, [&] {
         for (int r = 0; r < R; ++r) kernels::launch(dispatch_args(r), group.stream(r));

@@ -34,6 +34,18 @@ FLATEP_HD constexpr int64_t overlap(int64_t a0, int64_t a1, int64_t b0, int64_t 
     return hi > lo ? hi - lo : 0;
 }
 
+// Carves consecutive arrays out of one allocation, each starting at a multiple of `align` elements: take(n) returns
+// the offset of the next array of n elements; `at` ends as the elements the allocation needs.
+struct Carver {
+    int64_t align;
+    int64_t at = 0;
+    FLATEP_HD int64_t take(int64_t n) {
+        const int64_t start = at;
+        at += round_up(n, align);
+        return start;
+    }
+};
+
 // FNV-1a, used for config hashes and per-job nonces; stable across platforms.
 inline constexpr uint64_t kFnvOffset = 1469598103934665603ull;
 inline constexpr uint64_t kFnvPrime = 1099511628211ull;

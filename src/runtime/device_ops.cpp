@@ -14,6 +14,7 @@
 #include "kernels/dispatch/dispatch_fp8.cuh"
 #include "kernels/entry_values/entry_values.cuh"
 #include "kernels/plan/plan.cuh"
+#include "planner/gpu_planner.cuh"
 #include "sync/barrier_host.hpp"
 
 #include <atomic>
@@ -31,7 +32,35 @@ bool built_with_cuda() { return true; }
 
 namespace {
 cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+// The plan op's workspace: the kernels' part, then the planner's at a 256-byte boundary.
+size_t plan_kernels_part(const Layout& l) { return (kernels::plan_kernels_workspace_bytes(l) + 255) / 256 * 256; }
+
+// Loads the planner's kernels on the current device before its first plan op there (once per device). The runtime's
+// Context preloads them with the kernels' own; this covers the callers that only preload the kernels library (tests
+// and benchmarks on LocalDeviceGroup): its first plan op runs before any kernel of a peer spins.
+void preload_planner_once() {
+    static std::atomic<uint64_t> loaded{0};  // bit d: device d
+    int device = 0;
+    FLATEP_CUDA_CHECK(cudaGetDevice(&device));
+    const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+    if (bit != 0 && (loaded.load(std::memory_order_acquire) & bit) != 0) return;
+    planner::preload_planner_kernels();
+    loaded.fetch_or(bit, std::memory_order_acq_rel);
+}
 }  // namespace
+
+size_t plan_workspace_bytes(const Layout& l) { return plan_kernels_part(l) + planner::planner_workspace_bytes(l); }
+
+void launch_plan(const PlanArgs& a, void* stream) {
+    const cudaStream_t s = as_stream(stream);
+    const Layout& l = a.layout;
+    uint8_t* const ws = static_cast<uint8_t*>(kernels::prepare_plan(a, plan_workspace_bytes(l), s));
+    preload_planner_once();
+    kernels::launch_plan_counts(a, ws, s);
+    planner::launch_planner(l, a.planner, a.plan, ws + plan_kernels_part(l), planner::planner_engine(), s);
+    kernels::launch_plan_routes(a, ws, s);
+}
 
 WaitRecordHost::WaitRecordHost() {
     FLATEP_CUDA_CHECK(cudaHostAlloc(&host_, sizeof(Mapped), cudaHostAllocMapped));
@@ -71,9 +100,10 @@ std::string WaitRecordHost::failure_message() const {
 
 Context::Context(const Layout& layout) {
     kernels::preload_all_kernels();  // no lazy module load while a peer's kernel spins (see kernels/common/launch.cuh)
+    planner::preload_planner_kernels();
     FLATEP_CUDA_CHECK(cudaMalloc(&epoch_, sizeof(uint64_t)));
     FLATEP_CUDA_CHECK(cudaMemset(epoch_, 0, sizeof(uint64_t)));
-    FLATEP_CUDA_CHECK(cudaMalloc(&workspace_, kernels::plan_workspace_bytes(layout)));
+    FLATEP_CUDA_CHECK(cudaMalloc(&workspace_, plan_workspace_bytes(layout)));
     max_blocks_ = env::sm_budget();
 }
 
@@ -89,7 +119,7 @@ void Context::fill_sync(SyncArgs& sync) const {
     sync.max_blocks = max_blocks_;
 }
 
-void Context::plan(const PlanArgs& args, void* stream) const { kernels::launch(args, as_stream(stream)); }
+void Context::plan(const PlanArgs& args, void* stream) const { launch_plan(args, stream); }
 void Context::dispatch(const DispatchArgs& args, void* stream) const { kernels::launch(args, as_stream(stream)); }
 void Context::dispatch_fp8(const DispatchFp8Args& args, void* stream) const {
     kernels::launch(args, as_stream(stream));
@@ -140,6 +170,8 @@ Context::Context(const Layout&) { no_cuda(); }
 Context::~Context() = default;
 void Context::fill_sync(SyncArgs&) const { no_cuda(); }
 void Context::plan(const PlanArgs&, void*) const { no_cuda(); }
+void launch_plan(const PlanArgs&, void*) { no_cuda(); }
+size_t plan_workspace_bytes(const Layout&) { no_cuda(); }
 void Context::dispatch(const DispatchArgs&, void*) const { no_cuda(); }
 void Context::dispatch_fp8(const DispatchFp8Args&, void*) const { no_cuda(); }
 void Context::combine(const CombineArgs&, void*) const { no_cuda(); }

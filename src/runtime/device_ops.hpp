@@ -86,6 +86,13 @@ class Context {
     int max_blocks_ = 0;
 };
 
+// The CUDA plan op of args.rank on `stream` (collective: every rank launches it on its own stream): the kernels'
+// histogram and all-gather, the GPU planner, the kernels' routing and unpack (kernels/plan/plan.cuh,
+// planner/gpu_planner.cuh). args.workspace: plan_workspace_bytes(layout) bytes of device memory, or null (then a
+// scratch the kernels library keeps). Context::plan runs it; tests and benchmarks call it directly.
+void launch_plan(const PlanArgs& args, void* stream);
+size_t plan_workspace_bytes(const Layout& layout);
+
 // Waits for all work of the current device (construction-time only: e.g. the transport's zero-fill of new regions
 // runs on the legacy stream, which the ops' streams do not wait for).
 void synchronize_device();

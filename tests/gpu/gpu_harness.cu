@@ -211,7 +211,7 @@ DeviceCase::DeviceCase(const CaseSpec& c, const Layout& l, LocalDeviceGroup& g)
         PerRank& p = ranks[r];
         FLATEP_CUDA_CHECK(cudaMalloc(&p.plan, plan_bytes));
         FLATEP_CUDA_CHECK(cudaMemset(p.plan, 0, plan_bytes));
-        FLATEP_CUDA_CHECK(cudaMalloc(&p.workspace, kernels::plan_workspace_bytes(l)));
+        FLATEP_CUDA_CHECK(cudaMalloc(&p.workspace, device::plan_workspace_bytes(l)));
         FLATEP_CUDA_CHECK(cudaMalloc(&p.topk, size_t(S) * l.topk * 8 + 16));
         FLATEP_CUDA_CHECK(cudaMalloc(&p.x, size_t(S * H) * 2 + 16));
         FLATEP_CUDA_CHECK(cudaMalloc(&p.weights, size_t(S) * l.topk * 4 + 16));
@@ -335,7 +335,7 @@ void DeviceCase::enqueue_step() {
         a.plan = plan_view(r);
         a.sync = sync(r);
         a.workspace = ranks[r].workspace;
-        kernels::launch(a, group.stream(r));
+        device::launch_plan(a, group.stream(r));
     }
     if (spec.backward) {  // write_grads: local, right after the plan (same inputs as run_host's)
         for (int r = 0; r < R; ++r) {

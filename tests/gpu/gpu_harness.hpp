@@ -29,7 +29,9 @@
 #include "kernels/write_grads/write_grads.cuh"
 #include "layout/layout.hpp"
 #include "layout/plan.hpp"
+#include "planner/gpu_planner.cuh"
 #include "routing/routing.hpp"
+#include "runtime/device_ops.hpp"
 #include "testing/local_device.hpp"
 #include "transport/local_host.hpp"
 

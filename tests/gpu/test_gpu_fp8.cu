@@ -397,7 +397,7 @@ std::vector<RankResult> run_device_fp8(const CaseSpec& c, const Layout& l, const
         std::vector<float> xs(size_t(s) * nb);
         quantize_fp8_rows(in.x[r].data(), s, H, mode, xq.data(), xs.data());
         d.plan = to_device(std::vector<int32_t>(plan_words, 0));
-        FLATEP_CUDA_CHECK(cudaMalloc(&d.workspace, kernels::plan_workspace_bytes(l)));
+        FLATEP_CUDA_CHECK(cudaMalloc(&d.workspace, device::plan_workspace_bytes(l)));
         d.topk = to_device(in.topk[r], 1);
         d.x = to_device(in.x[r], 8);
         d.weights = to_device(in.weights[r], 1);
@@ -424,7 +424,7 @@ std::vector<RankResult> run_device_fp8(const CaseSpec& c, const Layout& l, const
         a.plan = make_plan_view(l, dev[r].plan);
         a.sync = sync(r);
         a.workspace = dev[r].workspace;
-        kernels::launch(a, group.stream(r));
+        device::launch_plan(a, group.stream(r));
     }
     auto fp8_args = [&](int r, int v) {
         DispatchFp8Args a{};

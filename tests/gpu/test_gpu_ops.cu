@@ -265,7 +265,7 @@ bool run_planner_sweep(int num_matrices) {
         int32_t* d_plan = nullptr;
         void* ws = nullptr;
         FLATEP_CUDA_CHECK(cudaMalloc(&d_plan, words * 4));
-        FLATEP_CUDA_CHECK(cudaMalloc(&ws, kernels::plan_workspace_bytes(l)));
+        FLATEP_CUDA_CHECK(cudaMalloc(&ws, planner::planner_workspace_bytes(l)));
         const int per_shape = sh.sweep ? kSweepMatrices : num_matrices / num_small + 1;
         for (int m = 0; m < per_shape; ++m) {
             std::vector<int32_t> tpe;
@@ -286,9 +286,9 @@ bool run_planner_sweep(int num_matrices) {
                 // The parallel engine under every placement of the balanced planner's candidate path that gives a
                 // distinct path at this shape (kShared off the candidate path: plan_alloc on one thread, sampled
                 // like the serial engine), then the serial engine.
-                const kernels::PlannerPlacement placements[] = {
-                    kernels::PlannerPlacement::kAuto, kernels::PlannerPlacement::kCountsGlobal,
-                    kernels::PlannerPlacement::kGlobal, kernels::PlannerPlacement::kShared};
+                const planner::PlannerPlacement placements[] = {
+                    planner::PlannerPlacement::kAuto, planner::PlannerPlacement::kCountsGlobal,
+                    planner::PlannerPlacement::kGlobal, planner::PlannerPlacement::kShared};
                 std::vector<std::string> paths_done;
                 for (int variant = 0; variant < 5; ++variant) {
                     const int engine = variant == 4 ? 1 : 0;
@@ -298,8 +298,8 @@ bool run_planner_sweep(int num_matrices) {
                     std::string path = "serial";
                     if (engine == 0) {
                         if (kind == 0 && variant > 0) continue;  // the greedy kind has one parallel path
-                        kernels::set_planner_placement(placements[variant]);
-                        path = kind == 0 ? "greedy" : kernels::planner_path_name(l);
+                        planner::set_planner_placement(placements[variant]);
+                        path = kind == 0 ? "greedy" : planner::planner_path_name(l);
                         if (std::find(paths_done.begin(), paths_done.end(), path) != paths_done.end()) continue;
                         if (path == "core" && slow_sample) continue;
                         paths_done.push_back(path);
@@ -307,9 +307,9 @@ bool run_planner_sweep(int num_matrices) {
                     std::vector<int32_t> init(words, 0);
                     std::copy(tpe.begin(), tpe.end(), init.begin() + make_plan_sizes(l).tpe_all);
                     FLATEP_CUDA_CHECK(cudaMemcpy(d_plan, init.data(), words * 4, cudaMemcpyHostToDevice));
-                    kernels::launch_planner(l, PlannerKind(kind), make_plan_view(l, d_plan), ws,
-                                            kernels::PlannerEngine(engine), nullptr);
-                    kernels::set_planner_placement(kernels::PlannerPlacement::kAuto);
+                    planner::launch_planner(l, PlannerKind(kind), make_plan_view(l, d_plan), ws,
+                                            planner::PlannerEngine(engine), nullptr);
+                    planner::set_planner_placement(planner::PlannerPlacement::kAuto);
                     std::vector<int32_t> got(words);
                     FLATEP_CUDA_CHECK(cudaMemcpy(got.data(), d_plan, words * 4, cudaMemcpyDeviceToHost));
                     const PlanSizes ps = make_plan_sizes(l);

@@ -1,6 +1,9 @@
-// CUDA plan op (design §3, §4): histogram, all-gather of the counts through symmetric memory, the planner on the
-// GPU (bitwise the plan of planner_core.hpp / host::plan_op), routing of this rank's entries in (token, k) order,
-// and the push of the row-chain metadata to the destinations. No host synchronisation: graph-capturable.
+// CUDA plan op (design §3, §4), the kernels' part: the histogram and all-gather of the counts through symmetric
+// memory before the planner, the routing of this rank's entries in (token, k) order with the push of the row-chain
+// metadata to the destinations, and the unpack after it. The planner between them is planner/gpu_planner.cuh; the
+// runtime wires the launches (runtime/device_ops.cpp: device::launch_plan). Kernels, in order:
+// histogram -> all-gather + barrier -> [planner] -> routing + chain push -> barrier -> chain unpack.
+// No host synchronisation: graph-capturable.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,97 +18,20 @@
 
 namespace flatep::kernels {
 
-// Device scratch the plan op needs (PlanArgs::workspace), in bytes.
-size_t plan_workspace_bytes(const Layout& layout);
+// Device scratch of these kernels (this rank's histogram, the segments' counts, the first bad expert id), in bytes.
+size_t plan_kernels_workspace_bytes(const Layout& layout);
 
-// Where the balanced planner's candidate blocks keep the counts tpe_all [R*E] and the allocation each works on [R*E]
-// (planner_core's small arrays and home_ahead's table are always in shared memory, at most 200 KiB a block). The
-// plan is the same bitwise under every placement; only the speed differs.
-enum class PlannerPlacement : int {
-    kAuto = 0,          // everything in shared memory when it fits (E=896: R <= 16), else the counts in global memory
-                        // when the rest fits (R=32), else the counts and the allocation in global memory (R=64)
-    kShared = 1,        // the path before issue 22: everything in shared memory when it fits, else (E=896, R >= 32)
-                        // planner_core::plan_alloc on one thread of planner_parallel_kernel over global memory (ms)
-    kCountsGlobal = 2,  // the counts in global memory, the allocation in shared memory when it fits, else global
-    kGlobal = 3,        // the counts and the allocation in global memory (the workspace's stored / scratch slots)
-};
-// Process-wide; the default comes from FLATEP_PLANNER_PLACEMENT (auto | shared | counts-global | global; auto when
-// unset), read at the first planner launch. Applies to the planners launched afterwards (a captured graph keeps the
-// kernels of its capture).
-void set_planner_placement(PlannerPlacement placement);
-PlannerPlacement planner_placement_now();
+// Checks the Args (throws on the first bad one) and returns the op's workspace: args.workspace, or (null) a scratch
+// of `workspace_bytes` the kernels library keeps for args.rank (allocated on first use outside stream capture).
+void* prepare_plan(const PlanArgs& args, size_t workspace_bytes, cudaStream_t stream);
 
-// Under the placement now in effect: the dynamic shared memory one block of the balanced planner's candidate path
-// needs, whether launch_planner takes that path (only kShared leaves it, where everything does not fit), and the path
-// by name: "shared", "counts-global", "global", or "core" (plan_alloc on one thread).
-size_t planner_candidate_smem_bytes(const Layout& layout);
-bool planner_uses_candidate_path(const Layout& layout);
-const char* planner_path_name(const Layout& layout);
+// Before the planner: the histogram of args.topk_idx and the all-gather of every rank's counts into
+// args.plan.tpe_all (and the plan's header). Collective: every rank launches it on its own stream. `workspace`:
+// plan_kernels_workspace_bytes(layout) bytes, kept for launch_plan_routes.
+void launch_plan_counts(const PlanArgs& args, void* workspace, cudaStream_t stream);
 
-// The whole plan op of args.rank on `stream` (collective: every rank launches it on its own stream). Kernels:
-// histogram -> all-gather + barrier -> planner -> routing + chain push -> barrier -> chain unpack.
-void launch(const PlanArgs& args, cudaStream_t stream);
-
-// How the planner step runs on the GPU.
-enum class PlannerEngine : int {
-    kParallel = 0,  // planner_core on warp executors: one warp per balanced-planner candidate (the default)
-    kSerial = 1,    // one thread calling planner_core::plan_alloc / derive_plan as written (reference; slow)
-};
-
-// Only the planner step: from plan.tpe_all (already in device memory) computes the global part of the plan.
-// For benchmarks and tests. `workspace` as for PlanArgs (plan_workspace_bytes), not null.
-void launch_planner(const Layout& layout, PlannerKind kind, const PlanView& plan, void* workspace, PlannerEngine engine,
-                    cudaStream_t stream);
-
-// Engine used by launch(const PlanArgs&) (process-wide; default kParallel).
-void set_planner_engine(PlannerEngine engine);
-
-// Planner profile (benchmarks only; off by default, and then free: the kernels test one null kernel argument).
-// While set_planner_profile(records) holds a non-null device array of planner_profile_slots(layout).total records,
-// every planner launched by launch_planner / launch (kParallel engine) writes %globaltimer (ns) and clock64 (SM
-// cycles) stamps of its blocks' phases there, one thread per block, each stamp taken after the block or warp
-// barrier that ends the phase. Records are overwritten by every planner launched while the array is set (so a graph
-// captures the pointer of its launch); stamps of phases not reached keep what was there (clear the array first).
-struct PlannerProfileRecord {
-    static constexpr int kStamps = 10;
-    static constexpr int kTrace = 48;
-    unsigned long long globaltimer[kStamps];  // ns; 0 = phase not reached
-    long long clock[kStamps];                 // SM cycles
-    int32_t index;                            // candidate: its index; select: the kept index (-1 = greedy)
-    int32_t sm;                               // %smid of the block
-    int32_t flags;                            // candidate: 1 = built a plan (0 = infeasible for its budget)
-    int32_t count;                            // greedy / select: candidates select_candidate looks at
-    int32_t trace_count;                      // candidate: entries of trace
-    long long trace[kTrace];                  // candidate: clock64 at build start, then after every step of its
-                                              // warp (WarpExec::single), the last one at the build's end
-};
-// Stamps of each record kind (index into globaltimer / clock); a phase lasts from the previous stamp to its own.
-enum PlannerProfileStamp : int {
-    // candidates_kernel, one record per candidate index (and the greedy block's record):
-    kStampEntry = 0,      // block entry
-    kStampLoaded = 1,     // counts loaded into shared memory
-    kStampBuilt = 2,      // candidate (or greedy) allocation built by warp 0
-    kStampStored = 3,     // allocation copy to global memory issued (stored candidates; the greedy's to the plan)
-    kStampEvaluated = 4,  // quality evaluated and written (end of the candidate)
-    // select_derive_kernel (and, for the greedy planner kind, planner_parallel_kernel):
-    kStampSelLoaded = 1,    // qualities (and counts) loaded; parallel kernel: home allocation
-    kStampSelSelected = 2,  // selection done; parallel kernel: greedy done
-    kStampSelCopied = 3,    // the winner's (or greedy's) allocation copied
-    kStampSelRebuilt = 4,   // the winner rebuilt when it was not stored (= kStampSelCopied otherwise)
-    kStampDeriveSums = 5,   // derive: its one pass (keep / spill / take, slot experts, group rows, sums)
-    kStampDeriveSlots = 6,  // (= kStampDeriveSums; kept for the record layout)
-    kStampDeriveRows = 7,   // (= kStampDeriveSums after one more block barrier)
-    kStampDeriveEnd = 8,    // derive: statistics (end of the kernel)
-    kStampSelWaited = 9,    // select_derive_kernel: the candidate kernels done (its wait for them returned)
-};
-// Record slots: [0, candidates) one per candidate index, then the greedy block, select_derive_kernel, and
-// planner_parallel_kernel (greedy planner kind, or the balanced planner when its candidates do not fit in shared
-// memory).
-struct PlannerProfileSlots {
-    int candidates, greedy, select, parallel, total;
-};
-PlannerProfileSlots planner_profile_slots(const Layout& layout);
-// The records (device memory) the planners launched from now on write to; nullptr turns profiling off.
-void set_planner_profile(PlannerProfileRecord* records);
+// After the planner wrote the plan's global part: routing and chain push, barrier, chain unpack and the status word
+// of the first bad expert id. `workspace`: launch_plan_counts'.
+void launch_plan_routes(const PlanArgs& args, void* workspace, cudaStream_t stream);
 
 }  // namespace flatep::kernels

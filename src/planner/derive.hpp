@@ -1,0 +1,260 @@
+// derive_plan: everything of the global part of a plan that follows from the counts and the allocation (plan.hpp's
+// split rule, design §5's groups), plus the statistics. Written once, over a derive executor, so the host planner
+// (one thread) and the GPU planner (a block, one warp per task: planner/warp_exec.cuh) run the same code and get
+// bitwise-equal plans.
+//
+// The work is a list of independent tasks, then the statistics:
+//   task d < R        rank d: its slot experts, group_row row, group rows and cu_seqlens, loads after and replicas in
+//   task R + c        the expert chunk [c*W, (c+1)*W): keep / spill / take of every cell, loads before, replicas out
+// where W is the width of the executor's lane group (1 on the host, 32 on the GPU: one expert per lane).
+//
+// A derive executor `x` provides:
+//   x.lanes()          this thread's lane group (OneLane, or a warp): G::kWidth lanes, g.lane, and the lane
+//                      primitives below; a task runs on one lane group
+//   x.thread(), x.threads()   this thread among the executor's threads (loops over kMaxRanks)
+//   x.first_task(), x.task_stride()   the tasks of this lane group: first_task, first_task + stride, ...
+//   x.first_lanes()    true on the lane group that computes the scalar statistics
+//   x.sync()           a barrier of all the executor's threads
+//   x.tasks_done(), x.done()  barriers after the tasks and at the end (where the GPU stamps its profile)
+// A lane group `g` provides (every lane calls them with its own values, as a warp's *_sync intrinsics):
+//   g.ballot(pred), g.lanes_below(), g.count(mask)   lanes with pred, the mask of the lanes before g.lane, popcount
+//   g.inclusive_sum(v), g.from_last(v)               a prefix sum over the lanes; the last lane's value
+//   g.sum(v), g.sum2(a, b), g.max(v), g.min(v)       reductions over the lanes (every lane gets the result)
+//   g.match(key), g.sum_in(mask, v), g.leads(mask)   the lanes with the same key, a sum over them, its lowest lane
+//   g.add(p, v)                                      *p += v, safe when several lane groups add to the same word
+//   g.sync()                                         the lanes' writes visible to the group
+#pragma once
+
+#include <cstdint>
+
+#include "common/macros.hpp"
+#include "common/math.hpp"
+#include "flatep/types.hpp"
+#include "layout/layout.hpp"
+#include "layout/plan.hpp"
+
+// nvcc unrolls the batch loops of derive_experts; host compilers keep their own choice.
+#if defined(__CUDACC__)
+#define FLATEP_DERIVE_UNROLL _Pragma("unroll")
+#else
+#define FLATEP_DERIVE_UNROLL
+#endif
+
+namespace flatep::planner_core {
+
+// Sums of the tasks that the statistics are made of. Per rank: loads before (its home experts' entries) and after
+// (its allocation), replicas it hosts and replica copies of its experts; entries in all and kept on their source.
+struct DeriveSums {
+    int32_t loads_before[kMaxRanks];
+    int32_t loads_after[kMaxRanks];
+    int32_t replicas_in[kMaxRanks];
+    int32_t replicas_out[kMaxRanks];
+    unsigned long long entries_total;
+    unsigned long long entries_on_source;
+};
+
+// The lane group of one thread: every primitive is the identity of a single lane.
+struct OneLane {
+    static constexpr int kWidth = 1;
+    static constexpr int lane = 0;
+    FLATEP_HD unsigned ballot(bool pred) const { return pred ? 1u : 0u; }
+    FLATEP_HD unsigned lanes_below() const { return 0u; }
+    FLATEP_HD int count(unsigned mask) const { return int(mask); }  // masks of one lane: 0 or 1
+    FLATEP_HD int32_t inclusive_sum(int32_t v) const { return v; }
+    FLATEP_HD int32_t from_last(int32_t v) const { return v; }
+    FLATEP_HD unsigned sum(unsigned v) const { return v; }
+    FLATEP_HD int32_t sum(int32_t v) const { return v; }
+    FLATEP_HD void sum2(int64_t&, int64_t&) const {}
+    FLATEP_HD int32_t max(int32_t v) const { return v; }
+    FLATEP_HD int32_t min(int32_t v) const { return v; }
+    FLATEP_HD unsigned match(int) const { return 1u; }
+    FLATEP_HD unsigned sum_in(unsigned, unsigned v) const { return v; }
+    FLATEP_HD bool leads(unsigned) const { return true; }
+    FLATEP_HD void add(int32_t* p, int32_t v) const { *p += v; }
+    FLATEP_HD void add(unsigned long long* p, unsigned long long v) const { *p += v; }
+    FLATEP_HD void sync() const {}
+};
+
+// The derive executor of one thread (the host planner, the serial GPU reference): every task in turn.
+struct SerialDerive {
+    FLATEP_HD OneLane lanes() const { return OneLane{}; }
+    FLATEP_HD int thread() const { return 0; }
+    FLATEP_HD int threads() const { return 1; }
+    FLATEP_HD int first_task() const { return 0; }
+    FLATEP_HD int task_stride() const { return 1; }
+    FLATEP_HD bool first_lanes() const { return true; }
+    FLATEP_HD void sync() const {}
+    FLATEP_HD void tasks_done() const {}
+    FLATEP_HD void done() const {}
+};
+
+// Task d: rank d's slots (replica experts in ascending id, then -1), its group_row row (-1, then the start row of
+// every group it holds), cu_seqlens (inclusive padded group ends), loads after and replicas in. alloc: the allocation
+// derived from; slot_s: a copy of slot_expert the group scan reads back (p.slot_expert itself, or scratch).
+template <class G>
+FLATEP_HD void derive_rank(const G& g, const Layout& l, const PlanView& p, const int32_t* alloc, int32_t* slot_s, int d,
+                           DeriveSums& sums) {
+    const int E = l.num_experts, epn = l.experts_per_rank, lane = g.lane;
+    constexpr int W = G::kWidth;
+    const int32_t* row = alloc + int64_t(d) * E;
+    int32_t* group_row = p.group_row + int64_t(d) * E;
+    int count = 0;
+    unsigned after = 0;
+    for (int base = 0; base < E; base += W) {
+        const int e = base + lane;
+        const int32_t a = e < E ? row[e] : 0;
+        if (e < E) group_row[e] = -1;
+        after += unsigned(a);
+        const bool pred = a > 0 && (e < d * epn || e >= (d + 1) * epn);  // a replica on d
+        const unsigned b = g.ballot(pred);
+        const int pos = count + g.count(b & g.lanes_below());
+        if (pred && pos < epn) p.slot_expert[d * epn + pos] = slot_s[d * epn + pos] = e;
+        count += g.count(b);
+    }
+    for (int j = count + lane; j < epn; j += W) p.slot_expert[d * epn + j] = slot_s[d * epn + j] = -1;
+    after = g.sum(after);
+    if (lane == 0) {
+        sums.loads_after[d] = int32_t(after);
+        sums.replicas_in[d] = count;
+    }
+    g.sync();  // slot_s and the -1 row before the scan below
+    const int32_t* const slots = slot_s + d * epn;
+    int32_t start = 0;
+    for (int g0 = 0; g0 < 2 * epn; g0 += W) {
+        const int grp = g0 + lane;
+        const int e = grp < 2 * epn ? group_expert(epn, slots, d, grp) : -1;
+        const int32_t size = e >= 0 ? l.padded(row[e]) : 0;
+        const int32_t incl = g.inclusive_sum(size);
+        if (e >= 0) group_row[e] = start + incl - size;
+        if (grp < 2 * epn) p.cu_seqlens[d * 2 * epn + grp] = start + incl;
+        start += g.from_last(incl);
+    }
+}
+
+// Task R + chunk: keep / spill / take of experts [chunk*W, (chunk+1)*W), one per lane, the ranks in batches whose
+// cells are loaded before any is stored; their loads before, replica copies and entries (kept) added to sums.
+template <class G>
+FLATEP_HD void derive_experts(const G& g, const Layout& l, const PlanView& p, const int32_t* tpe, const int32_t* alloc,
+                              int chunk, DeriveSums& sums) {
+    const int R = l.num_ranks, E = l.num_experts;
+    constexpr int kBatch = 8;
+    const int e = chunk * G::kWidth + g.lane;
+    const bool valid = e < E;
+    const int h = valid ? l.home_rank(e) : -1;
+    int32_t spill = 0, take = 0, total = 0, copies = 0;
+    int64_t kept = 0;
+    for (int d0 = 0; d0 < R; d0 += kBatch) {
+        int32_t tc[kBatch], ac[kBatch];
+        FLATEP_DERIVE_UNROLL
+        for (int j = 0; j < kBatch; ++j) {
+            const int d = d0 + j;
+            tc[j] = valid && d < R ? tpe[d * E + e] : 0;
+            ac[j] = valid && d < R ? alloc[d * E + e] : 0;
+        }
+        FLATEP_DERIVE_UNROLL
+        for (int j = 0; j < kBatch; ++j) {
+            const int d = d0 + j;
+            if (d >= R) break;  // uniform over the lanes
+            const int32_t t = tc[j], a = ac[j];
+            const int32_t k = t < a ? t : a;
+            if (valid) {
+                p.keep[d * E + e] = k;
+                p.spill_start[d * E + e] = spill;
+                p.take_start[d * E + e] = take;
+            }
+            spill += t - k;
+            take += a - k;
+            total += t;
+            kept += k;
+            copies += a > 0 && h != d;
+        }
+    }
+    // Lanes of the same home rank: one add per rank and lane group.
+    const unsigned same = g.match(h);
+    const unsigned group_total = g.sum_in(same, unsigned(total));
+    const unsigned group_copies = g.sum_in(same, unsigned(copies));
+    if (valid && g.leads(same)) {
+        if (group_total != 0) g.add(&sums.loads_before[h], int32_t(group_total));
+        if (group_copies != 0) g.add(&sums.replicas_out[h], int32_t(group_copies));
+    }
+    int64_t sum_kept = kept, sum_total = total;
+    g.sum2(sum_kept, sum_total);
+    if (g.lane == 0) {
+        g.add(&sums.entries_on_source, (unsigned long long)sum_kept);
+        g.add(&sums.entries_total, (unsigned long long)sum_total);
+    }
+}
+
+// The statistics from the tasks' sums: the per-rank arrays over the executor's threads, the scalars by its first
+// lane group (a reduction over the ranks).
+template <class X, class G>
+FLATEP_HD void derive_stats(const X& x, const G& g, const Layout& l, const DeriveSums& sums, PlanStats& st) {
+    const int R = l.num_ranks;
+    for (int r = x.thread(); r < kMaxRanks; r += x.threads()) {
+        const bool in = r < R;
+        st.loads_before[r] = in ? sums.loads_before[r] : 0;
+        st.loads_after[r] = in ? sums.loads_after[r] : 0;
+        st.replicas_in[r] = in ? sums.replicas_in[r] : 0;
+        st.replicas_out[r] = in ? sums.replicas_out[r] : 0;
+    }
+    if (!x.first_lanes()) return;
+    int32_t total_replicas = 0, max_before = 0, max_after = 0, min_after = INT32_MAX, max_in = 0, max_out = 0;
+    for (int d = g.lane; d < R; d += G::kWidth) {
+        total_replicas += sums.replicas_in[d];
+        max_before = max_of(max_before, sums.loads_before[d]);
+        max_after = max_of(max_after, sums.loads_after[d]);
+        min_after = min_of(min_after, sums.loads_after[d]);
+        max_in = max_of(max_in, sums.replicas_in[d]);
+        max_out = max_of(max_out, sums.replicas_out[d]);
+    }
+    total_replicas = g.sum(total_replicas);
+    max_before = g.max(max_before);
+    max_after = g.max(max_after);
+    min_after = g.min(min_after);
+    max_in = g.max(max_in);
+    max_out = g.max(max_out);
+    if (g.lane == 0) {
+        st.entries_total = int64_t(sums.entries_total);
+        st.entries_on_source = int64_t(sums.entries_on_source);
+        st.entries_moved = st.entries_total - st.entries_on_source;
+        st.max_load_before = max_before;
+        st.max_load_after = max_after;
+        st.min_load_after = min_after;
+        st.total_replicas = total_replicas;
+        st.max_replicas_in = max_in;
+        st.max_replicas_out = max_out;
+        st.makespan = max_of(max_in, max_out);
+    }
+}
+
+// derive_plan on executor x from the counts `tpe` and the allocation `alloc` (p.tpe_all / p.alloc, or copies of
+// them); slot_s: [R*epn] words the rank tasks may overwrite (p.slot_expert itself, or scratch); sums: scratch the
+// executor's threads share. Writes every derived array of p and *p.stats.
+template <class X>
+FLATEP_HD void derive_plan(const X& x, const Layout& l, const PlanView& p, const int32_t* tpe, const int32_t* alloc,
+                           int32_t* slot_s, DeriveSums& sums) {
+    const int R = l.num_ranks;
+    for (int r = x.thread(); r < kMaxRanks; r += x.threads()) sums.loads_before[r] = sums.replicas_out[r] = 0;
+    if (x.thread() == 0) sums.entries_total = sums.entries_on_source = 0;
+    x.sync();
+    const auto g = x.lanes();
+    const int chunks = ceil_div(l.num_experts, int(g.kWidth));
+    for (int task = x.first_task(); task < R + chunks; task += x.task_stride()) {
+        if (task < R) {
+            derive_rank(g, l, p, alloc, slot_s, task, sums);
+        } else {
+            derive_experts(g, l, p, tpe, alloc, task - R, sums);
+        }
+    }
+    x.tasks_done();
+    derive_stats(x, g, l, sums, *p.stats);
+    x.done();
+}
+
+// derive_plan on one thread from p.tpe_all and p.alloc (the host planner, the serial GPU reference).
+FLATEP_HD void derive_plan(const Layout& l, const PlanView& p) {
+    DeriveSums sums;
+    derive_plan(SerialDerive{}, l, p, p.tpe_all, p.alloc, p.slot_expert, sums);
+}
+
+}  // namespace flatep::planner_core

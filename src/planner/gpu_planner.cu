@@ -1,0 +1,552 @@
+// The GPU planner (design §4): planner_core's own functions on the GPU executors of planner/warp_exec.cuh (every
+// candidate of the balanced planner built by warp 0 of its own block, the O(R*E) loops split over lanes, every
+// selection a warp reduction with the host's key and tie rule), then select_candidate and derive_plan over a block.
+// Integer arithmetic only, so the plan is bitwise the host planner's.
+#include <atomic>
+#include <string>
+#include <utility>
+
+#include "common/check.hpp"
+#include "common/cuda.hpp"
+#include "common/env.hpp"
+#include "planner/candidates.hpp"
+#include "planner/derive.hpp"
+#include "planner/gpu_device.cuh"
+#include "planner/gpu_planner.cuh"
+#include "planner/gpu_select.cuh"
+#include "planner/gpu_workspace.cuh"
+#include "planner/warp_exec.cuh"
+
+namespace flatep::planner {
+
+namespace {
+
+std::atomic<int> g_engine{int(PlannerEngine::kParallel)};
+std::atomic<PlannerProfileRecord*> g_profile{nullptr};  // set_planner_profile; null = off
+
+// Shared state of the planner block.
+struct PlannerShared {
+    int32_t load[kMaxRanks];  // greedy: current load
+    int32_t target[kMaxRanks];
+    unsigned long long n;
+    int32_t winner;                 // index of the kept candidate, -1 = keep the greedy
+    planner_core::DeriveSums sums;  // derive_plan's
+};
+
+__global__ void __launch_bounds__(kPlannerThreads)
+    planner_parallel_kernel(Layout l, PlannerKind kind, PlanView p, PlannerWorkspace ws, bool use_smem,
+                            PlannerProfileRecord* rec) {
+    __shared__ PlannerShared sh;
+    extern __shared__ int32_t total[];  // [E] T_e; greedy kind with use_smem: then the allocation [R*E]
+    const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    if (rec != nullptr && tid == 0) {
+        profile_stamp(rec, kStampEntry);
+        rec->index = -1;
+        rec->sm = sm_id();
+    }
+    // The greedy works on its allocation in shared memory when it fits (its steps are dependent reads and writes of
+    // allocation cells: shared-memory latency instead of global), and copies it to the plan at the end.
+    const bool alloc_in_smem = kind == PlannerKind::kGreedy && use_smem;
+    int32_t* const alloc = alloc_in_smem ? total + E : p.alloc;
+
+    // init_home: T_e, the home allocation, group loads, N.
+    if (tid < kMaxRanks) sh.load[tid] = 0;
+    if (tid == 0) sh.n = 0;
+    __syncthreads();
+    // One expert per thread; the sums are reduced over the warp first (one shared atomic per rank and warp: atomics
+    // of a whole block on a few shared words serialise).
+    for (int e0 = tid - lane; e0 < E; e0 += blockDim.x) {
+        const int e = e0 + lane;
+        const bool valid = e < E;
+        int32_t t = 0;
+        const int h = valid ? l.home_rank(e) : -1;
+        if (valid) {
+            for (int s = 0; s < R; ++s) t += p.tpe_all[s * E + e];
+            total[e] = t;
+            for (int d = 0; d < R; ++d) alloc[d * E + e] = d == h ? t : 0;
+        }
+        const unsigned same = __match_any_sync(kFull, h);
+        const unsigned group = __reduce_add_sync(same, unsigned(t));
+        if (valid && lane == __ffs(same) - 1 && group != 0) atomicAdd(&sh.load[h], int32_t(group));
+        const unsigned all = __reduce_add_sync(kFull, unsigned(t));
+        if (lane == 0 && all != 0) atomicAdd(&sh.n, (unsigned long long)all);
+    }
+    __syncthreads();
+    const int64_t n = int64_t(sh.n);
+    if (tid == 0) {
+        planner_core::Workspace w{};
+        w.load = sh.load;
+        w.target = sh.target;
+        planner_core::fixed_targets(l, n, w);
+        profile_stamp(rec, kStampSelLoaded);
+    }
+    __syncthreads();
+
+    // One-donor greedy (planner_core::greedy_alloc), by warp 0 (the balanced planner reruns it inside plan_alloc).
+    if (warp == 0 && kind == PlannerKind::kGreedy) {
+        for (int fill = 0; fill < R; ++fill) {
+            uint64_t kd = 0, ks = 0;
+            for (int r = lane; r < R; r += 32) {
+                const int32_t deficit = sh.target[r] - sh.load[r];
+                if (deficit > 0) kd = max_of(kd, arg_key(uint32_t(deficit), r));
+                if (deficit < 0) ks = max_of(ks, arg_key(uint32_t(-deficit), r));
+            }
+            kd = warp_max_u64(kd);
+            ks = warp_max_u64(ks);
+            if (kd == 0 || ks == 0) break;
+            const int rc = key_index(kd), dn = key_index(ks);
+            int32_t need = int32_t(key_value(kd));
+            for (int taken = 0; need > 0 && taken < epn; ++taken) {
+                uint64_t kb = 0;
+                for (int e = dn * epn + lane; e < (dn + 1) * epn; e += 32) {
+                    const int32_t a = alloc[dn * E + e];
+                    if (a > 0) kb = max_of(kb, arg_key(uint32_t(a), e));
+                }
+                kb = warp_max_u64(kb);
+                if (kb == 0) break;
+                const int best = key_index(kb);
+                const int32_t m = min_of(need, int32_t(key_value(kb)));
+                if (lane == 0) {
+                    alloc[dn * E + best] -= m;
+                    alloc[rc * E + best] += m;
+                    sh.load[dn] -= m;
+                    sh.load[rc] += m;
+                }
+                __syncwarp();
+                need -= m;
+            }
+        }
+    }
+    __syncthreads();
+
+    if (kind == PlannerKind::kBalanced) {
+        // The balanced planner's candidate search runs as planner_core::plan_alloc wrote it, on one thread, over
+        // copies in shared memory when they fit (the block-parallel greedy above is then only a warm-up of the
+        // arrays; plan_alloc redoes it serially so the result is the core's by construction).
+        int32_t* tpe_s = ws.serial_ws;
+        int32_t* alloc_s = p.alloc;
+        int32_t* core_ws = ws.serial_ws + int64_t(R) * E;
+        if (use_smem) {
+            tpe_s = total;  // dynamic shared memory reused: [R*E] counts, [R*E] alloc, workspace
+            alloc_s = total + R * E;
+            core_ws = total + 2 * R * E;
+        }
+        for (int64_t i = tid; i < int64_t(R) * E; i += blockDim.x) tpe_s[i] = p.tpe_all[i];
+        __syncthreads();
+        if (tid == 0) planner_core::plan_alloc(l, kind, tpe_s, alloc_s, core_ws);
+        __syncthreads();
+        if (alloc_s != p.alloc)
+            for (int64_t i = tid; i < int64_t(R) * E; i += blockDim.x) p.alloc[i] = alloc_s[i];
+        __syncthreads();
+    }
+    if (tid == 0) {
+        profile_stamp(rec, kStampSelSelected);
+        profile_stamp(rec, kStampSelCopied);
+        profile_stamp(rec, kStampSelRebuilt);
+    }
+    if (alloc_in_smem) {
+        for (int64_t i = tid; i < int64_t(R) * E; i += blockDim.x) p.alloc[i] = alloc[i];
+    }
+    // total[] (T_e, and the counts' copy of the balanced planner) is no longer read: it holds the slot experts.
+    planner_core::derive_plan(BlockDerive{tid, int(blockDim.x), rec}, l, p, p.tpe_all, alloc, total, sh.sums);
+}
+
+// Main launch (first == 0, gridDim.x = G + 1): block G runs the greedy (the plan when no candidate is kept, and
+// its quality, which bounds how many candidates select_candidate looks at); blocks [0, G) build candidate
+// blockIdx.x at once, whether or not the greedy's bound will include it, so nothing waits for the greedy.
+// Overflow launch (first == G): the candidates [G, count) the greedy's bound asks for, grid-stride; its blocks
+// return at once when count <= G (the usual case).
+// prof: the profile records (null = off): one per candidate index, then the greedy block's.
+__global__ void __launch_bounds__(kCandidateThreads)
+    candidates_kernel(Layout l, PlanView p, PlannerWorkspace ws, int stored, int first, CandidateMode mode,
+                      PlannerProfileRecord* prof) {
+    extern __shared__ int4 smem_words[];  // 16-byte aligned
+    __shared__ unsigned long long moved;
+    __shared__ int built;
+    __shared__ long long red[32];
+    __shared__ int trace_n;
+    const Stamp entry = prof != nullptr ? stamp_now() : Stamp{};
+    int32_t* smem = reinterpret_cast<int32_t*>(smem_words);
+    const int tid = threadIdx.x, nthreads = blockDim.x, warp = tid / 32;
+    WarpExec x{tid % 32};
+    const BlockExec bx{tid, nthreads, red};
+    const int64_t re = int64_t(l.num_ranks) * l.num_experts;
+    const bool greedy_block = first == 0 && blockIdx.x == gridDim.x - 1;
+    allow_dependent_launch();  // the next kernel waits for this grid's completion itself (wait_prior_grids)
+    int begin = 0, end = 0, step = 1;
+    if (first == 0) {
+        begin = blockIdx.x;
+        end = min_of(begin + 1, max_candidates(l));
+    } else {
+        wait_prior_grids();  // the main launch's candidates, and the greedy's count
+        begin = first + blockIdx.x;
+        end = ws.cand_meta[kMetaCount];
+        step = gridDim.x;
+    }
+    if (!greedy_block && begin >= end) return;  // uniform over the block
+    const CandidateSmem cs = carve_candidate_smem(l, p, mode, smem);
+    planner_core::Workspace w = cs.w;
+    const int32_t* const counts = cs.counts;
+    int32_t* const ahead_s = cs.table;  // [E] home_ahead's table
+    if (mode.counts_smem) copy_words(const_cast<int32_t*>(counts), p.tpe_all, re, tid, nthreads);
+    __syncthreads();
+    const Stamp loaded = prof != nullptr ? stamp_now() : Stamp{};
+    if (greedy_block) {
+        PlannerProfileRecord* rec = prof != nullptr ? prof + max_candidates(l) : nullptr;
+        if (!mode.alloc_smem) w.cand = p.alloc;  // the greedy's plan is built where the plan keeps it
+        prepare_home(x, bx, l, counts, w);       // the whole block; warp 0 then skips init_home and fixed_targets
+        if (warp == 0) planner_core::greedy_alloc(x, l, counts, w.cand, w);
+        __syncthreads();
+        if (tid == 0) profile_stamp(rec, kStampBuilt);
+        if (mode.alloc_smem) copy_words(p.alloc, w.cand, re, tid, nthreads);
+        if (tid == 0) profile_stamp(rec, kStampStored);
+        const planner_core::PlanQuality greedy =
+            evaluate_alloc_block(bx, l, counts, w.cand, w.num_in, w.num_out, moved);
+        if (tid == 0) {
+            const int count = min_of(planner_core::num_candidates(greedy.makespan), max_candidates(l));
+            ws.cand_meta[kMetaMakespan] = greedy.makespan;
+            ws.cand_meta[kMetaReplicas] = greedy.total_replicas;
+            ws.cand_meta[kMetaMovedLo] = int32_t(uint32_t(uint64_t(greedy.entries_moved)));
+            ws.cand_meta[kMetaMovedHi] = int32_t(uint32_t(uint64_t(greedy.entries_moved) >> 32));
+            ws.cand_meta[kMetaCount] = count;
+            if (rec != nullptr) {
+                put_stamp(rec, kStampEntry, entry);
+                put_stamp(rec, kStampLoaded, loaded);
+                profile_stamp(rec, kStampEvaluated);
+                rec->index = -1;
+                rec->sm = sm_id();
+                rec->flags = 1;
+                rec->count = count;
+            }
+        }
+        return;
+    }
+    Stamp start = entry;  // profile: where the current candidate's phases begin (tid 0)
+    for (int index = begin; index < end; index += step) {
+        PlannerProfileRecord* rec = prof != nullptr ? prof + index : nullptr;
+        // Allocation in global memory: a stored candidate is built in its stored slot (no copy afterwards), any
+        // other in the block's scratch.
+        if (!mode.alloc_smem)
+            w.cand =
+                index < stored ? ws.stored_alloc + int64_t(index) * re : ws.cand_scratch + int64_t(blockIdx.x) * re;
+        prepare_home(x, bx, l, counts, w);  // the whole block; warp 0 then skips init_home and fixed_targets
+        const bool path = index < planner_core::kNumPathVariants && nthreads > 32;
+        if (path && warp != 0) {
+            home_ahead_table(l, w.total, ahead_s, tid - 32, nthreads - 32);
+            named_barrier_sync(kAheadBarrier, nthreads);
+        }
+        x.ahead_table = path ? ahead_s : nullptr;
+        x.ahead_epn = l.experts_per_rank;
+        x.ahead_threads = nthreads;
+        x.ahead_waited = false;
+        if (warp == 0) {
+            if (rec != nullptr) {
+                x.trace = rec->trace;
+                x.trace_n = &trace_n;
+                if (x.lane == 0) {
+                    trace_n = 1;
+                    rec->trace[0] = clock64();
+                }
+                __syncwarp();
+            }
+            const bool ok = planner_core::build_candidate(x, l, counts, w.cand, w, index);
+            x.wait_ahead_table();  // completes the named barrier when the build never read the table
+            if (x.lane == 0) {
+                built = ok;
+                if (rec != nullptr) {
+                    if (trace_n < PlannerProfileRecord::kTrace) rec->trace[trace_n++] = clock64();
+                    rec->trace_count = trace_n;
+                }
+            }
+        }
+        __syncthreads();
+        const bool ok = built != 0;  // uniform over the block
+        if (tid == 0) profile_stamp(rec, kStampBuilt);
+        // The copy first: its stores drain while the block evaluates.
+        if (ok && index < stored && mode.alloc_smem)
+            copy_words(ws.stored_alloc + int64_t(index) * re, w.cand, re, tid, nthreads);
+        if (tid == 0) profile_stamp(rec, kStampStored);
+        const planner_core::PlanQuality q = ok ? evaluate_alloc_block(bx, l, counts, w.cand, w.num_in, w.num_out, moved)
+                                               : planner_core::PlanQuality{planner_core::kNoCandidate, 0, 0};
+        if (tid == 0) {
+            ws.cand_quality[index] = q;
+            if (rec != nullptr) {
+                // Grid-stride candidates after the first: entry = counts loaded = the end of the previous one.
+                const Stamp done = stamp_now();
+                put_stamp(rec, kStampEntry, start);
+                put_stamp(rec, kStampLoaded, index == begin ? loaded : start);
+                put_stamp(rec, kStampEvaluated, done);
+                rec->index = index;
+                rec->sm = sm_id();
+                rec->flags = ok;
+                start = done;
+            }
+        }
+        // evaluate_alloc_block ends with a barrier; without it, one here: warp 0 overwrites `built` and the
+        // workspace only after every warp has read them.
+        if (!ok) __syncthreads();
+    }
+}
+
+// select_derive_kernel: warp 0 rebuilds candidate `index` (not stored) into w.cand from the counts and copies it to
+// the plan's allocation when w.cand is elsewhere; then a block barrier.
+FLATEP_DEVICE void rebuild_winner(const Layout& l, const int32_t* counts, const planner_core::Workspace& w, int index,
+                                  int32_t* plan_alloc, int tid) {
+    if (tid < 32) {
+        planner_core::build_candidate(WarpExec{tid}, l, counts, w.cand, w, index);
+        if (w.cand != plan_alloc)
+            copy_words<kWideBatch>(plan_alloc, w.cand, int64_t(l.num_ranks) * l.num_experts, tid, 32);
+    }
+    __syncthreads();
+}
+
+// The select record once the winner's allocation is in place (null = off).
+FLATEP_DEVICE void record_selection(PlannerProfileRecord* rec, int tid, int kept, int count) {
+    if (rec == nullptr || tid != 0) return;
+    profile_stamp(rec, kStampSelRebuilt);
+    rec->index = kept;
+    rec->sm = sm_id();
+    rec->count = count;
+}
+
+// prof: the select record (null = off).
+__global__ void __launch_bounds__(kPlannerThreads)
+    select_derive_kernel(Layout l, PlanView p, PlannerWorkspace ws, int stored, CandidateMode mode,
+                         PlannerProfileRecord* rec) {
+    extern __shared__ int4 smem_words[];
+    int32_t* smem = reinterpret_cast<int32_t*>(smem_words);
+    __shared__ PlannerShared sh;
+    __shared__ planner_core::PlanQuality quality[kSelectCached];  // the qualities, loaded in parallel
+    const int tid = threadIdx.x, nthreads = blockDim.x;
+    if (tid == 0) profile_stamp(rec, kStampEntry);
+    const int64_t re = int64_t(l.num_ranks) * l.num_experts;
+    // The counts go to shared memory at once (the selection does not need them, and no planner kernel writes them),
+    // and the qualities of the main launch's candidates (every one written by this planner) without waiting for the
+    // count; those of the overflow candidates (greedy P above 6) once the count is known.
+    const CandidateSmem cs = carve_candidate_smem(l, p, mode, smem);
+    if (mode.counts_smem) copy_words<kWideBatch>(const_cast<int32_t*>(cs.counts), p.tpe_all, re, tid, nthreads);
+    wait_prior_grids();  // the candidate kernels: qualities, count, stored allocations, the greedy's plan.alloc
+    if (tid == 0) profile_stamp(rec, kStampSelWaited);
+    const int main_count = min_of(min_of(kCandidateBlocks, max_candidates(l)), kSelectCached);
+    for (int i = tid; i < main_count; i += nthreads) quality[i] = ws.cand_quality[i];
+    const int count = ws.cand_meta[kMetaCount];
+    planner_core::PlanQuality greedy{};  // loaded with the count (one memory round trip)
+    greedy.makespan = ws.cand_meta[kMetaMakespan];
+    greedy.total_replicas = ws.cand_meta[kMetaReplicas];
+    greedy.entries_moved = int64_t(uint64_t(uint32_t(ws.cand_meta[kMetaMovedLo])) |
+                                   (uint64_t(uint32_t(ws.cand_meta[kMetaMovedHi])) << 32));
+    for (int i = main_count + tid; i < min_of(count, kSelectCached); i += nthreads) quality[i] = ws.cand_quality[i];
+    __syncthreads();
+    if (tid == 0) profile_stamp(rec, kStampSelLoaded);
+    if (tid < 32) {
+        const planner_core::PlanQuality* q = count <= kSelectCached ? quality : ws.cand_quality;
+        if (kWarpSelect) {
+            long long* trace = rec != nullptr ? rec->trace : nullptr;
+            if (trace != nullptr && tid == 0) trace[4] = clock64();
+            const int winner = quality_keys_fit(greedy) ? select_candidate_keys(greedy, q, count, tid)
+                                                        : select_candidate_warp(greedy, q, count, tid, trace);
+            if (trace != nullptr && tid == 0) trace[0] = trace[1] = trace[2] = trace[3] = clock64();
+            if (trace != nullptr && tid == 0) rec->trace_count = 5;
+            if (tid == 0) sh.winner = winner;
+        } else if (tid == 0) {
+            sh.winner = planner_core::select_candidate(greedy, q, count);
+        }
+    }
+    __syncthreads();
+    const int kept = sh.winner;
+    if (tid == 0) profile_stamp(rec, kStampSelSelected);
+    if (!mode.counts_smem || !mode.alloc_smem) {
+        // Counts or allocation in global memory: derive from the plan's own allocation (the greedy's is there
+        // already; a stored winner is copied there, one not stored rebuilt there by warp 0 next to the counts).
+        planner_core::Workspace w = cs.w;
+        int32_t* const alloc_s = mode.alloc_smem ? w.cand : p.alloc;
+        // Where the winner's allocation is (null: rebuild it).
+        const int32_t* from = nullptr;
+        if (kept >= 0 && kept < stored) {
+            from = ws.stored_alloc + int64_t(kept) * re;
+        } else if (kept >= 0 && !mode.alloc_smem) {
+            const int slot = scratch_slot(kept, min_of(kCandidateBlocks, max_candidates(l)), count);
+            if (slot >= 0) from = ws.cand_scratch + int64_t(slot) * re;
+        }
+        if (from != nullptr) {
+            copy_words<kWideBatch>(alloc_s, from, re, tid, nthreads, alloc_s != p.alloc ? p.alloc : nullptr);
+        } else if (kept < 0 && alloc_s != p.alloc) {
+            copy_words<kWideBatch>(alloc_s, p.alloc, re, tid, nthreads);
+        }
+        __syncthreads();
+        if (tid == 0) profile_stamp(rec, kStampSelCopied);
+        if (kept >= 0 && from == nullptr) {
+            w.cand = alloc_s;
+            rebuild_winner(l, cs.counts, w, kept, p.alloc, tid);
+        }
+        record_selection(rec, tid, kept, count);
+        planner_core::derive_plan(BlockDerive{tid, nthreads, rec}, l, p, cs.counts, alloc_s, cs.table, sh.sums);
+        return;
+    }
+    // Shared memory: the counts [R*E], then the allocation derived from (the winner's, or the greedy's).
+    int32_t* alloc_s = smem + re;
+    if (kept >= 0 && kept < stored) {
+        copy_words<kWideBatch>(alloc_s, ws.stored_alloc + int64_t(kept) * re, re, tid, nthreads, p.alloc);
+    } else if (kept < 0) {
+        copy_words<kWideBatch>(alloc_s, p.alloc, re, tid, nthreads);  // the greedy's, written by candidates_kernel
+    }
+    __syncthreads();
+    if (tid == 0) profile_stamp(rec, kStampSelCopied);
+    if (kept >= stored) {  // not stored: warp 0 rebuilds it next to the counts
+        const planner_core::Workspace w = planner_core::make_workspace(l, smem + re);
+        rebuild_winner(l, smem, w, kept, p.alloc, tid);
+        alloc_s = w.cand;
+    }
+    record_selection(rec, tid, kept, count);
+    // The slot experts go right after the allocation: inside planner_core's workspace region either way.
+    planner_core::derive_plan(BlockDerive{tid, nthreads, rec}, l, p, smem, alloc_s, alloc_s + re, sh.sums);
+}
+
+__global__ void planner_serial_kernel(Layout l, PlannerKind kind, PlanView p, int32_t* ws) {
+    planner_core::plan_alloc(l, kind, p.tpe_all, p.alloc, ws);
+    planner_core::derive_plan(l, p);
+}
+
+// The overflow candidates and select_derive_kernel start while the kernel before them drains (programmatic dependent
+// launch, see wait_prior_grids): this hides a kernel launch latency per boundary. false: ordinary launches (the
+// kernels' waits then return at once).
+constexpr bool kProgrammaticLaunch = true;
+
+template <class... Params, class... Args>
+void launch_programmatic(void (*kernel)(Params...), int blocks, int threads, size_t smem, cudaStream_t stream,
+                         Args&&... args) {
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(unsigned(blocks));
+    config.blockDim = dim3(unsigned(threads));
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cudaLaunchAttribute attr[1]{};
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attr;
+    config.numAttrs = kProgrammaticLaunch ? 1 : 0;
+    FLATEP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, const PlannerWorkspace& ws,
+                         PlannerEngine engine, cudaStream_t stream) {
+    if (engine == PlannerEngine::kSerial) {
+        planner_serial_kernel<<<1, 1, 0, stream>>>(l, kind, p, ws.serial_ws);
+    } else {
+        PlannerProfileRecord* const prof = g_profile.load();
+        const PlannerProfileSlots slots = planner_profile_slots(l);
+        const CandidateMode mode = candidate_mode(l, planner_placement_now());
+        const size_t cand_smem = candidate_smem_bytes(l, mode);
+        const bool candidates = kind == PlannerKind::kBalanced && mode.candidates;
+        if (candidates) {
+            allow_smem(reinterpret_cast<const void*>(candidates_kernel), cand_smem);
+            allow_smem(reinterpret_cast<const void*>(select_derive_kernel), cand_smem);
+            const int stored = stored_candidates(l);
+            const int blocks = min_of(kCandidateBlocks, max_candidates(l));
+            candidates_kernel<<<blocks + 1, kCandidateThreads, cand_smem, stream>>>(l, p, ws, stored, 0, mode, prof);
+            FLATEP_CUDA_CHECK_LAUNCH();
+            if (max_candidates(l) > blocks) {  // only when the greedy's P may exceed 6
+                launch_programmatic(candidates_kernel, blocks, kCandidateThreads, cand_smem, stream, l, p, ws, stored,
+                                    blocks, mode, prof);
+            }
+            PlannerProfileRecord* const select_rec = prof != nullptr ? prof + slots.select : nullptr;
+            launch_programmatic(select_derive_kernel, 1, kPlannerThreads, cand_smem, stream, l, p, ws, stored, mode,
+                                select_rec);
+            FLATEP_CUDA_CHECK_LAUNCH();
+            return;
+        }
+        const size_t core_smem =
+            (2 * size_t(l.num_ranks) * l.num_experts + size_t(planner_core::planner_workspace_words(l))) *
+            sizeof(int32_t);
+        // Greedy kind: T_e [E] and the allocation [R*E] in shared memory when they fit.
+        const size_t greedy_smem = (size_t(l.num_ranks) + 1) * l.num_experts * sizeof(int32_t);
+        const bool use_smem =
+            kind == PlannerKind::kBalanced ? core_smem <= kMaxPlannerSmem : greedy_smem <= kMaxPlannerSmem;
+        const size_t smem = max_of(size_t(l.num_experts) * sizeof(int32_t),
+                                   use_smem ? (kind == PlannerKind::kBalanced ? core_smem : greedy_smem) : size_t(0));
+        allow_smem(reinterpret_cast<const void*>(planner_parallel_kernel), smem);
+        planner_parallel_kernel<<<1, kPlannerThreads, smem, stream>>>(
+            l, kind, p, ws, use_smem, prof != nullptr ? prof + slots.parallel : nullptr);
+    }
+    FLATEP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+size_t planner_workspace_bytes(const Layout& l) { return size_t(planner_workspace_sizes(l).total) * sizeof(int32_t); }
+
+size_t planner_candidate_smem_bytes(const Layout& l) {
+    return candidate_smem_bytes(l, candidate_mode(l, planner_placement_now()));
+}
+
+bool planner_uses_candidate_path(const Layout& l) { return candidate_mode(l, planner_placement_now()).candidates; }
+
+const char* planner_path_name(const Layout& l) {
+    const CandidateMode m = candidate_mode(l, planner_placement_now());
+    if (!m.candidates) return "core";  // planner_parallel_kernel: plan_alloc on one thread
+    if (m.counts_smem && m.alloc_smem) return "shared";
+    if (m.alloc_smem) return "counts-global";
+    if (m.counts_smem) return "alloc-global";
+    return "global";
+}
+
+namespace {
+// -1: not read from FLATEP_PLANNER_PLACEMENT yet.
+std::atomic<int> g_placement{-1};
+
+PlannerPlacement planner_placement_from_env() {
+    const std::string v = env::get("FLATEP_PLANNER_PLACEMENT", "auto");
+    if (v == "auto") return PlannerPlacement::kAuto;
+    if (v == "shared") return PlannerPlacement::kShared;
+    if (v == "counts-global" || v == "counts") return PlannerPlacement::kCountsGlobal;
+    if (v == "global") return PlannerPlacement::kGlobal;
+    FLATEP_CHECK(false, "FLATEP_PLANNER_PLACEMENT must be auto, shared, counts-global or global, got '", v, "'");
+    return PlannerPlacement::kAuto;
+}
+}  // namespace
+
+PlannerPlacement planner_placement_now() {
+    int v = g_placement.load();
+    if (v < 0) {
+        int unset = -1;
+        g_placement.compare_exchange_strong(unset, int(planner_placement_from_env()));
+        v = g_placement.load();
+    }
+    return PlannerPlacement(v);
+}
+
+void set_planner_placement(PlannerPlacement placement) { g_placement.store(int(placement)); }
+
+void set_planner_engine(PlannerEngine engine) { g_engine.store(int(engine)); }
+
+PlannerEngine planner_engine() { return PlannerEngine(g_engine.load()); }
+
+PlannerProfileSlots planner_profile_slots(const Layout& l) {
+    PlannerProfileSlots s{};
+    s.candidates = max_candidates(l);
+    s.greedy = s.candidates;
+    s.select = s.greedy + 1;
+    s.parallel = s.select + 1;
+    s.total = s.parallel + 1;
+    return s;
+}
+
+void set_planner_profile(PlannerProfileRecord* records) { g_profile.store(records); }
+
+void launch_planner(const Layout& l, PlannerKind kind, const PlanView& plan, void* workspace, PlannerEngine engine,
+                    cudaStream_t stream) {
+    FLATEP_CHECK(workspace != nullptr, "launch_planner: workspace is null");
+    FLATEP_CHECK(l.num_ranks <= kMaxRanks, "launch_planner: num_ranks ", l.num_ranks, " above ", kMaxRanks);
+    launch_planner_impl(l, kind, plan, make_planner_workspace(l, workspace), engine, stream);
+}
+
+void preload_planner_kernels() {
+    cudaFuncAttributes attr{};
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, planner_parallel_kernel));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, planner_serial_kernel));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, candidates_kernel));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, select_derive_kernel));
+}
+
+}  // namespace flatep::planner

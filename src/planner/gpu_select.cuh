@@ -1,0 +1,139 @@
+// select_candidate's rule on one warp (the GPU planner's select_derive_kernel): the same index as
+// planner_core::select_candidate for the same qualities.
+#pragma once
+
+#include <cstdint>
+
+#include "common/macros.hpp"
+#include "common/math.hpp"
+#include "planner/candidates.hpp"
+#include "planner/quality.hpp"
+#include "planner/warp_exec.cuh"
+
+namespace flatep::planner {
+
+// select_candidate's rule evaluated by one warp (every lane returns the same index). select_candidate keeps, in
+// index order, every acceptable candidate strictly better than the best so far; so it returns the first index of
+// the best acceptable quality among the candidates it scans when that quality beats the greedy's, else -1. It scans
+// the path candidates, then the candidates of the lowest budget in [1, best path (or greedy) makespan] that has an
+// acceptable one (it stops after that budget). This function finds that budget with a warp minimum and the best
+// candidate in it with a warp reduction under a total order (quality, then index), so the result is the same.
+// Setting kWarpSelect to false restores select_candidate on one thread.
+constexpr bool kWarpSelect = true;
+// trace (profile, null = off): clock64 after each of its four phases (lane 0).
+FLATEP_DEVICE int select_candidate_warp(const planner_core::PlanQuality& greedy,
+                                        const planner_core::PlanQuality* quality, int count, int lane,
+                                        long long* trace = nullptr) {
+    auto mark = [&](int at) {
+        if (trace != nullptr && lane == 0) trace[at] = clock64();
+    };
+    using planner_core::better_than;
+    using planner_core::PlanQuality;
+    auto acceptable = [&greedy](const PlanQuality& q) {
+        return q.makespan != planner_core::kNoCandidate && q.makespan <= greedy.makespan &&
+               q.total_replicas <= greedy.total_replicas;
+    };
+    // Path candidates: every lane scans them as select_candidate does.
+    PlanQuality best = greedy;
+    int kept = -1;
+    for (int i = 0; i < planner_core::kNumPathVariants && i < count; ++i) {
+        if (!acceptable(quality[i]) || !better_than(quality[i], best)) continue;
+        best = quality[i];
+        kept = i;
+    }
+    mark(0);
+    // The lowest budget in [1, best.makespan] with an acceptable candidate.
+    constexpr int kNone = 0x7fffffff;
+    int budget = kNone;
+    for (int i = planner_core::kNumPathVariants + lane; i < count; i += 32) {
+        const int b = (i - planner_core::kNumPathVariants) / planner_core::kVariantsPerBudget + 1;
+        if (b <= best.makespan && b < budget && acceptable(quality[i])) budget = b;
+    }
+    budget = int(__reduce_min_sync(kFull, unsigned(budget)));
+    mark(1);
+    if (budget == kNone) return kept;
+    // Its best candidate strictly better than `best`: per lane in index order (strict improvement keeps the first),
+    // then a butterfly under the total order (found first, quality, lower index).
+    const int lo = planner_core::kNumPathVariants + (budget - 1) * planner_core::kVariantsPerBudget;
+    const int hi = min_of(lo + planner_core::kVariantsPerBudget, count);
+    PlanQuality mine = best;
+    int at = -1;
+    for (int i = lo + lane; i < hi; i += 32) {
+        const PlanQuality q = quality[i];
+        if (acceptable(q) && better_than(q, mine)) {
+            mine = q;
+            at = i;
+        }
+    }
+    mark(2);
+    for (int o = 16; o > 0; o >>= 1) {
+        PlanQuality other;
+        other.makespan = __shfl_xor_sync(kFull, mine.makespan, o);
+        other.total_replicas = __shfl_xor_sync(kFull, mine.total_replicas, o);
+        other.entries_moved = __shfl_xor_sync(kFull, (long long)mine.entries_moved, o);
+        const int other_at = __shfl_xor_sync(kFull, at, o);
+        const bool take =
+            other_at >= 0 && (at < 0 || better_than(other, mine) || (!better_than(mine, other) && other_at < at));
+        if (take) {
+            mine = other;
+            at = other_at;
+        }
+    }
+    mark(3);
+    return at >= 0 ? at : kept;
+}
+
+// select_candidate_warp with each quality as one 64-bit key, (P, total replicas, entries moved) in bits 56+, 40+ and
+// 0-39, so better_than(a, b) is key(a) < key(b): valid when the greedy's P < 256 and total replicas < 2^16 (an
+// acceptable candidate is at most that on both; entries moved <= N < 2^37 always). Every selection is then one warp
+// minimum of (key, index): the path candidates one per lane, the lowest acceptable budget, that budget's candidates
+// one per lane (kVariantsPerBudget <= 32). The same index as select_candidate_warp.
+static_assert(planner_core::kVariantsPerBudget <= 32 && planner_core::kNumPathVariants <= 32, "one per lane");
+FLATEP_DEVICE bool quality_keys_fit(const planner_core::PlanQuality& greedy) {
+    return greedy.makespan >= 0 && greedy.makespan < 256 && greedy.total_replicas >= 0 && greedy.total_replicas < 65536;
+}
+FLATEP_DEVICE uint64_t quality_key(const planner_core::PlanQuality& q) {
+    return (uint64_t(q.makespan) << 56) | (uint64_t(q.total_replicas) << 40) | uint64_t(q.entries_moved);
+}
+// The lowest lane holding the smallest key among the lanes with `has` (-1 when none); *best = that key.
+FLATEP_DEVICE int warp_min_key(bool has, uint64_t key, uint64_t* best) {
+    const unsigned hi = __reduce_min_sync(kFull, has ? unsigned(key >> 32) : 0xffffffffu);
+    const unsigned lo = __reduce_min_sync(kFull, has && unsigned(key >> 32) == hi ? unsigned(key) : 0xffffffffu);
+    const uint64_t k = (uint64_t(hi) << 32) | lo;
+    const unsigned at = __ballot_sync(kFull, has && key == k);
+    if (at == 0) return -1;
+    *best = k;
+    return __ffs(at) - 1;
+}
+FLATEP_DEVICE int select_candidate_keys(const planner_core::PlanQuality& greedy,
+                                        const planner_core::PlanQuality* quality, int count, int lane) {
+    using planner_core::PlanQuality;
+    constexpr int kPath = planner_core::kNumPathVariants, kPerBudget = planner_core::kVariantsPerBudget;
+    auto acceptable = [&greedy](const PlanQuality& q) {
+        return q.makespan != planner_core::kNoCandidate && q.makespan <= greedy.makespan &&
+               q.total_replicas <= greedy.total_replicas;
+    };
+    uint64_t best = quality_key(greedy);
+    int best_p = greedy.makespan;
+    PlanQuality q{};
+    if (lane < kPath && lane < count) q = quality[lane];
+    const uint64_t path_key = quality_key(q);
+    const int kept = warp_min_key(lane < kPath && lane < count && acceptable(q) && path_key < best, path_key, &best);
+    if (kept >= 0) best_p = int(best >> 56);
+    constexpr int kNone = 0x7fffffff;
+    int budget = kNone;
+    for (int i = kPath + lane; i < count; i += 32) {
+        const int b = (i - kPath) / kPerBudget + 1;
+        if (b <= best_p && b < budget && acceptable(quality[i])) budget = b;
+    }
+    budget = int(__reduce_min_sync(kFull, unsigned(budget)));
+    if (budget == kNone) return kept;
+    const int i = kPath + (budget - 1) * kPerBudget + lane;
+    const bool mine = lane < kPerBudget && i < count;
+    if (mine) q = quality[i];
+    const uint64_t key = quality_key(q);
+    const int at = warp_min_key(mine && acceptable(q) && key < best, key, &best);
+    return at >= 0 ? i - lane + at : kept;
+}
+
+}  // namespace flatep::planner

@@ -1,0 +1,253 @@
+// The GPU planner's workspace and the shared memory of its candidate blocks: where the counts, the candidates'
+// allocations and qualities live, the copies between them, and the block-wide steps every candidate block runs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/macros.hpp"
+#include "common/math.hpp"
+#include "layout/layout.hpp"
+#include "layout/plan.hpp"
+#include "planner/candidates.hpp"
+#include "planner/gpu_planner.cuh"
+#include "planner/warp_exec.cuh"
+
+namespace flatep::planner {
+
+constexpr int kPlannerThreads = 1024;
+constexpr size_t kMaxPlannerSmem = 200 * 1024;
+
+// Workspace (int32 words, every array 64-word aligned): planner_workspace_bytes(l) bytes at a 256-byte boundary.
+struct PlannerWorkspace {
+    int32_t* serial_ws;                       // the tpe_all copy [R*E] and planner_core's workspace (serial engine)
+    planner_core::PlanQuality* cand_quality;  // [max_candidates] quality of every balanced-planner candidate
+    int32_t* cand_meta;                       // [kMetaWords] the greedy's quality and the number of candidates
+    int32_t* stored_alloc;                    // [stored_candidates][R*E] allocations of the first candidates
+    int32_t* cand_scratch;  // [kCandidateBlocks][R*E] working allocation of candidate block b when it is not kept in
+                            // shared memory and its candidate is not stored (CandidateMode::alloc_smem false)
+};
+
+// cand_meta words.
+enum CandidateMeta : int { kMetaMakespan = 0, kMetaReplicas, kMetaMovedLo, kMetaMovedHi, kMetaCount, kMetaWords = 8 };
+
+// Upper bound of the greedy's makespan: a rank hosts at most epn replicas and the E experts have at most E copies.
+FLATEP_HD int max_candidates(const Layout& l) { return planner_core::num_candidates(l.num_experts); }
+// The candidate kernel's grid: one pass covers every candidate up to a greedy P of 6 (num_candidates(6)).
+constexpr int kCandidateBlocks = 4 + 18 * 6;
+// Candidates whose allocation the candidate kernels keep: every candidate of a greedy P up to kStoredMakespan (the
+// main launch's and the first overflow candidates), within 16 MiB. The winner is copied from there, or rebuilt
+// (serially, after every candidate) when its index is beyond.
+constexpr int kStoredMakespan = 10;
+inline int stored_candidates(const Layout& l) {
+    const int64_t re = int64_t(l.num_ranks) * l.num_experts;
+    const int want = min_of(planner_core::num_candidates(kStoredMakespan), max_candidates(l));
+    return int(min_of<int64_t>(want, (int64_t(4) << 20) / re));
+}
+
+struct PlannerWorkspaceSizes {
+    int64_t serial_ws, cand_quality, cand_meta, stored_alloc, cand_scratch, total;
+};
+
+inline PlannerWorkspaceSizes planner_workspace_sizes(const Layout& l) {
+    const int64_t re = int64_t(l.num_ranks) * l.num_experts;
+    Carver c{64};
+    PlannerWorkspaceSizes s{};
+    s.serial_ws = c.take(re + planner_core::planner_workspace_words(l));
+    s.cand_quality = c.take(int64_t(max_candidates(l)) * int64_t(sizeof(planner_core::PlanQuality) / 4));
+    s.cand_meta = c.take(kMetaWords);
+    s.stored_alloc = c.take(int64_t(stored_candidates(l)) * re);
+    s.cand_scratch = c.take(int64_t(kCandidateBlocks) * re);
+    s.total = c.at;
+    return s;
+}
+
+inline PlannerWorkspace make_planner_workspace(const Layout& l, void* base) {
+    const PlannerWorkspaceSizes s = planner_workspace_sizes(l);
+    int32_t* w = static_cast<int32_t*>(base);
+    PlannerWorkspace p{};
+    p.serial_ws = w + s.serial_ws;
+    p.cand_quality = reinterpret_cast<planner_core::PlanQuality*>(w + s.cand_quality);
+    p.cand_meta = w + s.cand_meta;
+    p.stored_alloc = w + s.stored_alloc;
+    p.cand_scratch = w + s.cand_scratch;
+    return p;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Balanced planner, candidate-parallel. Kernel 1 (kCandidateThreads per block): every block loads the counts into
+// shared memory; one runs the greedy and its quality (so select_candidate knows how many candidates to look at), the
+// others build the candidates blockIdx.x, blockIdx.x + gridDim.x, ... with planner_core's own functions on the warp
+// executor (warp 0), writing each quality and (the first `stored` indices) each allocation. Kernel 2 (one block):
+// select_candidate's rule, the winner's allocation (copied, or rebuilt when it was not stored), derive_plan.
+// planner_core's code runs as written on both sides, so the plan is the host's bitwise; the host test
+// tests/unit/planner/test_planner_candidates.cpp checks the decomposition.
+constexpr int kSelectCached = 1024;  // qualities select_derive_kernel reads from shared memory
+
+// Where the blocks of the candidate path keep the counts and the allocation they work on. Shared memory always holds
+// planner_core's small arrays (planner_small_workspace_words) and home_ahead's table [E]; the counts [R*E] (read
+// only: init_home, the locality receiver rule, the evaluation) and the candidate's allocation [R*E] (read and written
+// by every step of the build) each in shared memory or in global memory. The arithmetic is the same either way, so
+// is the plan. Every placement takes the candidate path except kShared where everything does not fit.
+struct CandidateMode {
+    bool candidates;   // the candidate path (else planner_parallel_kernel: plan_alloc on one thread)
+    bool counts_smem;  // the counts in shared memory (else read from plan.tpe_all)
+    bool alloc_smem;   // the allocation in shared memory (else ws.stored_alloc's slot or ws.cand_scratch's)
+};
+
+// Dynamic shared memory of a candidate block (and of select_derive_kernel) for a placement.
+inline size_t candidate_smem_bytes(const Layout& l, bool counts_smem, bool alloc_smem) {
+    const size_t re = size_t(l.num_ranks) * l.num_experts;
+    return ((counts_smem ? re : 0) + (alloc_smem ? re : 0) + size_t(planner_core::planner_small_workspace_words(l)) +
+            size_t(l.num_experts)) *
+           sizeof(int32_t);
+}
+
+inline CandidateMode candidate_mode(const Layout& l, PlannerPlacement placement) {
+    const bool all = candidate_smem_bytes(l, true, true) <= kMaxPlannerSmem;
+    const bool alloc_only = candidate_smem_bytes(l, false, true) <= kMaxPlannerSmem;
+    switch (placement) {
+        case PlannerPlacement::kShared:
+            return CandidateMode{all, true, true};
+        case PlannerPlacement::kCountsGlobal:
+            return CandidateMode{true, false, alloc_only};
+        case PlannerPlacement::kGlobal:
+            return CandidateMode{true, false, false};
+        case PlannerPlacement::kAuto:
+        default:
+            return all ? CandidateMode{true, true, true} : CandidateMode{true, false, alloc_only};
+    }
+}
+inline size_t candidate_smem_bytes(const Layout& l, const CandidateMode& m) {
+    return candidate_smem_bytes(l, m.counts_smem, m.alloc_smem);
+}
+
+// Copies n int32 words with 16-byte accesses when both ends allow it. Each thread issues all the loads of a batch of
+// kBatch vectors before its stores, so a copy of up to kBatch * nthreads vectors is one memory round trip. Blocks of
+// 1024 threads (64 registers a thread) take kWideBatch: enough for their copies, and no spills. dst2 (optional): a
+// second destination written from the same loads.
+constexpr int kCopyBatch = 8;
+constexpr int kWideBatch = 2;
+template <int kBatch = kCopyBatch>
+FLATEP_DEVICE void copy_words(int32_t* dst, const int32_t* src, int64_t n, int tid, int nthreads,
+                              int32_t* dst2 = nullptr) {
+    int64_t done = 0;
+    const uintptr_t ends =
+        reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(dst2);
+    if ((ends & 15) == 0) {
+        const int4* s4 = reinterpret_cast<const int4*>(src);
+        int4* d4 = reinterpret_cast<int4*>(dst);
+        int4* d4b = reinterpret_cast<int4*>(dst2);
+        const int64_t n4 = n / 4;
+        for (int64_t i0 = tid; i0 < n4; i0 += int64_t(kBatch) * nthreads) {
+            int4 v[kBatch];
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+                const int64_t i = i0 + int64_t(j) * nthreads;
+                if (i < n4) v[j] = s4[i];
+            }
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+                const int64_t i = i0 + int64_t(j) * nthreads;
+                if (i < n4) d4[i] = v[j];
+                if (i < n4 && d4b != nullptr) d4b[i] = v[j];
+            }
+        }
+        done = n4 * 4;
+    }
+    for (int64_t i = done + tid; i < n; i += nthreads) {
+        const int32_t v = src[i];
+        dst[i] = v;
+        if (dst2 != nullptr) dst2[i] = v;
+    }
+}
+
+// Allocation in global memory (CandidateMode::alloc_smem false): candidate `index` is built in its stored slot when
+// index < stored, else in ws.cand_scratch's slot of the block building it: block b of the main launch builds candidate
+// b; block b of the overflow launch builds G + b, 2G + b, ... (G = main_blocks). So the allocation of an unstored
+// candidate is still in its slot after the candidate kernels when no later candidate of the same slot was built
+// (select_derive_kernel then copies it instead of rebuilding it): scratch_slot returns the slot, or -1 when it was
+// overwritten.
+FLATEP_HD int scratch_slot(int index, int main_blocks, int count) {
+    const int b = index < main_blocks ? index : (index - main_blocks) % main_blocks;
+    const int first_overflow = main_blocks + b;  // the slot's first overflow candidate
+    const int last =
+        first_overflow < count ? first_overflow + (count - 1 - first_overflow) / main_blocks * main_blocks : b;
+    return last == index ? b : -1;
+}
+
+// Shared memory of a candidate block (and of select_derive_kernel), by CandidateMode. Everything in shared memory:
+// the counts [R*E], then planner_core's workspace (its cand array holds the candidate), then home_ahead's table [E].
+// Else: the counts [R*E] (counts_smem), the allocation [R*E] (alloc_smem), planner_core's small arrays, the table.
+// `cand` is then null where the allocation lives in global memory (the caller points w.cand at it per candidate).
+struct CandidateSmem {
+    const int32_t* counts;  // shared memory, or plan.tpe_all
+    planner_core::Workspace w;
+    int32_t* table;  // [E]: home_ahead's table (candidates), the slot experts (select_derive_kernel)
+};
+FLATEP_DEVICE CandidateSmem carve_candidate_smem(const Layout& l, const PlanView& p, const CandidateMode& m,
+                                                 int32_t* smem) {
+    const int64_t re = int64_t(l.num_ranks) * l.num_experts;
+    CandidateSmem c{};
+    if (m.counts_smem && m.alloc_smem) {
+        c.counts = smem;
+        c.w = planner_core::make_workspace(l, smem + re);
+        c.table = smem + re + planner_core::planner_workspace_words(l);
+        return c;
+    }
+    int32_t* at = smem;
+    c.counts = p.tpe_all;
+    if (m.counts_smem) {
+        c.counts = at;
+        at += re;
+    }
+    int32_t* cand = nullptr;
+    if (m.alloc_smem) {
+        cand = at;
+        at += re;
+    }
+    c.w = planner_core::make_workspace_split(l, at, cand);
+    c.table = at + planner_core::planner_small_workspace_words(l);
+    return c;
+}
+
+// planner_core::evaluate_alloc over the whole block (every thread gets the quality). The quality is a count, a sum
+// and a maximum of integers, so any split of the work gives the same value. Uses num_in / num_out [R] as
+// evaluate_alloc does and `moved` (shared). Begins and ends with a block barrier.
+FLATEP_DEVICE planner_core::PlanQuality evaluate_alloc_block(const BlockExec& bx, const Layout& l,
+                                                             const int32_t* tpe_all, const int32_t* alloc,
+                                                             int32_t* num_in, int32_t* num_out,
+                                                             unsigned long long& moved) {
+    const int tid = bx.tid, nthreads = bx.nthreads;
+    for (int r = tid; r < l.num_ranks; r += nthreads) num_in[r] = num_out[r] = 0;
+    if (tid == 0) moved = 0;
+    __syncthreads();
+    int64_t off = 0;
+    for (int e = tid; e < l.num_experts; e += nthreads)
+        off += planner_core::evaluate_expert(bx, l, tpe_all, alloc, num_in, num_out, e);
+    for (int o = 16; o > 0; o >>= 1) off += __shfl_xor_sync(kFull, off, o);
+    if (tid % 32 == 0 && off != 0) atomicAdd(&moved, (unsigned long long)off);
+    __syncthreads();
+    const planner_core::PlanQuality q = planner_core::quality_of(l, num_in, num_out, int64_t(moved));
+    __syncthreads();  // the workspace may be overwritten after this
+    return q;
+}
+
+// The home allocation (init_home) and the fixed targets of the counts in shared memory, computed by the whole block
+// for warp 0's candidate (x then reports them ready). Begins and ends with a block barrier.
+FLATEP_DEVICE void prepare_home(WarpExec& x, const BlockExec& bx, const Layout& l, const int32_t* counts,
+                                const planner_core::Workspace& w) {
+    x.home_n = planner_core::init_home(bx, l, counts, w.cand, w);
+    x.home_alloc = w.cand;
+    if (bx.tid == 0) planner_core::fixed_targets(l, x.home_n, w);
+    __syncthreads();
+}
+
+// Candidate blocks: kCandidateThreads threads. Warp 0 builds the candidate (planner_core on the warp executor: its
+// sequential steps are latency-bound and gain nothing from more threads); the whole block loads the counts, computes
+// the home allocation (init_home on BlockExec), stores the allocation and evaluates it (the O(R*E) passes). Setting
+// kCandidateThreads to 32 gives the one-warp blocks.
+constexpr int kCandidateThreads = 128;
+static_assert(kCandidateThreads % 32 == 0 && kCandidateThreads <= 1024, "whole warps");
+
+}  // namespace flatep::planner
