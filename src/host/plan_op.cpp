@@ -54,26 +54,8 @@ void plan_op(const PlanArgs& a) {
     route_entries(l, p, a.rank, a.topk_idx, a.index_bytes, a.num_tokens);
 
     // 4. Chains: entries of token t going to d, in ascending k.
-    for (int t = 0; t < a.num_tokens; ++t) {
-        const int32_t* ranks = p.entry_rank + int64_t(t) * K;
-        const int32_t* rows = p.entry_row + int64_t(t) * K;
-        for (int k = 0; k < K; ++k) {
-            const int d = ranks[k];
-            if (d < 0) continue;
-            bool seen = false;
-            for (int k0 = 0; k0 < k && !seen; ++k0) seen = ranks[k0] == d;
-            if (seen) continue;  // not the first entry of t on d: already written with its chain
-            auto* head = region_at<int32_t>(a.peers[d], sym.row_head_offset);
-            auto* next = region_at<int32_t>(a.peers[d], sym.row_next_offset);
-            int32_t row = rows[k];
-            for (int k1 = k + 1; k1 <= K; ++k1) {
-                if (k1 < K && ranks[k1] != d) continue;
-                head[row] = rows[k];
-                next[row] = k1 < K ? rows[k1] : -1;
-                if (k1 < K) row = rows[k1];
-            }
-        }
-    }
+    for (int t = 0; t < a.num_tokens; ++t)
+        push_token_chains(sym, a.peers, p.entry_rank + int64_t(t) * K, p.entry_row + int64_t(t) * K, K);
     barrier(a.sync, kOpPlan);
 
     // 5. Copy the staging of the real rows; -1 for padding and rows past the last group.

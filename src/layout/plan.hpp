@@ -176,4 +176,28 @@ FLATEP_HD EntryPlace place_entry(const Layout& l, const PlanView& p, int src, in
     return EntryPlace{dst, int32_t(row)};
 }
 
+// The row chains of one token (design §5) pushed to its destinations: for each rank d among ranks[0, K) (-1: a
+// dropped entry), the token's rows on d in ascending k; every one of them gets head = the first of those rows and
+// next = the one after it (-1 after the last), written to d's row_head / row_next staging (peers[d] is d's
+// symmetric buffer as mapped here). rows[k]: entry k's row on ranks[k]. The host and CUDA plan ops both call it.
+FLATEP_HD void push_token_chains(const SymmetricLayout& sym, uint8_t* const* peers, const int32_t* ranks,
+                                 const int32_t* rows, int K) {
+    for (int k = 0; k < K; ++k) {
+        const int d = ranks[k];
+        if (d < 0) continue;
+        bool seen = false;
+        for (int k0 = 0; k0 < k && !seen; ++k0) seen = ranks[k0] == d;
+        if (seen) continue;  // not the token's first entry on d: written with that one's chain
+        int32_t* head = region_at<int32_t>(peers[d], sym.row_head_offset);
+        int32_t* next = region_at<int32_t>(peers[d], sym.row_next_offset);
+        int32_t row = rows[k];
+        for (int k1 = k + 1; k1 <= K; ++k1) {
+            if (k1 < K && ranks[k1] != d) continue;
+            head[row] = rows[k];
+            next[row] = k1 < K ? rows[k1] : -1;
+            if (k1 < K) row = rows[k1];
+        }
+    }
+}
+
 }  // namespace flatep

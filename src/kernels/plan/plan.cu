@@ -193,52 +193,22 @@ __global__ void __launch_bounds__(kRouteThreads)
         // Chain push: for token t and destination d, the entries of t on d in ascending k.
         const int64_t t0 = int64_t(b) * seg_tokens;
         const int64_t t1 = min_of<int64_t>(t0 + seg_tokens, num_tokens);
-        for (int64_t t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
-            const int32_t* ranks = seg_rank + (t - t0) * K;
-            const int32_t* rows = seg_row + (t - t0) * K;
-            for (int k = 0; k < K; ++k) {
-                const int d = ranks[k];
-                if (d < 0) continue;
-                bool seen = false;
-                for (int k0 = 0; k0 < k && !seen; ++k0) seen = ranks[k0] == d;
-                if (seen) continue;
-                int32_t* head = region_at<int32_t>(peers.ptr[d], sym.row_head_offset);
-                int32_t* next = region_at<int32_t>(peers.ptr[d], sym.row_next_offset);
-                int32_t row = rows[k];
-                for (int k1 = k + 1; k1 <= K; ++k1) {
-                    if (k1 < K && ranks[k1] != d) continue;
-                    head[row] = rows[k];
-                    next[row] = k1 < K ? rows[k1] : -1;
-                    if (k1 < K) row = rows[k1];
-                }
-            }
-        }
+        for (int64_t t = t0 + threadIdx.x; t < t1; t += blockDim.x)
+            push_token_chains(sym, peers.ptr, seg_rank + (t - t0) * K, seg_row + (t - t0) * K, K);
         __syncthreads();
     }
 }
 
-// 5. Unpack: the staging of the real rows of every group into the plan; -1 elsewhere. And the status word of the
-// first bad expert id.
+// 5. Unpack: the staging of the real rows of every group into the plan (classify_row); -1 elsewhere. And the status
+// word of the first bad expert id.
 __global__ void unpack_kernel(Layout l, int rank, SymmetricLayout sym, PeerPointers peers, PlanView p, PlanWorkspace ws,
                               int32_t* status, int32_t* host_status) {
-    const int E = l.num_experts, G = l.num_groups();
-    const int32_t* cu = p.cu_seqlens + int64_t(rank) * G;
     const int32_t* head = region_at<const int32_t>(peers.ptr[rank], sym.row_head_offset);
     const int32_t* next = region_at<const int32_t>(peers.ptr[rank], sym.row_next_offset);
     for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < l.num_recv_rows;
          r += int64_t(gridDim.x) * blockDim.x) {
-        int32_t h = -1, nx = -1;
-        const int lo = find_group(cu, G, r);
-        if (lo < G) {
-            const int g = lo;
-            const int32_t start = g == 0 ? 0 : cu[g - 1];
-            const int expert = group_expert(l, p, rank, g);
-            const int32_t size = expert < 0 ? 0 : p.alloc[int64_t(rank) * E + expert];
-            if (r - start < size) {
-                h = head[r];
-                nx = next[r];
-            }
-        }
+        const bool real = classify_row(l, p, rank, r) == kRowReal;
+        const int32_t h = real ? head[r] : -1, nx = real ? next[r] : -1;
         p.row_head[r] = h;
         p.row_next[r] = nx;
     }
