@@ -21,8 +21,9 @@ struct PlanArgs {
     uint8_t* peers[kMaxRanks];  // every rank's symmetric buffer base (SymmetricLayout offsets)
     PlanView plan;              // this rank's plan allocation
     SyncArgs sync;
-    // CUDA launcher only: device scratch of kernels::plan_workspace_bytes(layout) bytes, or null (the launcher then
-    // keeps its own, allocated on first use outside stream capture). The host twin ignores it.
+    // CUDA plan op only: device scratch of device::plan_workspace_bytes(layout) bytes (runtime/device_ops.hpp: the
+    // kernels' part and the GPU planner's), or null (the kernels library then keeps one, allocated on first use
+    // outside stream capture). The host twin ignores it.
     void* workspace = nullptr;
 };
 
