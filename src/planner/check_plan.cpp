@@ -14,7 +14,7 @@ namespace {
 using detail::concat;
 
 std::string check_stats(const Layout& l, const PlanView& p, const std::vector<int64_t>& group_load) {
-    const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
+    const int R = l.num_ranks, E = l.num_experts;
     const PlanStats& st = *p.stats;
     int64_t total = 0, on_source = 0;
     std::vector<int32_t> in(R, 0), out(R, 0), after(R, 0);
@@ -24,7 +24,7 @@ std::string check_stats(const Layout& l, const PlanView& p, const std::vector<in
             total += t;
             on_source += std::min(a, t);
             after[d] += a;
-            if (a > 0 && e / epn != d) ++in[d], ++out[e / epn];
+            if (a > 0 && l.home_rank(e) != d) ++in[d], ++out[l.home_rank(e)];
         }
     }
     auto field = [](const char* name, int64_t got, int64_t want) -> std::string {
@@ -76,7 +76,7 @@ std::string check_plan(const Layout& l, const PlanView& p) {
         }
         if (t != a) return concat("conservation: expert ", e, " has T_e = ", t, " entries but alloc sums to ", a);
         n += t;
-        group_load[e / epn] += t;
+        group_load[l.home_rank(e)] += t;
     }
     // Constraint 2 (balance).
     for (int d = 0; d < R; ++d) {
@@ -93,7 +93,7 @@ std::string check_plan(const Layout& l, const PlanView& p) {
     for (int d = 0; d < R; ++d) {
         std::vector<int32_t> replicas;
         for (int e = 0; e < E; ++e)
-            if (p.alloc[at(d, e)] > 0 && e / epn != d) replicas.push_back(e);
+            if (p.alloc[at(d, e)] > 0 && l.home_rank(e) != d) replicas.push_back(e);
         if (int(replicas.size()) > epn)
             return concat("slots: rank ", d, " hosts ", replicas.size(), " replicas, more than epn = ", epn);
         for (int j = 0; j < epn; ++j) {
@@ -125,7 +125,7 @@ std::string check_plan(const Layout& l, const PlanView& p) {
             const int e = group_expert(l, p, d, g);
             if (e >= 0) {
                 want_row[e] = int32_t(row);
-                row += (int64_t(p.alloc[at(d, e)]) + l.align - 1) / l.align * l.align;
+                row += l.padded(p.alloc[at(d, e)]);
             }
             if (p.cu_seqlens[d * 2 * epn + g] != row)
                 return concat("cu_seqlens[", d, "][", g, "] = ", p.cu_seqlens[d * 2 * epn + g], ", expected ", row);

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "common/check.hpp"
+#include "ops/plan_args.hpp"
 #include "planner/planner_core.hpp"
 
 namespace flatep {
@@ -86,11 +87,8 @@ int64_t route_typed(const Layout& l, const PlanView& p, int rank, const Index* t
 
 int64_t route_entries(const Layout& l, const PlanView& p, int rank, const void* topk_idx, int index_bytes,
                       int num_tokens) {
-    FLATEP_CHECK(rank >= 0 && rank < l.num_ranks, "rank must be in [0, ", l.num_ranks, "), got ", rank);
-    FLATEP_CHECK(index_bytes == 4 || index_bytes == 8, "index_bytes must be 4 or 8, got ", index_bytes);
-    FLATEP_CHECK(num_tokens >= 0 && num_tokens <= l.num_tokens, "num_tokens must be in [0, S=", l.num_tokens, "], got ",
-                 num_tokens);
-    FLATEP_CHECK(num_tokens == 0 || topk_idx != nullptr, "topk_idx is null");
+    check_plan_inputs(l, num_tokens, topk_idx, index_bytes);  // the plan op's own checks and messages
+    FLATEP_CHECK(rank >= 0 && rank < l.num_ranks, "plan: rank must be in [0, ", l.num_ranks, "), got ", rank);
     if (index_bytes == 4) return route_typed(l, p, rank, static_cast<const int32_t*>(topk_idx), num_tokens);
     return route_typed(l, p, rank, static_cast<const int64_t*>(topk_idx), num_tokens);
 }

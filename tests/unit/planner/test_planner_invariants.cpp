@@ -305,10 +305,11 @@ TEST(PlannerInvariants, RouteEntriesErrors) {
         message_of([&] { route_entries(l, plan->view, 0, ids.data(), 4, 4); }),
         "topk_idx of rank 0 routes more than tpe_all[0][0] = 2 entries to expert 0 (counts and routing disagree)");
     EXPECT_EQ(message_of([&] { route_entries(l, plan->view, 0, ids.data(), 2, 4); }),
-              "index_bytes must be 4 or 8, got 2");
-    EXPECT_EQ(message_of([&] { route_entries(l, plan->view, 2, ids.data(), 4, 4); }), "rank must be in [0, 2), got 2");
+              "plan: index_bytes must be 4 (int32) or 8 (int64), got 2");
+    EXPECT_EQ(message_of([&] { route_entries(l, plan->view, 2, ids.data(), 4, 4); }),
+              "plan: rank must be in [0, 2), got 2");
     EXPECT_EQ(message_of([&] { route_entries(l, plan->view, 0, ids.data(), 4, 5); }),
-              "num_tokens must be in [0, S=4], got 5");
+              "plan: num_tokens must be in [0, S=4], got 5");
 }
 
 }  // namespace
