@@ -5,7 +5,6 @@
 #include <vector>
 
 #include "common/check.hpp"
-#include "planner/planner.hpp"
 #include "sync/barrier_host.hpp"
 
 namespace flatep::host {
@@ -20,7 +19,7 @@ int32_t clamp_to_int32(int64_t value) {
 }
 }  // namespace
 
-void plan_op(const PlanArgs& a) {
+void plan_counts_op(const PlanArgs& a) {
     const Layout& l = a.layout;
     const int R = l.num_ranks, E = l.num_experts, K = l.topk;
     check_plan_args(a);
@@ -48,10 +47,14 @@ void plan_op(const PlanArgs& a) {
     }
     barrier(a.sync, kOpPlan);
 
-    // 3. Planner and routing.
     std::memcpy(p.tpe_all, a.peers[a.rank] + sym.tpe_all_offset, sizeof(int32_t) * int64_t(R) * E);
-    plan_counts(l, a.planner, p);
-    route_entries(l, p, a.rank, a.topk_idx, a.index_bytes, a.num_tokens);
+}
+
+void plan_routes_op(const PlanArgs& a) {
+    const Layout& l = a.layout;
+    const int E = l.num_experts, K = l.topk;
+    const SymmetricLayout sym = make_symmetric_layout(l);
+    const PlanView& p = a.plan;
 
     // 4. Chains: entries of token t going to d, in ascending k.
     for (int t = 0; t < a.num_tokens; ++t)

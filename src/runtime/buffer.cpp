@@ -14,7 +14,7 @@
 #include "host/dispatch.hpp"
 #include "host/dispatch_fp8.hpp"
 #include "host/entry_values.hpp"
-#include "host/plan_op.hpp"
+#include "runtime/host_plan.hpp"
 #include "layout/layout.hpp"
 #include "ops/plan_args.hpp"
 #include "runtime/collective_guard.hpp"
@@ -304,7 +304,7 @@ Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t
     } else {
         FLATEP_CHECK(plan_storage == nullptr, "plan: plan_storage is for device Buffers; this one is on the host");
         args.plan = data->host.view;
-        guard_->run(args.sync.status, [&] { host::plan_op(args); });
+        guard_->run(args.sync.status, [&] { run_host_plan(args); });
         data->host.view.header[kHeaderGenerationLo] = int32_t(uint32_t(data->generation));
         data->host.view.header[kHeaderGenerationHi] = int32_t(uint32_t(data->generation >> 32));
     }

@@ -59,7 +59,7 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                 for (int p = 0; p < R; ++p) pa.peers[p] = reg.peers[p];
                 pa.plan = plan.view;
                 pa.sync = sync;
-                host::plan_op(pa);
+                run_host_plan(pa);
 
                 if (c.backward) {  // write_grads (local) of a bf16 and an fp32 gradient into canary-filled views
                     const int64_t ge = 2 * int64_t(epn) * c.grads_elems;

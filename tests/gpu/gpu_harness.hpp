@@ -16,7 +16,7 @@
 #include "host/combine_grad.hpp"
 #include "host/dispatch.hpp"
 #include "host/grad_reduce.hpp"
-#include "host/plan_op.hpp"
+#include "runtime/host_plan.hpp"
 #include "host/prefetch.hpp"
 #include "host/write_grads.hpp"
 #include "kernels/combine/combine.cuh"

@@ -310,7 +310,7 @@ std::vector<RankResult> run_host_fp8(const CaseSpec& c, const Layout& l, const I
                 for (int p = 0; p < R; ++p) pa.peers[p] = reg.peers[p];
                 pa.plan = plan.view;
                 pa.sync = sync;
-                host::plan_op(pa);
+                run_host_plan(pa);
                 DispatchFp8Args a{};
                 a.layout = l;
                 a.rank = r;
