@@ -10,6 +10,7 @@
 #include "kernels/combine/combine.cuh"
 #include "kernels/combine_grad/combine_grad.cuh"
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/preload.hpp"
 #include "kernels/dispatch/dispatch.cuh"
 #include "kernels/dispatch/dispatch_fp8.cuh"
 #include "kernels/entry_values/entry_values.cuh"
@@ -19,9 +20,6 @@
 
 #include <atomic>
 
-namespace flatep::kernels {
-void preload_all_kernels();  // kernels/common/launch.cuh (a header with device code, so not included here)
-}  // namespace flatep::kernels
 #endif
 
 namespace flatep::device {
@@ -99,7 +97,7 @@ std::string WaitRecordHost::failure_message() const {
 }
 
 Context::Context(const Layout& layout) {
-    kernels::preload_all_kernels();  // no lazy module load while a peer's kernel spins (see kernels/common/launch.cuh)
+    kernels::preload_all_kernels();  // no lazy module load while a peer's kernel spins (see kernels/common/preload.hpp)
     planner::preload_planner_kernels();
     FLATEP_CUDA_CHECK(cudaMalloc(&epoch_, sizeof(uint64_t)));
     FLATEP_CUDA_CHECK(cudaMemset(epoch_, 0, sizeof(uint64_t)));
