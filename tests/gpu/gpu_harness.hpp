@@ -16,7 +16,6 @@
 #include "host/combine_grad.hpp"
 #include "host/dispatch.hpp"
 #include "host/grad_reduce.hpp"
-#include "runtime/host_plan.hpp"
 #include "host/prefetch.hpp"
 #include "host/write_grads.hpp"
 #include "kernels/combine/combine.cuh"
@@ -32,6 +31,7 @@
 #include "planner/gpu_planner.cuh"
 #include "routing/routing.hpp"
 #include "runtime/device_ops.hpp"
+#include "runtime/host_plan.hpp"
 #include "testing/local_device.hpp"
 #include "transport/local_host.hpp"
 
