@@ -19,10 +19,6 @@ struct CombineArgs {
     PlanView plan;
     uint8_t* peers[kMaxRanks];
     uint16_t* out;  // [s][H] bf16 out, one row per token of this rank
-    // The plan's num_tokens s as the caller knows it on the host (Buffer: Plan::num_tokens), 0 when unknown: sizes
-    // the token-side grid to the call (token_grid_warps), so a decode-sized call launches a few blocks and the
-    // kernels of several ranks sharing a GPU can run side by side. The kernels still read s from the plan.
-    int host_num_tokens;
     SyncArgs sync;
 };
 

@@ -24,10 +24,6 @@ struct DispatchArgs {
     // padding rows not marked zero already; otherwise (false: a region nobody has marked yet) it zeroes every padding
     // row and marks every row. The CPU twin zeroes every padding row either way (same outputs).
     bool marks_valid;
-    // The plan's num_tokens s as the caller knows it on the host (Buffer: Plan::num_tokens), 0 when unknown: sizes
-    // the token-side grid to the call (token_grid_warps), so a decode-sized call launches a few blocks and the
-    // kernels of several ranks sharing a GPU can run side by side. The kernels still read s from the plan.
-    int host_num_tokens;
     SyncArgs sync;
 };
 

@@ -323,7 +323,6 @@ void Buffer::dispatch(const Plan& plan, const uint16_t* x, const float* topk_wei
     args.topk_weights = topk_weights;
     args.recv_x = recv_x;
     args.recv_w = recv_w;
-    args.host_num_tokens = plan.num_tokens();
     if (device_ != nullptr) {
         args.marks_valid = recv_marks_valid_;
         device_->fill_sync(args.sync);
@@ -372,7 +371,6 @@ void Buffer::combine(const Plan& plan, const uint16_t* y, const float* weights, 
     args.y = y;
     args.weights = weights;
     args.out = out;
-    args.host_num_tokens = plan.num_tokens();
     if (device_ != nullptr) {
         device_->fill_sync(args.sync);
         device_->combine(args, stream_);

@@ -142,9 +142,7 @@ void launch(const CombineArgs& a, cudaStream_t stream) {
     }
     FLATEP_CUDA_CHECK_LAUNCH();
     launch_barrier(a.sync, kOpCombine, stream);  // every partial is written
-    const int64_t pull_steps = ceil_div<int64_t>(l.row_bytes() / 16, 32 * kUnroll);
-    const int pull_blocks = grid_blocks(
-        a.sync, ceil_div<int64_t>(token_grid_warps(l.num_tokens, a.host_num_tokens, pull_steps), kWarps), 4);
+    const int pull_blocks = grid_blocks(a.sync, ceil_div(l.num_tokens, kWarps), 4);
     combine_pull_kernel<<<pull_blocks, kThreads, 0, stream>>>(l, a.plan, sym, peers, a.out);
     FLATEP_CUDA_CHECK_LAUNCH();
 }

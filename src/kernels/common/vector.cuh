@@ -51,15 +51,6 @@ FLATEP_DEVICE int row_slices(int64_t num_rows, int64_t num_warps, int64_t num_st
     return int(per_row < 1 ? 1 : (per_row > num_steps ? num_steps : per_row));
 }
 
-// Warps a token-side kernel launches: one per token of the capacity S as always, fewer for a call known to hold only
-// s < S tokens (host_num_tokens): s * num_steps, enough for row_slices to give every step of every row its own warp.
-inline int64_t token_grid_warps(int num_tokens_capacity, int host_num_tokens, int64_t num_steps) {
-    const int64_t full = num_tokens_capacity;
-    if (host_num_tokens <= 0 || host_num_tokens >= num_tokens_capacity) return full;
-    const int64_t want = int64_t(host_num_tokens) * num_steps;
-    return want < full ? want : full;
-}
-
 // One step of a warp's walk along a row of n16 16-byte words: lane `lane` loads the words i0 + 32*u + lane
 // (u < kUnroll) that lie below n16 into v[u]; the others are left as they were.
 template <int kUnroll>

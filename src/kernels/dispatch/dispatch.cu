@@ -94,9 +94,7 @@ void launch(const DispatchArgs& a, cudaStream_t stream) {
     const SymmetricLayout sym = make_symmetric_layout(l);
     const PeerPointers peers = per_rank("dispatch", a.peers, l.num_ranks);
     launch_barrier(a.sync, kOpDispatch, stream);  // destinations are done with the previous contents
-    const int64_t push_steps = ceil_div<int64_t>(l.row_bytes() / 16, 32 * kUnroll);
-    const int push_blocks = grid_blocks(
-        a.sync, ceil_div<int64_t>(token_grid_warps(l.num_tokens, a.host_num_tokens, push_steps), kWarps), 4);
+    const int push_blocks = grid_blocks(a.sync, ceil_div(l.num_tokens, kWarps), 4);
     dispatch_push_kernel<<<push_blocks, kThreads, 0, stream>>>(l, a.x, a.topk_weights, a.plan, sym, peers);
     FLATEP_CUDA_CHECK_LAUNCH();
     launch_barrier(a.sync, kOpDispatch, stream);  // every source's rows and weights have landed
