@@ -218,11 +218,47 @@ def release_all():
         torch.cuda.synchronize()
 
 
+def spawn_timeout_s():
+    """The wall-clock limit of spawn(): FLATEP_SPAWN_TIMEOUT_S seconds (a positive number), or None (unset: no
+    limit)."""
+    text = os.environ.get("FLATEP_SPAWN_TIMEOUT_S", "")
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"FLATEP_SPAWN_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def spawn(fn, world_size, *args):
     """Runs fn(rank, world_size, *args) in `world_size` fresh processes joined by a gloo process group (default
-    group), like torchrun on one machine. fn must be importable (module level). Raises if any process fails."""
+    group), like torchrun on one machine. fn must be importable (module level). Raises if any process fails, and
+    TimeoutError (every process killed) if they are not all done within FLATEP_SPAWN_TIMEOUT_S seconds when that is
+    set: a test that hangs then fails with its name instead of stopping the tests after it."""
+    import time
+
     import torch.multiprocessing as mp
 
+    limit = spawn_timeout_s()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        mp.spawn(_worker, args=(world_size, init_file, fn, args), nprocs=world_size, join=True)
+        context = mp.spawn(_worker, args=(world_size, init_file, fn, args), nprocs=world_size, join=False)
+        deadline = None if limit is None else time.monotonic() + limit
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                for process in context.processes:
+                    process.join()
+                name = getattr(fn, "__qualname__", repr(fn))
+                raise TimeoutError(
+                    f"spawn: {name} on {world_size} process(es) did not finish within {limit:g} s "
+                    f"(FLATEP_SPAWN_TIMEOUT_S); its processes were killed"
+                )
+            if context.join(timeout=None if left is None else min(left, 5.0)):
+                return

@@ -111,3 +111,24 @@ def test_dispatch_zeroes_padding_rows_itself():
     assert (recv_x[:end][padding] == 0).all() and (recv_w[:end][padding] == 0).all()
     assert (recv_x[:end][~padding] == 1).all() and (recv_w[:end][~padding] == 1).all()
     assert recv_x[end:].isnan().all() and recv_w[end:].isnan().all()
+
+
+def _sleep_forever(rank, world_size):
+    time.sleep(3600)
+
+
+def test_spawn_kills_a_run_past_its_wall_clock_limit(monkeypatch):
+    monkeypatch.setenv("FLATEP_SPAWN_TIMEOUT_S", "4")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"^spawn: _sleep_forever on 2 process\(es\) did not finish within 4 s "):
+        flatep.testing.spawn(_sleep_forever, 2)
+    assert time.monotonic() - t0 < 60
+
+
+def test_spawn_timeout_is_checked(monkeypatch):
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        monkeypatch.setenv("FLATEP_SPAWN_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match=r"^FLATEP_SPAWN_TIMEOUT_S must be a positive number of seconds, got "):
+            flatep.testing.spawn_timeout_s()
+    monkeypatch.delenv("FLATEP_SPAWN_TIMEOUT_S")
+    assert flatep.testing.spawn_timeout_s() is None
