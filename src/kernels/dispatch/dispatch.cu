@@ -50,7 +50,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(Layout l, const
 // Destination side: warp per row of this rank. marks: the region's row marks (1: the region's row may be nonzero);
 // a padding row of the region (recv_x == sym_x) marked 0 is zero already and is not written again, which makes a
 // decode-sized call's cost follow its real rows, not the padding of every group. !marks_valid: nothing is trusted,
-// every padding row is zeroed, and the marks past the last group end are set to 1.
+// every padding row of recv_x is zeroed, and every mark is set (the region's padding rows that a separate recv_x
+// leaves untouched, and the rows past the last group end, to 1).
 __global__ void __launch_bounds__(kThreads)
     dispatch_fanout_kernel(Layout l, int rank, PlanView p, const uint16_t* sym_x, const float* sym_w, uint16_t* recv_x,
                            float* recv_w, uint8_t* marks, bool marks_valid) {
@@ -73,7 +74,8 @@ __global__ void __launch_bounds__(kThreads)
             __syncwarp();  // every lane has read the mark before lane 0 clears it
             if (stale) warp_zero_v4(dst, n16, lane);
             if (recv_w != nullptr && lane == 0) recv_w[r] = 0.0f;
-            if (in_region && lane == 0) marks[r] = 0;
+            // The region's row: zero now when it is recv_x; else untouched, so unknown when nothing was trusted.
+            if (lane == 0 && (in_region || !marks_valid)) marks[r] = in_region ? 0 : 1;
         }
     }
     if (!marks_valid) {
