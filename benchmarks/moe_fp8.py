@@ -154,7 +154,7 @@ def main():
         ms_dispatch_fp8 = timed(lambda: buf.dispatch(plan, xb, w, fp8=True), a.iters)
         (recv_q, recv_s), _, cu = buf.dispatch(plan, xb, w, fp8=True)
         ms_dequant = timed(lambda: dequantize_rows(recv_q, recv_s), a.iters)
-        saved, flatep.nn._triton_dequantize = flatep.nn._triton_dequantize, None
+        saved, flatep.nn._triton_dequantize = flatep.nn._triton_dequantize, lambda: None
         ms_dequant_torch = timed(lambda: dequantize_rows(recv_q, recv_s), a.iters)  # the torch-ops path
         flatep.nn._triton_dequantize = saved
         probe = scaled_gemm_probe(recv_q, recv_s, moe.expert_layer.weights(0), cu.to(torch.int32), a.iters)
@@ -165,7 +165,7 @@ def main():
         "ms_layer_bf16": round(ms_bf16, 3), "ms_layer_fp8": round(ms_fp8, 3),
         "fp8_over_bf16": round(ms_fp8 / ms_bf16, 3),
         "ms_dispatch_bf16": round(ms_dispatch_bf16, 3), "ms_dispatch_fp8": round(ms_dispatch_fp8, 3),
-        "dequant_path": "triton" if flatep.nn._triton_dequantize else "torch ops",
+        "dequant_path": "triton" if flatep.nn._triton_dequantize() else "torch ops",
         "ms_dequant_rows": round(ms_dequant, 3), "ms_dequant_torch_ops": round(ms_dequant_torch, 3),
         **{k: round(v, 5) for k, v in errors.items()},
         **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in probe.items()},

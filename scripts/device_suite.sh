@@ -176,7 +176,8 @@ pytest_cuda() {
     cuda_preflight || return 1
     # A spawned test that hangs fails on its own after 240 s (flatep.testing.spawn) instead of using up the step;
     # -v names every test as it ends, so a step killed at its limit still shows how far it got.
-    FLATEP_SPAWN_TIMEOUT_S=${FLATEP_SPAWN_TIMEOUT_S:-240} "$PY" -m pytest tests/python -v -rs -m cuda -p no:cacheprovider
+    FLATEP_SPAWN_TIMEOUT_S=${FLATEP_SPAWN_TIMEOUT_S:-240} "$PY" -m pytest tests/python -v -rs -m cuda -p no:cacheprovider \
+        --durations=15
 }
 
 soak() {

@@ -339,8 +339,9 @@ def dequantize_rows(q, scales):
     as bf16); uint8 bytes (torch < 2.1) go through flatep.fp8."""
     if q.dtype == torch.uint8:
         return _fp8.dequantize(q, scales, _BF16)
-    if q.is_cuda and _triton_dequantize is not None:
-        return _triton_dequantize(q, scales)
+    triton_dequantize = _triton_dequantize() if q.is_cuda else None
+    if triton_dequantize is not None:
+        return triton_dequantize(q, scales)
     rows = q.to(_BF16)
     blocks = rows.view(q.shape[0], q.shape[1] // _fp8.BLOCK, _fp8.BLOCK)
     torch.mul(blocks, scales.unsqueeze(-1), out=blocks)
@@ -382,7 +383,16 @@ def _make_triton_dequantize():
     return dequantize
 
 
-_triton_dequantize = _make_triton_dequantize() if torch.cuda.is_available() and _fp8.E4M3_DTYPE else None
+_TRITON_DEQUANTIZE = []  # [the function or None], made at the first call on a GPU
+
+
+def _triton_dequantize():
+    """_make_triton_dequantize()'s function (None without Triton or torch's float8 dtype), made at the first use on
+    a GPU, never at import: importing flatep must not start CUDA, since CUDA_MODULE_LOADING and
+    CUDA_DEVICE_MAX_CONNECTIONS take effect only when set before it starts (flatep.virtual)."""
+    if not _TRITON_DEQUANTIZE:
+        _TRITON_DEQUANTIZE.append(_make_triton_dequantize() if _fp8.E4M3_DTYPE else None)
+    return _TRITON_DEQUANTIZE[0]
 
 
 def _experts_forward(ctx, moe, plan, recv_x, want_x_grad):

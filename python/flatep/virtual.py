@@ -83,7 +83,8 @@ class VirtualRank:
 
 def run_threads(num_ranks, fn):
     """[fn(0), ..., fn(num_ranks - 1)], each call on its own thread, all at once; re-raises the first error (by rank)
-    after every thread ended."""
+    after every thread ended, with every other rank's error (its type and first line) added as a note (Python >=
+    3.11): the rank that failed first is often not rank 0."""
     results, errors = [None] * num_ranks, [None] * num_ranks
 
     def body(r):
@@ -97,9 +98,14 @@ def run_threads(num_ranks, fn):
         t.start()
     for t in threads:
         t.join()
-    for e in errors:
-        if e is not None:
-            raise e
+    failed = [r for r in range(num_ranks) if errors[r] is not None]
+    if failed:
+        first = errors[failed[0]]
+        if hasattr(first, "add_note"):
+            for r in failed[1:]:
+                text = str(errors[r]).splitlines()
+                first.add_note(f"virtual rank {r}: {type(errors[r]).__name__}: {text[0] if text else ''}")
+        raise first
     return results
 
 

@@ -1,10 +1,14 @@
 """Makes `import flatep` work from a source checkout when it is not importable yet: python/ (the package) and
 <build>/python (the compiled extension; FLATEP_BUILD_DIR, default `build`) go on sys.path. Spawned test processes
-inherit sys.path."""
+inherit sys.path (and the environment set below)."""
 
 import importlib.util
 import os
 import sys
+
+# Read when the CUDA driver starts, which a test module's import may do (torch.cuda.is_available()): set here, before
+# any of them, so that virtual ranks' streams never share a hardware queue (flatep.virtual's docstring says why).
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 

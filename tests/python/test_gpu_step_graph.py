@@ -20,9 +20,10 @@ CUDA_SKIP = mp_cases.cuda_unavailable_reason()
 
 @pytest.mark.cuda
 @pytest.mark.skipif(CUDA_SKIP is not None, reason=f"cuda: {CUDA_SKIP}")
-def test_whole_step_replays_bitwise_on_virtual_ranks(tmp_path):
+def test_whole_step_replays_bitwise_on_virtual_ranks(tmp_path, monkeypatch):
     from flatep import testing
 
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")  # the child's environment from its start (run_virtual says why)
     out = str(tmp_path / "step_graph_virtual.json")
     testing.spawn(sg.run_virtual, 1, out)  # a fresh process: see run_virtual on module loading
     with open(out) as f:

@@ -171,10 +171,11 @@ def test_dequantize_rows_on_the_gpu_is_the_rule_bitwise():
     x[7, 9], x[8, :128] = float("nan"), 0
     q, s = fp8_rule.quantize(x)
     want = fp8_rule.dequantize(q, s, torch.bfloat16)
-    paths = [("torch ops", None)] + ([("triton", nn_module._triton_dequantize)] if nn_module._triton_dequantize else [])
+    triton_fn = nn_module._triton_dequantize()
+    paths = [("torch ops", None)] + ([("triton", triton_fn)] if triton_fn else [])
     for name, fn in paths:
         saved = nn_module._triton_dequantize
-        nn_module._triton_dequantize = fn
+        nn_module._triton_dequantize = lambda fn=fn: fn
         try:
             got = dequantize_rows(fp8_rule.as_e4m3(q).cuda(), s.cuda()).cpu()
         finally:

@@ -303,7 +303,8 @@ def run_gpu_case(rank, world_size, out_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(CUDA_SKIP is not None, reason=f"cuda: {CUDA_SKIP}")
-def test_gpu_overlapped_is_bitwise_serial_on_virtual_ranks(tmp_path):
+def test_gpu_overlapped_is_bitwise_serial_on_virtual_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")  # the child's environment from its start (run_gpu_case)
     out = str(tmp_path / "moe_overlap_gpu.json")
     testing.spawn(run_gpu_case, 1, out)
     with open(out) as f:

@@ -77,3 +77,19 @@ def test_a_missing_virtual_rank_times_out():
         boot.all_gather(b"x")
     elapsed = time.monotonic() - start
     assert 0.5 <= elapsed < 2.0, f"gave up after {elapsed:.2f} s, timeout 0.5 s"
+
+
+def test_run_threads_raises_the_first_rank_error_with_the_others_as_notes():
+    def fn(r):
+        if r == 0:
+            return "fine"
+        if r == 1:
+            raise ValueError("rank one failed\nsecond line")
+        raise RuntimeError(f"rank {r} timed out")
+
+    with pytest.raises(ValueError, match="rank one failed") as info:
+        virtual.run_threads(4, fn)
+    if hasattr(info.value, "add_note"):  # Python >= 3.11
+        assert info.value.__notes__ == ["virtual rank 2: RuntimeError: rank 2 timed out",
+                                        "virtual rank 3: RuntimeError: rank 3 timed out"]
+    assert virtual.run_threads(3, lambda r: r * r) == [0, 1, 4]
