@@ -1,4 +1,4 @@
-// Portability macros shared by host-only and CUDA translation units.
+// Portability macros shared by host-only and CUDA translation units, and the one warp-lane mask.
 #pragma once
 
 #if defined(__CUDACC__)
@@ -10,3 +10,9 @@
 #endif
 
 #include "flatep/types.hpp"  // kMaxRanks, kMaxTopk
+
+namespace flatep {
+
+inline constexpr unsigned kFull = 0xffffffffu;  // every lane of a warp (the mask of the *_sync intrinsics)
+
+}  // namespace flatep

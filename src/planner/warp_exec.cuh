@@ -16,8 +16,6 @@
 
 namespace flatep::planner {
 
-inline constexpr unsigned kFull = 0xffffffffu;  // every lane of a warp (the mask of the *_sync intrinsics)
-
 // Keys for warp arg-max with ties to the lower index: larger value first, then lower index. 0 = no candidate.
 FLATEP_DEVICE uint64_t arg_key(uint32_t value, int index) {
     return (uint64_t(value) << 32) | uint32_t(0xffffffffu - uint32_t(index));

@@ -8,8 +8,6 @@
 
 namespace flatep::kernels {
 
-inline constexpr unsigned kFull = 0xffffffffu;  // every lane of a warp (the mask of the *_sync intrinsics)
-
 // The 8 bf16 of a 16-byte word as floats (exact), element order: the low half of each 32-bit word first.
 FLATEP_DEVICE void unpack_bf16x8(float (&out)[8], const uint4& v) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
