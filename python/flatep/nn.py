@@ -60,6 +60,8 @@ Parameters:
 """
 
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -383,16 +385,12 @@ def _make_triton_dequantize():
     return dequantize
 
 
-_TRITON_DEQUANTIZE = []  # [the function or None], made at the first call on a GPU
-
-
+@functools.lru_cache(maxsize=None)
 def _triton_dequantize():
     """_make_triton_dequantize()'s function (None without Triton or torch's float8 dtype), made at the first use on
     a GPU, never at import: importing flatep must not start CUDA, since CUDA_MODULE_LOADING and
     CUDA_DEVICE_MAX_CONNECTIONS take effect only when set before it starts (flatep.virtual)."""
-    if not _TRITON_DEQUANTIZE:
-        _TRITON_DEQUANTIZE.append(_make_triton_dequantize() if _fp8.E4M3_DTYPE else None)
-    return _TRITON_DEQUANTIZE[0]
+    return _make_triton_dequantize() if _fp8.E4M3_DTYPE else None
 
 
 def _experts_forward(ctx, moe, plan, recv_x, want_x_grad):

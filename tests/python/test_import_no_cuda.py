@@ -54,7 +54,6 @@ CUDA_ERROR_NOT_INITIALIZED = 3
 
 def _run(code, *args):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    env.pop("CUDA_VISIBLE_DEVICES", None)
     return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -22,7 +22,6 @@ Reproduce: PYTHONPATH=python:build/python /usr/bin/python3 -m pytest -q tests/py
 """
 
 import json
-import os
 
 import pytest
 import torch
@@ -241,8 +240,9 @@ GPU_R, GPU_S, GPU_H, GPU_F, GPU_E, GPU_K, GPU_SHARED = 2, 256, 256, 128, 8, 2, 1
 def run_gpu_case(rank, world_size, out_path):
     """Both modes (shared expert alone; two micro-batches with a shared expert), overlapped and serial, forward and
     backward, on GPU_R virtual ranks of cuda:0 driven by one host thread (each rank on its own stream); writes the
-    mismatches (none expected) as JSON to out_path."""
-    os.environ["CUDA_MODULE_LOADING"] = "EAGER"  # before CUDA starts in this process
+    mismatches (none expected) as JSON to out_path. CUDA_MODULE_LOADING=EAGER comes from the test, in the process's
+    environment from its start: setting it here would be too late, since importing this module (CUDA_SKIP) has
+    started the driver."""
     device = torch.device("cuda", 0)
     group = virtual.virtual_ranks(GPU_R, device, timeout_s=60)
     moes = virtual.run_threads(GPU_R, lambda r: flatep.nn.MoE(
@@ -304,7 +304,7 @@ def run_gpu_case(rank, world_size, out_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(CUDA_SKIP is not None, reason=f"cuda: {CUDA_SKIP}")
 def test_gpu_overlapped_is_bitwise_serial_on_virtual_ranks(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")  # the child's environment from its start (run_gpu_case)
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")  # inherited by the child from its start (run_gpu_case says why)
     out = str(tmp_path / "moe_overlap_gpu.json")
     testing.spawn(run_gpu_case, 1, out)
     with open(out) as f:
