@@ -69,7 +69,9 @@ FLATEP_DEVICE int32_t clamp_to_int32(int64_t v) {
     return int32_t(v < INT32_MIN ? INT32_MIN : (v > INT32_MAX ? INT32_MAX : v));
 }
 
-// Entries of routing segment b handled by warp w: [begin, end) in flat (t*K+k) order.
+// Entries of routing segment b handled by warp w: [begin, end) in flat (t*K+k) order. The segment's entries are
+// split evenly over the warps (a short last segment, e.g. a decode-sized call's only one, keeps every warp busy);
+// the per-expert index does not depend on the split (route_kernel's prefix over the warps' own counts).
 struct WarpRange {
     int64_t begin, end;
 };
@@ -77,7 +79,7 @@ FLATEP_DEVICE WarpRange warp_range(const Layout& l, int seg_tokens, int num_toke
     const int64_t t0 = int64_t(b) * seg_tokens;
     const int64_t t1 = min_of<int64_t>(t0 + seg_tokens, num_tokens);
     const int64_t e0 = t0 * l.topk, e1 = t1 > t0 ? t1 * l.topk : e0;
-    const int64_t per_warp = ceil_div<int64_t>(int64_t(seg_tokens) * l.topk, kRouteWarps);
+    const int64_t per_warp = ceil_div<int64_t>(e1 - e0, kRouteWarps);
     const int64_t begin = min_of<int64_t>(e0 + w * per_warp, e1);
     return WarpRange{begin, min_of<int64_t>(begin + per_warp, e1)};
 }
