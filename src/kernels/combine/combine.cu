@@ -35,7 +35,12 @@ FLATEP_DEVICE void zero_sums(float (&acc)[kUnroll][8]) {
         for (int c = 0; c < 8; ++c) acc[u][c] = 0.0f;
 }
 
-// Destination side: warp per chain head among this rank's real rows.
+// Destination side: warp per chain head among this rank's real rows (row_head[h] == h; padding rows hold -1). A
+// warp's rows are those at positions v = warp, warp + num_warps, ... of the spread_row order; lane j reads the head
+// of position base + j*num_warps, so finding the heads costs one read per 32 rows, not one per row. A head's chain (one
+// row per entry of its token on this rank, at most K <= 32) is walked once into the lanes (lane m: member m and its
+// weight), and each step then loads two members' words at a time; the sums still add the members in chain order, so the
+// result is the same.
 template <bool kWeighted>
 __global__ void __launch_bounds__(kThreads)
     combine_partial_kernel(Layout l, int rank, PlanView p, const uint16_t* y, const float* weights, uint16_t* partial) {
@@ -44,26 +49,56 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t num_warps = int64_t(gridDim.x) * blockDim.x / 32;
     const int64_t n16 = l.row_bytes() / 16;
     const int32_t end = rows_end(l, p, rank);
-    for (int64_t h = warp; h < end; h += num_warps) {
-        if (p.row_head[h] != h) continue;  // padding, past the end (-1) or not a head
-        if (classify_row(l, p, rank, h) != kRowReal) continue;
-        uint4* out = reinterpret_cast<uint4*>(partial) + h * n16;
-        for (int64_t i0 = 0; i0 < n16; i0 += 32 * kUnroll) {
-            float acc[kUnroll][8];
-            zero_sums(acc);
-            for (int32_t r = int32_t(h); r >= 0; r = p.row_next[r]) {
-                uint4 v[kUnroll];
-                warp_load_step(v, reinterpret_cast<const uint4*>(y) + int64_t(r) * n16, i0, n16, lane);
-                if constexpr (kWeighted) {
-                    const float w = weights[r];
+    const uint4* rows = reinterpret_cast<const uint4*>(y);
+    for (int64_t base = warp; base < end; base += 32 * num_warps) {
+        const int64_t v = base + int64_t(lane) * num_warps;
+        const int64_t mine = v < end ? spread_row(v, end) : -1;
+        const bool is_head = mine >= 0 && p.row_head[mine] == mine;
+        for (unsigned heads = __ballot_sync(kFull, is_head); heads != 0; heads &= heads - 1) {
+            const int64_t h = __shfl_sync(kFull, mine, __ffs(heads) - 1);
+            int32_t member = -1;
+            int len = 0;
+            for (int32_t r = int32_t(h); r >= 0 && len < 32; r = p.row_next[r], ++len)
+                if (lane == len) member = r;
+            const float weight = kWeighted && lane < len ? weights[member] : 1.0f;
+            uint4* out = reinterpret_cast<uint4*>(partial) + h * n16;
+            for (int64_t i0 = 0; i0 < n16; i0 += 32 * kUnroll) {
+                float acc[kUnroll][8];
+                zero_sums(acc);
+                int m = 0;
+                for (; m + 1 < len; m += 2) {
+                    const int64_t ra = __shfl_sync(kFull, member, m), rb = __shfl_sync(kFull, member, m + 1);
+                    const float wa = __shfl_sync(kFull, weight, m), wb = __shfl_sync(kFull, weight, m + 1);
+                    uint4 va[kUnroll], vb[kUnroll];
+                    warp_load_step(va, rows + ra * n16, i0, n16, lane);
+                    warp_load_step(vb, rows + rb * n16, i0, n16, lane);
 #pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) unpack_fma(acc[u], w, v[u]);
-                } else {
-#pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) unpack_add(acc[u], v[u]);
+                    for (int u = 0; u < kUnroll; ++u) {
+                        if constexpr (kWeighted) {
+                            unpack_fma(acc[u], wa, va[u]);
+                            unpack_fma(acc[u], wb, vb[u]);
+                        } else {
+                            unpack_add(acc[u], va[u]);
+                            unpack_add(acc[u], vb[u]);
+                        }
+                    }
                 }
+                if (m < len) {
+                    const int64_t ra = __shfl_sync(kFull, member, m);
+                    const float wa = __shfl_sync(kFull, weight, m);
+                    uint4 va[kUnroll];
+                    warp_load_step(va, rows + ra * n16, i0, n16, lane);
+#pragma unroll
+                    for (int u = 0; u < kUnroll; ++u) {
+                        if constexpr (kWeighted) {
+                            unpack_fma(acc[u], wa, va[u]);
+                        } else {
+                            unpack_add(acc[u], va[u]);
+                        }
+                    }
+                }
+                warp_store_bf16x8_step(out, acc, i0, n16, lane);
             }
-            warp_store_bf16x8_step(out, acc, i0, n16, lane);
         }
     }
 }

@@ -28,6 +28,14 @@ FLATEP_DEVICE RowKind classify_row(const Layout& l, const PlanView& p, int rank,
     return r - start < size ? kRowReal : kRowPadding;
 }
 
+// The row that position v of a walk over rows [0, end) visits: a fixed bijection, r = v * P mod end with P = 2^31 - 1
+// (prime and above any end, so coprime to it). A group's rows are contiguous, its real ones first, and group starts
+// are multiples of align; a warp-per-row walk r = warp, warp + num_warps, ... would hand a decode-sized call's real
+// rows to the few warps whose index those starts share. This order spreads them evenly over the warps.
+FLATEP_DEVICE int64_t spread_row(int64_t v, int32_t end) {
+    return int64_t((uint64_t(v) * 2147483647ull) % uint64_t(end));
+}
+
 // Padded end of the last group of `rank` (rows at or past it are kRowPastEnd).
 FLATEP_DEVICE int32_t rows_end(const Layout& l, const PlanView& p, int rank) {
     return p.cu_seqlens[int64_t(rank) * l.num_groups() + l.num_groups() - 1];

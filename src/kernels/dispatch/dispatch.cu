@@ -31,12 +31,13 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(Layout l, const
     for (int64_t item = warp; item < int64_t(num_tokens) * num_slices; item += num_warps) {
         const int64_t t = item / num_slices;
         const int64_t slice = item % num_slices;
+        const uint4* src = reinterpret_cast<const uint4*>(x) + t * n16;
+        uint4 v[kUnroll];
+        warp_load_step(v, src, slice * kStep, n16, lane);  // the first step is read along with the token's entries
         const TokenEntries entries = token_entries(p, K, t, topk_weights, peers, sym.recv_w_offset, lane, slice == 0);
         if (entries.heads == 0) continue;
-        const uint4* src = reinterpret_cast<const uint4*>(x) + t * n16;
         for (int64_t i0 = slice * kStep; i0 < n16; i0 += num_slices * kStep) {
-            uint4 v[kUnroll];
-            warp_load_step(v, src, i0, n16, lane);
+            if (i0 != slice * kStep) warp_load_step(v, src, i0, n16, lane);
             for (unsigned rest = entries.heads; rest != 0; rest &= rest - 1) {
                 int dk, rowk;
                 head_target(entries, __ffs(rest) - 1, &dk, &rowk);
@@ -47,11 +48,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(Layout l, const
     }
 }
 
-// Destination side: warp per row of this rank. marks: the region's row marks (1: the region's row may be nonzero);
-// a padding row of the region (recv_x == sym_x) marked 0 is zero already and is not written again, which makes a
-// decode-sized call's cost follow its real rows, not the padding of every group. !marks_valid: nothing is trusted,
-// every padding row of recv_x is zeroed, and every mark is set (the region's padding rows that a separate recv_x
-// leaves untouched, and the rows past the last group end, to 1).
+// Destination side: warp per row of this rank (real: row_head[r] >= 0; padding: -1, below the last group's end), the
+// rows at positions v = warp, warp + num_warps, ... of the spread_row order. Lane j reads the head, weight and mark of
+// position base + j*num_warps's row and writes its recv_w and mark, so a row that needs no copy or zeroing costs a
+// lane's reads, not a warp's walk. marks: the region's row
+// marks (1: the region's row may be nonzero); a padding row of the region (recv_x == sym_x) marked 0 is zero already
+// and is not written again, which makes a decode-sized call's cost follow its real rows, not the padding of every
+// group. !marks_valid: nothing is trusted, every padding row of recv_x is zeroed, and every mark is set (the region's
+// padding rows that a separate recv_x leaves untouched, and the rows past the last group end, to 1).
 __global__ void __launch_bounds__(kThreads)
     dispatch_fanout_kernel(Layout l, int rank, PlanView p, const uint16_t* sym_x, const float* sym_w, uint16_t* recv_x,
                            float* recv_w, uint8_t* marks, bool marks_valid) {
@@ -61,21 +65,34 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t n16 = l.row_bytes() / 16;
     const int32_t end = rows_end(l, p, rank);
     const bool in_region = recv_x == sym_x;
-    for (int64_t r = warp; r < end; r += num_warps) {
-        const RowKind kind = classify_row(l, p, rank, r);
-        uint4* dst = reinterpret_cast<uint4*>(recv_x) + r * n16;
-        if (kind == kRowReal) {
-            const uint4* src = reinterpret_cast<const uint4*>(sym_x) + int64_t(p.row_head[r]) * n16;
-            if (dst != src) warp_copy_v4<kUnroll>(dst, src, n16, lane);
-            if (recv_w != nullptr && lane == 0) recv_w[r] = sym_w[r];
-            if (lane == 0) marks[r] = 1;  // the region's row holds a pushed row (or, copied out, may)
-        } else if (kind == kRowPadding) {
-            const bool stale = !in_region || !marks_valid || marks[r] != 0;
-            __syncwarp();  // every lane has read the mark before lane 0 clears it
-            if (stale) warp_zero_v4(dst, n16, lane);
-            if (recv_w != nullptr && lane == 0) recv_w[r] = 0.0f;
-            // The region's row: zero now when it is recv_x; else untouched, so unknown when nothing was trusted.
-            if (lane == 0 && (in_region || !marks_valid)) marks[r] = in_region ? 0 : 1;
+    for (int64_t base = warp; base < end; base += 32 * num_warps) {
+        const int64_t v = base + int64_t(lane) * num_warps;
+        const int64_t r = v < end ? spread_row(v, end) : end;
+        bool busy = false;  // this lane's row needs the warp: a copy or a zeroing
+        int32_t head = -1;
+        if (r < end) {
+            head = p.row_head[r];
+            if (head >= 0) {
+                busy = !in_region || head != r;
+                if (recv_w != nullptr) recv_w[r] = sym_w[r];
+                marks[r] = 1;  // the region's row holds a pushed row (or, copied out, may)
+            } else {
+                busy = !in_region || !marks_valid || marks[r] != 0;
+                if (recv_w != nullptr) recv_w[r] = 0.0f;
+                // The region's row: zero now when it is recv_x; else untouched, so unknown when nothing was trusted.
+                if (in_region || !marks_valid) marks[r] = in_region ? 0 : 1;
+            }
+        }
+        for (unsigned rest = __ballot_sync(kFull, busy); rest != 0; rest &= rest - 1) {
+            const int j = __ffs(rest) - 1;
+            const int64_t row = __shfl_sync(kFull, r, j);
+            const int32_t head_j = __shfl_sync(kFull, head, j);
+            uint4* dst = reinterpret_cast<uint4*>(recv_x) + row * n16;
+            if (head_j >= 0) {
+                warp_copy_v4<kUnroll>(dst, reinterpret_cast<const uint4*>(sym_x) + int64_t(head_j) * n16, n16, lane);
+            } else {
+                warp_zero_v4(dst, n16, lane);
+            }
         }
     }
     if (!marks_valid) {

@@ -29,6 +29,21 @@ FLATEP_DEVICE uint32_t chunk_amax(const uint4& a, const uint4& b) {
     return max(max(m0, m1), max(m2, m3));
 }
 
+// One step of a warp's walk along a bf16 row of num_chunks 16-channel chunks: lane `lane` loads chunk i0 + 32*u + lane
+// (two 16-byte words) into raw[u]; a chunk at or past num_chunks reads as zeros (its octet's amax then ignores it).
+FLATEP_DEVICE void load_bf16_step(uint4 (&raw)[kUnroll][2], const uint4* src, int64_t i0, int64_t num_chunks,
+                                  int lane) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = i0 + 32 * u + lane;
+        raw[u][0] = raw[u][1] = make_uint4(0, 0, 0, 0);
+        if (i < num_chunks) {
+            raw[u][0] = ld_v4(src + 2 * i);
+            raw[u][1] = ld_v4(src + 2 * i + 1);
+        }
+    }
+}
+
 // One lane's 16 channels (a, b: 32 bytes of bf16) -> 16 e4m3 bytes, and the scale of the block the lane's octet holds
 // (every lane of the octet returns it). Every lane of the warp must call it (shuffles over the whole warp).
 FLATEP_DEVICE uint4 quantise_chunk(const uint4& a, const uint4& b, Fp8Scale mode, float* scale_out) {
@@ -42,7 +57,8 @@ FLATEP_DEVICE uint4 quantise_chunk(const uint4& a, const uint4& b, Fp8Scale mode
                       fp8::quantize_words(b.x, b.y, scale, inverse), fp8::quantize_words(b.z, b.w, scale, inverse));
 }
 
-// Source side: warp per token, as the bf16 dispatch. Lanes k < K hold entry k; the first lane of each destination rank
+// Source side: warp per token (row_slices warps per token when the call has fewer tokens than the grid has warps), as
+// the bf16 dispatch. Lanes k < K hold entry k; the first lane of each destination rank
 // (ascending k) is the chain head, whose row receives the token's e4m3 row and scales; every entry writes its weight.
 // kQuantise: the row is read as bf16 and quantised here, once for all its destinations; else e4m3 bytes and scales
 // are read as given.
@@ -57,28 +73,34 @@ __global__ void __launch_bounds__(kThreads)
     const int K = l.topk, H = l.hidden, num_blocks = l.hidden / kFp8BlockSize;
     const int num_tokens = plan_num_tokens(p);
     const int64_t num_chunks = H / kChunkChannels;  // also the 16-byte words of an e4m3 row
-    for (int64_t t = warp; t < num_tokens; t += num_warps) {
-        const TokenEntries entries = token_entries(p, K, t, topk_weights, peers, sym.recv_w_offset, lane);
+    constexpr int64_t kStep = 32 * kUnroll;
+    const int num_slices = row_slices(num_tokens, num_warps, ceil_div(num_chunks, kStep));
+    for (int64_t item = warp; item < int64_t(num_tokens) * num_slices; item += num_warps) {
+        const int64_t t = item / num_slices;
+        const int64_t slice = item % num_slices;
+        const int64_t first = slice * kStep;
+        // The first step's words (bf16 or e4m3) are read along with the token's entries; pre-quantised, so are the
+        // token's first 64 scales (lanes j and j + 32), which the first slice copies.
+        uint4 raw[kUnroll][2];
+        uint4 q[kUnroll];
+        const float* src_scales = kQuantise ? nullptr : x_scales + t * num_blocks;
+        float s0 = 0.0f, s1 = 0.0f;
+        if constexpr (kQuantise) {
+        } else {
+            warp_load_step(q, reinterpret_cast<const uint4*>(x_fp8 + t * H), first, num_chunks, lane);
+            if (slice == 0 && lane < num_blocks) s0 = src_scales[lane];
+            if (slice == 0 && lane + 32 < num_blocks) s1 = src_scales[lane + 32];
+        }
+        const TokenEntries entries = token_entries(p, K, t, topk_weights, peers, sym.recv_w_offset, lane, slice == 0);
         if (entries.heads == 0) continue;
-        for (int64_t i0 = 0; i0 < num_chunks; i0 += 32 * kUnroll) {
-            uint4 q[kUnroll];
+        for (int64_t i0 = first; i0 < num_chunks; i0 += num_slices * kStep) {
             float scale[kUnroll];
             if constexpr (kQuantise) {
-                const uint4* src = reinterpret_cast<const uint4*>(x_bf16 + t * H);
-                uint4 raw[kUnroll][2];
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int64_t i = i0 + 32 * u + lane;
-                    raw[u][0] = raw[u][1] = make_uint4(0, 0, 0, 0);
-                    if (i < num_chunks) {
-                        raw[u][0] = ld_v4(src + 2 * i);
-                        raw[u][1] = ld_v4(src + 2 * i + 1);
-                    }
-                }
+                load_bf16_step(raw, reinterpret_cast<const uint4*>(x_bf16 + t * H), i0, num_chunks, lane);
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) q[u] = quantise_chunk(raw[u][0], raw[u][1], mode, &scale[u]);
             } else {
-                warp_load_step(q, reinterpret_cast<const uint4*>(x_fp8 + t * H), i0, num_chunks, lane);
+                if (i0 != first) warp_load_step(q, reinterpret_cast<const uint4*>(x_fp8 + t * H), i0, num_chunks, lane);
             }
             for (unsigned rest = entries.heads; rest != 0; rest &= rest - 1) {
                 int dk, rowk;
@@ -98,18 +120,22 @@ __global__ void __launch_bounds__(kThreads)
             }
         }
         if constexpr (!kQuantise) {
-            const float* src_scales = x_scales + t * num_blocks;
+            if (slice != 0) continue;
             for (unsigned rest = entries.heads; rest != 0; rest &= rest - 1) {
                 int dk, rowk;
                 head_target(entries, __ffs(rest) - 1, &dk, &rowk);
                 float* dst_scales = region_at<float>(peers.ptr[dk], scales_offset) + int64_t(rowk) * num_blocks;
-                for (int j = lane; j < num_blocks; j += 32) dst_scales[j] = src_scales[j];
+                if (lane < num_blocks) dst_scales[lane] = s0;
+                if (lane + 32 < num_blocks) dst_scales[lane + 32] = s1;
+                for (int j = lane + 64; j < num_blocks; j += 32) dst_scales[j] = src_scales[j];
             }
         }
     }
 }
 
-// Destination side: warp per row of this rank.
+// Destination side: warp per row of this rank, in the spread_row order, 32 at a time as in the bf16 fan-out: lane j
+// reads the head and weight of position base + j*num_warps's row and writes its recv_w. A real row that is its own head
+// in the region needs nothing more; the others are copied (row and scales read together) or zeroed by the warp.
 __global__ void __launch_bounds__(kThreads)
     dispatch_fp8_fanout_kernel(Layout l, int rank, PlanView p, const uint8_t* sym_x, const float* sym_scales,
                                const float* sym_w, uint8_t* recv_x, float* recv_scales, float* recv_w,
@@ -120,26 +146,43 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t n16 = l.hidden / 16;
     const int num_blocks = l.hidden / kFp8BlockSize;
     const int32_t end = rows_end(l, p, rank);
+    const bool in_region = recv_x == sym_x, scales_in_region = recv_scales == sym_scales;
     // The e4m3 rows and scales share the bf16 rows' region: every bf16 row may now be nonzero (dispatch's marks).
     for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < l.num_recv_rows;
          r += int64_t(gridDim.x) * blockDim.x)
         bf16_marks[r] = 1;
-    for (int64_t r = warp; r < end; r += num_warps) {
-        const RowKind kind = classify_row(l, p, rank, r);
-        uint4* dst = reinterpret_cast<uint4*>(recv_x) + r * n16;
-        float* dst_scales = recv_scales + r * num_blocks;
-        if (kind == kRowReal) {
-            const int64_t head = p.row_head[r];
-            const uint4* src = reinterpret_cast<const uint4*>(sym_x) + head * n16;
-            const float* src_scales = sym_scales + head * num_blocks;
-            if (dst != src) warp_copy_v4<kUnroll>(dst, src, n16, lane);
-            if (dst_scales != src_scales)
-                for (int j = lane; j < num_blocks; j += 32) dst_scales[j] = src_scales[j];
-            if (recv_w != nullptr && lane == 0) recv_w[r] = sym_w[r];
-        } else if (kind == kRowPadding) {
-            warp_zero_v4(dst, n16, lane);
-            for (int j = lane; j < num_blocks; j += 32) dst_scales[j] = 0.0f;
-            if (recv_w != nullptr && lane == 0) recv_w[r] = 0.0f;
+    for (int64_t base = warp; base < end; base += 32 * num_warps) {
+        const int64_t v = base + int64_t(lane) * num_warps;
+        const int64_t r = v < end ? spread_row(v, end) : end;
+        bool busy = false;
+        int32_t head = -1;
+        if (r < end) {
+            head = p.row_head[r];
+            busy = head < 0 || !in_region || !scales_in_region || head != r;
+            if (recv_w != nullptr) recv_w[r] = head >= 0 ? sym_w[r] : 0.0f;
+        }
+        for (unsigned rest = __ballot_sync(kFull, busy); rest != 0; rest &= rest - 1) {
+            const int j = __ffs(rest) - 1;
+            const int64_t row = __shfl_sync(kFull, r, j);
+            const int32_t head_j = __shfl_sync(kFull, head, j);
+            uint4* dst = reinterpret_cast<uint4*>(recv_x) + row * n16;
+            float* dst_scales = recv_scales + row * num_blocks;
+            if (head_j >= 0) {
+                const uint4* src = reinterpret_cast<const uint4*>(sym_x) + int64_t(head_j) * n16;
+                const float* src_scales = sym_scales + int64_t(head_j) * num_blocks;
+                // A lane's scales (j = lane, lane + 32) are read before the row's words, so they arrive with them.
+                const bool copy_scales = dst_scales != src_scales;
+                float s0 = 0.0f, s1 = 0.0f;
+                if (copy_scales && lane < num_blocks) s0 = src_scales[lane];
+                if (copy_scales && lane + 32 < num_blocks) s1 = src_scales[lane + 32];
+                if (dst != src) warp_copy_v4<kUnroll>(dst, src, n16, lane);
+                if (copy_scales && lane < num_blocks) dst_scales[lane] = s0;
+                if (copy_scales && lane + 32 < num_blocks) dst_scales[lane + 32] = s1;
+                for (int b = lane + 64; copy_scales && b < num_blocks; b += 32) dst_scales[b] = src_scales[b];
+            } else {
+                warp_zero_v4(dst, n16, lane);
+                for (int b = lane; b < num_blocks; b += 32) dst_scales[b] = 0.0f;
+            }
         }
     }
 }
