@@ -51,11 +51,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(Layout l, const
 // Destination side: warp per row of this rank (real: row_head[r] >= 0; padding: -1, below the last group's end), the
 // rows at positions v = warp, warp + num_warps, ... of the spread_row order. Lane j reads the head, weight and mark of
 // position base + j*num_warps's row and writes its recv_w and mark, so a row that needs no copy or zeroing costs a
-// lane's reads, not a warp's walk. marks: the region's row
-// marks (1: the region's row may be nonzero); a padding row of the region (recv_x == sym_x) marked 0 is zero already
-// and is not written again, which makes a decode-sized call's cost follow its real rows, not the padding of every
-// group. !marks_valid: nothing is trusted, every padding row of recv_x is zeroed, and every mark is set (the region's
-// padding rows that a separate recv_x leaves untouched, and the rows past the last group end, to 1).
+// lane's reads, not a warp's walk. marks: the region's row marks (1: the region's row may be nonzero); a padding row
+// of the region (recv_x == sym_x) marked 0 is zero already and is not written again, which makes a decode-sized
+// call's cost follow its real rows, not the padding of every group. !marks_valid: nothing is trusted, every padding
+// row of recv_x is zeroed, and every mark is set (the region's padding rows that a separate recv_x leaves untouched,
+// and the rows past the last group end, to 1).
 __global__ void __launch_bounds__(kThreads)
     dispatch_fanout_kernel(Layout l, int rank, PlanView p, const uint16_t* sym_x, const float* sym_w, uint16_t* recv_x,
                            float* recv_w, uint8_t* marks, bool marks_valid) {

@@ -58,10 +58,9 @@ FLATEP_DEVICE uint4 quantise_chunk(const uint4& a, const uint4& b, Fp8Scale mode
 }
 
 // Source side: warp per token (row_slices warps per token when the call has fewer tokens than the grid has warps), as
-// the bf16 dispatch. Lanes k < K hold entry k; the first lane of each destination rank
-// (ascending k) is the chain head, whose row receives the token's e4m3 row and scales; every entry writes its weight.
-// kQuantise: the row is read as bf16 and quantised here, once for all its destinations; else e4m3 bytes and scales
-// are read as given.
+// the bf16 dispatch. Lanes k < K hold entry k; the first lane of each destination rank (ascending k) is the chain head,
+// whose row receives the token's e4m3 row and scales; every entry writes its weight. kQuantise: the row is read as bf16
+// and quantised here, once for all its destinations; else e4m3 bytes and scales are read as given.
 template <bool kQuantise>
 __global__ void __launch_bounds__(kThreads)
     dispatch_fp8_push_kernel(Layout l, const uint16_t* x_bf16, const uint8_t* x_fp8, const float* x_scales,
@@ -79,14 +78,14 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t t = item / num_slices;
         const int64_t slice = item % num_slices;
         const int64_t first = slice * kStep;
-        // The first step's words (bf16 or e4m3) are read along with the token's entries; pre-quantised, so are the
-        // token's first 64 scales (lanes j and j + 32), which the first slice copies.
+        // Pre-quantised: the first step's e4m3 words are read along with the token's entries, and so are its first 64
+        // scales (lanes j and j + 32), which the first slice copies. The quantising kernel reads each bf16 step in the
+        // loop (reading the first one ahead spilled its registers).
         uint4 raw[kUnroll][2];
         uint4 q[kUnroll];
         const float* src_scales = kQuantise ? nullptr : x_scales + t * num_blocks;
         float s0 = 0.0f, s1 = 0.0f;
-        if constexpr (kQuantise) {
-        } else {
+        if constexpr (!kQuantise) {
             warp_load_step(q, reinterpret_cast<const uint4*>(x_fp8 + t * H), first, num_chunks, lane);
             if (slice == 0 && lane < num_blocks) s0 = src_scales[lane];
             if (slice == 0 && lane + 32 < num_blocks) s1 = src_scales[lane + 32];
