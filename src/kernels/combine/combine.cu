@@ -35,12 +35,24 @@ FLATEP_DEVICE void zero_sums(float (&acc)[kUnroll][8]) {
         for (int c = 0; c < 8; ++c) acc[u][c] = 0.0f;
 }
 
-// Destination side: warp per chain head among this rank's real rows (row_head[h] == h; padding rows hold -1). A
-// warp's rows are those at positions v = warp, warp + num_warps, ... of the spread_row order; lane j reads the head
-// of position base + j*num_warps, so finding the heads costs one read per 32 rows, not one per row. A head's chain (one
-// row per entry of its token on this rank, at most K <= 32) is walked once into the lanes (lane m: member m and its
-// weight), and each step then loads two members' words at a time; the sums still add the members in chain order, so the
-// result is the same.
+// How many warps share each head of the partial sum (each takes every slices-th step of the head's row): enough that a
+// warp's share is about kPartialShare rows' steps when the call has few rows per warp (a decode-sized call), so the
+// few heads a warp draws do not leave the busiest warp with several whole rows while others idle; 1 for a full call.
+// rows_estimate: the call's entries on this rank (s*K).
+constexpr int64_t kPartialShare = 16;
+FLATEP_DEVICE int partial_slices(int64_t rows_estimate, int64_t num_warps, int64_t num_steps) {
+    const int64_t per_warp = rows_estimate / (num_warps > 0 ? num_warps : 1);
+    const int64_t want = per_warp >= kPartialShare ? 1 : (per_warp > 0 ? kPartialShare / per_warp : kPartialShare);
+    return int(want < num_steps ? want : num_steps);
+}
+
+// Destination side: each chain head among this rank's real rows (row_head[h] == h; padding rows hold -1) is summed by
+// one group of `slices` warps, warp j of the group taking steps j, j + slices, ... The groups' rows are those at
+// positions v = group, group + num_groups, ... of the spread_row order; lane j reads the head, the next row and the
+// weight of position base + j*num_groups's row, so finding the heads costs one read per 32 rows, and a chain of one
+// row (most of them) needs no further read. Longer chains (one row per entry of the token on this rank, at most
+// K <= 32) are walked once into the lanes (lane m: member m and its weight), and each step then loads two members'
+// words at a time; the sums still add the members in chain order, so the result is the same.
 template <bool kWeighted>
 __global__ void __launch_bounds__(kThreads)
     combine_partial_kernel(Layout l, int rank, PlanView p, const uint16_t* y, const float* weights, uint16_t* partial) {
@@ -48,21 +60,32 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int64_t num_warps = int64_t(gridDim.x) * blockDim.x / 32;
     const int64_t n16 = l.row_bytes() / 16;
+    constexpr int64_t kStep = 32 * kUnroll;
+    const int want = partial_slices(int64_t(plan_num_tokens(p)) * l.topk, num_warps, ceil_div(n16, kStep));
+    const int slices = want < num_warps ? want : int(num_warps);
+    const int64_t num_groups = num_warps / slices, group = warp / slices, slice = warp % slices;
+    if (group >= num_groups) return;  // the grid's last warps, when slices does not divide it (whole warps leave)
     const int32_t end = rows_end(l, p, rank);
     const uint4* rows = reinterpret_cast<const uint4*>(y);
-    for (int64_t base = warp; base < end; base += 32 * num_warps) {
-        const int64_t v = base + int64_t(lane) * num_warps;
+    for (int64_t base = group; base < end; base += 32 * num_groups) {
+        const int64_t v = base + int64_t(lane) * num_groups;
         const int64_t mine = v < end ? spread_row(v, end) : -1;
         const bool is_head = mine >= 0 && p.row_head[mine] == mine;
+        const int32_t mine_next = is_head ? p.row_next[mine] : -1;
+        const float mine_weight = kWeighted && is_head ? weights[mine] : 1.0f;
         for (unsigned heads = __ballot_sync(kFull, is_head); heads != 0; heads &= heads - 1) {
-            const int64_t h = __shfl_sync(kFull, mine, __ffs(heads) - 1);
-            int32_t member = -1;
-            int len = 0;
-            for (int32_t r = int32_t(h); r >= 0 && len < 32; r = p.row_next[r], ++len)
+            const int j = __ffs(heads) - 1;
+            const int64_t h = __shfl_sync(kFull, mine, j);
+            const int32_t next = __shfl_sync(kFull, mine_next, j);
+            const float head_weight = __shfl_sync(kFull, mine_weight, j);
+            int32_t member = lane == 0 ? int32_t(h) : -1;
+            float weight = lane == 0 ? head_weight : 1.0f;
+            int len = 1;
+            for (int32_t r = next; r >= 0 && len < 32; r = p.row_next[r], ++len)
                 if (lane == len) member = r;
-            const float weight = kWeighted && lane < len ? weights[member] : 1.0f;
+            if (kWeighted && lane >= 1 && lane < len) weight = weights[member];
             uint4* out = reinterpret_cast<uint4*>(partial) + h * n16;
-            for (int64_t i0 = 0; i0 < n16; i0 += 32 * kUnroll) {
+            for (int64_t i0 = slice * kStep; i0 < n16; i0 += slices * kStep) {
                 float acc[kUnroll][8];
                 zero_sums(acc);
                 int m = 0;
