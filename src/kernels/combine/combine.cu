@@ -28,6 +28,16 @@ FLATEP_DEVICE void unpack_fma(float (&acc)[8], float weight, const uint4& v) {
     for (int e = 0; e < 8; ++e) acc[e] = fmaf(weight, x[e], acc[e]);
 }
 
+// One word of one row into its sums: acc += weight * v (kWeighted, one fma per element), else acc += v.
+template <bool kWeighted>
+FLATEP_DEVICE void add_word(float (&acc)[8], float weight, const uint4& v) {
+    if constexpr (kWeighted) {
+        unpack_fma(acc, weight, v);
+    } else {
+        unpack_add(acc, v);
+    }
+}
+
 FLATEP_DEVICE void zero_sums(float (&acc)[kUnroll][8]) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
@@ -96,14 +106,9 @@ __global__ void __launch_bounds__(kThreads)
                     warp_load_step(va, rows + ra * n16, i0, n16, lane);
                     warp_load_step(vb, rows + rb * n16, i0, n16, lane);
 #pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        if constexpr (kWeighted) {
-                            unpack_fma(acc[u], wa, va[u]);
-                            unpack_fma(acc[u], wb, vb[u]);
-                        } else {
-                            unpack_add(acc[u], va[u]);
-                            unpack_add(acc[u], vb[u]);
-                        }
+                    for (int u = 0; u < kUnroll; ++u) {  // per element: member m, then m + 1 (chain order)
+                        add_word<kWeighted>(acc[u], wa, va[u]);
+                        add_word<kWeighted>(acc[u], wb, vb[u]);
                     }
                 }
                 if (m < len) {
@@ -112,13 +117,7 @@ __global__ void __launch_bounds__(kThreads)
                     uint4 va[kUnroll];
                     warp_load_step(va, rows + ra * n16, i0, n16, lane);
 #pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        if constexpr (kWeighted) {
-                            unpack_fma(acc[u], wa, va[u]);
-                        } else {
-                            unpack_add(acc[u], va[u]);
-                        }
-                    }
+                    for (int u = 0; u < kUnroll; ++u) add_word<kWeighted>(acc[u], wa, va[u]);
                 }
                 warp_store_bf16x8_step(out, acc, i0, n16, lane);
             }
