@@ -45,9 +45,10 @@ FLATEP_DEVICE void zero_sums(float (&acc)[kUnroll][8]) {
         for (int c = 0; c < 8; ++c) acc[u][c] = 0.0f;
 }
 
-// How many warps share each head of the partial sum (each takes every slices-th step of the head's row): enough that a
-// warp's share is about kPartialShare rows' steps when the call has few rows per warp (a decode-sized call), so the
-// few heads a warp draws do not leave the busiest warp with several whole rows while others idle; 1 for a full call.
+// How many warps share each head of the partial sum (each takes every slices-th step of the head's row): when the call
+// has fewer than kPartialShare rows per warp (a decode-sized call), enough that each group of warps sums about
+// kPartialShare rows, so the few heads a warp draws do not leave the busiest warp with several whole rows while others
+// idle; 1 for a full call.
 // rows_estimate: the call's entries on this rank (s*K).
 constexpr int64_t kPartialShare = 16;
 FLATEP_DEVICE int partial_slices(int64_t rows_estimate, int64_t num_warps, int64_t num_steps) {
