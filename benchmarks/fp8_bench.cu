@@ -175,15 +175,23 @@ void run_case(const bench::Case& c, double sigma, int iters, int warmup, bench::
         a.sync = sync(r);
         return a;
     };
-    const bench::Timing t_bf16 = bench::time_ranks(group, iters, warmup, [&] {
+    auto bf16_all = [&] {
         for (int r = 0; r < R; ++r) kernels::launch(bf16_args(r), group.stream(r));
-    });
-    const bench::Timing t_fp8 = bench::time_ranks(group, iters, warmup, [&] {
+    };
+    auto fp8_all = [&] {
         for (int r = 0; r < R; ++r) kernels::launch(fp8_args(r, false), group.stream(r));
-    });
-    const bench::Timing t_pre = bench::time_ranks(group, iters, warmup, [&] {
+    };
+    auto pre_all = [&] {
         for (int r = 0; r < R; ++r) kernels::launch(fp8_args(r, true), group.stream(r));
-    });
+    };
+    const bench::Timing t_bf16 = bench::time_ranks(group, iters, warmup, bf16_all);
+    const bench::Timing t_fp8 = bench::time_ranks(group, iters, warmup, fp8_all);
+    const bench::Timing t_pre = bench::time_ranks(group, iters, warmup, pre_all);
+    // Replayed as one graph of every rank's stream: without the one host thread's launch time (see time_ranks_graph).
+    constexpr int kGraphBatch = 3;
+    const bench::Timing g_bf16 = bench::time_ranks_graph(group, iters, warmup, kGraphBatch, bf16_all);
+    const bench::Timing g_fp8 = bench::time_ranks_graph(group, iters, warmup, kGraphBatch, fp8_all);
+    const bench::Timing g_pre = bench::time_ranks_graph(group, iters, warmup, kGraphBatch, pre_all);
     group.synchronize();
     for (int r = 0; r < R; ++r) {
         const WaitRecord& w = group.wait_record(r);
@@ -198,22 +206,24 @@ void run_case(const bench::Case& c, double sigma, int iters, int warmup, bench::
     const double bf16_row = 2.0 * H, fp8_row = H + 4.0 * nb;
     struct Row {
         const char* op;
-        bench::Timing t;
+        bench::Timing t, graph;
         Bytes bytes;
     };
-    const Row rows[] = {{"dispatch_bf16", t_bf16, bytes_of(counts, bf16_row, bf16_row)},
-                        {"dispatch_fp8", t_fp8, bytes_of(counts, fp8_row, bf16_row)},
-                        {"dispatch_fp8_prequantised", t_pre, bytes_of(counts, fp8_row, fp8_row)}};
+    const Row rows[] = {{"dispatch_bf16", t_bf16, g_bf16, bytes_of(counts, bf16_row, bf16_row)},
+                        {"dispatch_fp8", t_fp8, g_fp8, bytes_of(counts, fp8_row, bf16_row)},
+                        {"dispatch_fp8_prequantised", t_pre, g_pre, bytes_of(counts, fp8_row, fp8_row)}};
     for (const Row& row : rows) {
         const double ratio = row.t.median_us / t_bf16.median_us;
-        const double gbps = row.bytes.total / (row.t.median_us * 1e-6) / 1e9;
-        std::printf("%-7s %6.1f %6.2f %-26s %10.1f %7.3f %11.1f %11.1f %11.1f %9.0f\n", c.preset.c_str(),
-                    c.skew.maxvio_target(), maxvio, row.op, row.t.median_us, ratio, row.bytes.pushed / R / 1e6,
-                    row.bytes.remote / R / 1e6, row.bytes.total / R / 1e6, gbps);
+        const double graph_ratio = row.graph.median_us / g_bf16.median_us;
+        const double gbps = row.bytes.total / (row.graph.median_us * 1e-6) / 1e9;
+        std::printf("%-7s %6.1f %6.2f %-26s %10.1f %7.3f %10.1f %7.3f %11.1f %11.1f %11.1f %9.0f\n", c.preset.c_str(),
+                    c.skew.maxvio_target(), maxvio, row.op, row.t.median_us, ratio, row.graph.median_us, graph_ratio,
+                    row.bytes.pushed / R / 1e6, row.bytes.remote / R / 1e6, row.bytes.total / R / 1e6, gbps);
         csv.row(c.preset, bench::fixed(c.skew.maxvio_target(), 2), bench::fixed(maxvio, 4), row.op,
                 bench::fixed(row.t.median_us, 2), bench::fixed(row.t.min_us, 2), bench::fixed(ratio, 4),
                 bench::fixed(row.bytes.pushed / R, 0), bench::fixed(row.bytes.remote / R, 0),
-                bench::fixed(row.bytes.total / R, 0), bench::fixed(gbps, 1), R, S, l.num_experts, H, l.topk);
+                bench::fixed(row.bytes.total / R, 0), bench::fixed(gbps, 1), R, S, l.num_experts, H, l.topk,
+                bench::fixed(row.graph.median_us, 2), bench::fixed(row.graph.min_us, 2), bench::fixed(graph_ratio, 4));
     }
     std::fflush(stdout);
     for (int r = 0; r < R; ++r) {
@@ -253,14 +263,16 @@ int main(int argc, char** argv) {
     }
     bench::SigmaTable sigmas(/*bisection_ranks=*/8);
     sigmas.prepare(cases, {42});
-    bench::CsvWriter csv(csv_path, {"config", "maxvio_target", "maxvio", "op", "time_us_median", "time_us_min",
-                                    "ratio_to_bf16", "pushed_bytes_per_rank", "remote_bytes_per_rank",
-                                    "total_bytes_per_rank", "agg_GBps", "R", "S", "E", "H", "K"});
-    std::printf("%-7s %6s %6s %-26s %10s %7s %11s %11s %11s %9s\n", "config", "target", "maxvio", "op", "median_us",
-                "vs_bf16", "MB_pushed", "MB_remote", "MB_total", "agg_GB/s");
+    bench::CsvWriter csv(
+        csv_path, {"config", "maxvio_target", "maxvio", "op", "time_us_median", "time_us_min", "ratio_to_bf16",
+                   "pushed_bytes_per_rank", "remote_bytes_per_rank", "total_bytes_per_rank", "agg_GBps", "R", "S", "E",
+                   "H", "K", "graph_us_median", "graph_us_min", "graph_ratio_to_bf16"});
+    std::printf("%-7s %6s %6s %-26s %10s %7s %10s %7s %11s %11s %11s %9s\n", "config", "target", "maxvio", "op",
+                "eager_us", "vs_bf16", "graph_us", "vs_bf16", "MB_pushed", "MB_remote", "MB_total", "agg_GB/s");
     std::printf(
         "(bytes per rank; pushed: rows, scales and weights written to destinations, local included; remote: "
-        "rows to other ranks; total: every device-memory byte read or written)\n");
+        "rows to other ranks; total: every device-memory byte read or written; eager: one host thread launching every "
+        "rank, its launch time included; graph: every rank replayed as one CUDA graph; agg_GB/s: graph-timed)\n");
     for (const bench::Case& c : cases) run_case(c, sigmas.sigma(c, 42), iters, warmup, csv);
     return 0;
 }

@@ -1,7 +1,11 @@
 // Per-op benchmark of the CUDA data plane, R virtual ranks on one GPU (design §9). Per case (shape, routing skew,
 // tokens per call s): per op the median time over many iterations (CUDA events, after warm-up) from a common start
-// of all ranks to the end of the last, bytes moved per rank (each byte read or written in device memory once, local
-// rows included), aggregate bandwidth over all ranks against a device-to-device copy measured in the same run.
+// of all ranks to the end of the last, twice: eager (one host thread launching every rank's kernels, so every rank's
+// first barrier waits for the last rank's launches) and replayed as one CUDA graph of every rank's stream (the device
+// time, what a captured step or one process per GPU sees; the ratios are of this one); bytes moved per rank (each
+// byte read or written in device memory once, local rows included), aggregate bandwidth over all ranks against a
+// device-to-device copy measured in the same run, and the op's ceiling (OpBytes::ceiling: where the busiest rank
+// bounds it).
 // Planner: the planner kernels alone and the whole plan op. CSV out.
 //
 //   ops_bench [--preset moonep,deepep] [shape and skew flags] [--tokens-per-call s,..] [--iters 20] [--warmup 3]
@@ -35,6 +39,7 @@
 #include "common/flags.hpp"
 #include "common/routing_cases.hpp"
 #include "gpu_harness.hpp"
+#include "kernels/common/launch.cuh"
 #include "planner/planner.hpp"
 
 using namespace flatep;
@@ -58,16 +63,80 @@ void fill_device_bf16(void* dst, int64_t n, uint64_t seed) {
 
 using bench::Timing;
 
+// One rank's copy under its SM budget: `blocks` blocks of 512 threads, 8 16-byte words in flight per thread (the
+// prefetch kernel's copy).
+__global__ void __launch_bounds__(512) rank_copy_kernel(const uint4* src, uint4* dst, int64_t n16) {
+    constexpr int kUnroll = 8;
+    for (int64_t base = int64_t(blockIdx.x) * 512 * kUnroll + threadIdx.x; base < n16;
+         base += int64_t(gridDim.x) * 512 * kUnroll) {
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            if (base + u * 512 < n16) v[u] = src[base + u * 512];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            if (base + u * 512 < n16) dst[base + u * 512] = v[u];
+    }
+}
+
+// GB/s (read + write) of rank_copy_kernel with `blocks` blocks over 256 MiB, graph-timed; the other ranks idle.
+double rank_copy_gbps(int blocks, cudaStream_t stream) {
+    const size_t bytes = size_t(256) << 20;
+    void *a = nullptr, *b = nullptr;
+    FLATEP_CUDA_CHECK(cudaMalloc(&a, bytes));
+    FLATEP_CUDA_CHECK(cudaMalloc(&b, bytes));
+    FLATEP_CUDA_CHECK(cudaMemset(a, 0x5a, bytes));
+    const Timing t = bench::time_graph(stream, 10, 2, 5, [&] {
+        rank_copy_kernel<<<blocks, 512, 0, stream>>>(static_cast<const uint4*>(a), static_cast<uint4*>(b),
+                                                     int64_t(bytes / 16));
+    });
+    cudaFree(a);
+    cudaFree(b);
+    return 2.0 * double(bytes) / (t.median_us * 1e-6) / 1e9;
+}
+
+// Bytes an op must move, all ranks together and per rank and phase (a barrier separates the phases, so the busiest
+// rank of each sets that phase's time), and the op's ceiling on virtual ranks: the ratio to the copy bandwidth it would
+// reach if, in every phase, the busiest rank moved its bytes at the copy bandwidth one rank gets under its SM budget
+// (rank_copy_gbps, measured) and nothing else cost time, at most 1 (all ranks together share the copy bandwidth). An
+// op whose work sits on a few ranks (prefetch, reduce_grad: the owners of the replicated experts) cannot pass it,
+// whatever its kernels do.
+struct OpBytes {
+    double total = 0;
+    std::vector<std::vector<double>> phases;  // [phase][rank]
+    double ceiling(double rank_copy_gbps, double copy_gbps) const {
+        double busiest = 0;
+        for (const std::vector<double>& ph : phases) busiest += *std::max_element(ph.begin(), ph.end());
+        return busiest > 0 ? std::min(1.0, total / (busiest / rank_copy_gbps) / copy_gbps) : 0;
+    }
+};
+OpBytes make_op_bytes(int num_phases, int num_ranks) {
+    OpBytes b;
+    b.phases.assign(size_t(num_phases), std::vector<double>(size_t(num_ranks), 0.0));
+    return b;
+}
+void add_bytes(OpBytes& b, int phase, int rank, double bytes) {
+    b.phases[size_t(phase)][size_t(rank)] += bytes;
+    b.total += bytes;
+}
+
 struct Bytes {
-    double dispatch = 0, combine = 0;  // all ranks together
+    OpBytes dispatch, combine;
     double dispatch_remote_rows = 0;
 };
 
-// Bytes the ops must move, from the plans (zero-copy recv: the symmetric region is the output).
+// Bytes the ops must move, from the plans (zero-copy recv: the symmetric region is the output). Dispatch: the push
+// (source r: its rows read, one row written per destination, the weights) then the fan-out (destination r: each
+// duplicate read from its head and written, padding zeroed, recv_w of every real row); combine: the partial sums
+// (destination r: every real row read, one partial row per head written, the weights) then the pull (source r: one
+// partial row per destination read, its rows written).
 Bytes count_bytes(const Layout& l, const std::vector<RankOutputs>& outs, int num_tokens, bool weighted) {
+    const int R = l.num_ranks;
     Bytes b;
+    b.dispatch = make_op_bytes(2, R);
+    b.combine = make_op_bytes(2, R);
     const double row = double(l.row_bytes());
-    for (int r = 0; r < l.num_ranks; ++r) {
+    for (int r = 0; r < R; ++r) {
         const PlanView p = make_plan_view(l, const_cast<int32_t*>(outs[r].plan.data()));
         int64_t pairs = 0, remote = 0;
         for (int t = 0; t < num_tokens; ++t) {
@@ -96,12 +165,37 @@ Bytes count_bytes(const Layout& l, const std::vector<RankOutputs>& outs, int num
             }
         }
         const int64_t dups = real - heads;
-        b.dispatch += num_tokens * row + pairs * row + 2.0 * dups * row + pad * row +
-                      double(num_tokens) * l.topk * 4 * (weighted ? 2 : 1) + real * 4.0;
-        b.combine += real * row + heads * row + pairs * row + num_tokens * row + (weighted ? real * 4.0 : 0);
+        add_bytes(b.dispatch, 0, r,
+                  num_tokens * row + pairs * row + double(num_tokens) * l.topk * 4 * (weighted ? 2 : 1));
+        add_bytes(b.dispatch, 1, r, 2.0 * dups * row + pad * row + real * 4.0);
+        add_bytes(b.combine, 0, r, real * row + heads * row + (weighted ? real * 4.0 : 0));
+        add_bytes(b.combine, 1, r, pairs * row + num_tokens * row);
         b.dispatch_remote_rows += remote;
     }
     return b;
+}
+
+// Prefetch and reduce_grad from the slot table: the owner of every replicated expert pushes each of its replicas (its
+// weights read, the slot written: 2 * expert_bytes a replica); reduce_grad's owner reads its gradient and every
+// replica's slot and writes its gradient ((P_e + 2) * grad_bytes an expert with P_e replicas), then, after a barrier,
+// every rank zeroes the slots it holds (grad_bytes each).
+void count_pool_bytes(const Layout& l, const int32_t* slot_expert, double expert_bytes, double grad_bytes,
+                      OpBytes& prefetch, OpBytes& reduce) {
+    const int R = l.num_ranks, epn = l.experts_per_rank;
+    prefetch = make_op_bytes(1, R);
+    reduce = make_op_bytes(2, R);
+    std::vector<int> replicas(size_t(l.num_experts), 0);
+    for (int d = 0; d < R; ++d) {
+        for (int j = 0; j < epn; ++j) {
+            const int e = slot_expert[d * epn + j];
+            if (e < 0) continue;
+            ++replicas[size_t(e)];
+            add_bytes(prefetch, 0, e / epn, 2.0 * expert_bytes);
+            add_bytes(reduce, 1, d, grad_bytes);
+        }
+    }
+    for (int e = 0; e < l.num_experts; ++e)
+        if (replicas[size_t(e)] > 0) add_bytes(reduce, 0, e / epn, (replicas[size_t(e)] + 2.0) * grad_bytes);
 }
 
 // --planner-profile: the stamps of kProfileBatch back-to-back planners captured in one graph (as timed above),
@@ -422,6 +516,9 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     spec.seed = 42;
     LocalDeviceGroup group(l.num_ranks, false, 30.0);
     DeviceCase dev(spec, l, group);
+    const double rank_gbps =
+        rank_copy_gbps(group.max_blocks() > 0 ? group.max_blocks() : 2 * kernels::device_sm_count(), group.stream(0));
+    std::printf("  one rank's copy under its SM budget (%d blocks): %.0f GB/s\n", group.max_blocks(), rank_gbps);
     // Inputs: routing from the generator; data random on the device (never zeros).
     const auto topk = make_routing(spec, spec.seed);
     std::vector<int32_t> all_counts(size_t(l.num_ranks) * l.num_experts, 0);
@@ -521,18 +618,33 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     planner::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.ranks[0].plan), dev.ranks[0].workspace,
                             planner::PlannerEngine::kParallel, group.stream(0));
     group.synchronize();
-    const Timing t_dispatch = bench::time_ranks(group, o.iters, o.warmup, [&] {
+    auto plan_all = [&] {
+        for (int r = 0; r < R; ++r) device::launch_plan(plan_args(r), group.stream(r));
+    };
+    auto dispatch_all = [&] {
         for (int r = 0; r < R; ++r) kernels::launch(dispatch_args(r), group.stream(r));
-    });
-    const Timing t_combine = bench::time_ranks(group, o.iters, o.warmup, [&] {
+    };
+    auto combine_all = [&] {
         for (int r = 0; r < R; ++r) kernels::launch(combine_args(r), group.stream(r));
-    });
-    const Timing t_prefetch = bench::time_ranks(group, o.iters, o.warmup, [&] {
+    };
+    auto prefetch_all = [&] {
         for (int r = 0; r < R; ++r) kernels::launch(prefetch_args(r), group.stream(r));
-    });
-    const Timing t_reduce = bench::time_ranks(group, std::max(3, o.iters / 4), 1, [&] {
+    };
+    auto reduce_all = [&] {
         for (int r = 0; r < R; ++r) kernels::launch(reduce_args(r), group.stream(r));
-    });
+    };
+    const Timing t_dispatch = bench::time_ranks(group, o.iters, o.warmup, dispatch_all);
+    const Timing t_combine = bench::time_ranks(group, o.iters, o.warmup, combine_all);
+    const Timing t_prefetch = bench::time_ranks(group, o.iters, o.warmup, prefetch_all);
+    const Timing t_reduce = bench::time_ranks(group, std::max(3, o.iters / 4), 1, reduce_all);
+    // The same ops replayed as one graph of every rank's stream (no host launch time: the device time of a step).
+    constexpr int kGraphBatch = 3;
+    const Timing g_plan = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, plan_all);
+    const Timing g_dispatch = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, dispatch_all);
+    const Timing g_combine = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, combine_all);
+    const Timing g_prefetch = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, prefetch_all);
+    const Timing g_reduce = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, reduce_all);
+    group.synchronize();
     // Bytes, from the plans.
     std::vector<RankOutputs> outs(R);
     for (int r = 0; r < R; ++r) {
@@ -546,41 +658,35 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     }
     const Bytes bytes = count_bytes(l, outs, s, true);
     const PlanStats& st = *make_plan_view(l, outs[0].plan.data()).stats;
-    double pre_bytes = 0, red_bytes = 0;
-    for (int d = 0; d < R; ++d) {
-        pre_bytes += 2.0 * st.replicas_in[d] * double(spec.expert_elems) * 2;  // read + write per replica
-        // owner: read grad + each slot, write grad; then the slot zeroed
-        red_bytes += st.replicas_in[d] * double(spec.expert_elems) * 4 * 2;
-        red_bytes += 2.0 * st.replicas_out[d] * 0;  // grads of owners with replicas: read+write once per expert
-    }
-    for (int d = 0; d < R; ++d) {
-        std::vector<char> has(size_t(l.experts_per_rank), 0);
-        const int32_t* se = make_plan_view(l, outs[d].plan.data()).slot_expert;
-        for (int i = 0; i < R * l.experts_per_rank; ++i)
-            if (se[i] >= 0 && se[i] / l.experts_per_rank == d) has[se[i] % l.experts_per_rank] = 1;
-        for (char h : has) red_bytes += h ? 2.0 * double(spec.expert_elems) * 4 : 0;
-    }
+    OpBytes pre_bytes, red_bytes;
+    count_pool_bytes(l, make_plan_view(l, outs[0].plan.data()).slot_expert, double(spec.expert_elems) * 2,
+                     double(spec.expert_elems) * 4, pre_bytes, red_bytes);
     struct Row {
         const char* op;
-        Timing t;
-        double bytes;  // all ranks
+        Timing t, graph;  // eager (one host thread launching every rank), and replayed as one graph
+        OpBytes bytes;    // all ranks
     };
-    const Row rows[] = {{"plan", t_plan, 0},
-                        {"planner", t_planner, 0},
-                        {"planner_greedy", t_planner_greedy, 0},
-                        {"dispatch", t_dispatch, bytes.dispatch},
-                        {"combine", t_combine, bytes.combine},
-                        {"prefetch", t_prefetch, pre_bytes},
-                        {"reduce_grad", t_reduce, red_bytes}};
+    const Row rows[] = {{"plan", t_plan, g_plan, {}},
+                        {"planner", t_planner, t_planner, {}},
+                        {"planner_greedy", t_planner_greedy, t_planner_greedy, {}},
+                        {"dispatch", t_dispatch, g_dispatch, bytes.dispatch},
+                        {"combine", t_combine, g_combine, bytes.combine},
+                        {"prefetch", t_prefetch, g_prefetch, pre_bytes},
+                        {"reduce_grad", t_reduce, g_reduce, red_bytes}};
     for (const Row& row : rows) {
-        const double gbps = row.bytes > 0 ? row.bytes / (row.t.median_us * 1e-6) / 1e9 : 0;
-        std::printf("%-13s %-26s %5d %6.1f %6.2f %-14s %10.1f %12.1f %9.0f %6.2f\n", c.preset.c_str(),
-                    c.shape.label().c_str(), s, c.skew.maxvio_target(), maxvio, row.op, row.t.median_us,
-                    row.bytes / R / 1e6, gbps, gbps / copy_gbps);
+        const double gbps = row.bytes.total > 0 ? row.bytes.total / (row.t.median_us * 1e-6) / 1e9 : 0;
+        const double graph_gbps = row.bytes.total > 0 ? row.bytes.total / (row.graph.median_us * 1e-6) / 1e9 : 0;
+        const double ceiling = row.bytes.ceiling(rank_gbps, copy_gbps);
+        std::printf("%-13s %-26s %5d %6.1f %6.2f %-14s %10.1f %10.1f %12.1f %9.0f %6.2f %6.2f %7.2f\n",
+                    c.preset.c_str(), c.shape.label().c_str(), s, c.skew.maxvio_target(), maxvio, row.op,
+                    row.t.median_us, row.graph.median_us, row.bytes.total / R / 1e6, graph_gbps, gbps / copy_gbps,
+                    graph_gbps / copy_gbps, ceiling);
         csv.row(c.preset, bench::fixed(c.skew.maxvio_target(), 2), bench::fixed(maxvio, 4), row.op,
-                bench::fixed(row.t.median_us, 2), bench::fixed(row.t.min_us, 2), bench::fixed(row.bytes / R, 0),
+                bench::fixed(row.t.median_us, 2), bench::fixed(row.t.min_us, 2), bench::fixed(row.bytes.total / R, 0),
                 bench::fixed(gbps, 1), bench::fixed(copy_gbps, 1), bench::fixed(gbps / copy_gbps, 4), st.total_replicas,
-                st.makespan, R, l.num_tokens, s, l.num_experts, l.hidden, l.topk, c.shape.ffn, l.align, sigma);
+                st.makespan, R, l.num_tokens, s, l.num_experts, l.hidden, l.topk, c.shape.ffn, l.align, sigma,
+                bench::fixed(row.graph.median_us, 2), bench::fixed(row.graph.min_us, 2),
+                bench::fixed(graph_gbps / copy_gbps, 4), bench::fixed(ceiling, 4), bench::fixed(rank_gbps, 1));
     }
     std::fflush(stdout);
 }
@@ -643,9 +749,18 @@ int main(int argc, char** argv) {
                                  "K",
                                  "ffn",
                                  "align",
-                                 "sigma"});
-    std::printf("%-13s %-26s %5s %6s %6s %-14s %10s %12s %9s %6s\n", "config", "shape", "s", "target", "maxvio", "op",
-                "median_us", "MB_per_rank", "agg_GB/s", "ratio");
+                                 "sigma",
+                                 "graph_us_median",
+                                 "graph_us_min",
+                                 "graph_ratio_to_copy",
+                                 "ceiling",
+                                 "rank_copy_GBps"});
+    std::printf("%-13s %-26s %5s %6s %6s %-14s %10s %10s %12s %9s %6s %6s %7s\n", "config", "shape", "s", "target",
+                "maxvio", "op", "eager_us", "graph_us", "MB_per_rank", "agg_GB/s", "eager", "ratio", "ceiling");
+    std::printf(
+        "(eager: one host thread launching every rank's kernels, its launch time included; graph: every rank's "
+        "work replayed as one CUDA graph; ratio: to the copy bandwidth, graph-timed; ceiling: at most 1, the ratio if "
+        "the busiest rank of every phase moved its bytes at one rank's copy bandwidth under its SM budget)\n");
     for (const bench::Case& c : o.cases) {
         const double sigma = sigmas.sigma(c, 42);
         const std::vector<int> calls = o.tokens_per_call.empty() ? std::vector<int>{c.shape.tokens} : o.tokens_per_call;

@@ -39,6 +39,21 @@ class EventPair {
     cudaEvent_t start_ = nullptr, stop_ = nullptr;
 };
 
+// Every other rank's stream of `group` waits for rank 0's work so far (fork), and rank 0's for every other rank's
+// (join: one event per rank).
+template <class Group>
+void fork_ranks(Group& group, cudaEvent_t fork) {
+    FLATEP_CUDA_CHECK(cudaEventRecord(fork, group.stream(0)));
+    for (int r = 1; r < group.num_ranks(); ++r) FLATEP_CUDA_CHECK(cudaStreamWaitEvent(group.stream(r), fork));
+}
+template <class Group>
+void join_ranks(Group& group, std::vector<cudaEvent_t>& join) {
+    for (int r = 1; r < group.num_ranks(); ++r) {
+        FLATEP_CUDA_CHECK(cudaEventRecord(join[size_t(r)], group.stream(r)));
+        FLATEP_CUDA_CHECK(cudaStreamWaitEvent(group.stream(0), join[size_t(r)]));
+    }
+}
+
 // Time of `op`, which enqueues work on every rank's stream of `group` (R virtual ranks on one GPU: num_ranks(),
 // stream(r), synchronize()), from a common start to the end of the last rank's work; median / min over iters after
 // warmup. The other ranks' streams wait for rank 0's start event, rank 0's stream for every rank's end.
@@ -55,13 +70,9 @@ Timing time_ranks(Group& group, int iters, int warmup, const std::function<void(
     for (int it = 0; it < warmup + iters; ++it) {
         group.synchronize();
         ev.start(s0);
-        FLATEP_CUDA_CHECK(cudaEventRecord(fork, s0));
-        for (int r = 1; r < R; ++r) FLATEP_CUDA_CHECK(cudaStreamWaitEvent(group.stream(r), fork));
+        fork_ranks(group, fork);
         op();
-        for (int r = 1; r < R; ++r) {
-            FLATEP_CUDA_CHECK(cudaEventRecord(join[size_t(r)], group.stream(r)));
-            FLATEP_CUDA_CHECK(cudaStreamWaitEvent(s0, join[size_t(r)]));
-        }
+        join_ranks(group, join);
         ev.stop(s0);
         const float us = ev.elapsed_us();
         if (it >= warmup) times.push_back(us);
@@ -93,6 +104,28 @@ inline Timing time_graph(cudaStream_t stream, int iters, int warmup, int batch, 
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     return summarize(us);
+}
+
+// The same op on every rank's stream, without the host's launch time: one host thread enqueueing R ranks' kernels
+// one after the other (time_ranks) makes every rank's first barrier wait for the last rank's launches, which one
+// process per GPU never does. `batch` calls of op, each with every rank's stream forked from and joined back into rank
+// 0's, are captured in one CUDA graph and replayed as time_graph does. Call the op eagerly first (scratch buffers grow
+// outside a capture).
+template <class Group>
+Timing time_ranks_graph(Group& group, int iters, int warmup, int batch, const std::function<void()>& op) {
+    cudaEvent_t fork;
+    std::vector<cudaEvent_t> join(static_cast<size_t>(group.num_ranks()));
+    FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    for (cudaEvent_t& e : join) FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    group.synchronize();
+    const Timing t = time_graph(group.stream(0), iters, warmup, batch, [&] {
+        fork_ranks(group, fork);
+        op();
+        join_ranks(group, join);
+    });
+    cudaEventDestroy(fork);
+    for (cudaEvent_t e : join) cudaEventDestroy(e);
+    return t;
 }
 
 // Device-to-device copy bandwidth (GB/s, bytes read + written), median of `iters` cudaMemcpyAsync of `bytes` after
