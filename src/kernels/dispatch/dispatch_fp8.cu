@@ -17,7 +17,13 @@ constexpr int kWarps = kThreads / 32;
 // aligned lane octet hold one 128-channel block and reduce its amax with three shuffles.
 constexpr int kChunkChannels = 16;
 constexpr int kLanesPerBlock = kFp8BlockSize / kChunkChannels;
-constexpr int kUnroll = 7;  // chunks in flight per lane: 7*32 chunks = 3584 channels per warp step (7168: 2 steps)
+constexpr int kUnroll = 7;  // the fan-out's 16-byte words in flight per lane (a 7168-byte e4m3 row: 2 steps)
+// The push's chunks in flight per lane: 4*32 chunks = 2048 channels per warp step (7168: 4 steps). Measured on the
+// H200 (fp8_bench, graph replay, 8 virtual ranks) against 7 (the bf16 push's): quantising 0.584 / 0.588 of bf16 against
+// 0.603 / 0.608 (MoonEP / DeepEP); 2, 3, 5 and 6 were slower, and so were both at 64 registers (two blocks an SM). The
+// kernels are declared for one block an SM (72 and 84 registers, as measured): without it ptxas fits the pre-quantised
+// one into 64 registers with spills.
+constexpr int kPushUnroll = 4;
 
 static_assert(kLanesPerBlock == 8 && 32 % kLanesPerBlock == 0, "a block must be one aligned lane octet");
 
@@ -31,10 +37,10 @@ FLATEP_DEVICE uint32_t chunk_amax(const uint4& a, const uint4& b) {
 
 // One step of a warp's walk along a bf16 row of num_chunks 16-channel chunks: lane `lane` loads chunk i0 + 32*u + lane
 // (two 16-byte words) into raw[u]; a chunk at or past num_chunks reads as zeros (its octet's amax then ignores it).
-FLATEP_DEVICE void load_bf16_step(uint4 (&raw)[kUnroll][2], const uint4* src, int64_t i0, int64_t num_chunks,
+FLATEP_DEVICE void load_bf16_step(uint4 (&raw)[kPushUnroll][2], const uint4* src, int64_t i0, int64_t num_chunks,
                                   int lane) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kPushUnroll; ++u) {
         const int64_t i = i0 + 32 * u + lane;
         raw[u][0] = raw[u][1] = make_uint4(0, 0, 0, 0);
         if (i < num_chunks) {
@@ -62,7 +68,7 @@ FLATEP_DEVICE uint4 quantise_chunk(const uint4& a, const uint4& b, Fp8Scale mode
 // whose row receives the token's e4m3 row and scales; every entry writes its weight. kQuantise: the row is read as bf16
 // and quantised here, once for all its destinations; else e4m3 bytes and scales are read as given.
 template <bool kQuantise>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     dispatch_fp8_push_kernel(Layout l, const uint16_t* x_bf16, const uint8_t* x_fp8, const float* x_scales,
                              const float* topk_weights, Fp8Scale mode, PlanView p, SymmetricLayout sym,
                              int64_t scales_offset, PeerPointers peers) {
@@ -72,7 +78,7 @@ __global__ void __launch_bounds__(kThreads)
     const int K = l.topk, H = l.hidden, num_blocks = l.hidden / kFp8BlockSize;
     const int num_tokens = plan_num_tokens(p);
     const int64_t num_chunks = H / kChunkChannels;  // also the 16-byte words of an e4m3 row
-    constexpr int64_t kStep = 32 * kUnroll;
+    constexpr int64_t kStep = 32 * kPushUnroll;
     const int num_slices = row_slices(num_tokens, num_warps, ceil_div(num_chunks, kStep));
     for (int64_t item = warp; item < int64_t(num_tokens) * num_slices; item += num_warps) {
         const int64_t t = item / num_slices;
@@ -81,8 +87,8 @@ __global__ void __launch_bounds__(kThreads)
         // Pre-quantised: the first step's e4m3 words are read along with the token's entries, and so are its first 64
         // scales (lanes j and j + 32), which the first slice copies. The quantising kernel reads each bf16 step in the
         // loop (reading the first one ahead spilled its registers).
-        uint4 raw[kUnroll][2];
-        uint4 q[kUnroll];
+        uint4 raw[kPushUnroll][2];
+        uint4 q[kPushUnroll];
         const float* src_scales = kQuantise ? nullptr : x_scales + t * num_blocks;
         float s0 = 0.0f, s1 = 0.0f;
         if constexpr (!kQuantise) {
@@ -93,11 +99,11 @@ __global__ void __launch_bounds__(kThreads)
         const TokenEntries entries = token_entries(p, K, t, topk_weights, peers, sym.recv_w_offset, lane, slice == 0);
         if (entries.heads == 0) continue;
         for (int64_t i0 = first; i0 < num_chunks; i0 += num_slices * kStep) {
-            float scale[kUnroll];
+            float scale[kPushUnroll];
             if constexpr (kQuantise) {
                 load_bf16_step(raw, reinterpret_cast<const uint4*>(x_bf16 + t * H), i0, num_chunks, lane);
 #pragma unroll
-                for (int u = 0; u < kUnroll; ++u) q[u] = quantise_chunk(raw[u][0], raw[u][1], mode, &scale[u]);
+                for (int u = 0; u < kPushUnroll; ++u) q[u] = quantise_chunk(raw[u][0], raw[u][1], mode, &scale[u]);
             } else {
                 if (i0 != first) warp_load_step(q, reinterpret_cast<const uint4*>(x_fp8 + t * H), i0, num_chunks, lane);
             }
@@ -107,7 +113,7 @@ __global__ void __launch_bounds__(kThreads)
                 uint4* dst = region_at<uint4>(peers.ptr[dk], fp8_recv_x_offset(sym)) + int64_t(rowk) * num_chunks;
                 float* dst_scales = region_at<float>(peers.ptr[dk], scales_offset) + int64_t(rowk) * num_blocks;
 #pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
+                for (int u = 0; u < kPushUnroll; ++u) {
                     const int64_t i = i0 + 32 * u + lane;
                     if (i < num_chunks) {
                         st_v4(dst + i, q[u]);
