@@ -1,6 +1,7 @@
 #include "common/check.hpp"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/launch.cuh"
+#include "kernels/common/owned_slots.cuh"
 #include "kernels/common/vector.cuh"
 #include "kernels/grad_reduce/grad_reduce.cuh"
 #include "layout/layout.hpp"
@@ -10,9 +11,8 @@ namespace flatep::kernels {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kUnroll = 2;
-constexpr int kWarps = kThreads / 32;
-constexpr int64_t kChunk4 = int64_t(kThreads) * kUnroll;  // float4 words per block step
+constexpr int kUnroll = 4;
+constexpr int64_t kChunk4 = int64_t(kThreads) * kUnroll;  // float4 words of a work item (32 KiB)
 constexpr int kMaxListed = 2048;  // replica slots of this rank's experts a block lists in shared memory
 
 using ReducePools = PerRank<float>;  // every rank's fp32 reduce pool
@@ -24,78 +24,103 @@ FLATEP_DEVICE void add4(float4& a, const float4& b) {
     a.w = a.w + b.w;
 }
 
-__global__ void __launch_bounds__(kThreads)
-    grad_reduce_kernel(int rank, int num_ranks, int epn, int64_t n, const int32_t* slot_expert, float* grads,
-                       ReducePools pools) {
-    __shared__ const float* srcs[kMaxRanks * 8];
-    __shared__ int num_src_s;
-    __shared__ int32_t listed[kMaxListed];
-    __shared__ int warp_count[kWarps];
-    __shared__ int num_listed_s;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+// Shared memory of grad_reduce_kernel: this rank's replica slots, listed once, then grouped by expert.
+struct ReduceShared {
+    OwnedSlots<kThreads, kMaxListed> owned;  // the slots; then the start of every group in by_expert
+    int32_t expert_of[kMaxListed];           // local expert of each listed slot; then of every group
+    int32_t by_expert[kMaxListed];           // the listed slots grouped by expert (ascending), each group ascending
+    int32_t expert_at[kMaxListed];           // local expert of by_expert[p]
+    int num_groups;
+};
+
+// One work item: chunk c of a local expert's gradient (n floats) plus its sources' chunks, added in the order given.
+FLATEP_DEVICE void reduce_chunk(float* grad, const ReducePools& pools, const int32_t* sources, int num_sources, int epn,
+                                int64_t n, int64_t c, int tid) {
     const int64_t n4 = n / 4;
-    const int64_t num_chunks = ceil_div<int64_t>(n4, kChunk4);
-    // The slots (d, j), ascending, that hold a replica of one of this rank's experts: the whole block compacts the
-    // slot table once (a ballot per warp, the warps' counts in order), so that the per-expert search below reads
-    // this short list instead of the whole table on one thread.
-    const int num_slots = num_ranks * epn;
-    if (threadIdx.x == 0) num_listed_s = 0;
-    __syncthreads();
-    for (int base = 0; base < num_slots; base += kThreads) {
-        const int i = base + threadIdx.x;
-        const int expert = i < num_slots ? slot_expert[i] : -1;
-        const bool mine = expert >= 0 && home_rank(expert, epn) == rank;
-        const unsigned ballot = __ballot_sync(kFull, mine);
-        if (lane == 0) warp_count[warp] = __popc(ballot);
-        __syncthreads();
-        int at = num_listed_s + __popc(ballot & ((1u << lane) - 1u));
-        for (int w = 0; w < warp; ++w) at += warp_count[w];
-        if (mine && at < kMaxListed) listed[at] = i;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            for (int w = 0; w < kWarps; ++w) num_listed_s += warp_count[w];
-        }
-        __syncthreads();
-    }
-    const bool all_listed = num_listed_s <= kMaxListed;  // else the table itself is searched (same order)
-    const int num_candidates = all_listed ? num_listed_s : num_slots;
-    for (int g = 0; g < epn; ++g) {
-        const int expert = rank * epn + g;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int count = 0;
-            for (int c = 0; c < num_candidates; ++c) {  // ascending (rank, slot): the order of the fp32 adds
-                const int i = all_listed ? listed[c] : c;
-                if (slot_expert[i] != expert) continue;
-                if (count < kMaxRanks * 8) srcs[count] = pools.ptr[i / epn] + int64_t(i % epn) * n;
-                ++count;
-            }
-            num_src_s = count < kMaxRanks * 8 ? count : kMaxRanks * 8;
-        }
-        __syncthreads();
-        const int num_src = num_src_s;
-        if (num_src == 0) continue;
-        float* grad = grads + int64_t(g) * n;
-        for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int64_t w = c * kChunk4 + int64_t(u) * kThreads + threadIdx.x;
-                if (w >= n4) continue;
-                float4 acc = reinterpret_cast<const float4*>(grad)[w];
-                for (int s = 0; s < num_src; ++s) add4(acc, reinterpret_cast<const float4*>(srcs[s])[w]);
-                reinterpret_cast<float4*>(grad)[w] = acc;
-            }
+    for (int u = 0; u < kUnroll; ++u) {
+        const int64_t w = c * kChunk4 + int64_t(u) * kThreads + tid;
+        if (w >= n4) continue;
+        float4 acc = reinterpret_cast<const float4*>(grad)[w];
+        for (int k = 0; k < num_sources; ++k) {
+            const int i = sources[k];
+            add4(acc, reinterpret_cast<const float4*>(pools.ptr[i / epn] + int64_t(i % epn) * n)[w]);
         }
-        if (blockIdx.x == 0) {  // tail elements
-            for (int64_t i = n4 * 4 + threadIdx.x; i < n; i += blockDim.x) {
-                float acc = grad[i];
-                for (int s = 0; s < num_src; ++s) acc = acc + srcs[s][i];
-                grad[i] = acc;
-            }
-        }
+        reinterpret_cast<float4*>(grad)[w] = acc;
     }
 }
 
+// Groups the listed slots by local expert: by_expert holds them in ascending (expert, rank, slot) order (each slot's
+// position counted against every other one: a stable sort by expert), the groups' starts go to owned.listed and their
+// experts to expert_of. Returns the number of groups (every thread). Begins and ends with a block barrier.
+FLATEP_DEVICE int group_by_expert(ReduceShared& sh, int count, int epn, const int32_t* slot_expert, int tid) {
+    for (int k = tid; k < count; k += kThreads) sh.expert_of[k] = local_expert(slot_expert[sh.owned.listed[k]], epn);
+    __syncthreads();
+    for (int k = tid; k < count; k += kThreads) {
+        const int g = sh.expert_of[k];
+        int pos = 0;
+        for (int k2 = 0; k2 < count; ++k2) {
+            const int g2 = sh.expert_of[k2];
+            pos += g2 < g || (g2 == g && k2 < k);
+        }
+        sh.by_expert[pos] = sh.owned.listed[k];
+        sh.expert_at[pos] = g;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int groups = 0;
+        for (int p = 0; p < count; ++p) {
+            if (p > 0 && sh.expert_at[p] == sh.expert_at[p - 1]) continue;
+            sh.owned.listed[groups] = p;
+            sh.expert_of[groups] = sh.expert_at[p];
+            ++groups;
+        }
+        sh.num_groups = groups;
+    }
+    __syncthreads();
+    return sh.num_groups;
+}
+
+// The owner's pass: every local expert with replicas gets its gradient plus the replicas' gradients, added in
+// ascending (rank, slot) order (design §6). The block lists the replica slots once and groups them by expert; the work
+// items (an expert with replicas, a chunk of 32 KiB) are dealt to the blocks round-robin, so the grid shares the
+// replicated experts whatever their number. With more replica slots than the list holds, the experts are walked one
+// by one over the table (the same order).
+__global__ void __launch_bounds__(kThreads)
+    grad_reduce_kernel(int rank, int num_ranks, int epn, int64_t n, const int32_t* slot_expert, float* grads,
+                       ReducePools pools) {
+    __shared__ ReduceShared sh;
+    const int tid = threadIdx.x;
+    const int num_slots = num_ranks * epn;
+    const int count = list_owned_slots(sh.owned, rank, num_slots, epn, slot_expert, tid);
+    const int64_t num_chunks = ceil_div<int64_t>(n / 4, kChunk4);
+    if (count <= kMaxListed) {
+        const int groups = group_by_expert(sh, count, epn, slot_expert, tid);
+        for (int64_t item = blockIdx.x; item < int64_t(groups) * num_chunks; item += gridDim.x) {
+            const int q = int(item / num_chunks);
+            const int begin = sh.owned.listed[q], end = q + 1 < groups ? sh.owned.listed[q + 1] : count;
+            reduce_chunk(grads + int64_t(sh.expert_of[q]) * n, pools, sh.by_expert + begin, end - begin, epn, n,
+                         item % num_chunks, tid);
+        }
+        return;
+    }
+    for (int g = 0; g < epn; ++g) {
+        const int expert = rank * epn + g;
+        __syncthreads();
+        if (tid == 0) {
+            int k = 0;
+            for (int i = 0; i < num_slots && k < kMaxListed; ++i)
+                if (slot_expert[i] == expert) sh.by_expert[k++] = i;
+            sh.num_groups = k;
+        }
+        __syncthreads();
+        const int num_sources = sh.num_groups;
+        for (int64_t c = blockIdx.x; c < num_chunks && num_sources > 0; c += gridDim.x)
+            reduce_chunk(grads + int64_t(g) * n, pools, sh.by_expert, num_sources, epn, n, c, tid);
+    }
+}
+
+// Every rank zeroes the slots it holds (n is a multiple of 4: the launch checks it).
 __global__ void __launch_bounds__(kThreads)
     zero_slots_kernel(int rank, int epn, int64_t n, const int32_t* slot_expert, float* own_pool) {
     const int64_t n4 = n / 4;
@@ -105,8 +130,6 @@ __global__ void __launch_bounds__(kThreads)
         float* slot = own_pool + int64_t(j) * n;
         for (int64_t w = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < n4; w += int64_t(gridDim.x) * blockDim.x)
             reinterpret_cast<float4*>(slot)[w] = z;
-        if (blockIdx.x == 0)
-            for (int64_t i = n4 * 4 + threadIdx.x; i < n; i += blockDim.x) slot[i] = 0.0f;
     }
 }
 

@@ -1,6 +1,7 @@
 #include "common/check.hpp"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/launch.cuh"
+#include "kernels/common/owned_slots.cuh"
 #include "kernels/common/vector.cuh"
 #include "kernels/prefetch/prefetch.cuh"
 #include "layout/layout.hpp"
@@ -10,48 +11,50 @@ namespace flatep::kernels {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kUnroll = 4;
-constexpr int64_t kChunk16 = int64_t(kThreads) * kUnroll;  // 16-byte words per block step (32 KiB)
+constexpr int kUnroll = 8;
+constexpr int64_t kChunk16 = int64_t(kThreads) * kUnroll;  // 16-byte words of a work item (64 KiB)
+constexpr int kMaxListed = 2048;  // replica slots of this rank's experts a block lists in shared memory
 
 using SlotPools = PerRank<uint8_t>;  // every rank's slot pool
 
-// One expert's weights (expert_bytes) from src to dst: this block's share of the chunks of 32 KiB, grid-strided.
-FLATEP_DEVICE void push_expert(const uint8_t* src_bytes, uint8_t* dst_bytes, int64_t expert_bytes) {
-    const int64_t n16 = expert_bytes / 16;
-    const int64_t num_chunks = ceil_div(n16, kChunk16);
-    const uint4* src = reinterpret_cast<const uint4*>(src_bytes);
-    uint4* dst = reinterpret_cast<uint4*>(dst_bytes);
-    for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
-        const int64_t base = c * kChunk16 + threadIdx.x;
-        uint4 v[kUnroll];
+// Chunk c (kChunk16 words; the last one may be shorter) of one expert's weights from src to dst, by the block.
+FLATEP_DEVICE void copy_chunk(const uint4* src, uint4* dst, int64_t n16, int64_t c, int tid) {
+    const int64_t base = c * kChunk16 + tid;
+    uint4 v[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int64_t w = base + int64_t(u) * kThreads;
-            if (w < n16) v[u] = ld_v4(src + w);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int64_t w = base + int64_t(u) * kThreads;
-            if (w < n16) st_v4(dst + w, v[u]);
-        }
+    for (int u = 0; u < kUnroll; ++u) {
+        const int64_t w = base + int64_t(u) * kThreads;
+        if (w < n16) v[u] = ld_v4(src + w);
     }
-    // Tail bytes (expert_bytes not a multiple of 16).
-    if (blockIdx.x == 0) {
-        for (int64_t b = n16 * 16 + threadIdx.x; b < expert_bytes; b += blockDim.x) dst_bytes[b] = src_bytes[b];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int64_t w = base + int64_t(u) * kThreads;
+        if (w < n16) st_v4(dst + w, v[u]);
     }
 }
 
-// Every block takes its share of every (rank, slot) this rank owns, in ascending (rank, slot) order.
+// The rank's replicas (the slots holding one of its experts, listed once per block in ascending (rank, slot) order)
+// cut into chunks of 64 KiB: the work items replica * num_chunks + chunk, dealt to the blocks round-robin, so every
+// block has work whatever the number of replicas and a replica's chunks are spread over the grid.
 __global__ void __launch_bounds__(kThreads)
     prefetch_push_kernel(int rank, int num_ranks, int epn, int64_t expert_bytes, const int32_t* slot_expert,
                          const uint8_t* weights, SlotPools pools) {
-    for (int d = 0; d < num_ranks; ++d) {
-        for (int j = 0; j < epn; ++j) {
-            const int expert = slot_expert[d * epn + j];
-            if (expert < 0 || home_rank(expert, epn) != rank) continue;
-            push_expert(weights + int64_t(local_expert(expert, epn)) * expert_bytes,
-                        pools.ptr[d] + int64_t(j) * expert_bytes, expert_bytes);
-        }
+    __shared__ OwnedSlots<kThreads, kMaxListed> owned;
+    const int tid = threadIdx.x;
+    const int num_slots = num_ranks * epn;
+    const int count = list_owned_slots(owned, rank, num_slots, epn, slot_expert, tid);
+    // More replicas of this rank's experts than the list holds: the items walk the whole table instead.
+    const bool all_listed = count <= kMaxListed;
+    const int num_replicas = all_listed ? count : num_slots;
+    const int64_t n16 = expert_bytes / 16;
+    const int64_t num_chunks = ceil_div(n16, kChunk16);
+    for (int64_t item = blockIdx.x; item < int64_t(num_replicas) * num_chunks; item += gridDim.x) {
+        const int i = all_listed ? owned.listed[item / num_chunks] : int(item / num_chunks);
+        const int expert = slot_expert[i];
+        if (!all_listed && (expert < 0 || home_rank(expert, epn) != rank)) continue;
+        const uint8_t* src = weights + int64_t(local_expert(expert, epn)) * expert_bytes;
+        uint8_t* dst = pools.ptr[i / epn] + int64_t(i % epn) * expert_bytes;
+        copy_chunk(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst), n16, item % num_chunks, tid);
     }
 }
 
@@ -68,7 +71,8 @@ void launch(const PrefetchArgs& a, cudaStream_t stream) {
     FLATEP_CHECK(reinterpret_cast<uintptr_t>(a.weights) % 16 == 0 && a.expert_bytes % 16 == 0,
                  "prefetch: weights must be 16-byte aligned and expert_bytes a multiple of 16, got ", a.expert_bytes);
     launch_barrier(a.sync, kOpPrefetch, stream);
-    const int blocks = grid_blocks(a.sync, ceil_div<int64_t>(a.expert_bytes / 16, kChunk16) * 4, 2);
+    // Work items: replicas * chunks, unknown here (the plan is on the device): as many blocks as the budget allows.
+    const int blocks = grid_blocks(a.sync, ceil_div<int64_t>(a.expert_bytes / 16, kChunk16) * a.num_ranks, 2);
     prefetch_push_kernel<<<blocks, kThreads, 0, stream>>>(a.rank, a.num_ranks, a.experts_per_rank, a.expert_bytes,
                                                           a.slot_expert, a.weights, pools);
     FLATEP_CUDA_CHECK_LAUNCH();
