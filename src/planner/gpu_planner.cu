@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(kPlannerThreads)
 // Overflow launch (first == G): the candidates [G, count) the greedy's bound asks for, grid-stride; its blocks
 // return at once when count <= G (the usual case).
 // prof: the profile records (null = off): one per candidate index, then the greedy block's.
-__global__ void __launch_bounds__(kCandidateThreads)
+__global__ void __maxnreg__(kCandidateRegisters)
     candidates_kernel(Layout l, PlanView p, PlannerWorkspace ws, int stored, int first, CandidateMode mode,
                       PlannerProfileRecord* prof) {
     extern __shared__ int4 smem_words[];  // 16-byte aligned

@@ -245,9 +245,17 @@ FLATEP_DEVICE void prepare_home(WarpExec& x, const BlockExec& bx, const Layout& 
 
 // Candidate blocks: kCandidateThreads threads. Warp 0 builds the candidate (planner_core on the warp executor: its
 // sequential steps are latency-bound and gain nothing from more threads); the whole block loads the counts, computes
-// the home allocation (init_home on BlockExec), stores the allocation and evaluates it (the O(R*E) passes). Setting
+// the home allocation (init_home on BlockExec), stores the allocation and evaluates it (the O(R*E) passes), and the
+// other warps build home_ahead's table of a path candidate, one rank per warp (nine warps: eight ranks at once). With
+// 288 threads instead of 128 the K3 planner (E=896, R=8) took 41-47 us instead of 47-55 on the H200. Setting
 // kCandidateThreads to 32 gives the one-warp blocks.
-constexpr int kCandidateThreads = 128;
+constexpr int kCandidateThreads = 288;
+// Registers of a candidate block's thread (the kernel's __maxnreg__). On the H200 168 launched and 200 did not (out of
+// resources, though 288 * 200 < 64K): consistent with an SM's registers being four banks of 16K, one per scheduler,
+// with three of the nine warps on one bank (3 * 32 * 168 = 16128). __launch_bounds__(288) would cap it at 96.
+constexpr int kCandidateRegisters = 168;
 static_assert(kCandidateThreads % 32 == 0 && kCandidateThreads <= 1024, "whole warps");
+static_assert((kCandidateThreads / 32 + 3) / 4 * 32 * kCandidateRegisters <= 16384,
+              "a candidate block's warps must fit an SM's register banks");
 
 }  // namespace flatep::planner

@@ -268,6 +268,28 @@ struct WarpExec {
             const unsigned first = __ballot_sync(kFull, k0 == best);
             return first != 0 ? __ffs(first) - 1 : 32 + __ffs(__ballot_sync(kFull, k1 == best)) - 1;
         }
+        if (n <= 128) {
+            // Four items per lane (a rank's experts at E=896, R=8), their keys evaluated together: the lane's largest
+            // (the lower item on a tie), the warp maximum, then the lowest index holding it: items q*32 + lane, so the
+            // first q with a match, then its lowest lane. (The strided loop below: 1-2 us more per K3 planner.)
+            uint64_t k[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) k[q] = q * 32 + lane < n ? key(q * 32 + lane) : 0;
+            uint64_t mine = k[0];
+#pragma unroll
+            for (int q = 1; q < 4; ++q) mine = k[q] > mine ? k[q] : mine;
+            const bool wide = __any_sync(kFull, (mine >> 32) != 0);
+            const unsigned hi = wide ? __reduce_max_sync(kFull, unsigned(mine >> 32)) : 0u;
+            const unsigned lo = __reduce_max_sync(kFull, unsigned(mine >> 32) == hi ? unsigned(mine) : 0u);
+            if (hi == 0 && lo == 0) return -1;
+            const uint64_t best = (uint64_t(hi) << 32) | lo;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const unsigned at = __ballot_sync(kFull, k[q] == best);
+                if (at != 0) return q * 32 + __ffs(at) - 1;
+            }
+            return -1;  // unreachable: some lane holds the maximum
+        }
 #endif
         uint64_t best = 0;
         int at = -1;
