@@ -6,7 +6,10 @@
 // byte read or written in device memory once, local rows included), aggregate bandwidth over all ranks against a
 // device-to-device copy measured in the same run, and the op's ceiling (OpBytes::ceiling: where the busiest rank
 // bounds it).
-// Planner: the planner kernels alone and the whole plan op. CSV out.
+// Planner: the planner kernels alone and the whole plan op. Where the pool ops' time goes: rows prefetch.kernels and
+// reduce_grad.kernels (the same launches without their barriers), two_barriers (two cross-rank barriers alone) and
+// empty_graph (the replay's own fork and join), and a line per case with each rank's replicas pushed, slots held and
+// pool kernels timed alone. CSV out.
 //
 //   ops_bench [--preset moonep,deepep] [shape and skew flags] [--tokens-per-call s,..] [--iters 20] [--warmup 3]
 //             [--ffn 1024] [--csv ops_bench.csv]
@@ -644,6 +647,38 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     const Timing g_combine = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, combine_all);
     const Timing g_prefetch = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, prefetch_all);
     const Timing g_reduce = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, reduce_all);
+    // Where the pool ops' time goes: their kernels alone (the same launches with sync.num_ranks = 1, so that
+    // launch_barrier launches nothing), their two cross-rank barriers alone, and an empty graph of the same fork and
+    // join (what the replay itself costs).
+    auto without_barriers = [](auto a) {
+        a.sync.num_ranks = 1;
+        return a;
+    };
+    const Timing g_prefetch_kernels = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [&] {
+        for (int r = 0; r < R; ++r) kernels::launch(without_barriers(prefetch_args(r)), group.stream(r));
+    });
+    const Timing g_reduce_kernels = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [&] {
+        for (int r = 0; r < R; ++r) kernels::launch(without_barriers(reduce_args(r)), group.stream(r));
+    });
+    const Timing g_barriers = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [&] {
+        for (int r = 0; r < R; ++r) {
+            kernels::launch_barrier(sync(r), kOpPrefetch, group.stream(r));
+            kernels::launch_barrier(sync(r), kOpPrefetch, group.stream(r));
+        }
+    });
+    const Timing g_empty = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [] {});
+    // Each rank's pool kernels alone (the others launch nothing): the owners' own times, against the op's.
+    std::string alone_line[2];
+    for (int r = 0; r < R; ++r) {
+        const Timing pre = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [&] {
+            kernels::launch(without_barriers(prefetch_args(r)), group.stream(r));
+        });
+        const Timing red = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [&] {
+            kernels::launch(without_barriers(reduce_args(r)), group.stream(r));
+        });
+        alone_line[0] += " " + bench::fixed(pre.median_us, 1);
+        alone_line[1] += " " + bench::fixed(red.median_us, 1);
+    }
     group.synchronize();
     // Bytes, from the plans.
     std::vector<RankOutputs> outs(R);
@@ -661,6 +696,13 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     OpBytes pre_bytes, red_bytes;
     count_pool_bytes(l, make_plan_view(l, outs[0].plan.data()).slot_expert, double(spec.expert_elems) * 2,
                      double(spec.expert_elems) * 4, pre_bytes, red_bytes);
+    std::string owns, holds;
+    for (int r = 0; r < R; ++r) {
+        owns += " " + std::to_string(int(pre_bytes.phases[0][size_t(r)] / (4.0 * double(spec.expert_elems)) + 0.5));
+        holds += " " + std::to_string(int(red_bytes.phases[1][size_t(r)] / (4.0 * double(spec.expert_elems)) + 0.5));
+    }
+    std::printf("  per rank: replicas pushed%s | slots held%s | kernels alone (us), prefetch%s | reduce_grad%s\n",
+                owns.c_str(), holds.c_str(), alone_line[0].c_str(), alone_line[1].c_str());
     struct Row {
         const char* op;
         Timing t, graph;  // eager (one host thread launching every rank), and replayed as one graph
@@ -672,7 +714,11 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
                         {"dispatch", t_dispatch, g_dispatch, bytes.dispatch},
                         {"combine", t_combine, g_combine, bytes.combine},
                         {"prefetch", t_prefetch, g_prefetch, pre_bytes},
-                        {"reduce_grad", t_reduce, g_reduce, red_bytes}};
+                        {"reduce_grad", t_reduce, g_reduce, red_bytes},
+                        {"prefetch.kernels", g_prefetch_kernels, g_prefetch_kernels, pre_bytes},
+                        {"reduce_grad.kernels", g_reduce_kernels, g_reduce_kernels, red_bytes},
+                        {"two_barriers", g_barriers, g_barriers, {}},
+                        {"empty_graph", g_empty, g_empty, {}}};
     for (const Row& row : rows) {
         const double gbps = row.bytes.total > 0 ? row.bytes.total / (row.t.median_us * 1e-6) / 1e9 : 0;
         const double graph_gbps = row.bytes.total > 0 ? row.bytes.total / (row.graph.median_us * 1e-6) / 1e9 : 0;
