@@ -129,4 +129,32 @@ double sigma_for_maxvio(double target, int num_ranks, int num_experts, int num_t
     return best;
 }
 
+std::vector<int32_t> spread_counts(int R, int E, int S, int K, double sigma, uint64_t seed) {
+    const std::vector<double> pop = popularity(E, sigma, seed);
+    std::vector<int32_t> tpe(size_t(R) * E, 0);
+    for (int r = 0; r < R; ++r) {
+        std::vector<double> w(static_cast<size_t>(E));
+        const uint64_t stream = mix64(seed * 131 + uint64_t(r));
+        for (int e = 0; e < E; ++e) w[size_t(e)] = pop[size_t(e)] * std::exp(0.3 * normal(stream, uint64_t(e)));
+        int32_t* row = tpe.data() + size_t(r) * E;
+        int64_t left = int64_t(S) * K;
+        while (left > 0) {
+            double open = 0;
+            for (int e = 0; e < E; ++e) open += row[e] < S ? w[size_t(e)] : 0.0;
+            int64_t added = 0;
+            for (int e = 0; e < E && open > 0; ++e) {
+                if (row[e] >= S) continue;
+                const int64_t share = std::min<int64_t>(int64_t(double(left) * w[size_t(e)] / open), S - row[e]);
+                row[e] += int32_t(share);
+                added += share;
+            }
+            for (int e = 0; e < E && added == 0 && left > 0; ++e) {  // rounding left a remainder: one each
+                if (row[e] < S) ++row[e], --left;
+            }
+            left -= added;
+        }
+    }
+    return tpe;
+}
+
 }  // namespace flatep::routing

@@ -201,38 +201,6 @@ bool run_case(const CaseSpec& c, bool graph, bool device_per_rank) {
     return true;
 }
 
-// Count matrices of MoonEP's sweep shapes (R up to 64, E=896, S=8192) in microseconds instead of the generator's
-// seconds: each rank's S*K entries spread over the experts in proportion to the generator's popularity of sigma
-// (jittered per rank), largest share first, at most S per expert (K distinct experts per token: a valid matrix).
-std::vector<int32_t> spread_counts(int R, int E, int S, int K, double sigma, uint64_t seed) {
-    const std::vector<double> pop = routing::popularity(E, sigma, seed);
-    std::vector<int32_t> tpe(size_t(R) * E, 0);
-    for (int r = 0; r < R; ++r) {
-        std::vector<double> w(static_cast<size_t>(E));
-        const uint64_t stream = routing::mix64(seed * 131 + uint64_t(r));
-        for (int e = 0; e < E; ++e)
-            w[size_t(e)] = pop[size_t(e)] * std::exp(0.3 * routing::normal(stream, uint64_t(e)));
-        int32_t* row = tpe.data() + size_t(r) * E;
-        int64_t left = int64_t(S) * K;
-        while (left > 0) {
-            double open = 0;
-            for (int e = 0; e < E; ++e) open += row[e] < S ? w[size_t(e)] : 0.0;
-            int64_t added = 0;
-            for (int e = 0; e < E && open > 0; ++e) {
-                if (row[e] >= S) continue;
-                const int64_t share = std::min<int64_t>(int64_t(double(left) * w[size_t(e)] / open), S - row[e]);
-                row[e] += int32_t(share);
-                added += share;
-            }
-            for (int e = 0; e < E && added == 0 && left > 0; ++e) {  // rounding left a remainder: one each
-                if (row[e] < S) ++row[e], --left;
-            }
-            left -= added;
-        }
-    }
-    return tpe;
-}
-
 // The planner alone: random and adversarial count matrices, both GPU engines against the host planner, at small
 // shapes, at the configs benchmarked, and at every shape of MoonEP's sweep (E=896, K 8 and 16, R 8 to 64).
 bool run_planner_sweep(int num_matrices) {
@@ -275,7 +243,7 @@ bool run_planner_sweep(int num_matrices) {
                 for (int r = 0; r < sh.R; ++r)
                     for (int k = 0; k < sh.K; ++k) tpe[size_t(r) * sh.E + (m + k) % sh.E] = sh.S;
             } else if (sh.sweep) {
-                tpe = spread_counts(sh.R, sh.E, sh.S, sh.K, m < 5 ? sigmas[m] : 1.0, 1000 + m);
+                tpe = routing::spread_counts(sh.R, sh.E, sh.S, sh.K, m < 5 ? sigmas[m] : 1.0, 1000 + m);
             } else {
                 tpe = routing::generate_counts(sh.R, sh.E, sh.S, sh.K, sigmas[m % 5], 1000 + m);
             }
