@@ -693,13 +693,15 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     }
     const Bytes bytes = count_bytes(l, outs, s, true);
     const PlanStats& st = *make_plan_view(l, outs[0].plan.data()).stats;
+    const double expert_bytes = double(spec.expert_elems) * 2, grad_bytes = double(spec.expert_elems) * 4;
     OpBytes pre_bytes, red_bytes;
-    count_pool_bytes(l, make_plan_view(l, outs[0].plan.data()).slot_expert, double(spec.expert_elems) * 2,
-                     double(spec.expert_elems) * 4, pre_bytes, red_bytes);
+    count_pool_bytes(l, make_plan_view(l, outs[0].plan.data()).slot_expert, expert_bytes, grad_bytes, pre_bytes,
+                     red_bytes);
+    // Back from count_pool_bytes' per-rank bytes: a pushed replica is 2 * expert_bytes, a held slot grad_bytes zeroed.
     std::string owns, holds;
     for (int r = 0; r < R; ++r) {
-        owns += " " + std::to_string(int(pre_bytes.phases[0][size_t(r)] / (4.0 * double(spec.expert_elems)) + 0.5));
-        holds += " " + std::to_string(int(red_bytes.phases[1][size_t(r)] / (4.0 * double(spec.expert_elems)) + 0.5));
+        owns += " " + std::to_string(int(pre_bytes.phases[0][size_t(r)] / (2 * expert_bytes) + 0.5));
+        holds += " " + std::to_string(int(red_bytes.phases[1][size_t(r)] / grad_bytes + 0.5));
     }
     std::printf("  per rank: replicas pushed%s | slots held%s | kernels alone (us), prefetch%s | reduce_grad%s\n",
                 owns.c_str(), holds.c_str(), alone_line[0].c_str(), alone_line[1].c_str());

@@ -129,7 +129,9 @@ double sigma_for_maxvio(double target, int num_ranks, int num_experts, int num_t
     return best;
 }
 
-std::vector<int32_t> spread_counts(int R, int E, int S, int K, double sigma, uint64_t seed) {
+std::vector<int32_t> spread_counts(int num_ranks, int num_experts, int num_tokens, int topk, double sigma,
+                                   uint64_t seed) {
+    const int R = num_ranks, E = num_experts, S = num_tokens, K = topk;
     const std::vector<double> pop = popularity(E, sigma, seed);
     std::vector<int32_t> tpe(size_t(R) * E, 0);
     for (int r = 0; r < R; ++r) {

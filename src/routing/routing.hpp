@@ -34,9 +34,10 @@ std::vector<int32_t> generate_counts(int num_ranks, int num_experts, int num_tok
 
 // Count matrices tpe_all[R][E] of large shapes (MoonEP's sweep: R up to 64, E=896, S=8192) in microseconds instead
 // of generate_counts' seconds, without sampling tokens: each rank's S*K entries spread over the experts in proportion
-// to popularity(E, sigma, seed) (jittered per rank), at most S per expert (K distinct experts per
-// token: a valid matrix). Not generate_counts' routing: its maxvio for a sigma differs.
-std::vector<int32_t> spread_counts(int R, int E, int S, int K, double sigma, uint64_t seed);
+// to popularity(E, sigma, seed) (jittered per rank), at most S per expert (K distinct experts per token: a valid
+// matrix). Not generate_counts' routing: its maxvio for a sigma differs.
+std::vector<int32_t> spread_counts(int num_ranks, int num_experts, int num_tokens, int topk, double sigma,
+                                   uint64_t seed);
 
 // Realised global imbalance max_e(T_e / mean_e T_e) - 1 of counts tpe_all[R][E] (T_e summed over ranks).
 double maxvio(const int32_t* tpe_all, int num_ranks, int num_experts);

@@ -82,7 +82,7 @@ void launch(const PrefetchArgs& a, cudaStream_t stream) {
     // and an expert's share of one block as the chunk, in whole 512-byte lines (32 words).
     const int64_t n16 = a.expert_bytes / 16;
     const int blocks = grid_blocks(a.sync, ceil_div<int64_t>(n16, kThreads * kUnroll) * a.num_ranks, 1);
-    const int64_t chunk16 = max_of<int64_t>(32, ceil_div<int64_t>(ceil_div<int64_t>(n16, blocks), 32) * 32);
+    const int64_t chunk16 = max_of<int64_t>(32, round_up<int64_t>(ceil_div<int64_t>(n16, blocks), 32));
     prefetch_push_kernel<<<blocks, kThreads, 0, stream>>>(a.rank, a.num_ranks, a.experts_per_rank, a.expert_bytes,
                                                           chunk16, a.slot_expert, a.weights, pools);
     FLATEP_CUDA_CHECK_LAUNCH();
