@@ -353,6 +353,14 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
         const int c = slow[k].second;
         const PlannerProfileRecord& cr = last[c];
         if (cr.trace_count < 2) continue;
+        // Its phases by the block's own clock: entry, counts loaded, build start (trace[0]: the home allocation done),
+        // build end, allocation built (block barrier), stored, evaluated.
+        const long long at[] = {cr.clock[kStampEntry],        cr.clock[kStampLoaded], cr.trace[0],
+                                cr.trace[cr.trace_count - 1], cr.clock[kStampBuilt],  cr.clock[kStampStored],
+                                cr.clock[kStampEvaluated]};
+        auto span = [&](int a, int b) { return double(at[b] - at[a]) * clk.ns_per_cycle * 1e-3; };
+        std::printf("\n    #%d phases (us): load %.2f home %.2f steps %.2f barrier %.2f store %.2f eval %.2f", c,
+                    span(0, 1), span(1, 2), span(2, 3), span(3, 4), span(4, 5), span(5, 6));
         std::printf("\n    trace #%d (%d events, %.1f us):", c, cr.trace_count - 2,
                     double(cr.trace[cr.trace_count - 1] - cr.trace[0]) * clk.ns_per_cycle * 1e-3);
         for (int k = 1; k < cr.trace_count; ++k)
@@ -373,9 +381,11 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
         }
         std::printf("\n");
     }
-    std::printf("    derive warps' ends (us after the pass starts):");
-    for (int w = 0; w < 32; ++w)
-        std::printf(" %.2f", double(sr.trace[8 + w] - sr.clock[planner::kStampSelRebuilt]) * clk.ns_per_cycle * 1e-3);
+    // One block: its warps' ends after its pass starts. Several: those of block 1 (a task block) after its own start
+    // (trace[7], by its own SM's clock).
+    const long long pass_start = sr.trace[7] != 0 ? sr.trace[7] : sr.clock[planner::kStampSelRebuilt];
+    std::printf("    derive warps' ends (us after the pass starts%s):", sr.trace[7] != 0 ? ", task block 1" : "");
+    for (int w = 0; w < 32; ++w) std::printf(" %.2f", double(sr.trace[8 + w] - pass_start) * clk.ns_per_cycle * 1e-3);
     std::printf("\n");
     // Greedy planner kind: planner_parallel_kernel.
     const ProfileClock gclk = fit_clock(greedy_kind, kStampEvaluated);
