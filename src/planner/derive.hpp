@@ -16,8 +16,11 @@
 //   x.first_lanes()    true on the lane group that computes the scalar statistics
 //   x.sync()           a barrier of all the executor's threads
 //   x.tasks_done(), x.done()  barriers after the tasks and at the end (where the GPU stamps its profile)
+//   x.merge(l, tpe, alloc, sums)  after the tasks: true when this executor goes on to the statistics with every
+//                      task's sums in `sums` (one executor: always, its tasks added them; several blocks of a grid:
+//                      only the block that computes the sums itself from tpe and alloc, and no task ran on it)
 // A lane group `g` provides (every lane calls them with its own values, as a warp's *_sync intrinsics):
-//   g.ballot(pred), g.lanes_below(), g.count(mask)   lanes with pred, the mask of the lanes before g.lane, popcount
+//   G::kItems                                        items a lane takes per pass of a rank task's walks
 //   g.inclusive_sum(v), g.from_last(v)               a prefix sum over the lanes; the last lane's value
 //   g.sum(v), g.sum2(a, b), g.max(v), g.min(v)       reductions over the lanes (every lane gets the result)
 //   g.match(key), g.sum_in(mask, v), g.leads(mask)   the lanes with the same key, a sum over them, its lowest lane
@@ -56,10 +59,8 @@ struct DeriveSums {
 // The lane group of one thread: every primitive is the identity of a single lane.
 struct OneLane {
     static constexpr int kWidth = 1;
+    static constexpr int kItems = 1;  // derive_rank's items per lane and pass
     static constexpr int lane = 0;
-    FLATEP_HD unsigned ballot(bool pred) const { return pred ? 1u : 0u; }
-    FLATEP_HD unsigned lanes_below() const { return 0u; }
-    FLATEP_HD int count(unsigned mask) const { return int(mask); }  // masks of one lane: 0 or 1
     FLATEP_HD int32_t inclusive_sum(int32_t v) const { return v; }
     FLATEP_HD int32_t from_last(int32_t v) const { return v; }
     FLATEP_HD unsigned sum(unsigned v) const { return v; }
@@ -85,48 +86,80 @@ struct SerialDerive {
     FLATEP_HD bool first_lanes() const { return true; }
     FLATEP_HD void sync() const {}
     FLATEP_HD void tasks_done() const {}
+    FLATEP_HD bool merge(const Layout&, const int32_t*, const int32_t*, DeriveSums&) const { return true; }
     FLATEP_HD void done() const {}
 };
 
 // Task d: rank d's slots (replica experts in ascending id, then -1), its group_row row (-1, then the start row of
 // every group it holds), cu_seqlens (inclusive padded group ends), loads after and replicas in. alloc: the allocation
 // derived from; slot_s: a copy of slot_expert the group scan reads back (p.slot_expert itself, or scratch).
+// Each lane takes G::kItems consecutive items per pass (its loads in flight together), the lanes in order, so a prefix
+// sum of the lanes' counts places every item as the item-by-item walk would.
 template <class G>
 FLATEP_HD void derive_rank(const G& g, const Layout& l, const PlanView& p, const int32_t* alloc, int32_t* slot_s, int d,
                            DeriveSums& sums) {
     const int E = l.num_experts, epn = l.experts_per_rank, lane = g.lane;
-    constexpr int W = G::kWidth;
+    constexpr int W = G::kWidth, Q = G::kItems;
     const int32_t* row = alloc + int64_t(d) * E;
     int32_t* group_row = p.group_row + int64_t(d) * E;
+    int32_t* const slots_out = p.slot_expert + d * epn;
+    int32_t* const slots_s = slot_s + d * epn;
     int count = 0;
     unsigned after = 0;
-    for (int base = 0; base < E; base += W) {
-        const int e = base + lane;
-        const int32_t a = e < E ? row[e] : 0;
-        if (e < E) group_row[e] = -1;
-        after += unsigned(a);
-        const bool pred = a > 0 && (e < d * epn || e >= (d + 1) * epn);  // a replica on d
-        const unsigned b = g.ballot(pred);
-        const int pos = count + g.count(b & g.lanes_below());
-        if (pred && pos < epn) p.slot_expert[d * epn + pos] = slot_s[d * epn + pos] = e;
-        count += g.count(b);
+    for (int base = 0; base < E; base += W * Q) {
+        const int first = base + lane * Q;
+        int32_t a[Q];
+        FLATEP_DERIVE_UNROLL
+        for (int q = 0; q < Q; ++q) a[q] = first + q < E ? row[first + q] : 0;
+        unsigned mine = 0;  // bit q: item first + q is a replica on d
+        int n_mine = 0;
+        FLATEP_DERIVE_UNROLL
+        for (int q = 0; q < Q; ++q) {
+            const int e = first + q;
+            if (e < E) group_row[e] = -1;
+            after += unsigned(a[q]);
+            const bool pred = a[q] > 0 && (e < d * epn || e >= (d + 1) * epn);
+            mine |= unsigned(pred) << q;
+            n_mine += pred;
+        }
+        const int32_t incl = g.inclusive_sum(n_mine);
+        int pos = count + incl - n_mine;
+        FLATEP_DERIVE_UNROLL
+        for (int q = 0; q < Q; ++q) {
+            if (((mine >> q) & 1u) == 0) continue;
+            if (pos < epn) slots_out[pos] = slots_s[pos] = first + q;
+            ++pos;
+        }
+        count += g.from_last(incl);
     }
-    for (int j = count + lane; j < epn; j += W) p.slot_expert[d * epn + j] = slot_s[d * epn + j] = -1;
+    for (int j = count + lane; j < epn; j += W) slots_out[j] = slots_s[j] = -1;
     after = g.sum(after);
     if (lane == 0) {
         sums.loads_after[d] = int32_t(after);
         sums.replicas_in[d] = count;
     }
     g.sync();  // slot_s and the -1 row before the scan below
-    const int32_t* const slots = slot_s + d * epn;
     int32_t start = 0;
-    for (int g0 = 0; g0 < 2 * epn; g0 += W) {
-        const int grp = g0 + lane;
-        const int e = grp < 2 * epn ? group_expert(epn, slots, d, grp) : -1;
-        const int32_t size = e >= 0 ? l.padded(row[e]) : 0;
-        const int32_t incl = g.inclusive_sum(size);
-        if (e >= 0) group_row[e] = start + incl - size;
-        if (grp < 2 * epn) p.cu_seqlens[d * 2 * epn + grp] = start + incl;
+    for (int g0 = 0; g0 < 2 * epn; g0 += W * Q) {
+        const int first = g0 + lane * Q;
+        int ex[Q];
+        int32_t size[Q];
+        int32_t mine = 0;
+        FLATEP_DERIVE_UNROLL
+        for (int q = 0; q < Q; ++q) ex[q] = first + q < 2 * epn ? group_expert(epn, slots_s, d, first + q) : -1;
+        FLATEP_DERIVE_UNROLL
+        for (int q = 0; q < Q; ++q) {
+            size[q] = ex[q] >= 0 ? l.padded(row[ex[q]]) : 0;
+            mine += size[q];
+        }
+        const int32_t incl = g.inclusive_sum(mine);
+        int32_t end = start + incl - mine;
+        FLATEP_DERIVE_UNROLL
+        for (int q = 0; q < Q; ++q) {
+            if (ex[q] >= 0) group_row[ex[q]] = end;
+            end += size[q];
+            if (first + q < 2 * epn) p.cu_seqlens[d * 2 * epn + first + q] = end;
+        }
         start += g.from_last(incl);
     }
 }
@@ -234,7 +267,9 @@ template <class X>
 FLATEP_HD void derive_plan(const X& x, const Layout& l, const PlanView& p, const int32_t* tpe, const int32_t* alloc,
                            int32_t* slot_s, DeriveSums& sums) {
     const int R = l.num_ranks;
-    for (int r = x.thread(); r < kMaxRanks; r += x.threads()) sums.loads_before[r] = sums.replicas_out[r] = 0;
+    // Every sum starts at 0, the rank tasks' own too (x.merge may add them all up in a pass of its own).
+    for (int r = x.thread(); r < kMaxRanks; r += x.threads())
+        sums.loads_before[r] = sums.replicas_out[r] = sums.loads_after[r] = sums.replicas_in[r] = 0;
     if (x.thread() == 0) sums.entries_total = sums.entries_on_source = 0;
     x.sync();
     const auto g = x.lanes();
@@ -247,6 +282,7 @@ FLATEP_HD void derive_plan(const X& x, const Layout& l, const PlanView& p, const
         }
     }
     x.tasks_done();
+    if (!x.merge(l, tpe, alloc, sums)) return;
     derive_stats(x, g, l, sums, *p.stats);
     x.done();
 }

@@ -1,6 +1,7 @@
 // The GPU planner (design §4): planner_core's own functions on the GPU executors of planner/warp_exec.cuh (every
 // candidate of the balanced planner built by warp 0 of its own block, the O(R*E) loops split over lanes, every
-// selection a warp reduction with the host's key and tie rule), then select_candidate and derive_plan over a block.
+// selection a warp reduction with the host's key and tie rule), then select_candidate and derive_plan over one block
+// or several.
 // Integer arithmetic only, so the plan is bitwise the host planner's.
 #include <atomic>
 #include <string>
@@ -149,7 +150,7 @@ __global__ void __launch_bounds__(kPlannerThreads)
         for (int64_t i = tid; i < int64_t(R) * E; i += blockDim.x) p.alloc[i] = alloc[i];
     }
     // total[] (T_e, and the counts' copy of the balanced planner) is no longer read: it holds the slot experts.
-    planner_core::derive_plan(BlockDerive{tid, int(blockDim.x), rec}, l, p, p.tpe_all, alloc, total, sh.sums);
+    planner_core::derive_plan(BlockDerive{tid, int(blockDim.x), rec, rec}, l, p, p.tpe_all, alloc, total, sh.sums);
 }
 
 // Main launch (first == 0, gridDim.x = G + 1): block G runs the greedy (the plan when no candidate is kept, and
@@ -189,13 +190,20 @@ __global__ void __maxnreg__(kCandidateRegisters)
     planner_core::Workspace w = cs.w;
     const int32_t* const counts = cs.counts;
     int32_t* const ahead_s = cs.table;  // [E] home_ahead's table
-    if (mode.counts_smem) copy_words(const_cast<int32_t*>(counts), p.tpe_all, re, tid, nthreads);
-    __syncthreads();
+    // Counts in shared memory: the block's first home allocation is computed as they are copied (the first
+    // prepare_home below).
     const Stamp loaded = prof != nullptr ? stamp_now() : Stamp{};
+    auto first_home = [&]() {
+        if (mode.counts_smem) {
+            load_counts_and_home(x, bx, l, p.tpe_all, const_cast<int32_t*>(counts), w);
+        } else {
+            prepare_home(x, bx, l, counts, w);
+        }
+    };
     if (greedy_block) {
         PlannerProfileRecord* rec = prof != nullptr ? prof + max_candidates(l) : nullptr;
         if (!mode.alloc_smem) w.cand = p.alloc;  // the greedy's plan is built where the plan keeps it
-        prepare_home(x, bx, l, counts, w);       // the whole block; warp 0 then skips init_home and fixed_targets
+        first_home();                            // the whole block; warp 0 then skips init_home and fixed_targets
         if (warp == 0) planner_core::greedy_alloc(x, l, counts, w.cand, w);
         __syncthreads();
         if (tid == 0) profile_stamp(rec, kStampBuilt);
@@ -230,7 +238,12 @@ __global__ void __maxnreg__(kCandidateRegisters)
         if (!mode.alloc_smem)
             w.cand =
                 index < stored ? ws.stored_alloc + int64_t(index) * re : ws.cand_scratch + int64_t(blockIdx.x) * re;
-        prepare_home(x, bx, l, counts, w);  // the whole block; warp 0 then skips init_home and fixed_targets
+        // The whole block; warp 0 then skips init_home and fixed_targets.
+        if (index == begin) {
+            first_home();
+        } else {
+            prepare_home(x, bx, l, counts, w);
+        }
         const bool path = index < planner_core::kNumPathVariants && nthreads > 32;
         if (path && warp != 0) {
             home_ahead_table(l, w.total, ahead_s, tid - 32, nthreads - 32);
@@ -290,12 +303,12 @@ __global__ void __maxnreg__(kCandidateRegisters)
 }
 
 // select_derive_kernel: warp 0 rebuilds candidate `index` (not stored) into w.cand from the counts and copies it to
-// the plan's allocation when w.cand is elsewhere; then a block barrier.
+// the plan's allocation when w.cand is elsewhere (plan_alloc null: no copy); then a block barrier.
 FLATEP_DEVICE void rebuild_winner(const Layout& l, const int32_t* counts, const planner_core::Workspace& w, int index,
                                   int32_t* plan_alloc, int tid) {
     if (tid < 32) {
         planner_core::build_candidate(WarpExec{tid}, l, counts, w.cand, w, index);
-        if (w.cand != plan_alloc)
+        if (plan_alloc != nullptr && w.cand != plan_alloc)
             copy_words<kWideBatch>(plan_alloc, w.cand, int64_t(l.num_ranks) * l.num_experts, tid, 32);
     }
     __syncthreads();
@@ -310,15 +323,22 @@ FLATEP_DEVICE void record_selection(PlannerProfileRecord* rec, int tid, int kept
     rec->count = count;
 }
 
-// prof: the select record (null = off).
+// prof: the select record (null = off). Several blocks (only with counts and allocation in shared memory): each
+// selects the same winner; block 0 writes the plan's allocation, the statistics and the profile, the others derive
+// the tasks (BlockDerive over the grid).
 __global__ void __launch_bounds__(kPlannerThreads)
     select_derive_kernel(Layout l, PlanView p, PlannerWorkspace ws, int stored, CandidateMode mode,
-                         PlannerProfileRecord* rec) {
+                         PlannerProfileRecord* prof) {
     extern __shared__ int4 smem_words[];
     int32_t* smem = reinterpret_cast<int32_t*>(smem_words);
     __shared__ PlannerShared sh;
     __shared__ planner_core::PlanQuality quality[kSelectCached];  // the qualities, loaded in parallel
     const int tid = threadIdx.x, nthreads = blockDim.x;
+    const bool lead = blockIdx.x == 0;
+    PlannerProfileRecord* const rec = lead ? prof : nullptr;
+    int32_t* const plan_alloc = lead ? p.alloc : nullptr;  // the copy of the winner's allocation to the plan
+    PlannerProfileRecord* const task_rec = gridDim.x == 1 ? rec : blockIdx.x == 1 ? prof : nullptr;
+    const BlockDerive dx{tid, nthreads, rec, task_rec, int(blockIdx.x), int(gridDim.x)};
     if (tid == 0) profile_stamp(rec, kStampEntry);
     const int64_t re = int64_t(l.num_ranks) * l.num_experts;
     // The counts go to shared memory at once (the selection does not need them, and no planner kernel writes them),
@@ -356,7 +376,7 @@ __global__ void __launch_bounds__(kPlannerThreads)
     __syncthreads();
     const int kept = sh.winner;
     if (tid == 0) profile_stamp(rec, kStampSelSelected);
-    if (!mode.counts_smem || !mode.alloc_smem) {
+    if (!mode.counts_smem || !mode.alloc_smem) {  // one block (launch_planner_impl)
         // Counts or allocation in global memory: derive from the plan's own allocation (the greedy's is there
         // already; a stored winner is copied there, one not stored rebuilt there by warp 0 next to the counts).
         planner_core::Workspace w = cs.w;
@@ -381,13 +401,13 @@ __global__ void __launch_bounds__(kPlannerThreads)
             rebuild_winner(l, cs.counts, w, kept, p.alloc, tid);
         }
         record_selection(rec, tid, kept, count);
-        planner_core::derive_plan(BlockDerive{tid, nthreads, rec}, l, p, cs.counts, alloc_s, cs.table, sh.sums);
+        planner_core::derive_plan(dx, l, p, cs.counts, alloc_s, cs.table, sh.sums);
         return;
     }
     // Shared memory: the counts [R*E], then the allocation derived from (the winner's, or the greedy's).
     int32_t* alloc_s = smem + re;
     if (kept >= 0 && kept < stored) {
-        copy_words<kWideBatch>(alloc_s, ws.stored_alloc + int64_t(kept) * re, re, tid, nthreads, p.alloc);
+        copy_words<kWideBatch>(alloc_s, ws.stored_alloc + int64_t(kept) * re, re, tid, nthreads, plan_alloc);
     } else if (kept < 0) {
         copy_words<kWideBatch>(alloc_s, p.alloc, re, tid, nthreads);  // the greedy's, written by candidates_kernel
     }
@@ -395,18 +415,24 @@ __global__ void __launch_bounds__(kPlannerThreads)
     if (tid == 0) profile_stamp(rec, kStampSelCopied);
     if (kept >= stored) {  // not stored: warp 0 rebuilds it next to the counts
         const planner_core::Workspace w = planner_core::make_workspace(l, smem + re);
-        rebuild_winner(l, smem, w, kept, p.alloc, tid);
+        rebuild_winner(l, smem, w, kept, plan_alloc, tid);
         alloc_s = w.cand;
     }
     record_selection(rec, tid, kept, count);
+    if (task_rec != nullptr && task_rec != rec && tid == 0) task_rec->trace[7] = clock64();  // its own clock's start
     // The slot experts go right after the allocation: inside planner_core's workspace region either way.
-    planner_core::derive_plan(BlockDerive{tid, nthreads, rec}, l, p, smem, alloc_s, alloc_s + re, sh.sums);
+    planner_core::derive_plan(dx, l, p, smem, alloc_s, alloc_s + re, sh.sums);
 }
 
 __global__ void planner_serial_kernel(Layout l, PlannerKind kind, PlanView p, int32_t* ws) {
     planner_core::plan_alloc(l, kind, p.tpe_all, p.alloc, ws);
     planner_core::derive_plan(l, p);
 }
+
+// Blocks of select_derive_kernel when the counts and the allocation fit in shared memory: block 0 and three task
+// blocks. On the H200 at K3 (E=896, R=8, K 8/16) the planner took 38.8-44.1 us with one block, 34.9-40.4 with three,
+// 34.7-40.3 with four and 34.7-40.2 with eight (the derive's rank tasks, about 4.4 us each, then bound it).
+constexpr int kDeriveBlocks = 4;
 
 // The overflow candidates and select_derive_kernel start while the kernel before them drains (programmatic dependent
 // launch, see wait_prior_grids): this hides a kernel launch latency per boundary. false: ordinary launches (the
@@ -451,8 +477,9 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
                                     blocks, mode, prof);
             }
             PlannerProfileRecord* const select_rec = prof != nullptr ? prof + slots.select : nullptr;
-            launch_programmatic(select_derive_kernel, 1, kPlannerThreads, cand_smem, stream, l, p, ws, stored, mode,
-                                select_rec);
+            const int derive_blocks = mode.counts_smem && mode.alloc_smem ? kDeriveBlocks : 1;
+            launch_programmatic(select_derive_kernel, derive_blocks, kPlannerThreads, cand_smem, stream, l, p, ws,
+                                stored, mode, select_rec);
             FLATEP_CUDA_CHECK_LAUNCH();
             return;
         }

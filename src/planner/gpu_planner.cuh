@@ -79,7 +79,7 @@ struct PlannerProfileRecord {
 enum PlannerProfileStamp : int {
     // candidates_kernel, one record per candidate index (and the greedy block's record):
     kStampEntry = 0,      // block entry
-    kStampLoaded = 1,     // counts loaded into shared memory
+    kStampLoaded = 1,     // counts ready (a shared-memory copy is made with the first home allocation)
     kStampBuilt = 2,      // candidate (or greedy) allocation built by warp 0
     kStampStored = 3,     // allocation copy to global memory issued (stored candidates; the greedy's to the plan)
     kStampEvaluated = 4,  // quality evaluated and written (end of the candidate)

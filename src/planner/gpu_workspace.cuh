@@ -78,8 +78,9 @@ inline PlannerWorkspace make_planner_workspace(const Layout& l, void* base) {
 // Balanced planner, candidate-parallel. Kernel 1 (kCandidateThreads per block): every block loads the counts into
 // shared memory; one runs the greedy and its quality (so select_candidate knows how many candidates to look at), the
 // others build the candidates blockIdx.x, blockIdx.x + gridDim.x, ... with planner_core's own functions on the warp
-// executor (warp 0), writing each quality and (the first `stored` indices) each allocation. Kernel 2 (one block):
-// select_candidate's rule, the winner's allocation (copied, or rebuilt when it was not stored), derive_plan.
+// executor (warp 0), writing each quality and (the first `stored` indices) each allocation. Kernel 2 (one block, or
+// kDeriveBlocks with everything in shared memory): select_candidate's rule, the winner's allocation (copied, or rebuilt
+// when it was not stored), derive_plan.
 // planner_core's code runs as written on both sides, so the plan is the host's bitwise; the host test
 // tests/unit/planner/test_planner_candidates.cpp checks the decomposition.
 constexpr int kSelectCached = 1024;  // qualities select_derive_kernel reads from shared memory
@@ -223,8 +224,36 @@ FLATEP_DEVICE planner_core::PlanQuality evaluate_alloc_block(const BlockExec& bx
     if (tid == 0) moved = 0;
     __syncthreads();
     int64_t off = 0;
-    for (int e = tid; e < l.num_experts; e += nthreads)
-        off += planner_core::evaluate_expert(bx, l, tpe_all, alloc, num_in, num_out, e);
+    const int R = l.num_ranks, E = l.num_experts;
+    const uintptr_t ends = reinterpret_cast<uintptr_t>(tpe_all) | reinterpret_cast<uintptr_t>(alloc);
+    if (E % 4 == 0 && (ends & 15) == 0) {
+        // Four experts a thread, 16-byte loads of both arrays (evaluate_expert's sums, the same integers).
+        for (int quad = tid; quad < E / 4; quad += nthreads) {
+            const int e = quad * 4;
+            const int h[4] = {l.home_rank(e), l.home_rank(e + 1), l.home_rank(e + 2), l.home_rank(e + 3)};
+            int32_t copies[4] = {0, 0, 0, 0};
+            for (int d = 0; d < R; ++d) {
+                const int4 a4 = reinterpret_cast<const int4*>(alloc + int64_t(d) * E)[quad];
+                const int4 t4 = reinterpret_cast<const int4*>(tpe_all + int64_t(d) * E)[quad];
+                const int32_t a[4] = {a4.x, a4.y, a4.z, a4.w}, t[4] = {t4.x, t4.y, t4.z, t4.w};
+                int32_t in = 0;
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    off += t[q] - (t[q] < a[q] ? t[q] : a[q]);
+                    const bool replica = a[q] > 0 && d != h[q];
+                    in += replica;
+                    copies[q] += replica;
+                }
+                if (in != 0) atomicAdd(&num_in[d], in);
+            }
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                if (copies[q] != 0) atomicAdd(&num_out[h[q]], copies[q]);
+        }
+    } else {
+        for (int e = tid; e < E; e += nthreads)
+            off += planner_core::evaluate_expert(bx, l, tpe_all, alloc, num_in, num_out, e);
+    }
     for (int o = 16; o > 0; o >>= 1) off += __shfl_xor_sync(kFull, off, o);
     if (tid % 32 == 0 && off != 0) atomicAdd(&moved, (unsigned long long)off);
     __syncthreads();
@@ -240,6 +269,58 @@ FLATEP_DEVICE void prepare_home(WarpExec& x, const BlockExec& bx, const Layout& 
     x.home_n = planner_core::init_home(bx, l, counts, w.cand, w);
     x.home_alloc = w.cand;
     if (bx.tid == 0) planner_core::fixed_targets(l, x.home_n, w);
+    __syncthreads();
+}
+
+// The counts copied into shared memory (`counts`, [R*E]) and prepare_home's results in one pass: each thread takes
+// four experts, loads their counts from every rank 16 bytes at a time (8 ranks in flight), stores them to `counts`,
+// and writes the experts' T_e and home allocation; then the group loads and the targets. The same integers as
+// copy_words + prepare_home, which it falls back to when E is not a multiple of 4 or an array is not 16-byte aligned.
+// (The copy, then prepare_home over the copy, took about 1 + 3 us a K3 candidate block on the H200.) Begins and ends
+// with a block barrier.
+FLATEP_DEVICE void load_counts_and_home(WarpExec& x, const BlockExec& bx, const Layout& l, const int32_t* tpe_all,
+                                        int32_t* counts, const planner_core::Workspace& w) {
+    const int R = l.num_ranks, E = l.num_experts;
+    const uintptr_t ends = reinterpret_cast<uintptr_t>(tpe_all) | reinterpret_cast<uintptr_t>(counts) |
+                           reinterpret_cast<uintptr_t>(w.cand) | reinterpret_cast<uintptr_t>(w.total);
+    if (E % 4 != 0 || (ends & 15) != 0) {
+        __syncthreads();
+        copy_words(counts, tpe_all, int64_t(R) * E, bx.tid, bx.nthreads);
+        __syncthreads();
+        prepare_home(x, bx, l, counts, w);
+        return;
+    }
+    constexpr int kRanksInFlight = 8;
+    const int64_t n = bx.sum(E / 4, [&](int quad) {
+        int4 t{0, 0, 0, 0};
+        for (int d0 = 0; d0 < R; d0 += kRanksInFlight) {
+            int4 c[kRanksInFlight];
+#pragma unroll
+            for (int j = 0; j < kRanksInFlight; ++j)
+                if (d0 + j < R) c[j] = reinterpret_cast<const int4*>(tpe_all + int64_t(d0 + j) * E)[quad];
+#pragma unroll
+            for (int j = 0; j < kRanksInFlight; ++j) {
+                if (d0 + j >= R) break;
+                reinterpret_cast<int4*>(counts + int64_t(d0 + j) * E)[quad] = c[j];
+                t.x += c[j].x;
+                t.y += c[j].y;
+                t.z += c[j].z;
+                t.w += c[j].w;
+            }
+        }
+        reinterpret_cast<int4*>(w.total)[quad] = t;
+        const int e = quad * 4;
+        const int h0 = l.home_rank(e), h1 = l.home_rank(e + 1), h2 = l.home_rank(e + 2), h3 = l.home_rank(e + 3);
+        for (int d = 0; d < R; ++d) {
+            const int4 a{d == h0 ? t.x : 0, d == h1 ? t.y : 0, d == h2 ? t.z : 0, d == h3 ? t.w : 0};
+            reinterpret_cast<int4*>(w.cand + int64_t(d) * E)[quad] = a;
+        }
+        return int64_t(t.x) + t.y + t.z + t.w;
+    });
+    bx.group_sum(R, l.experts_per_rank, w.total, w.load);
+    x.home_n = n;
+    x.home_alloc = w.cand;
+    if (bx.tid == 0) planner_core::fixed_targets(l, n, w);
     __syncthreads();
 }
 

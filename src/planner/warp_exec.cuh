@@ -424,10 +424,10 @@ struct BlockExec {
 // The lane group of planner_core::derive_plan on the GPU: a warp (see planner/derive.hpp's contract).
 struct WarpLanes {
     static constexpr int kWidth = 32;
+    // derive_rank's items per lane and pass: four loads in flight a lane, and a quarter of the passes (at E=896 a
+    // rank task took about 6 us of the 7.7 us derive pass, one item a lane; H200).
+    static constexpr int kItems = 4;
     int lane;
-    FLATEP_DEVICE unsigned ballot(bool pred) const { return __ballot_sync(kFull, pred); }
-    FLATEP_DEVICE unsigned lanes_below() const { return (1u << lane) - 1u; }
-    FLATEP_DEVICE int count(unsigned mask) const { return __popc(mask); }
     FLATEP_DEVICE int32_t inclusive_sum(int32_t v) const {
         for (int o = 1; o < 32; o <<= 1) {
             const int32_t u = __shfl_up_sync(kFull, v, o);
@@ -455,23 +455,73 @@ struct WarpLanes {
     FLATEP_DEVICE void sync() const { __syncwarp(); }
 };
 
-// The derive executor of a block of `nthreads` threads (whole warps): warp w runs tasks w, w + warps, ...; warp 0
-// the scalar statistics. rec: profile record (null = off): every warp's end of its tasks (trace[8 + warp]) and the
-// derive stamps.
+// The statistics' sums of derive_plan (planner/derive.hpp: what its rank and chunk tasks add) in one pass of a block
+// over every cell: loads before and after, replicas in and out per rank, entries in all and kept on their source.
+// Integer sums, so the same values in any order. Every thread calls it; sums must be zero.
+FLATEP_DEVICE void derive_sums_pass(int tid, int nthreads, const Layout& l, const int32_t* tpe, const int32_t* alloc,
+                                    planner_core::DeriveSums& sums) {
+    const int R = l.num_ranks, E = l.num_experts, lane = tid % 32;
+    int64_t kept = 0, total = 0;
+    for (int e0 = tid - lane; e0 < E; e0 += nthreads) {  // whole warps: the reductions below take every lane
+        const int e = e0 + lane;
+        const bool valid = e < E;
+        const int h = valid ? l.home_rank(e) : -1;
+        int32_t entries = 0, copies = 0;
+        for (int d = 0; d < R; ++d) {
+            const int32_t t = valid ? tpe[d * E + e] : 0, a = valid ? alloc[d * E + e] : 0;
+            entries += t;
+            kept += t < a ? t : a;
+            const bool replica = a > 0 && d != h;
+            copies += replica;
+            const int32_t after = __reduce_add_sync(kFull, a);
+            const int in = __popc(__ballot_sync(kFull, replica));
+            if (lane == 0 && after != 0) atomicAdd(&sums.loads_after[d], after);
+            if (lane == 0 && in != 0) atomicAdd(&sums.replicas_in[d], in);
+        }
+        total += entries;
+        const unsigned same = __match_any_sync(kFull, h);
+        const int32_t group_entries = __reduce_add_sync(same, entries);
+        const int32_t group_copies = __reduce_add_sync(same, copies);
+        if (valid && lane == __ffs(same) - 1) {
+            if (group_entries != 0) atomicAdd(&sums.loads_before[h], group_entries);
+            if (group_copies != 0) atomicAdd(&sums.replicas_out[h], group_copies);
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        kept += __shfl_xor_sync(kFull, kept, o);
+        total += __shfl_xor_sync(kFull, total, o);
+    }
+    if (lane == 0 && total != 0) {
+        atomicAdd(&sums.entries_on_source, (unsigned long long)kept);
+        atomicAdd(&sums.entries_total, (unsigned long long)total);
+    }
+}
+
+// The derive executor of a block of `nthreads` threads (whole warps): warp w runs tasks w, w + warps, ...; warp 0 the
+// scalar statistics. Or of `blocks` > 1 such blocks of one grid: the tasks dealt over the warps of blocks 1.. (task t
+// on block 1 + t % (blocks - 1)), which then stop, while block 0 computes the statistics' sums in a pass of its own
+// (derive_sums_pass) and the statistics; no block waits for another. rec: profile record (null = off): every warp's
+// end of its tasks (trace[8 + warp]) and the derive stamps, of the block that writes the statistics; task_rec: the
+// same for the warps' ends on a task block (block 1).
 struct BlockDerive {
     int tid, nthreads;
     PlannerProfileRecord* rec;
+    PlannerProfileRecord* task_rec;
+    int block = 0, blocks = 1;
     FLATEP_DEVICE WarpLanes lanes() const { return WarpLanes{tid % 32}; }
     FLATEP_DEVICE int thread() const { return tid; }
     FLATEP_DEVICE int threads() const { return nthreads; }
-    FLATEP_DEVICE int first_task() const { return tid / 32; }
-    FLATEP_DEVICE int task_stride() const { return nthreads / 32; }
+    FLATEP_DEVICE int first_task() const {
+        if (blocks == 1) return tid / 32;
+        return block == 0 ? INT32_MAX : (tid / 32) * (blocks - 1) + (block - 1);
+    }
+    FLATEP_DEVICE int task_stride() const { return (nthreads / 32) * (blocks > 1 ? blocks - 1 : 1); }
     FLATEP_DEVICE bool first_lanes() const { return tid < 32; }
     FLATEP_DEVICE void sync() const { __syncthreads(); }
     FLATEP_DEVICE void tasks_done() const {
         const int warp = tid / 32;
-        if (rec != nullptr && tid % 32 == 0 && 8 + warp < PlannerProfileRecord::kTrace)
-            rec->trace[8 + warp] = clock64();
+        if (task_rec != nullptr && tid % 32 == 0 && 8 + warp < PlannerProfileRecord::kTrace)
+            task_rec->trace[8 + warp] = clock64();
         __syncthreads();
         if (tid == 0) {
             profile_stamp(rec, kStampDeriveSums);
@@ -481,6 +531,14 @@ struct BlockDerive {
             __syncthreads();
             if (tid == 0) profile_stamp(rec, kStampDeriveRows);
         }
+    }
+    FLATEP_DEVICE bool merge(const Layout& l, const int32_t* tpe, const int32_t* alloc,
+                             planner_core::DeriveSums& sums) const {
+        if (blocks == 1) return true;
+        if (block != 0) return false;
+        derive_sums_pass(tid, nthreads, l, tpe, alloc, sums);
+        __syncthreads();
+        return true;
     }
     FLATEP_DEVICE void done() const {
         __syncthreads();
