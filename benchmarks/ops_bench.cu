@@ -385,7 +385,8 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
     // (trace[7], by its own SM's clock).
     const long long pass_start = sr.trace[7] != 0 ? sr.trace[7] : sr.clock[planner::kStampSelRebuilt];
     std::printf("    derive warps' ends (us after the pass starts%s):", sr.trace[7] != 0 ? ", task block 1" : "");
-    for (int w = 0; w < 32; ++w) std::printf(" %.2f", double(sr.trace[8 + w] - pass_start) * clk.ns_per_cycle * 1e-3);
+    for (int w = 0; w < 32 && sr.trace[8 + w] != 0; ++w)  // the block's warps (the records are cleared first)
+        std::printf(" %.2f", double(sr.trace[8 + w] - pass_start) * clk.ns_per_cycle * 1e-3);
     std::printf("\n");
     // Greedy planner kind: planner_parallel_kernel.
     const ProfileClock gclk = fit_clock(greedy_kind, kStampEvaluated);

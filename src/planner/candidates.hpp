@@ -85,20 +85,19 @@ FLATEP_HD bool transport_candidate(const X& x, const Layout& l, const int32_t* t
         const int32_t piece = min_of(xs, alloc[dn * E + e]);
         // Receivers, selected at once: a rank that already hosts e (no new replica); else the best fit, or the
         // largest open room (see the rules above).
-        auto open = [&](int r) { return r != dn && w.room[r] > 0 && w.num_in[r] < in_budget; };
         int sel[3];  // hosting, largest room, fit
         x.arg_max3(
             R,
             [&](int r) {
-                Keys3 k{{uint64_t(r != dn && w.room[r] > 0 && alloc[r * E + e] > 0), 0, 0}};
-                if (open(r)) {
-                    k.k[1] = key_larger(w.room[r]);
-                    if (receiver_rule != 2 && w.room[r] >= piece) {
-                        const uint64_t smaller = key_smaller(w.room[r]);
-                        k.k[2] = receiver_rule == 1 ? (uint64_t(tpe_all[r * E + e]) << 32) | smaller : smaller;
-                    }
-                }
-                return k;
+                // Every value read first, then the keys without branches (the same keys as the rules above).
+                const int32_t room = w.room[r], hosted = alloc[r * E + e], in = w.num_in[r];
+                const uint64_t local = receiver_rule == 1 ? uint64_t(tpe_all[r * E + e]) : 0;
+                const bool other = r != dn && room > 0;
+                const bool open = other && in < in_budget;  // with room and a free in-budget
+                const bool fit = open && receiver_rule != 2 && room >= piece;
+                const uint64_t smaller = key_smaller(room);
+                return Keys3{{uint64_t(other && hosted > 0), open ? key_larger(room) : 0,
+                              fit ? (receiver_rule == 1 ? (local << 32) | smaller : smaller) : 0}};
             },
             sel);
         int rc = sel[0];
@@ -367,20 +366,17 @@ FLATEP_HD bool tree_candidate(const X& x, const Layout& l, const int32_t* tpe_al
         const int left = budget - w.num_out[dn];
         if (left <= 0) return false;
         const bool last = left == 1;
-        auto open = [&](int r) { return r != dn && w.room[r] > 0 && w.num_in[r] < in_budget; };
-        // Selected at once: the smallest fitting room, the largest non-fitting one, the largest fitting one.
+        // Selected at once: the smallest fitting room, the largest non-fitting one, the largest fitting one (ranks
+        // other than dn with room and a free in-budget slot). Every value read first, then the keys without branches.
         int sel[3];
         x.arg_max3(
             R,
             [&](int r) {
-                Keys3 k{{0, 0, 0}};
-                if (open(r) && w.room[r] >= xs) {
-                    k.k[0] = key_smaller(w.room[r]);
-                    k.k[2] = key_larger(w.room[r]);
-                } else if (open(r) && (!last || w.num_out[r] < budget)) {
-                    k.k[1] = key_larger(w.room[r]);
-                }
-                return k;
+                const int32_t room = w.room[r], in = w.num_in[r], out = w.num_out[r];
+                const bool open = r != dn && room > 0 && in < in_budget;
+                const bool fit = open && room >= xs;
+                const bool big = open && !fit && (!last || out < budget);
+                return Keys3{{fit ? key_smaller(room) : 0, big ? key_larger(room) : 0, fit ? key_larger(room) : 0}};
             },
             sel);
         const int fit = sel[0], big = sel[1];

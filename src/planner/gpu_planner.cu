@@ -159,11 +159,14 @@ __global__ void __launch_bounds__(kPlannerThreads)
 // Overflow launch (first == G): the candidates [G, count) the greedy's bound asks for, grid-stride; its blocks
 // return at once when count <= G (the usual case).
 // prof: the profile records (null = off): one per candidate index, then the greedy block's.
+// kShared: compiled for CandidateMode{true, true, true} (every array in shared memory), so that the compiler sees
+// where every pointer points and addresses shared memory directly.
+template <bool kShared>
 __global__ void __maxnreg__(kCandidateRegisters)
-    candidates_kernel(Layout l, PlanView p, PlannerWorkspace ws, int stored, int first, CandidateMode mode,
+    candidates_kernel(Layout l, PlanView p, PlannerWorkspace ws, int stored, int first, CandidateMode mode_arg,
                       PlannerProfileRecord* prof) {
+    const CandidateMode mode = kShared ? CandidateMode{true, true, true} : mode_arg;
     extern __shared__ int4 smem_words[];  // 16-byte aligned
-    __shared__ unsigned long long moved;
     __shared__ int built;
     __shared__ long long red[32];
     __shared__ int trace_n;
@@ -209,8 +212,7 @@ __global__ void __maxnreg__(kCandidateRegisters)
         if (tid == 0) profile_stamp(rec, kStampBuilt);
         if (mode.alloc_smem) copy_words(p.alloc, w.cand, re, tid, nthreads);
         if (tid == 0) profile_stamp(rec, kStampStored);
-        const planner_core::PlanQuality greedy =
-            evaluate_alloc_block(bx, l, counts, w.cand, w.num_in, w.num_out, moved);
+        const planner_core::PlanQuality greedy = evaluate_alloc_block(bx, l, counts, w.cand, w.num_in, w.num_out);
         if (tid == 0) {
             const int count = min_of(planner_core::num_candidates(greedy.makespan), max_candidates(l));
             ws.cand_meta[kMetaMakespan] = greedy.makespan;
@@ -280,7 +282,7 @@ __global__ void __maxnreg__(kCandidateRegisters)
         if (ok && index < stored && mode.alloc_smem)
             copy_words(ws.stored_alloc + int64_t(index) * re, w.cand, re, tid, nthreads);
         if (tid == 0) profile_stamp(rec, kStampStored);
-        const planner_core::PlanQuality q = ok ? evaluate_alloc_block(bx, l, counts, w.cand, w.num_in, w.num_out, moved)
+        const planner_core::PlanQuality q = ok ? evaluate_alloc_block(bx, l, counts, w.cand, w.num_in, w.num_out)
                                                : planner_core::PlanQuality{planner_core::kNoCandidate, 0, 0};
         if (tid == 0) {
             ws.cand_quality[index] = q;
@@ -301,6 +303,10 @@ __global__ void __maxnreg__(kCandidateRegisters)
         if (!ok) __syncthreads();
     }
 }
+
+// Threads of a select_derive_kernel<true> block: its kDeriveBlocks blocks hold more warps than derive_plan has tasks at
+// K3 (36), and a block of 512 threads gets 128 registers a thread, where one of 1024 (64) spilled in the rebuild.
+constexpr int kSelectSharedThreads = 512;
 
 // select_derive_kernel: warp 0 rebuilds candidate `index` (not stored) into w.cand from the counts and copies it to
 // the plan's allocation when w.cand is elsewhere (plan_alloc null: no copy); then a block barrier.
@@ -326,9 +332,12 @@ FLATEP_DEVICE void record_selection(PlannerProfileRecord* rec, int tid, int kept
 // prof: the select record (null = off). Several blocks (only with counts and allocation in shared memory): each
 // selects the same winner; block 0 writes the plan's allocation, the statistics and the profile, the others derive
 // the tasks (BlockDerive over the grid).
-__global__ void __launch_bounds__(kPlannerThreads)
-    select_derive_kernel(Layout l, PlanView p, PlannerWorkspace ws, int stored, CandidateMode mode,
+template <bool kShared>
+__global__ void __launch_bounds__(kShared ? kSelectSharedThreads : kPlannerThreads)
+    select_derive_kernel(Layout l, PlanView p, PlannerWorkspace ws, int stored, CandidateMode mode_arg,
                          PlannerProfileRecord* prof) {
+    const CandidateMode mode = kShared ? CandidateMode{true, true, true} : mode_arg;
+    constexpr int kBatch = kShared ? kCopyBatch : kWideBatch;  // copy_words' batch for this block's registers
     extern __shared__ int4 smem_words[];
     int32_t* smem = reinterpret_cast<int32_t*>(smem_words);
     __shared__ PlannerShared sh;
@@ -345,7 +354,7 @@ __global__ void __launch_bounds__(kPlannerThreads)
     // and the qualities of the main launch's candidates (every one written by this planner) without waiting for the
     // count; those of the overflow candidates (greedy P above 6) once the count is known.
     const CandidateSmem cs = carve_candidate_smem(l, p, mode, smem);
-    if (mode.counts_smem) copy_words<kWideBatch>(const_cast<int32_t*>(cs.counts), p.tpe_all, re, tid, nthreads);
+    if (mode.counts_smem) copy_words<kBatch>(const_cast<int32_t*>(cs.counts), p.tpe_all, re, tid, nthreads);
     wait_prior_grids();  // the candidate kernels: qualities, count, stored allocations, the greedy's plan.alloc
     if (tid == 0) profile_stamp(rec, kStampSelWaited);
     const int main_count = min_of(min_of(kCandidateBlocks, max_candidates(l)), kSelectCached);
@@ -390,9 +399,9 @@ __global__ void __launch_bounds__(kPlannerThreads)
             if (slot >= 0) from = ws.cand_scratch + int64_t(slot) * re;
         }
         if (from != nullptr) {
-            copy_words<kWideBatch>(alloc_s, from, re, tid, nthreads, alloc_s != p.alloc ? p.alloc : nullptr);
+            copy_words<kBatch>(alloc_s, from, re, tid, nthreads, alloc_s != p.alloc ? p.alloc : nullptr);
         } else if (kept < 0 && alloc_s != p.alloc) {
-            copy_words<kWideBatch>(alloc_s, p.alloc, re, tid, nthreads);
+            copy_words<kBatch>(alloc_s, p.alloc, re, tid, nthreads);
         }
         __syncthreads();
         if (tid == 0) profile_stamp(rec, kStampSelCopied);
@@ -407,9 +416,9 @@ __global__ void __launch_bounds__(kPlannerThreads)
     // Shared memory: the counts [R*E], then the allocation derived from (the winner's, or the greedy's).
     int32_t* alloc_s = smem + re;
     if (kept >= 0 && kept < stored) {
-        copy_words<kWideBatch>(alloc_s, ws.stored_alloc + int64_t(kept) * re, re, tid, nthreads, plan_alloc);
+        copy_words<kBatch>(alloc_s, ws.stored_alloc + int64_t(kept) * re, re, tid, nthreads, plan_alloc);
     } else if (kept < 0) {
-        copy_words<kWideBatch>(alloc_s, p.alloc, re, tid, nthreads);  // the greedy's, written by candidates_kernel
+        copy_words<kBatch>(alloc_s, p.alloc, re, tid, nthreads);  // the greedy's, written by candidates_kernel
     }
     __syncthreads();
     if (tid == 0) profile_stamp(rec, kStampSelCopied);
@@ -466,20 +475,23 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
         const size_t cand_smem = candidate_smem_bytes(l, mode);
         const bool candidates = kind == PlannerKind::kBalanced && mode.candidates;
         if (candidates) {
-            allow_smem(reinterpret_cast<const void*>(candidates_kernel), cand_smem);
-            allow_smem(reinterpret_cast<const void*>(select_derive_kernel), cand_smem);
+            const bool shared = mode.counts_smem && mode.alloc_smem;
+            const auto candidates = shared ? candidates_kernel<true> : candidates_kernel<false>;
+            const auto select_derive = shared ? select_derive_kernel<true> : select_derive_kernel<false>;
+            allow_smem(reinterpret_cast<const void*>(candidates), cand_smem);
+            allow_smem(reinterpret_cast<const void*>(select_derive), cand_smem);
             const int stored = stored_candidates(l);
             const int blocks = min_of(kCandidateBlocks, max_candidates(l));
-            candidates_kernel<<<blocks + 1, kCandidateThreads, cand_smem, stream>>>(l, p, ws, stored, 0, mode, prof);
+            candidates<<<blocks + 1, kCandidateThreads, cand_smem, stream>>>(l, p, ws, stored, 0, mode, prof);
             FLATEP_CUDA_CHECK_LAUNCH();
             if (max_candidates(l) > blocks) {  // only when the greedy's P may exceed 6
-                launch_programmatic(candidates_kernel, blocks, kCandidateThreads, cand_smem, stream, l, p, ws, stored,
-                                    blocks, mode, prof);
+                launch_programmatic(candidates, blocks, kCandidateThreads, cand_smem, stream, l, p, ws, stored, blocks,
+                                    mode, prof);
             }
             PlannerProfileRecord* const select_rec = prof != nullptr ? prof + slots.select : nullptr;
-            const int derive_blocks = mode.counts_smem && mode.alloc_smem ? kDeriveBlocks : 1;
-            launch_programmatic(select_derive_kernel, derive_blocks, kPlannerThreads, cand_smem, stream, l, p, ws,
-                                stored, mode, select_rec);
+            launch_programmatic(select_derive, shared ? kDeriveBlocks : 1,
+                                shared ? kSelectSharedThreads : kPlannerThreads, cand_smem, stream, l, p, ws, stored,
+                                mode, select_rec);
             FLATEP_CUDA_CHECK_LAUNCH();
             return;
         }
@@ -572,8 +584,10 @@ void preload_planner_kernels() {
     cudaFuncAttributes attr{};
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, planner_parallel_kernel));
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, planner_serial_kernel));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, candidates_kernel));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, select_derive_kernel));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, candidates_kernel<true>));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, candidates_kernel<false>));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, select_derive_kernel<true>));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, select_derive_kernel<false>));
 }
 
 }  // namespace flatep::planner

@@ -214,14 +214,12 @@ FLATEP_DEVICE CandidateSmem carve_candidate_smem(const Layout& l, const PlanView
 
 // planner_core::evaluate_alloc over the whole block (every thread gets the quality). The quality is a count, a sum
 // and a maximum of integers, so any split of the work gives the same value. Uses num_in / num_out [R] as
-// evaluate_alloc does and `moved` (shared). Begins and ends with a block barrier.
+// evaluate_alloc does, and bx.red. Begins and ends with a block barrier.
 FLATEP_DEVICE planner_core::PlanQuality evaluate_alloc_block(const BlockExec& bx, const Layout& l,
                                                              const int32_t* tpe_all, const int32_t* alloc,
-                                                             int32_t* num_in, int32_t* num_out,
-                                                             unsigned long long& moved) {
+                                                             int32_t* num_in, int32_t* num_out) {
     const int tid = bx.tid, nthreads = bx.nthreads;
     for (int r = tid; r < l.num_ranks; r += nthreads) num_in[r] = num_out[r] = 0;
-    if (tid == 0) moved = 0;
     __syncthreads();
     int64_t off = 0;
     const int R = l.num_ranks, E = l.num_experts;
@@ -254,11 +252,14 @@ FLATEP_DEVICE planner_core::PlanQuality evaluate_alloc_block(const BlockExec& bx
         for (int e = tid; e < E; e += nthreads)
             off += planner_core::evaluate_expert(bx, l, tpe_all, alloc, num_in, num_out, e);
     }
+    // The warps' sums of `off` side by side in bx.red (a 64-bit atomic on one shared word serialises the warps).
     for (int o = 16; o > 0; o >>= 1) off += __shfl_xor_sync(kFull, off, o);
-    if (tid % 32 == 0 && off != 0) atomicAdd(&moved, (unsigned long long)off);
+    if (tid % 32 == 0) bx.red[tid / 32] = off;
     __syncthreads();
-    const planner_core::PlanQuality q = planner_core::quality_of(l, num_in, num_out, int64_t(moved));
-    __syncthreads();  // the workspace may be overwritten after this
+    int64_t moved = 0;
+    for (int wp = 0; wp < nthreads / 32; ++wp) moved += bx.red[wp];
+    const planner_core::PlanQuality q = planner_core::quality_of(l, num_in, num_out, moved);
+    __syncthreads();  // the workspace (and bx.red) may be overwritten after this
     return q;
 }
 

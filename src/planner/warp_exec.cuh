@@ -121,6 +121,15 @@ FLATEP_DEVICE void home_ahead_table(const Layout& l, const int32_t* total, int32
     }
 }
 
+// key(i) for an item i of [0, n), 0 (no key) past the end; n >= 1. The key is evaluated at a valid index either way
+// (keys are pure reads), so the lanes past the end take no branch of their own around it.
+template <class K>
+FLATEP_DEVICE auto key_or_zero(K& key, int i, int n) -> decltype(key(0)) {
+    using T = decltype(key(0));
+    const T k = key(i < n ? i : n - 1);
+    return i < n ? k : T{};
+}
+
 // Warp executor of planner_core (see "Executors" there): the 32 lanes run the planner's scalar code together with
 // the same values; loops are split over the lanes and selections are warp reductions (redux.sync; up to 32 items, one
 // per lane, and the lowest lane holding the maximum by ballot). Keys are compared as (high word, low word), then the
@@ -200,8 +209,13 @@ struct WarpExec {
     template <class K>
     FLATEP_HD void arg_max3(int n, K&& key, int* out) const {
 #ifdef __CUDA_ARCH__
+        if (n <= 0) {
+            out[0] = out[1] = out[2] = -1;
+            mark();
+            return;
+        }
         if (n <= 32) {
-            const planner_core::Keys3 k = lane < n ? key(lane) : planner_core::Keys3{{0, 0, 0}};
+            const planner_core::Keys3 k = key_or_zero(key, lane, n);
             unsigned hi[3], lo[3];
 #pragma unroll
             for (int j = 0; j < 3; ++j) hi[j] = __reduce_max_sync(kFull, unsigned(k.k[j] >> 32));
@@ -220,7 +234,7 @@ struct WarpExec {
             // Two items per lane (R up to 64), each key evaluated once: per selection the maximum of the lane's two,
             // the warp maximum, then the lowest index holding it (first items, then second items), as arg_max_of.
             const planner_core::Keys3 k0 = key(lane);
-            const planner_core::Keys3 k1 = lane + 32 < n ? key(lane + 32) : planner_core::Keys3{{0, 0, 0}};
+            const planner_core::Keys3 k1 = key_or_zero(key, lane + 32, n);
 #pragma unroll
             for (int j = 0; j < 3; ++j) {
                 const uint64_t k = k1.k[j] > k0.k[j] ? k1.k[j] : k0.k[j];
@@ -235,16 +249,19 @@ struct WarpExec {
             return;
         }
 #endif
+        // Unrolled, so that out[] (the caller's array) and the keys stay in registers.
+#pragma unroll
         for (int j = 0; j < 3; ++j) out[j] = arg_max_of(n, [&](int i) { return key(i).k[j]; });
         mark();
     }
     template <class K>
     FLATEP_HD int arg_max_of(int n, K&& key) const {
 #ifdef __CUDA_ARCH__
+        if (n <= 0) return -1;
         if (n <= 32) {
             // One item per lane (ranks, mostly): the largest key, then the lowest lane holding it (= the lowest index).
             // Keys of 32 bits (most) need one reduction.
-            const uint64_t k = lane < n ? key(lane) : 0;
+            const uint64_t k = key_or_zero(key, lane, n);
             if (!__any_sync(kFull, (k >> 32) != 0)) {
                 const unsigned lo = __reduce_max_sync(kFull, unsigned(k));
                 return lo == 0 ? -1 : __ffs(__ballot_sync(kFull, unsigned(k) == lo)) - 1;
@@ -258,7 +275,7 @@ struct WarpExec {
             // Two items per lane (experts of a rank, mostly): the maximum as above, then the lowest index holding it:
             // the lowest lane among the first items, else among the second.
             const uint64_t k0 = key(lane);
-            const uint64_t k1 = lane + 32 < n ? key(lane + 32) : 0;
+            const uint64_t k1 = key_or_zero(key, lane + 32, n);
             const uint64_t k = k1 > k0 ? k1 : k0;
             const bool wide = __any_sync(kFull, (k >> 32) != 0);
             const unsigned hi = wide ? __reduce_max_sync(kFull, unsigned(k >> 32)) : 0u;
@@ -274,7 +291,7 @@ struct WarpExec {
             // first q with a match, then its lowest lane. (The strided loop below: 1-2 us more per K3 planner.)
             uint64_t k[4];
 #pragma unroll
-            for (int q = 0; q < 4; ++q) k[q] = q * 32 + lane < n ? key(q * 32 + lane) : 0;
+            for (int q = 0; q < 4; ++q) k[q] = key_or_zero(key, q * 32 + lane, n);
             uint64_t mine = k[0];
 #pragma unroll
             for (int q = 1; q < 4; ++q) mine = k[q] > mine ? k[q] : mine;
