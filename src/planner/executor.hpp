@@ -79,7 +79,8 @@ FLATEP_HD Workspace make_workspace_split(const Layout& l, int32_t* small, int32_
 //   x.sum(n, f)        sum of f(i) over [0, n) (int64); f may write cells of its own i, as in for_each (visible to
 //                      every lane after the next single or sync)
 //   x.arg_max(n, key)  the i in [0, n) with the largest key(i) (uint64; 0 = not eligible), ties to the lower i; -1
-//                      when no i is eligible
+//                      when no i is eligible. key only reads: an executor may call it more than once, at any i in
+//                      [0, n)
 //   x.arg_max3(n, key, out)  three such selections over the same items at once: key(i) returns Keys3, out[j] =
 //                      arg_max(n, key(i).k[j]) (a warp runs the three reductions side by side)
 //   x.single(f)        f() once (shared state: loads, rooms, allocation cells), visible to every lane afterwards

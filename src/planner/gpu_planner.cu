@@ -439,8 +439,9 @@ __global__ void planner_serial_kernel(Layout l, PlannerKind kind, PlanView p, in
 }
 
 // Blocks of select_derive_kernel when the counts and the allocation fit in shared memory: block 0 and three task
-// blocks. On the H200 at K3 (E=896, R=8, K 8/16) the planner took 38.8-44.1 us with one block, 34.9-40.4 with three,
-// 34.7-40.3 with four and 34.7-40.2 with eight (the derive's rank tasks, about 4.4 us each, then bound it).
+// blocks. On the H200 at K3 (E=896, R=8, K 8/16; 1024-thread blocks then) the planner took 38.8-44.1 us with one
+// block, 34.9-40.4 with three, 34.7-40.3 with four and 34.7-40.2 with eight (the derive's rank tasks, about 4.4 us
+// each, then bound it).
 constexpr int kDeriveBlocks = 4;
 
 // The overflow candidates and select_derive_kernel start while the kernel before them drains (programmatic dependent
@@ -476,20 +477,20 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
         const bool candidates = kind == PlannerKind::kBalanced && mode.candidates;
         if (candidates) {
             const bool shared = mode.counts_smem && mode.alloc_smem;
-            const auto candidates = shared ? candidates_kernel<true> : candidates_kernel<false>;
-            const auto select_derive = shared ? select_derive_kernel<true> : select_derive_kernel<false>;
-            allow_smem(reinterpret_cast<const void*>(candidates), cand_smem);
-            allow_smem(reinterpret_cast<const void*>(select_derive), cand_smem);
+            const auto cand_kernel = shared ? candidates_kernel<true> : candidates_kernel<false>;
+            const auto select_kernel = shared ? select_derive_kernel<true> : select_derive_kernel<false>;
+            allow_smem(reinterpret_cast<const void*>(cand_kernel), cand_smem);
+            allow_smem(reinterpret_cast<const void*>(select_kernel), cand_smem);
             const int stored = stored_candidates(l);
             const int blocks = min_of(kCandidateBlocks, max_candidates(l));
-            candidates<<<blocks + 1, kCandidateThreads, cand_smem, stream>>>(l, p, ws, stored, 0, mode, prof);
+            cand_kernel<<<blocks + 1, kCandidateThreads, cand_smem, stream>>>(l, p, ws, stored, 0, mode, prof);
             FLATEP_CUDA_CHECK_LAUNCH();
             if (max_candidates(l) > blocks) {  // only when the greedy's P may exceed 6
-                launch_programmatic(candidates, blocks, kCandidateThreads, cand_smem, stream, l, p, ws, stored, blocks,
+                launch_programmatic(cand_kernel, blocks, kCandidateThreads, cand_smem, stream, l, p, ws, stored, blocks,
                                     mode, prof);
             }
             PlannerProfileRecord* const select_rec = prof != nullptr ? prof + slots.select : nullptr;
-            launch_programmatic(select_derive, shared ? kDeriveBlocks : 1,
+            launch_programmatic(select_kernel, shared ? kDeriveBlocks : 1,
                                 shared ? kSelectSharedThreads : kPlannerThreads, cand_smem, stream, l, p, ws, stored,
                                 mode, select_rec);
             FLATEP_CUDA_CHECK_LAUNCH();
