@@ -209,9 +209,12 @@ bool run_planner_sweep(int num_matrices) {
         double cf;
         bool sweep = false;  // MoonEP's sweep: spread_counts, a fixed set of matrices, the serial engine once
     };
+    // The last two take the candidate blocks' word-by-word fallbacks: E not a multiple of 4 (the counts' load with
+    // the home allocation, the evaluation), and an odd R, whose shared-memory allocation is not 16-byte aligned.
     const Shape shapes[] = {{2, 8, 64, 2, 8, 1.0},       {4, 32, 256, 4, 16, 1.0},    {8, 384, 8192, 8, 128, 1.0},
                             {8, 64, 512, 6, 1, 1.25},    {8, 256, 4096, 8, 128, 1.0}, {16, 64, 128, 4, 4, 1.0},
-                            {8, 384, 8192, 8, 128, 1.5}, {64, 128, 64, 4, 1, 1.0}};
+                            {8, 384, 8192, 8, 128, 1.5}, {64, 128, 64, 4, 1, 1.0},    {2, 10, 64, 2, 4, 1.0},
+                            {3, 12, 96, 3, 4, 1.0}};
     std::vector<Shape> all(std::begin(shapes), std::end(shapes));
     for (int R : {8, 16, 32, 64})
         for (int K : {8, 16}) all.push_back(Shape{R, 896, 8192, K, 128, 1.0, true});
