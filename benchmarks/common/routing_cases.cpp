@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <exception>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
@@ -13,19 +15,30 @@ namespace flatep::bench {
 
 namespace {
 
-// Runs fn(i) for i in [0, n) on up to `threads` threads (0: hardware concurrency).
+// Runs fn(i) for i in [0, n) on up to `threads` threads (0: hardware concurrency). An exception of fn (an
+// unreachable target maxvio, say) stops the other threads at their next item and is rethrown here, to the caller's
+// error handling, instead of ending the process from a worker thread.
 template <typename Fn>
 void parallel_for(int n, int threads, const Fn& fn) {
     if (threads <= 0) threads = int(std::max(1u, std::thread::hardware_concurrency()));
     threads = std::min(threads, n);
     std::atomic<int> next{0};
+    std::mutex failed_mutex;
+    std::exception_ptr failed;
     std::vector<std::thread> pool;
     for (int t = 0; t < threads; ++t) {
         pool.emplace_back([&] {
-            for (int i = next++; i < n; i = next++) fn(i);
+            try {
+                for (int i = next++; i < n; i = next++) fn(i);
+            } catch (...) {
+                const std::lock_guard<std::mutex> lock(failed_mutex);
+                if (!failed) failed = std::current_exception();
+                next = n;
+            }
         });
     }
     for (std::thread& t : pool) t.join();
+    if (failed) std::rethrow_exception(failed);
 }
 
 }  // namespace
