@@ -307,6 +307,8 @@ __global__ void __maxnreg__(kCandidateRegisters)
 // Threads of a select_derive_kernel<true> block: its kDeriveBlocks blocks hold more warps than derive_plan has tasks at
 // K3 (36), and a block of 512 threads gets 128 registers a thread, where one of 1024 (64) spilled in the rebuild.
 constexpr int kSelectSharedThreads = 512;
+// Threads of a select_derive_kernel block: its launch bounds and its launches both take them from here.
+constexpr int select_threads(bool shared) { return shared ? kSelectSharedThreads : kPlannerThreads; }
 
 // select_derive_kernel: warp 0 rebuilds candidate `index` (not stored) into w.cand from the counts and copies it to
 // the plan's allocation when w.cand is elsewhere (plan_alloc null: no copy); then a block barrier.
@@ -333,7 +335,7 @@ FLATEP_DEVICE void record_selection(PlannerProfileRecord* rec, int tid, int kept
 // selects the same winner; block 0 writes the plan's allocation, the statistics and the profile, the others derive
 // the tasks (BlockDerive over the grid).
 template <bool kShared>
-__global__ void __launch_bounds__(kShared ? kSelectSharedThreads : kPlannerThreads)
+__global__ void __launch_bounds__(select_threads(kShared))
     select_derive_kernel(Layout l, PlanView p, PlannerWorkspace ws, int stored, CandidateMode mode_arg,
                          PlannerProfileRecord* prof) {
     const CandidateMode mode = kShared ? CandidateMode{true, true, true} : mode_arg;
@@ -490,9 +492,8 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
                                     mode, prof);
             }
             PlannerProfileRecord* const select_rec = prof != nullptr ? prof + slots.select : nullptr;
-            launch_programmatic(select_kernel, shared ? kDeriveBlocks : 1,
-                                shared ? kSelectSharedThreads : kPlannerThreads, cand_smem, stream, l, p, ws, stored,
-                                mode, select_rec);
+            launch_programmatic(select_kernel, shared ? kDeriveBlocks : 1, select_threads(shared), cand_smem, stream, l,
+                                p, ws, stored, mode, select_rec);
             FLATEP_CUDA_CHECK_LAUNCH();
             return;
         }
