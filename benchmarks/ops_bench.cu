@@ -43,6 +43,7 @@
 #include "common/routing_cases.hpp"
 #include "gpu_harness.hpp"
 #include "kernels/common/launch.cuh"
+#include "planner/candidates.hpp"
 #include "planner/planner.hpp"
 
 using namespace flatep;
@@ -266,8 +267,56 @@ ProfileClock fit_clock(const std::vector<PlannerProfileRecord>& recs, int last_s
 double median_of(const std::vector<double>& v) { return bench::median(v); }
 
 // Prints a few lines: balanced planner spans and phases, the slowest candidates, the greedy planner kind's phases.
+// What stopping the unneeded candidates early would save, from the candidates' ends (us after the first block came in;
+// < 0: not run) and the host planner's qualities: select_candidate reads the candidates of budget b only while no
+// budget below b has an acceptable one, no acceptable path candidate has a makespan below b and the greedy's makespan
+// is not below b. So a candidate of budget b is not needed from the first time one of those is known (once the greedy's
+// quality is known too: acceptable means no worse than the greedy). Prints the budgets select reads and the
+// candidates' end with such stops (each stop priced at one more warp step, 0.5 us).
+void print_stop_estimate(const Layout& l, const int32_t* tpe, const std::vector<double>& end, double greedy_end) {
+    namespace pc = planner_core;
+    std::vector<int32_t> ws(size_t(pc::planner_workspace_words(l))), alloc(size_t(l.num_ranks) * l.num_experts);
+    const pc::Workspace w = pc::make_workspace(l, ws.data());
+    pc::greedy_alloc(l, tpe, alloc.data(), w);
+    const pc::PlanQuality greedy = pc::evaluate_alloc(l, tpe, alloc.data(), w.num_in, w.num_out);
+    auto budget_of = [](int c) {
+        return c < pc::kNumPathVariants ? 0 : (c - pc::kNumPathVariants) / pc::kVariantsPerBudget + 1;
+    };
+    // stop_at[b]: when budget b's candidates are known not to be needed.
+    const int max_budget = budget_of(int(end.size()) - 1) + 1;
+    std::vector<double> stop_at(size_t(max_budget) + 2, 1e30);
+    auto bound = [&](int threshold, double at) {  // budgets above threshold stop at `at`
+        for (int b = threshold + 1; b <= max_budget; ++b) stop_at[size_t(b)] = std::min(stop_at[size_t(b)], at);
+    };
+    bound(greedy.makespan, greedy_end);
+    std::vector<pc::PlanQuality> q(end.size(), pc::PlanQuality{pc::kNoCandidate, 0, 0});
+    for (size_t c = 0; c < end.size(); ++c) {
+        if (end[c] < 0) continue;
+        if (pc::build_candidate(l, tpe, w.cand, w, int(c)))
+            q[c] = pc::evaluate_alloc(l, tpe, w.cand, w.num_in, w.num_out);
+        const bool ok = q[c].makespan != pc::kNoCandidate && q[c].makespan <= greedy.makespan &&
+                        q[c].total_replicas <= greedy.total_replicas;
+        if (ok) bound(budget_of(int(c)) == 0 ? q[c].makespan : budget_of(int(c)), std::max(end[c], greedy_end));
+    }
+    const int kept = pc::select_candidate(greedy, q.data(), int(q.size()));
+    double now = greedy_end, stopped = greedy_end;
+    int read_up_to = 0;
+    for (size_t c = 0; c < end.size(); ++c) {
+        if (end[c] < 0) continue;
+        now = std::max(now, end[c]);
+        const int b = budget_of(int(c));
+        const bool stops = b > 0 && stop_at[size_t(b)] + 0.5 < end[c];
+        stopped = std::max(stopped, stops ? stop_at[size_t(b)] + 0.5 : end[c]);
+        if (!stops) read_up_to = std::max(read_up_to, b);
+    }
+    std::printf(
+        "    stops (estimate): greedy P %d; kept #%d (budget %d); candidates end %.1f us, with stops %.1f us "
+        "(budgets up to %d run to their end)\n",
+        greedy.makespan, kept, kept < 0 ? -1 : budget_of(kept), now, stopped, read_up_to);
+}
+
 void print_planner_profile(const Layout& l, const std::vector<PlannerProfileRecord>& balanced,
-                           const std::vector<PlannerProfileRecord>& greedy_kind) {
+                           const std::vector<PlannerProfileRecord>& greedy_kind, const int32_t* tpe) {
     using namespace planner;
     const PlannerProfileSlots slots = planner_profile_slots(l);
     const ProfileClock clk = fit_clock(balanced, kStampEvaluated);
@@ -276,10 +325,10 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
     // clang-format off
     enum { kCand, kGap, kSelect, kTotal, kBuilt, kRun, kGLoad, kGBuild, kGStore, kGEval, kGTotal, kCLoad, kCBuild,
            kCStore, kCEval, kCTotal, kEarly, kSLoad, kSSelect, kSCopy, kSRebuild, kSSums, kSSlots, kSRows, kSStats,
-           kNum };
+           kGEnd, kNum };
     // clang-format on
     std::vector<std::vector<double>> m(kNum);
-    std::vector<std::vector<double>> per_index(size_t(slots.candidates));
+    std::vector<std::vector<double>> per_index(size_t(slots.candidates)), end_of(size_t(slots.candidates));
     std::vector<int> kept(kProfileBatch, -2), counts(kProfileBatch, 0);
     for (int i = 0; i < kProfileBatch; ++i) {
         const PlannerProfileRecord* r = balanced.data() + size_t(i) * slots.total;
@@ -303,6 +352,11 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
             sum_total += total;
             per_index[size_t(c)].push_back(total);
         }
+        for (int c = 0; c < slots.candidates; ++c) {
+            const unsigned long long at = r[c].globaltimer[kStampEvaluated];
+            if (r[c].globaltimer[kStampEntry] != 0 && at != 0)
+                end_of[size_t(c)].push_back(double(at - first_in) * 1e-3);
+        }
         // select_derive_kernel may start early (programmatic launch) and wait: its part of the planner begins when
         // its wait returns.
         const unsigned long long waited = s.globaltimer[kStampSelWaited];
@@ -318,6 +372,7 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
         m[kGStore].push_back(clk.phase_us(g, kStampBuilt, kStampStored));
         m[kGEval].push_back(clk.phase_us(g, kStampStored, kStampEvaluated));
         m[kGTotal].push_back(clk.phase_us(g, kStampEntry, kStampEvaluated));
+        m[kGEnd].push_back(double(g.globaltimer[kStampEvaluated] - first_in) * 1e-3);
         const double n = std::max(run, 1);
         m[kCLoad].push_back(sum_load / n);
         m[kCBuild].push_back(sum_build / n);
@@ -346,6 +401,21 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
     std::sort(slow.begin(), slow.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
     std::printf("    slowest candidates (index: us):");
     for (size_t k = 0; k < slow.size() && k < 6; ++k) std::printf(" #%d: %.1f", slow[k].second, slow[k].first);
+    // Every candidate's end (evaluated), after the first block of its planner run came in, and whether it built.
+    std::printf("\n    candidate ends (index:us, median; x = no plan in the last run):");
+    const PlannerProfileRecord* last_run = balanced.data() + size_t(kProfileBatch - 1) * slots.total;
+    for (int c = 0; c < slots.candidates; ++c)
+        if (!end_of[size_t(c)].empty())
+            std::printf(" %d:%.1f%s", c, median_of(end_of[size_t(c)]), last_run[c].flags ? "" : "x");
+    std::printf("\n");
+    {
+        std::vector<double> ends;
+        for (int c = 0; c < slots.candidates; ++c) {
+            if (end_of[size_t(c)].empty()) break;
+            ends.push_back(median_of(end_of[size_t(c)]));
+        }
+        print_stop_estimate(l, tpe, ends, md(kGEnd));
+    }
     // Step traces of the three slowest candidates (last run of the batch): build start to every warp step
     // (WarpExec::single, sum, arg_max) to the build's end.
     const PlannerProfileRecord* last = balanced.data() + size_t(kProfileBatch - 1) * slots.total;
@@ -502,7 +572,7 @@ int planner_bench(const Options& o, bench::SigmaTable& sigmas) {
             if (o.planner_profile && !slow) {
                 const auto greedy_kind = profile_planner(l, PlannerKind::kGreedy, view, ws, stream);
                 const auto balanced_kind = profile_planner(l, PlannerKind::kBalanced, view, ws, stream);
-                print_planner_profile(l, balanced_kind, greedy_kind);
+                print_planner_profile(l, balanced_kind, greedy_kind, tpe.data());
             }
             std::fflush(stdout);
         }
