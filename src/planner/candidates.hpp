@@ -108,15 +108,7 @@ FLATEP_HD bool transport_candidate(const X& x, const Layout& l, const int32_t* t
             if (rc < 0) return false;
         }
         const int32_t m = min_of(piece, w.room[rc]);
-        x.single([&] {
-            if (new_replica) {
-                ++w.num_out[dn];
-                ++w.num_in[rc];
-            }
-            move_entries(l, alloc, w, e, rc, m);
-            w.excess[dn] -= m;
-            w.room[rc] -= m;
-        });
+        x.single([&] { send_piece(l, alloc, w, e, dn, rc, m, new_replica); });  // m <= the room
     }
     return false;
 }
@@ -407,20 +399,7 @@ FLATEP_HD bool tree_candidate(const X& x, const Layout& l, const int32_t* tpe_al
         if (e < 0) return false;  // cannot happen: a donor's home allocation exceeds its excess
         const int32_t piece = min_of(amount, alloc[dn * E + e]);
         const bool new_replica = alloc[rc * E + e] == 0;
-        x.single([&] {
-            if (new_replica) {
-                ++w.num_out[dn];
-                ++w.num_in[rc];
-            }
-            move_entries(l, alloc, w, e, rc, piece);
-            w.excess[dn] -= piece;
-            if (piece <= w.room[rc]) {
-                w.room[rc] -= piece;
-            } else {
-                w.excess[rc] += piece - w.room[rc];
-                w.room[rc] = 0;
-            }
-        });
+        x.single([&] { send_piece(l, alloc, w, e, dn, rc, piece, new_replica); });
     }
     return false;
 }

@@ -55,13 +55,44 @@ FLATEP_HD void fixed_targets(const Layout& l, int64_t n, const Workspace& w) {
     }
 }
 
-// Moves `m` entries of expert e from its home rank to rank d (inside x.single).
+// Moves `m` entries of expert e from its home rank to rank d, d not the home rank (inside x.single). The four cells
+// are distinct: all are read, then written, so that the loads overlap.
 FLATEP_HD void move_entries(const Layout& l, int32_t* alloc, const Workspace& w, int e, int d, int32_t m) {
     const int E = l.num_experts, h = l.home_rank(e);
-    alloc[h * E + e] -= m;
-    alloc[d * E + e] += m;
-    w.load[h] -= m;
-    w.load[d] += m;
+    const int32_t from = alloc[h * E + e], to = alloc[d * E + e], load_h = w.load[h], load_d = w.load[d];
+    alloc[h * E + e] = from - m;
+    alloc[d * E + e] = to + m;
+    w.load[h] = load_h - m;
+    w.load[d] = load_d + m;
+}
+
+// A donor's piece (inside x.single): `m` entries of dn's home expert e to rank rc != dn, as move_entries, then the
+// donor's excess less m, the receiver's room less m (when m exceeds the room: the room 0 and the rest added to the
+// receiver's excess, the tree's overshoot), and with new_replica one more copy sent by dn and hosted by rc. Every
+// cell is read first, then written (they are distinct), so that the loads overlap.
+FLATEP_HD void send_piece(const Layout& l, int32_t* alloc, const Workspace& w, int e, int dn, int rc, int32_t m,
+                          bool new_replica) {
+    const int E = l.num_experts;
+    int32_t* const from = alloc + int64_t(dn) * E + e;
+    int32_t* const to = alloc + int64_t(rc) * E + e;
+    const int32_t a_from = *from, a_to = *to, load_dn = w.load[dn], load_rc = w.load[rc];
+    const int32_t excess_dn = w.excess[dn], excess_rc = w.excess[rc], room = w.room[rc];
+    const int32_t out = w.num_out[dn], in = w.num_in[rc];
+    *from = a_from - m;
+    *to = a_to + m;
+    w.load[dn] = load_dn - m;
+    w.load[rc] = load_rc + m;
+    w.excess[dn] = excess_dn - m;
+    if (m <= room) {
+        w.room[rc] = room - m;
+    } else {
+        w.excess[rc] = excess_rc + (m - room);
+        w.room[rc] = 0;
+    }
+    if (new_replica) {
+        w.num_out[dn] = out + 1;
+        w.num_in[rc] = in + 1;
+    }
 }
 
 // The home expert of `dn` with the largest remaining allocation (ties to the lower id), -1 when none is left.
