@@ -159,13 +159,18 @@ __global__ void __launch_bounds__(kPlannerThreads)
 // Overflow launch (first == G): the candidates [G, count) the greedy's bound asks for, grid-stride; its blocks
 // return at once when count <= G (the usual case).
 // prof: the profile records (null = off): one per candidate index, then the greedy block's.
-// kShared: compiled for CandidateMode{true, true, true} (every array in shared memory), so that the compiler sees
-// where every pointer points and addresses shared memory directly.
-template <bool kShared>
+// kPlace: kPlaceAny (the mode from mode_arg), or the kernel compiled for one mode, so that the compiler sees where
+// every workspace pointer points and addresses shared memory directly: kPlaceShared (CandidateMode{true, true, true}:
+// every array in shared memory), kPlaceAlloc (CandidateMode{true, false, true, true}: the allocation and the [R]
+// arrays).
+enum CandidatePlace : int { kPlaceAny = 0, kPlaceShared = 1, kPlaceAlloc = 2 };
+template <int kPlace>
 __global__ void __maxnreg__(kCandidateRegisters)
     candidates_kernel(Layout l, PlanView p, PlannerWorkspace ws, int stored, int first, CandidateMode mode_arg,
                       PlannerProfileRecord* prof) {
-    const CandidateMode mode = kShared ? CandidateMode{true, true, true} : mode_arg;
+    const CandidateMode mode = kPlace == kPlaceShared  ? CandidateMode{true, true, true}
+                               : kPlace == kPlaceAlloc ? CandidateMode{true, false, true, true}
+                                                       : mode_arg;
     extern __shared__ int4 smem_words[];  // 16-byte aligned
     __shared__ int built;
     __shared__ long long red[32];
@@ -189,15 +194,18 @@ __global__ void __maxnreg__(kCandidateRegisters)
         step = gridDim.x;
     }
     if (!greedy_block && begin >= end) return;  // uniform over the block
-    const CandidateSmem cs = carve_candidate_smem(l, p, mode, smem);
+    const CandidateSmem cs =
+        carve_candidate_smem(l, p, mode, smem, ws.block_small + int64_t(blockIdx.x) * block_small_words(l));
     planner_core::Workspace w = cs.w;
     const int32_t* const counts = cs.counts;
     int32_t* const ahead_s = cs.table;  // [E] home_ahead's table
-    // Counts in shared memory: the block's first home allocation is computed as they are copied (the first
-    // prepare_home below).
+    // Counts in shared memory: the block's first home allocation is computed as they are copied; later ones from the
+    // copy. Counts in global memory: every home allocation from them, with the copy's batched loads.
     const Stamp loaded = prof != nullptr ? stamp_now() : Stamp{};
-    auto first_home = [&]() {
-        if (mode.counts_smem) {
+    auto home = [&](bool first) {
+        if (!mode.counts_smem) {
+            load_counts_and_home(x, bx, l, p.tpe_all, nullptr, w);
+        } else if (first) {
             load_counts_and_home(x, bx, l, p.tpe_all, const_cast<int32_t*>(counts), w);
         } else {
             prepare_home(x, bx, l, counts, w);
@@ -206,7 +214,7 @@ __global__ void __maxnreg__(kCandidateRegisters)
     if (greedy_block) {
         PlannerProfileRecord* rec = prof != nullptr ? prof + max_candidates(l) : nullptr;
         if (!mode.alloc_smem) w.cand = p.alloc;  // the greedy's plan is built where the plan keeps it
-        first_home();                            // the whole block; warp 0 then skips init_home and fixed_targets
+        home(true);                              // the whole block; warp 0 then skips init_home and fixed_targets
         if (warp == 0) planner_core::greedy_alloc(x, l, counts, w.cand, w);
         __syncthreads();
         if (tid == 0) profile_stamp(rec, kStampBuilt);
@@ -241,11 +249,7 @@ __global__ void __maxnreg__(kCandidateRegisters)
             w.cand =
                 index < stored ? ws.stored_alloc + int64_t(index) * re : ws.cand_scratch + int64_t(blockIdx.x) * re;
         // The whole block; warp 0 then skips init_home and fixed_targets.
-        if (index == begin) {
-            first_home();
-        } else {
-            prepare_home(x, bx, l, counts, w);
-        }
+        home(index == begin);
         const bool path = index < planner_core::kNumPathVariants && nthreads > 32;
         if (path && warp != 0) {
             home_ahead_table(l, w.total, ahead_s, tid - 32, nthreads - 32);
@@ -278,9 +282,13 @@ __global__ void __maxnreg__(kCandidateRegisters)
         __syncthreads();
         const bool ok = built != 0;  // uniform over the block
         if (tid == 0) profile_stamp(rec, kStampBuilt);
-        // The copy first: its stores drain while the block evaluates.
-        if (ok && index < stored && mode.alloc_smem)
+        // The copy first: its stores drain while the block evaluates. With the small arrays in global memory, the
+        // allocation goes where the global placement builds it: select_derive_kernel then runs as under that one.
+        if (ok && index < stored && mode.alloc_smem) {
             copy_words(ws.stored_alloc + int64_t(index) * re, w.cand, re, tid, nthreads);
+        } else if (ok && mode.small_global) {
+            copy_words(ws.cand_scratch + int64_t(blockIdx.x) * re, w.cand, re, tid, nthreads);
+        }
         if (tid == 0) profile_stamp(rec, kStampStored);
         const planner_core::PlanQuality q = ok ? evaluate_alloc_block(bx, l, counts, w.cand, w.num_in, w.num_out)
                                                : planner_core::PlanQuality{planner_core::kNoCandidate, 0, 0};
@@ -331,9 +339,9 @@ FLATEP_DEVICE void record_selection(PlannerProfileRecord* rec, int tid, int kept
     rec->count = count;
 }
 
-// prof: the select record (null = off). Several blocks (only with counts and allocation in shared memory): each
-// selects the same winner; block 0 writes the plan's allocation, the statistics and the profile, the others derive
-// the tasks (BlockDerive over the grid).
+// prof: the select record (null = off). kDeriveBlocks blocks: each selects the same winner; block 0 writes the plan's
+// allocation, the statistics and the profile, the others derive the tasks (BlockDerive over the grid); block 0 alone
+// when the winner must be rebuilt.
 template <bool kShared>
 __global__ void __launch_bounds__(select_threads(kShared))
     select_derive_kernel(Layout l, PlanView p, PlannerWorkspace ws, int stored, CandidateMode mode_arg,
@@ -387,11 +395,12 @@ __global__ void __launch_bounds__(select_threads(kShared))
     __syncthreads();
     const int kept = sh.winner;
     if (tid == 0) profile_stamp(rec, kStampSelSelected);
-    if (!mode.counts_smem || !mode.alloc_smem) {  // one block (launch_planner_impl)
-        // Counts or allocation in global memory: derive from the plan's own allocation (the greedy's is there
-        // already; a stored winner is copied there, one not stored rebuilt there by warp 0 next to the counts).
+    if (!mode.counts_smem || !mode.alloc_smem) {
+        // Counts or allocation in global memory. Every block derives from the winner's allocation where it lies (the
+        // stored or scratch slot, or the greedy's in the plan), copied to the block's shared memory when the
+        // allocation lives there; block 0 copies it to the plan. A winner lost from its slot is rebuilt by block 0
+        // into the plan (or its shared memory), which then derives alone: the other blocks return.
         planner_core::Workspace w = cs.w;
-        int32_t* const alloc_s = mode.alloc_smem ? w.cand : p.alloc;
         // Where the winner's allocation is (null: rebuild it).
         const int32_t* from = nullptr;
         if (kept >= 0 && kept < stored) {
@@ -400,19 +409,27 @@ __global__ void __launch_bounds__(select_threads(kShared))
             const int slot = scratch_slot(kept, min_of(kCandidateBlocks, max_candidates(l)), count);
             if (slot >= 0) from = ws.cand_scratch + int64_t(slot) * re;
         }
-        if (from != nullptr) {
-            copy_words<kBatch>(alloc_s, from, re, tid, nthreads, alloc_s != p.alloc ? p.alloc : nullptr);
-        } else if (kept < 0 && alloc_s != p.alloc) {
-            copy_words<kBatch>(alloc_s, p.alloc, re, tid, nthreads);
+        const bool rebuild = kept >= 0 && from == nullptr;
+        if (rebuild && !lead) return;  // uniform over the block
+        const int32_t* alloc_s = mode.alloc_smem ? w.cand : from != nullptr ? from : p.alloc;
+        if (mode.alloc_smem && from != nullptr) {
+            copy_words<kBatch>(w.cand, from, re, tid, nthreads, plan_alloc);
+        } else if (mode.alloc_smem && kept < 0) {
+            copy_words<kBatch>(w.cand, p.alloc, re, tid, nthreads);
+        } else if (from != nullptr && lead) {
+            copy_words<kBatch>(p.alloc, from, re, tid, nthreads);
         }
         __syncthreads();
         if (tid == 0) profile_stamp(rec, kStampSelCopied);
-        if (kept >= 0 && from == nullptr) {
-            w.cand = alloc_s;
+        if (rebuild) {
+            w.cand = mode.alloc_smem ? w.cand : p.alloc;
             rebuild_winner(l, cs.counts, w, kept, p.alloc, tid);
+            alloc_s = w.cand;
         }
         record_selection(rec, tid, kept, count);
-        planner_core::derive_plan(dx, l, p, cs.counts, alloc_s, cs.table, sh.sums);
+        if (!rebuild && task_rec != nullptr && task_rec != rec && tid == 0) task_rec->trace[7] = clock64();
+        const BlockDerive alone{tid, nthreads, rec, rec};
+        planner_core::derive_plan(rebuild ? alone : dx, l, p, cs.counts, alloc_s, cs.table, sh.sums);
         return;
     }
     // Shared memory: the counts [R*E], then the allocation derived from (the winner's, or the greedy's).
@@ -440,10 +457,9 @@ __global__ void planner_serial_kernel(Layout l, PlannerKind kind, PlanView p, in
     planner_core::derive_plan(l, p);
 }
 
-// Blocks of select_derive_kernel when the counts and the allocation fit in shared memory: block 0 and three task
-// blocks. On the H200 at K3 (E=896, R=8, K 8/16; 1024-thread blocks then) the planner took 38.8-44.1 us with one
-// block, 34.9-40.4 with three, 34.7-40.3 with four and 34.7-40.2 with eight (the derive's rank tasks, about 4.4 us
-// each, then bound it).
+// Blocks of select_derive_kernel: block 0 and three task blocks. On the H200 at K3 (E=896, R=8, K 8/16; 1024-thread
+// blocks then) the planner took 38.8-44.1 us with one block, 34.9-40.4 with three, 34.7-40.3 with four and 34.7-40.2
+// with eight (the derive's rank tasks, about 4.4 us each, then bound it).
 constexpr int kDeriveBlocks = 4;
 
 // The overflow candidates and select_derive_kernel start while the kernel before them drains (programmatic dependent
@@ -479,10 +495,16 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
         const bool candidates = kind == PlannerKind::kBalanced && mode.candidates;
         if (candidates) {
             const bool shared = mode.counts_smem && mode.alloc_smem;
-            const auto cand_kernel = shared ? candidates_kernel<true> : candidates_kernel<false>;
+            const auto cand_kernel = shared              ? candidates_kernel<kPlaceShared>
+                                     : mode.small_global ? candidates_kernel<kPlaceAlloc>
+                                                         : candidates_kernel<kPlaceAny>;
             const auto select_kernel = shared ? select_derive_kernel<true> : select_derive_kernel<false>;
+            // The small arrays in global memory: select_derive_kernel as under the global placement (the candidate
+            // blocks copied their allocations where that one builds them).
+            const CandidateMode select_mode = mode.small_global ? CandidateMode{true, false, false} : mode;
+            const size_t select_smem = candidate_smem_bytes(l, select_mode);
             allow_smem(reinterpret_cast<const void*>(cand_kernel), cand_smem);
-            allow_smem(reinterpret_cast<const void*>(select_kernel), cand_smem);
+            allow_smem(reinterpret_cast<const void*>(select_kernel), select_smem);
             const int stored = stored_candidates(l);
             const int blocks = min_of(kCandidateBlocks, max_candidates(l));
             cand_kernel<<<blocks + 1, kCandidateThreads, cand_smem, stream>>>(l, p, ws, stored, 0, mode, prof);
@@ -492,8 +514,8 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
                                     mode, prof);
             }
             PlannerProfileRecord* const select_rec = prof != nullptr ? prof + slots.select : nullptr;
-            launch_programmatic(select_kernel, shared ? kDeriveBlocks : 1, select_threads(shared), cand_smem, stream, l,
-                                p, ws, stored, mode, select_rec);
+            launch_programmatic(select_kernel, kDeriveBlocks, select_threads(shared), select_smem, stream, l, p, ws,
+                                stored, select_mode, select_rec);
             FLATEP_CUDA_CHECK_LAUNCH();
             return;
         }
@@ -527,6 +549,7 @@ const char* planner_path_name(const Layout& l) {
     const CandidateMode m = candidate_mode(l, planner_placement_now());
     if (!m.candidates) return "core";  // planner_parallel_kernel: plan_alloc on one thread
     if (m.counts_smem && m.alloc_smem) return "shared";
+    if (m.small_global) return "alloc-shared";
     if (m.alloc_smem) return "counts-global";
     if (m.counts_smem) return "alloc-global";
     return "global";
@@ -542,7 +565,9 @@ PlannerPlacement planner_placement_from_env() {
     if (v == "shared") return PlannerPlacement::kShared;
     if (v == "counts-global" || v == "counts") return PlannerPlacement::kCountsGlobal;
     if (v == "global") return PlannerPlacement::kGlobal;
-    FLATEP_CHECK(false, "FLATEP_PLANNER_PLACEMENT must be auto, shared, counts-global or global, got '", v, "'");
+    if (v == "alloc-shared") return PlannerPlacement::kAllocShared;
+    FLATEP_CHECK(false, "FLATEP_PLANNER_PLACEMENT must be auto, shared, counts-global, global or alloc-shared, got '",
+                 v, "'");
     return PlannerPlacement::kAuto;
 }
 }  // namespace
@@ -586,8 +611,9 @@ void preload_planner_kernels() {
     cudaFuncAttributes attr{};
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, planner_parallel_kernel));
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, planner_serial_kernel));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, candidates_kernel<true>));
-    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, candidates_kernel<false>));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, candidates_kernel<kPlaceShared>));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, candidates_kernel<kPlaceAlloc>));
+    FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, candidates_kernel<kPlaceAny>));
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, select_derive_kernel<true>));
     FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, select_derive_kernel<false>));
 }

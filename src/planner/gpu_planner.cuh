@@ -18,19 +18,22 @@ namespace flatep::planner {
 size_t planner_workspace_bytes(const Layout& layout);
 
 // Where the balanced planner's candidate blocks keep the counts tpe_all [R*E] and the allocation each works on [R*E]
-// (planner_core's small arrays and home_ahead's table are always in shared memory, at most 200 KiB a block). The
-// plan is the same bitwise under every placement; only the speed differs.
+// (planner_core's small arrays and home_ahead's table in shared memory too, at most 200 KiB a block, except under
+// kAllocShared). The plan is the same bitwise under every placement; only the speed differs.
 enum class PlannerPlacement : int {
     kAuto = 0,          // everything in shared memory when it fits (E=896: R <= 16), else the counts in global memory
-                        // when the rest fits (R=32), else the counts and the allocation in global memory (R=64)
+                        // when the rest fits (R=32), else kAllocShared when the allocation fits alone (R=64), else
+                        // the counts and the allocation in global memory
     kShared = 1,        // the path before issue 22: everything in shared memory when it fits, else (E=896, R >= 32)
                         // planner_core::plan_alloc on one thread of planner_parallel_kernel over global memory (ms)
     kCountsGlobal = 2,  // the counts in global memory, the allocation in shared memory when it fits, else global
     kGlobal = 3,        // the counts and the allocation in global memory (the workspace's stored / scratch slots)
+    kAllocShared = 4,   // the allocation and planner_core's [R] arrays alone in shared memory, the counts and every
+                        // [E] array (T_e, the pack items, home_ahead's table) in global memory; else global
 };
-// Process-wide; the default comes from FLATEP_PLANNER_PLACEMENT (auto | shared | counts-global | global; auto when
-// unset), read at the first planner launch. Applies to the planners launched afterwards (a captured graph keeps the
-// kernels of its capture).
+// Process-wide; the default comes from FLATEP_PLANNER_PLACEMENT (auto | shared | counts-global | global |
+// alloc-shared; auto when unset), read at the first planner launch. Applies to the planners launched afterwards (a
+// captured graph keeps the kernels of its capture).
 void set_planner_placement(PlannerPlacement placement);
 PlannerPlacement planner_placement_now();
 

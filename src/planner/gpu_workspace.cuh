@@ -26,6 +26,8 @@ struct PlannerWorkspace {
     int32_t* stored_alloc;                    // [stored_candidates][R*E] allocations of the first candidates
     int32_t* cand_scratch;  // [kCandidateBlocks][R*E] working allocation of candidate block b when it is not kept in
                             // shared memory and its candidate is not stored (CandidateMode::alloc_smem false)
+    int32_t* block_small;   // [kCandidateBlocks + 1][block_small_words] candidate block b's [E] arrays under
+                            // CandidateMode::small_global
 };
 
 // cand_meta words.
@@ -35,6 +37,11 @@ enum CandidateMeta : int { kMetaMakespan = 0, kMetaReplicas, kMetaMovedLo, kMeta
 FLATEP_HD int max_candidates(const Layout& l) { return planner_core::num_candidates(l.num_experts); }
 // The candidate kernel's grid: one pass covers every candidate up to a greedy P of 6 (num_candidates(6)).
 constexpr int kCandidateBlocks = 4 + 18 * 6;
+// A candidate block's arrays in global memory under CandidateMode::small_global: planner_core's small workspace (its
+// [R] arrays unused: they are in shared memory), then home_ahead's table [E]; a multiple of 64 words.
+FLATEP_HD int64_t block_small_words(const Layout& l) {
+    return (planner_core::planner_small_workspace_words(l) + l.num_experts + 63) / 64 * 64;
+}
 // Candidates whose allocation the candidate kernels keep: every candidate of a greedy P up to kStoredMakespan (the
 // main launch's and the first overflow candidates), within 16 MiB. The winner is copied from there, or rebuilt
 // (serially, after every candidate) when its index is beyond.
@@ -46,7 +53,7 @@ inline int stored_candidates(const Layout& l) {
 }
 
 struct PlannerWorkspaceSizes {
-    int64_t serial_ws, cand_quality, cand_meta, stored_alloc, cand_scratch, total;
+    int64_t serial_ws, cand_quality, cand_meta, stored_alloc, cand_scratch, block_small, total;
 };
 
 inline PlannerWorkspaceSizes planner_workspace_sizes(const Layout& l) {
@@ -58,6 +65,7 @@ inline PlannerWorkspaceSizes planner_workspace_sizes(const Layout& l) {
     s.cand_meta = c.take(kMetaWords);
     s.stored_alloc = c.take(int64_t(stored_candidates(l)) * re);
     s.cand_scratch = c.take(int64_t(kCandidateBlocks) * re);
+    s.block_small = c.take(int64_t(kCandidateBlocks + 1) * block_small_words(l));
     s.total = c.at;
     return s;
 }
@@ -71,6 +79,7 @@ inline PlannerWorkspace make_planner_workspace(const Layout& l, void* base) {
     p.cand_meta = w + s.cand_meta;
     p.stored_alloc = w + s.stored_alloc;
     p.cand_scratch = w + s.cand_scratch;
+    p.block_small = w + s.block_small;
     return p;
 }
 
@@ -78,9 +87,8 @@ inline PlannerWorkspace make_planner_workspace(const Layout& l, void* base) {
 // Balanced planner, candidate-parallel. Kernel 1 (kCandidateThreads per block): every block loads the counts into
 // shared memory; one runs the greedy and its quality (so select_candidate knows how many candidates to look at), the
 // others build the candidates blockIdx.x, blockIdx.x + gridDim.x, ... with planner_core's own functions on the warp
-// executor (warp 0), writing each quality and (the first `stored` indices) each allocation. Kernel 2 (one block, or
-// kDeriveBlocks with everything in shared memory): select_candidate's rule, the winner's allocation (copied, or rebuilt
-// when it was not stored), derive_plan.
+// executor (warp 0), writing each quality and (the first `stored` indices) each allocation. Kernel 2 (kDeriveBlocks
+// blocks): select_candidate's rule, the winner's allocation (copied, or rebuilt when it was not stored), derive_plan.
 // planner_core's code runs as written on both sides, so the plan is the host's bitwise; the host test
 // tests/unit/planner/test_planner_candidates.cpp checks the decomposition.
 constexpr int kSelectCached = 1024;  // qualities select_derive_kernel reads from shared memory
@@ -94,33 +102,47 @@ struct CandidateMode {
     bool candidates;   // the candidate path (else planner_parallel_kernel: plan_alloc on one thread)
     bool counts_smem;  // the counts in shared memory (else read from plan.tpe_all)
     bool alloc_smem;   // the allocation in shared memory (else ws.stored_alloc's slot or ws.cand_scratch's)
+    // Only with alloc_smem and not counts_smem: shared memory holds the allocation and planner_core's [R] arrays, and
+    // the [E] arrays are in the block's ws.block_small slot. After the build, the block copies the allocation to
+    // where the global placement builds it (the stored slot, else the block's scratch slot), so select_derive_kernel
+    // runs as under the global placement.
+    bool small_global = false;
 };
 
 // Dynamic shared memory of a candidate block (and of select_derive_kernel) for a placement.
-inline size_t candidate_smem_bytes(const Layout& l, bool counts_smem, bool alloc_smem) {
+inline size_t candidate_smem_bytes(const Layout& l, bool counts_smem, bool alloc_smem, bool small_global = false) {
     const size_t re = size_t(l.num_ranks) * l.num_experts;
+    if (small_global) return (re + 6 * size_t(l.num_ranks)) * sizeof(int32_t);
     return ((counts_smem ? re : 0) + (alloc_smem ? re : 0) + size_t(planner_core::planner_small_workspace_words(l)) +
             size_t(l.num_experts)) *
            sizeof(int32_t);
 }
+// The allocation alone (CandidateMode::small_global) may take an SM's whole shared memory (227 KiB a block on sm_90)
+// but for the candidate kernel's static arrays and a margin.
+constexpr size_t kMaxAllocSmem = 226 * 1024;
 
 inline CandidateMode candidate_mode(const Layout& l, PlannerPlacement placement) {
     const bool all = candidate_smem_bytes(l, true, true) <= kMaxPlannerSmem;
     const bool alloc_only = candidate_smem_bytes(l, false, true) <= kMaxPlannerSmem;
+    const bool alloc_alone = candidate_smem_bytes(l, false, true, true) <= kMaxAllocSmem;
+    const CandidateMode global{true, false, false};
+    const CandidateMode alloc_shared = alloc_alone ? CandidateMode{true, false, true, true} : global;
     switch (placement) {
+        case PlannerPlacement::kAllocShared:
+            return alloc_shared;
         case PlannerPlacement::kShared:
             return CandidateMode{all, true, true};
         case PlannerPlacement::kCountsGlobal:
             return CandidateMode{true, false, alloc_only};
         case PlannerPlacement::kGlobal:
-            return CandidateMode{true, false, false};
+            return global;
         case PlannerPlacement::kAuto:
         default:
-            return all ? CandidateMode{true, true, true} : CandidateMode{true, false, alloc_only};
+            return all ? CandidateMode{true, true, true} : alloc_only ? CandidateMode{true, false, true} : alloc_shared;
     }
 }
 inline size_t candidate_smem_bytes(const Layout& l, const CandidateMode& m) {
-    return candidate_smem_bytes(l, m.counts_smem, m.alloc_smem);
+    return candidate_smem_bytes(l, m.counts_smem, m.alloc_smem, m.small_global);
 }
 
 // Copies n int32 words with 16-byte accesses when both ends allow it. Each thread issues all the loads of a batch of
@@ -181,15 +203,31 @@ FLATEP_HD int scratch_slot(int index, int main_blocks, int count) {
 // the counts [R*E], then planner_core's workspace (its cand array holds the candidate), then home_ahead's table [E].
 // Else: the counts [R*E] (counts_smem), the allocation [R*E] (alloc_smem), planner_core's small arrays, the table.
 // `cand` is then null where the allocation lives in global memory (the caller points w.cand at it per candidate).
+// small_global: the allocation and the [R] arrays; the rest in `block_small` (block_small_words, global memory).
 struct CandidateSmem {
     const int32_t* counts;  // shared memory, or plan.tpe_all
     planner_core::Workspace w;
     int32_t* table;  // [E]: home_ahead's table (candidates), the slot experts (select_derive_kernel)
 };
 FLATEP_DEVICE CandidateSmem carve_candidate_smem(const Layout& l, const PlanView& p, const CandidateMode& m,
-                                                 int32_t* smem) {
+                                                 int32_t* smem, int32_t* block_small = nullptr) {
     const int64_t re = int64_t(l.num_ranks) * l.num_experts;
     CandidateSmem c{};
+    if (m.small_global) {
+        // The allocation, then the [R] arrays, in shared memory; T_e and the items in block_small, then the table.
+        const int E = l.num_experts, R = l.num_ranks;
+        c.counts = p.tpe_all;
+        c.w = planner_core::make_workspace_at(l, block_small, smem, block_small + E + 6 * R);
+        int32_t* const ranks = smem + re;
+        c.w.target = ranks;
+        c.w.load = ranks + R;
+        c.w.room = ranks + 2 * R;
+        c.w.excess = ranks + 3 * R;
+        c.w.num_in = ranks + 4 * R;
+        c.w.num_out = ranks + 5 * R;
+        c.table = block_small + planner_core::planner_small_workspace_words(l);
+        return c;
+    }
     if (m.counts_smem && m.alloc_smem) {
         c.counts = smem;
         c.w = planner_core::make_workspace(l, smem + re);
@@ -225,24 +263,37 @@ FLATEP_DEVICE planner_core::PlanQuality evaluate_alloc_block(const BlockExec& bx
     const int R = l.num_ranks, E = l.num_experts;
     const uintptr_t ends = reinterpret_cast<uintptr_t>(tpe_all) | reinterpret_cast<uintptr_t>(alloc);
     if (E % 4 == 0 && (ends & 15) == 0) {
-        // Four experts a thread, 16-byte loads of both arrays (evaluate_expert's sums, the same integers).
+        // Four experts a thread, 16-byte loads of both arrays, kEvalRanks ranks' loads in flight (evaluate_expert's
+        // sums, the same integers).
+        constexpr int kEvalRanks = 4;
         for (int quad = tid; quad < E / 4; quad += nthreads) {
             const int e = quad * 4;
             const int h[4] = {l.home_rank(e), l.home_rank(e + 1), l.home_rank(e + 2), l.home_rank(e + 3)};
             int32_t copies[4] = {0, 0, 0, 0};
-            for (int d = 0; d < R; ++d) {
-                const int4 a4 = reinterpret_cast<const int4*>(alloc + int64_t(d) * E)[quad];
-                const int4 t4 = reinterpret_cast<const int4*>(tpe_all + int64_t(d) * E)[quad];
-                const int32_t a[4] = {a4.x, a4.y, a4.z, a4.w}, t[4] = {t4.x, t4.y, t4.z, t4.w};
-                int32_t in = 0;
+            for (int d0 = 0; d0 < R; d0 += kEvalRanks) {
+                int4 a4[kEvalRanks], t4[kEvalRanks];
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    off += t[q] - (t[q] < a[q] ? t[q] : a[q]);
-                    const bool replica = a[q] > 0 && d != h[q];
-                    in += replica;
-                    copies[q] += replica;
+                for (int j = 0; j < kEvalRanks; ++j) {
+                    if (d0 + j >= R) break;
+                    a4[j] = reinterpret_cast<const int4*>(alloc + int64_t(d0 + j) * E)[quad];
+                    t4[j] = reinterpret_cast<const int4*>(tpe_all + int64_t(d0 + j) * E)[quad];
                 }
-                if (in != 0) atomicAdd(&num_in[d], in);
+#pragma unroll
+                for (int j = 0; j < kEvalRanks; ++j) {
+                    const int d = d0 + j;
+                    if (d >= R) break;
+                    const int32_t a[4] = {a4[j].x, a4[j].y, a4[j].z, a4[j].w};
+                    const int32_t t[4] = {t4[j].x, t4[j].y, t4[j].z, t4[j].w};
+                    int32_t in = 0;
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        off += t[q] - (t[q] < a[q] ? t[q] : a[q]);
+                        const bool replica = a[q] > 0 && d != h[q];
+                        in += replica;
+                        copies[q] += replica;
+                    }
+                    if (in != 0) atomicAdd(&num_in[d], in);
+                }
             }
 #pragma unroll
             for (int q = 0; q < 4; ++q)
@@ -273,10 +324,11 @@ FLATEP_DEVICE void prepare_home(WarpExec& x, const BlockExec& bx, const Layout& 
     __syncthreads();
 }
 
-// The counts copied into shared memory (`counts`, [R*E]) and prepare_home's results in one pass: each thread takes
-// four experts, loads their counts from every rank 16 bytes at a time (8 ranks in flight), stores them to `counts`,
-// and writes the experts' T_e and home allocation; then the group loads and the targets. The same integers as
-// copy_words + prepare_home, which it falls back to when E is not a multiple of 4 or an array is not 16-byte aligned.
+// The counts copied into shared memory (`counts`, [R*E]; null: not copied, the counts stay in tpe_all) and
+// prepare_home's results in one pass: each thread takes four experts, loads their counts from every rank 16 bytes at a
+// time (8 ranks in flight), stores them to `counts`, and writes the experts' T_e and home allocation; then the group
+// loads and the targets. The same integers as copy_words + prepare_home, which it falls back to when E is not a
+// multiple of 4 or an array is not 16-byte aligned.
 // (The copy, then prepare_home over the copy, took about 1 + 3 us a K3 candidate block on the H200.) Begins and ends
 // with a block barrier.
 FLATEP_DEVICE void load_counts_and_home(WarpExec& x, const BlockExec& bx, const Layout& l, const int32_t* tpe_all,
@@ -285,6 +337,10 @@ FLATEP_DEVICE void load_counts_and_home(WarpExec& x, const BlockExec& bx, const 
     const uintptr_t ends = reinterpret_cast<uintptr_t>(tpe_all) | reinterpret_cast<uintptr_t>(counts) |
                            reinterpret_cast<uintptr_t>(w.cand) | reinterpret_cast<uintptr_t>(w.total);
     if (E % 4 != 0 || (ends & 15) != 0) {
+        if (counts == nullptr) {
+            prepare_home(x, bx, l, tpe_all, w);
+            return;
+        }
         __syncthreads();
         copy_words(counts, tpe_all, int64_t(R) * E, bx.tid, bx.nthreads);
         __syncthreads();
@@ -302,7 +358,7 @@ FLATEP_DEVICE void load_counts_and_home(WarpExec& x, const BlockExec& bx, const 
 #pragma unroll
             for (int j = 0; j < kRanksInFlight; ++j) {
                 if (d0 + j >= R) break;
-                reinterpret_cast<int4*>(counts + int64_t(d0 + j) * E)[quad] = c[j];
+                if (counts != nullptr) reinterpret_cast<int4*>(counts + int64_t(d0 + j) * E)[quad] = c[j];
                 t.x += c[j].x;
                 t.y += c[j].y;
                 t.z += c[j].z;

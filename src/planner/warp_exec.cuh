@@ -130,6 +130,17 @@ FLATEP_DEVICE auto key_or_zero(K& key, int i, int n) -> decltype(key(0)) {
     return i < n ? k : T{};
 }
 
+// out[i] = the sum of v[i*size, (i+1)*size) for the groups i = first, first + stride, ... below `groups`: one thread
+// per group, its items in turn (unrolled, so that their loads overlap).
+FLATEP_DEVICE void group_sums_by_thread(int first, int stride, int groups, int size, const int32_t* v, int32_t* out) {
+    for (int i = first; i < groups; i += stride) {
+        int32_t s = 0;
+#pragma unroll 8
+        for (int j = 0; j < size; ++j) s += v[i * size + j];
+        out[i] = s;
+    }
+}
+
 // Warp executor of planner_core (see "Executors" there): the 32 lanes run the planner's scalar code together with
 // the same values; loops are split over the lanes and selections are warp reductions (redux.sync; up to 32 items, one
 // per lane, and the lowest lane holding the maximum by ballot). Keys are compared as (high word, low word), then the
@@ -332,17 +343,13 @@ struct WarpExec {
 #pragma nv_diag_suppress 177
     FLATEP_DEVICE void add(int32_t* p, int32_t v) const { atomicAdd(p, v); }
 #pragma nv_diag_default 177
-    // Up to 32 groups: one per lane (unrolled, so that the loads overlap); else one group after the other, its items
-    // over the lanes and a warp reduction.
+    // Up to 32 groups, or groups of up to 32 items: a group per lane at a time (unrolled, so that the loads overlap);
+    // else one group after the other, its items over the lanes and a warp reduction. (R=64, E=896: 64 groups of 14,
+    // one after the other, took 11 us of a path candidate on the H200, its items in global memory.)
     FLATEP_DEVICE void group_sum(int groups, int size, const int32_t* v, int32_t* out) const {
         sync();
-        if (groups <= 32) {
-            if (lane < groups) {
-                int32_t s = 0;
-#pragma unroll 8
-                for (int j = 0; j < size; ++j) s += v[lane * size + j];
-                out[lane] = s;
-            }
+        if (groups <= 32 || size <= 32) {
+            group_sums_by_thread(lane, 32, groups, size, v, out);
             sync();
             return;
         }
@@ -356,12 +363,12 @@ struct WarpExec {
     }
     FLATEP_DEVICE void group_max(int groups, int size, const int32_t* v, int32_t* out) const {
         sync();
-        if (groups <= 32) {
-            if (lane < groups) {
+        if (groups <= 32 || size <= 32) {
+            for (int i = lane; i < groups; i += 32) {
                 int32_t m = 0;
 #pragma unroll 8
-                for (int j = 0; j < size; ++j) m = max_of(m, v[lane * size + j]);
-                out[lane] = m;
+                for (int j = 0; j < size; ++j) m = max_of(m, v[i * size + j]);
+                out[i] = m;
             }
             sync();
             return;
@@ -424,9 +431,15 @@ struct BlockExec {
         __syncthreads();
         return t;
     }
-    // Warps take the groups in turn; items over the lanes, a warp reduction.
+    // Groups of up to 32 items: a thread per group (the loads of its items overlap). Else warps take the groups in
+    // turn; items over the lanes, a warp reduction.
     FLATEP_DEVICE void group_sum(int groups, int size, const int32_t* v, int32_t* out) const {
         __syncthreads();
+        if (size <= 32) {
+            group_sums_by_thread(tid, nthreads, groups, size, v, out);
+            __syncthreads();
+            return;
+        }
         for (int i = tid / 32; i < groups; i += nthreads / 32) {
             int32_t s = 0;
             for (int j = tid % 32; j < size; j += 32) s += v[i * size + j];
@@ -484,16 +497,30 @@ FLATEP_DEVICE void derive_sums_pass(int tid, int nthreads, const Layout& l, cons
         const bool valid = e < E;
         const int h = valid ? l.home_rank(e) : -1;
         int32_t entries = 0, copies = 0;
-        for (int d = 0; d < R; ++d) {
-            const int32_t t = valid ? tpe[d * E + e] : 0, a = valid ? alloc[d * E + e] : 0;
-            entries += t;
-            kept += t < a ? t : a;
-            const bool replica = a > 0 && d != h;
-            copies += replica;
-            const int32_t after = __reduce_add_sync(kFull, a);
-            const int in = __popc(__ballot_sync(kFull, replica));
-            if (lane == 0 && after != 0) atomicAdd(&sums.loads_after[d], after);
-            if (lane == 0 && in != 0) atomicAdd(&sums.replicas_in[d], in);
+        // kRanks ranks' cells loaded at once (their loads in flight together: the arrays may be in global memory).
+        constexpr int kRanks = 8;
+        for (int d0 = 0; d0 < R; d0 += kRanks) {
+            int32_t tv[kRanks], av[kRanks];
+#pragma unroll
+            for (int j = 0; j < kRanks; ++j) {
+                const bool in = valid && d0 + j < R;
+                tv[j] = in ? tpe[(d0 + j) * E + e] : 0;
+                av[j] = in ? alloc[(d0 + j) * E + e] : 0;
+            }
+#pragma unroll
+            for (int j = 0; j < kRanks; ++j) {
+                const int d = d0 + j;
+                if (d >= R) break;  // uniform over the warp
+                const int32_t t = tv[j], a = av[j];
+                entries += t;
+                kept += t < a ? t : a;
+                const bool replica = a > 0 && d != h;
+                copies += replica;
+                const int32_t after = __reduce_add_sync(kFull, a);
+                const int in = __popc(__ballot_sync(kFull, replica));
+                if (lane == 0 && after != 0) atomicAdd(&sums.loads_after[d], after);
+                if (lane == 0 && in != 0) atomicAdd(&sums.replicas_in[d], in);
+            }
         }
         total += entries;
         const unsigned same = __match_any_sync(kFull, h);

@@ -259,10 +259,12 @@ bool run_planner_sweep(int num_matrices) {
                 // like the serial engine), then the serial engine.
                 const planner::PlannerPlacement placements[] = {
                     planner::PlannerPlacement::kAuto, planner::PlannerPlacement::kCountsGlobal,
-                    planner::PlannerPlacement::kGlobal, planner::PlannerPlacement::kShared};
+                    planner::PlannerPlacement::kGlobal, planner::PlannerPlacement::kShared,
+                    planner::PlannerPlacement::kAllocShared};
+                constexpr int kPlacements = int(sizeof(placements) / sizeof(placements[0]));
                 std::vector<std::string> paths_done;
-                for (int variant = 0; variant < 5; ++variant) {
-                    const int engine = variant == 4 ? 1 : 0;
+                for (int variant = 0; variant <= kPlacements; ++variant) {
+                    const int engine = variant == kPlacements ? 1 : 0;
                     const bool slow_sample = sh.sweep ? m != 0 : sh.E > 64 && m % 3 != 0;
                     // The serial engine (one GPU thread) is slow: sampled.
                     if (engine == 1 && slow_sample) continue;
