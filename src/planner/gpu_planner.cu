@@ -192,6 +192,23 @@ __global__ void __maxnreg__(kCandidateRegisters)
         begin = first + blockIdx.x;
         end = ws.cand_meta[kMetaCount];
         step = gridDim.x;
+        // Only the candidates select_candidate will read (the main launch's qualities often decide it, e.g. an
+        // acceptable candidate of a budget up to 6): warp 0 finds how many; the others are marked as yielding no plan,
+        // which select_candidate never reads either.
+        if (begin < end) {  // uniform over the block
+            if (warp == 0) {
+                const int read = candidates_read(greedy_quality(ws), ws.cand_quality, first, end, tid);
+                if (tid == 0) built = read;
+            }
+            __syncthreads();
+            const int read = built;
+            __syncthreads();  // `built` is rewritten per candidate below
+            if (tid == 0)
+                for (int index = begin; index < end; index += step)
+                    if (index >= read)
+                        ws.cand_quality[index] = planner_core::PlanQuality{planner_core::kNoCandidate, 0, 0};
+            end = read;
+        }
     }
     if (!greedy_block && begin >= end) return;  // uniform over the block
     const CandidateSmem cs =
@@ -370,11 +387,7 @@ __global__ void __launch_bounds__(select_threads(kShared))
     const int main_count = min_of(min_of(kCandidateBlocks, max_candidates(l)), kSelectCached);
     for (int i = tid; i < main_count; i += nthreads) quality[i] = ws.cand_quality[i];
     const int count = ws.cand_meta[kMetaCount];
-    planner_core::PlanQuality greedy{};  // loaded with the count (one memory round trip)
-    greedy.makespan = ws.cand_meta[kMetaMakespan];
-    greedy.total_replicas = ws.cand_meta[kMetaReplicas];
-    greedy.entries_moved = int64_t(uint64_t(uint32_t(ws.cand_meta[kMetaMovedLo])) |
-                                   (uint64_t(uint32_t(ws.cand_meta[kMetaMovedHi])) << 32));
+    const planner_core::PlanQuality greedy = greedy_quality(ws);  // loaded with the count (one memory round trip)
     for (int i = main_count + tid; i < min_of(count, kSelectCached); i += nthreads) quality[i] = ws.cand_quality[i];
     __syncthreads();
     if (tid == 0) profile_stamp(rec, kStampSelLoaded);

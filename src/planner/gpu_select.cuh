@@ -20,7 +20,44 @@ namespace flatep::planner {
 // candidate in it with a warp reduction under a total order (quality, then index), so the result is the same.
 // Setting kWarpSelect to false restores select_candidate on one thread.
 constexpr bool kWarpSelect = true;
-// trace (profile, null = off): clock64 after each of its four phases (lane 0).
+// Its first two phases: the path candidates (every lane scans them as select_candidate does: *best and *kept, -1 when
+// none beats the greedy), then the lowest budget in [1, best->makespan] with an acceptable candidate among [0, count),
+// kNoBudget when none (every lane gets the same values).
+constexpr int kNoBudget = 0x7fffffff;
+FLATEP_DEVICE bool acceptable_candidate(const planner_core::PlanQuality& greedy, const planner_core::PlanQuality& q) {
+    return q.makespan != planner_core::kNoCandidate && q.makespan <= greedy.makespan &&
+           q.total_replicas <= greedy.total_replicas;
+}
+FLATEP_DEVICE int lowest_acceptable_budget(const planner_core::PlanQuality& greedy,
+                                           const planner_core::PlanQuality* quality, int count, int lane,
+                                           planner_core::PlanQuality* best, int* kept) {
+    *best = greedy;
+    *kept = -1;
+    for (int i = 0; i < planner_core::kNumPathVariants && i < count; ++i) {
+        if (!acceptable_candidate(greedy, quality[i]) || !planner_core::better_than(quality[i], *best)) continue;
+        *best = quality[i];
+        *kept = i;
+    }
+    int budget = kNoBudget;
+    for (int i = planner_core::kNumPathVariants + lane; i < count; i += 32) {
+        const int b = (i - planner_core::kNumPathVariants) / planner_core::kVariantsPerBudget + 1;
+        if (b <= best->makespan && b < budget && acceptable_candidate(greedy, quality[i])) budget = b;
+    }
+    return int(__reduce_min_sync(kFull, unsigned(budget)));
+}
+
+// The candidates select_candidate reads, when those of [0, built) are known (built: whole budgets, or every
+// candidate): the path candidates and every budget up to the lowest one with an acceptable candidate, or, when none
+// of the known ones has one, every budget up to the best path (or greedy) makespan. At most count. One warp.
+FLATEP_DEVICE int candidates_read(const planner_core::PlanQuality& greedy, const planner_core::PlanQuality* quality,
+                                  int built, int count, int lane) {
+    planner_core::PlanQuality best{};
+    int kept = -1;
+    const int budget = lowest_acceptable_budget(greedy, quality, min_of(built, count), lane, &best, &kept);
+    return min_of(count, planner_core::num_candidates(budget != kNoBudget ? budget : best.makespan));
+}
+
+// trace (profile, null = off): clock64 after each of its four phases (lane 0; the first two together).
 FLATEP_DEVICE int select_candidate_warp(const planner_core::PlanQuality& greedy,
                                         const planner_core::PlanQuality* quality, int count, int lane,
                                         long long* trace = nullptr) {
@@ -29,29 +66,13 @@ FLATEP_DEVICE int select_candidate_warp(const planner_core::PlanQuality& greedy,
     };
     using planner_core::better_than;
     using planner_core::PlanQuality;
-    auto acceptable = [&greedy](const PlanQuality& q) {
-        return q.makespan != planner_core::kNoCandidate && q.makespan <= greedy.makespan &&
-               q.total_replicas <= greedy.total_replicas;
-    };
-    // Path candidates: every lane scans them as select_candidate does.
-    PlanQuality best = greedy;
+    auto acceptable = [&greedy](const PlanQuality& q) { return acceptable_candidate(greedy, q); };
+    PlanQuality best{};
     int kept = -1;
-    for (int i = 0; i < planner_core::kNumPathVariants && i < count; ++i) {
-        if (!acceptable(quality[i]) || !better_than(quality[i], best)) continue;
-        best = quality[i];
-        kept = i;
-    }
+    const int budget = lowest_acceptable_budget(greedy, quality, count, lane, &best, &kept);
     mark(0);
-    // The lowest budget in [1, best.makespan] with an acceptable candidate.
-    constexpr int kNone = 0x7fffffff;
-    int budget = kNone;
-    for (int i = planner_core::kNumPathVariants + lane; i < count; i += 32) {
-        const int b = (i - planner_core::kNumPathVariants) / planner_core::kVariantsPerBudget + 1;
-        if (b <= best.makespan && b < budget && acceptable(quality[i])) budget = b;
-    }
-    budget = int(__reduce_min_sync(kFull, unsigned(budget)));
     mark(1);
-    if (budget == kNone) return kept;
+    if (budget == kNoBudget) return kept;
     // Its best candidate strictly better than `best`: per lane in index order (strict improvement keeps the first),
     // then a butterfly under the total order (found first, quality, lower index).
     const int lo = planner_core::kNumPathVariants + (budget - 1) * planner_core::kVariantsPerBudget;
@@ -109,10 +130,7 @@ FLATEP_DEVICE int select_candidate_keys(const planner_core::PlanQuality& greedy,
                                         const planner_core::PlanQuality* quality, int count, int lane) {
     using planner_core::PlanQuality;
     constexpr int kPath = planner_core::kNumPathVariants, kPerBudget = planner_core::kVariantsPerBudget;
-    auto acceptable = [&greedy](const PlanQuality& q) {
-        return q.makespan != planner_core::kNoCandidate && q.makespan <= greedy.makespan &&
-               q.total_replicas <= greedy.total_replicas;
-    };
+    auto acceptable = [&greedy](const PlanQuality& q) { return acceptable_candidate(greedy, q); };
     uint64_t best = quality_key(greedy);
     int best_p = greedy.makespan;
     PlanQuality q{};

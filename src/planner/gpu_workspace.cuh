@@ -33,6 +33,16 @@ struct PlannerWorkspace {
 // cand_meta words.
 enum CandidateMeta : int { kMetaMakespan = 0, kMetaReplicas, kMetaMovedLo, kMetaMovedHi, kMetaCount, kMetaWords = 8 };
 
+// The greedy's quality, as the greedy block wrote it to ws.cand_meta.
+FLATEP_DEVICE planner_core::PlanQuality greedy_quality(const PlannerWorkspace& ws) {
+    planner_core::PlanQuality q{};
+    q.makespan = ws.cand_meta[kMetaMakespan];
+    q.total_replicas = ws.cand_meta[kMetaReplicas];
+    q.entries_moved = int64_t(uint64_t(uint32_t(ws.cand_meta[kMetaMovedLo])) |
+                              (uint64_t(uint32_t(ws.cand_meta[kMetaMovedHi])) << 32));
+    return q;
+}
+
 // Upper bound of the greedy's makespan: a rank hosts at most epn replicas and the E experts have at most E copies.
 FLATEP_HD int max_candidates(const Layout& l) { return planner_core::num_candidates(l.num_experts); }
 // The candidate kernel's grid: one pass covers every candidate up to a greedy P of 6 (num_candidates(6)).
