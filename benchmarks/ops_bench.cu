@@ -26,7 +26,8 @@
 // bitwise (exit status 1 when one does not).
 // --planner-profile: also where the planner's time goes, from device stamps (planner::set_planner_profile): for each
 // case, medians over a graph of 10 back-to-back planners of the kernels' spans and of the phases of the candidate
-// blocks, the greedy block and select_derive_kernel, the slowest candidates, and the greedy planner kind's phases.
+// blocks, the greedy block and select_derive_kernel, the slowest candidates, every candidate's end, what stopping
+// the candidates select_candidate never reads would save (print_stop_estimate), and the greedy planner kind's phases.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
