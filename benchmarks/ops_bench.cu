@@ -267,7 +267,6 @@ ProfileClock fit_clock(const std::vector<PlannerProfileRecord>& recs, int last_s
 
 double median_of(const std::vector<double>& v) { return bench::median(v); }
 
-// Prints a few lines: balanced planner spans and phases, the slowest candidates, the greedy planner kind's phases.
 // What stopping the unneeded candidates early would save, from the candidates' ends (us after the first block came in;
 // < 0: not run) and the host planner's qualities: select_candidate reads the candidates of budget b only while no
 // budget below b has an acceptable one, no acceptable path candidate has a makespan below b and the greedy's makespan
@@ -316,6 +315,8 @@ void print_stop_estimate(const Layout& l, const int32_t* tpe, const std::vector<
         greedy.makespan, kept, kept < 0 ? -1 : budget_of(kept), now, stopped, read_up_to);
 }
 
+// Prints a few lines: balanced planner spans and phases, the slowest candidates, every candidate's end and the stop
+// estimate, the greedy planner kind's phases. tpe: the counts the planner ran on (the estimate's host planner).
 void print_planner_profile(const Layout& l, const std::vector<PlannerProfileRecord>& balanced,
                            const std::vector<PlannerProfileRecord>& greedy_kind, const int32_t* tpe) {
     using namespace planner;
