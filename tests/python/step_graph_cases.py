@@ -75,34 +75,50 @@ class StaticStep:
         self.loss.backward()
 
     def results(self, replayed=False):
-        """Cloned loss, output, every gradient and the layers' cu_seqlens (call after the device is idle): of the
-        last eager step, or with replayed=True of the last replay (the captured step's static tensors and plans;
-        the gradients are the same tensors in both)."""
-        grads = [p.grad for p in self.params + [self.x]]
-        grads += [p.main_grad for moe in self.model.moes for p in moe.expert_parameters()]
+        """(name, cloned tensor) of the loss, the output, every gradient and the layers' cu_seqlens (call after the
+        device is idle): of the last eager step, or with replayed=True of the last replay (the captured step's static
+        tensors and plans; the gradients are the same tensors in both)."""
+        named = [(n, p.grad) for n, p in self.model.named_parameters() if not hasattr(p, "main_grad")]
+        named.append(("x.grad", self.x.grad))
+        for i, moe in enumerate(self.model.moes):
+            named += [(f"moes.{i}.{n}.main_grad", p.main_grad) for n, p in moe.named_parameters() if hasattr(p, "main_grad")]
         if replayed:
             loss, out, plans = self.captured
         else:
             loss, out, plans = self.loss, self.out, [moe.last_plan for moe in self.model.moes]
-        return [t.detach().clone() for t in [loss, out] + grads + [plan.cu_seqlens for plan in plans]]
+        named = [("loss", loss), ("out", out)] + named
+        named += [(f"moes.{i}.cu_seqlens", plan.cu_seqlens) for i, plan in enumerate(plans)]
+        return [(n, t.detach().clone()) for n, t in named]
 
 
 def compare(replayed, eager, where):
-    names = ["loss", "out"] + [f"tensor {i}" for i in range(2, len(eager))]
-    for name, a, b in zip(names, replayed, eager):
+    """None when every tensor is bitwise equal, else one line naming every tensor that differs."""
+    diffs = []
+    for (name, a), (_, b) in zip(replayed, eager):
         if a.dtype != b.dtype or a.shape != b.shape:
-            return f"{where}: {name}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-        if not torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b):
-            diff = (a.float() - b.float()).abs().max().item()
-            return f"{where}: {name} differs (max |diff| {diff:g})"
-    return None
+            diffs.append(f"{name}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
+        elif not torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b):
+            diff = (a.float() - b.float()).abs()
+            where_max = divmod(int(diff.argmax()), a.shape[-1]) if a.dim() > 1 else int(diff.argmax())
+            diffs.append(
+                f"{name} differs in {int((diff > 0).sum())} of {a.numel()} (max |diff| {diff.max().item():g} at "
+                f"{where_max}, |replayed| max {a.float().abs().max().item():g}, |eager| max "
+                f"{b.float().abs().max().item():g})"
+            )
+    return f"{where}: " + "; ".join(diffs) if diffs else None
 
 
-def capture(step, stream):
+def capture(step, stream, dump_path=None):
+    """The step captured as one graph. dump_path: also write the graph's nodes and edges there (Graphviz, CUDA's
+    debug dump: which kernels depend on which)."""
     graph = torch.cuda.CUDAGraph()
+    if dump_path:
+        graph.enable_debug_mode()
     with torch.cuda.graph(graph, stream=stream, capture_error_mode="global"):
         step.step()
     step.captured = (step.loss, step.out, [moe.last_plan for moe in step.model.moes])  # what replays rewrite
+    if dump_path:
+        graph.debug_dump(dump_path)
     return graph
 
 
@@ -115,34 +131,58 @@ def check_rows(model, R):
     return None
 
 
+def replay_and_eager(st, stream, graph, rank, trial):
+    """One trial: its inputs, the graph replayed, then the same step run eagerly: (replayed, eager) results."""
+    st.write_inputs(rank, trial)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        graph.replay()
+    torch.cuda.synchronize()
+    replayed = st.results(replayed=True)
+    with torch.cuda.stream(stream):
+        st.step()
+    torch.cuda.synchronize()
+    return replayed, st.results()
+
+
 def run_processes(rank, R, out_path):
-    """One rank per process, every process on cuda:0."""
+    """One rank per process, every process on cuda:0. FLATEP_STEP_GRAPH_DUMP=DIR: each rank also writes its captured
+    graph to DIR/step_graph_rank<r>.dot."""
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
     model = TwoLayerModel(None, device)
     st = StaticStep(model, device)
     stream = torch.cuda.Stream(device)
-    errors = []
+    errors, failed = [], {}
     with torch.cuda.stream(stream):
         for trial in (0, 1):  # warm-up: allocates .grad, loads every kernel
             st.write_inputs(rank, trial)
             st.step()
     torch.cuda.synchronize()
-    graph = capture(st, stream)
+    dump_dir = os.environ.get("FLATEP_STEP_GRAPH_DUMP")
+    graph = capture(st, stream, os.path.join(dump_dir, f"step_graph_rank{rank}.dot") if dump_dir else None)
     torch.cuda.synchronize()
     for trial in range(2, 2 + TRIALS):
-        st.write_inputs(rank, trial)
-        torch.cuda.synchronize()
-        with torch.cuda.stream(stream):
-            graph.replay()
-        torch.cuda.synchronize()
-        replayed = st.results(replayed=True)
-        with torch.cuda.stream(stream):
-            st.step()
-        torch.cuda.synchronize()
-        err = compare(replayed, st.results(), f"rank {rank} trial {trial}") or check_rows(model, R)
+        replayed, eager = replay_and_eager(st, stream, graph, rank, trial)
+        err = compare(replayed, eager, f"rank {rank} trial {trial}") or check_rows(model, R)
         if err:
             errors.append(err)
+            failed[trial] = (replayed, eager)
+    # A trial that failed on any rank runs once more on every rank (the ops are collective): the failing rank says
+    # which of its two results moved, the replay's or the eager step's.
+    trials = [None] * R
+    torch.distributed.all_gather_object(trials, sorted(failed))
+    for trial in sorted({t for ts in trials for t in ts}):
+        replayed, eager = replay_and_eager(st, stream, graph, rank, trial)
+        if trial in failed:
+            first_replayed, first_eager = failed[trial]
+            verdicts = [
+                f"{what} {compare(a, b, 'differs') or 'equal'}"
+                for what, a, b in (("replay again vs first replay:", replayed, first_replayed),
+                                   ("eager again vs first eager:", eager, first_eager),
+                                   ("replay again vs eager again:", replayed, eager))
+            ]
+            errors.append(f"rank {rank} trial {trial} run again: " + "; ".join(verdicts))
     for moe in model.moes:
         moe.buffer.check_status()
     gathered = [None] * R
@@ -190,7 +230,7 @@ def run_virtual(rank, world_size, out_path, R=4):
                 graphs[r].replay()
         torch.cuda.synchronize()
         replayed = [steps[r].results(replayed=True) for r in range(R)]
-        seen.add(tuple(replayed[0][-1].tolist()))  # rank 0's last layer's cu_seqlens of this replay
+        seen.add(tuple(replayed[0][-1][1].tolist()))  # rank 0's last layer's cu_seqlens of this replay
         eager(trial)
         for r in range(R):
             err = compare(replayed[r], steps[r].results(), f"rank {r} trial {trial}") or check_rows(models[r], R)
