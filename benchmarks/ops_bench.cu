@@ -267,11 +267,11 @@ ProfileClock fit_clock(const std::vector<PlannerProfileRecord>& recs, int last_s
 
 double median_of(const std::vector<double>& v) { return bench::median(v); }
 
-// What stopping the unneeded candidates early would save, from the candidates' ends (us after the first block came in;
-// < 0: not run) and the host planner's qualities: select_candidate reads the candidates of budget b only while no
-// budget below b has an acceptable one, no acceptable path candidate has a makespan below b and the greedy's makespan
-// is not below b. So a candidate of budget b is not needed from the first time one of those is known (once the greedy's
-// quality is known too: acceptable means no worse than the greedy). Prints the budgets select reads and the
+// What stopping the unneeded candidates early would save, from the ends of candidates [0, end.size()) (us after the
+// first block came in) and the host planner's qualities: select_candidate reads the candidates of budget b only while
+// no budget below b has an acceptable one, no acceptable path candidate has a makespan below b and the greedy's
+// makespan is not below b. So a candidate of budget b is not needed from the first time one of those is known (once the
+// greedy's quality is known too: acceptable means no worse than the greedy). Prints the budgets select reads and the
 // candidates' end with such stops (each stop priced at one more warp step, 0.5 us).
 void print_stop_estimate(const Layout& l, const int32_t* tpe, const std::vector<double>& end, double greedy_end) {
     namespace pc = planner_core;
@@ -291,18 +291,15 @@ void print_stop_estimate(const Layout& l, const int32_t* tpe, const std::vector<
     bound(greedy.makespan, greedy_end);
     std::vector<pc::PlanQuality> q(end.size(), pc::PlanQuality{pc::kNoCandidate, 0, 0});
     for (size_t c = 0; c < end.size(); ++c) {
-        if (end[c] < 0) continue;
         if (pc::build_candidate(l, tpe, w.cand, w, int(c)))
             q[c] = pc::evaluate_alloc(l, tpe, w.cand, w.num_in, w.num_out);
-        const bool ok = q[c].makespan != pc::kNoCandidate && q[c].makespan <= greedy.makespan &&
-                        q[c].total_replicas <= greedy.total_replicas;
-        if (ok) bound(budget_of(int(c)) == 0 ? q[c].makespan : budget_of(int(c)), std::max(end[c], greedy_end));
+        if (pc::acceptable(greedy, q[c]))
+            bound(budget_of(int(c)) == 0 ? q[c].makespan : budget_of(int(c)), std::max(end[c], greedy_end));
     }
     const int kept = pc::select_candidate(greedy, q.data(), int(q.size()));
     double now = greedy_end, stopped = greedy_end;
     int read_up_to = 0;
     for (size_t c = 0; c < end.size(); ++c) {
-        if (end[c] < 0) continue;
         now = std::max(now, end[c]);
         const int b = budget_of(int(c));
         const bool stops = b > 0 && stop_at[size_t(b)] + 0.5 < end[c];

@@ -433,6 +433,12 @@ FLATEP_HD bool build_candidate(const Layout& l, const int32_t* tpe_all, int32_t*
 // Marks a candidate that yielded no plan in a quality list.
 inline constexpr int32_t kNoCandidate = -1;
 
+// Whether a candidate of quality q may replace the greedy's plan: it yielded a plan and is no worse than the greedy on
+// P and on total replicas (each on its own). Every selection (serial, warp, keyed) and ops_bench's estimate use it.
+FLATEP_HD bool acceptable(const PlanQuality& greedy, const PlanQuality& q) {
+    return q.makespan != kNoCandidate && q.makespan <= greedy.makespan && q.total_replicas <= greedy.total_replicas;
+}
+
 // The balanced planner's choice given the greedy's quality and the quality of candidates [0, count) (makespan
 // kNoCandidate where a candidate yielded no plan; count >= num_candidates(greedy.makespan)). A candidate is
 // acceptable when it is no worse than the greedy on P and on total replicas (each on its own); the kept plan is the
@@ -442,11 +448,8 @@ inline constexpr int32_t kNoCandidate = -1;
 FLATEP_HD int select_candidate(const PlanQuality& greedy, const PlanQuality* quality, int count) {
     PlanQuality best = greedy;
     int kept = -1;
-    auto acceptable = [&greedy](const PlanQuality& q) {
-        return q.makespan != kNoCandidate && q.makespan <= greedy.makespan && q.total_replicas <= greedy.total_replicas;
-    };
     for (int i = 0; i < kNumPathVariants && i < count; ++i) {
-        if (!acceptable(quality[i]) || !better_than(quality[i], best)) continue;
+        if (!acceptable(greedy, quality[i]) || !better_than(quality[i], best)) continue;
         best = quality[i];
         kept = i;
     }
@@ -454,7 +457,7 @@ FLATEP_HD int select_candidate(const PlanQuality& greedy, const PlanQuality* qua
         bool found = false;
         for (int variant = 0; variant < kVariantsPerBudget; ++variant) {
             const int i = kNumPathVariants + (budget - 1) * kVariantsPerBudget + variant;
-            if (i >= count || !acceptable(quality[i])) continue;
+            if (i >= count || !acceptable(greedy, quality[i])) continue;
             found = true;
             if (better_than(quality[i], best)) {
                 best = quality[i];
@@ -483,7 +486,7 @@ FLATEP_HD void plan_alloc(const Layout& l, PlannerKind kind, const int32_t* tpe_
     auto consider = [&](int index, bool& found) {
         if (!build_candidate(x, l, tpe_all, w.cand, w, index)) return;
         const PlanQuality q = evaluate_alloc(x, l, tpe_all, w.cand, w.num_in, w.num_out);
-        if (q.makespan > greedy.makespan || q.total_replicas > greedy.total_replicas) return;
+        if (!acceptable(greedy, q)) return;
         found = true;
         if (!better_than(q, best)) return;
         best = q;

@@ -24,24 +24,20 @@ constexpr bool kWarpSelect = true;
 // none beats the greedy), then the lowest budget in [1, best->makespan] with an acceptable candidate among [0, count),
 // kNoBudget when none (every lane gets the same values).
 constexpr int kNoBudget = 0x7fffffff;
-FLATEP_DEVICE bool acceptable_candidate(const planner_core::PlanQuality& greedy, const planner_core::PlanQuality& q) {
-    return q.makespan != planner_core::kNoCandidate && q.makespan <= greedy.makespan &&
-           q.total_replicas <= greedy.total_replicas;
-}
 FLATEP_DEVICE int lowest_acceptable_budget(const planner_core::PlanQuality& greedy,
                                            const planner_core::PlanQuality* quality, int count, int lane,
                                            planner_core::PlanQuality* best, int* kept) {
     *best = greedy;
     *kept = -1;
     for (int i = 0; i < planner_core::kNumPathVariants && i < count; ++i) {
-        if (!acceptable_candidate(greedy, quality[i]) || !planner_core::better_than(quality[i], *best)) continue;
+        if (!planner_core::acceptable(greedy, quality[i]) || !planner_core::better_than(quality[i], *best)) continue;
         *best = quality[i];
         *kept = i;
     }
     int budget = kNoBudget;
     for (int i = planner_core::kNumPathVariants + lane; i < count; i += 32) {
         const int b = (i - planner_core::kNumPathVariants) / planner_core::kVariantsPerBudget + 1;
-        if (b <= best->makespan && b < budget && acceptable_candidate(greedy, quality[i])) budget = b;
+        if (b <= best->makespan && b < budget && planner_core::acceptable(greedy, quality[i])) budget = b;
     }
     return int(__reduce_min_sync(kFull, unsigned(budget)));
 }
@@ -66,7 +62,6 @@ FLATEP_DEVICE int select_candidate_warp(const planner_core::PlanQuality& greedy,
     };
     using planner_core::better_than;
     using planner_core::PlanQuality;
-    auto acceptable = [&greedy](const PlanQuality& q) { return acceptable_candidate(greedy, q); };
     PlanQuality best{};
     int kept = -1;
     const int budget = lowest_acceptable_budget(greedy, quality, count, lane, &best, &kept);
@@ -81,7 +76,7 @@ FLATEP_DEVICE int select_candidate_warp(const planner_core::PlanQuality& greedy,
     int at = -1;
     for (int i = lo + lane; i < hi; i += 32) {
         const PlanQuality q = quality[i];
-        if (acceptable(q) && better_than(q, mine)) {
+        if (planner_core::acceptable(greedy, q) && better_than(q, mine)) {
             mine = q;
             at = i;
         }
@@ -130,19 +125,19 @@ FLATEP_DEVICE int select_candidate_keys(const planner_core::PlanQuality& greedy,
                                         const planner_core::PlanQuality* quality, int count, int lane) {
     using planner_core::PlanQuality;
     constexpr int kPath = planner_core::kNumPathVariants, kPerBudget = planner_core::kVariantsPerBudget;
-    auto acceptable = [&greedy](const PlanQuality& q) { return acceptable_candidate(greedy, q); };
     uint64_t best = quality_key(greedy);
     int best_p = greedy.makespan;
     PlanQuality q{};
     if (lane < kPath && lane < count) q = quality[lane];
     const uint64_t path_key = quality_key(q);
-    const int kept = warp_min_key(lane < kPath && lane < count && acceptable(q) && path_key < best, path_key, &best);
+    const int kept = warp_min_key(
+        lane < kPath && lane < count && planner_core::acceptable(greedy, q) && path_key < best, path_key, &best);
     if (kept >= 0) best_p = int(best >> 56);
     constexpr int kNone = 0x7fffffff;
     int budget = kNone;
     for (int i = kPath + lane; i < count; i += 32) {
         const int b = (i - kPath) / kPerBudget + 1;
-        if (b <= best_p && b < budget && acceptable(quality[i])) budget = b;
+        if (b <= best_p && b < budget && planner_core::acceptable(greedy, quality[i])) budget = b;
     }
     budget = int(__reduce_min_sync(kFull, unsigned(budget)));
     if (budget == kNone) return kept;
@@ -150,7 +145,7 @@ FLATEP_DEVICE int select_candidate_keys(const planner_core::PlanQuality& greedy,
     const bool mine = lane < kPerBudget && i < count;
     if (mine) q = quality[i];
     const uint64_t key = quality_key(q);
-    const int at = warp_min_key(mine && acceptable(q) && key < best, key, &best);
+    const int at = warp_min_key(mine && planner_core::acceptable(greedy, q) && key < best, key, &best);
     return at >= 0 ? i - lane + at : kept;
 }
 
