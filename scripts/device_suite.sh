@@ -19,6 +19,10 @@
 #                unset): 3000 steps on 4 virtual ranks driven by one thread, 1000 steps of 2 processes sharing the
 #                GPU; fresh skew per step, replays bitwise, S*K rows every step, status, flat memory ($OUT/soak.csv)
 #   pytest_cpu   python3 -m pytest tests/python -m "not cuda": the CPU tests under this torch (last: the least news)
+#   step_graph_repeat  (only when named) the flaky in-processes whole-step test (README, Testing) STEP_GRAPH_REPEAT
+#                times (default 6) under CUDA_DEVICE_MAX_CONNECTIONS=32 (what tests/python/conftest.py sets) and as many
+#                under 8, one line per run; the first run of each writes both ranks' captured graphs (Graphviz, gzip)
+#                to $OUT/graphs_<connections> (about 4 minutes)
 #
 #   scripts/device_suite.sh                                   # every step, logs in ${OUT:-/tmp/out}
 #   SUITE_STEPS="build pytest_cuda" scripts/device_suite.sh   # a subset, run in the order above
@@ -55,8 +59,9 @@ BUILD=build-cuda
 JOBS=${SUITE_JOBS:-16}
 DEADLINE_S=${SUITE_DEADLINE_S:-540}
 PY=$(command -v "${PYTHON:-python3}" || true)
-ALL_STEPS="build gpu_ops gpu_fp8 ipc_gpu ipc_buffer ipc_pools step_graph pytest_cuda train_cuda soak pytest_cpu"
-STEPS=${SUITE_STEPS:-$ALL_STEPS}
+DEFAULT_STEPS="build gpu_ops gpu_fp8 ipc_gpu ipc_buffer ipc_pools step_graph pytest_cuda train_cuda soak pytest_cpu"
+ALL_STEPS="$DEFAULT_STEPS step_graph_repeat"  # the order steps run in; the last only when SUITE_STEPS names it
+STEPS=${SUITE_STEPS:-$DEFAULT_STEPS}
 
 export NCCL_NVLS_ENABLE=0
 export FLATEP_TIMEOUT_S=${FLATEP_TIMEOUT_S:-60}
@@ -188,6 +193,31 @@ soak() {
         --steps 1000 --csv "$OUT/soak.csv" || return 1
 }
 
+step_graph_repeat() {
+    cuda_preflight || return 1
+    local n=${STEP_GRAPH_REPEAT:-6} failed=0 c i dump log
+    for c in 32 8; do
+        for ((i = 1; i <= n; i++)); do
+            dump=""
+            if ((i == 1)); then
+                dump=$OUT/graphs_$c
+                mkdir -p "$dump"
+            fi
+            log=$OUT/step_graph_repeat_${c}_$i.log
+            if CUDA_DEVICE_MAX_CONNECTIONS=$c FLATEP_STEP_GRAPH_DUMP=$dump FLATEP_SPAWN_TIMEOUT_S=120 "$PY" -m pytest \
+                tests/python/test_gpu_step_graph.py -q -m cuda -p no:cacheprovider -k in_processes >"$log" 2>&1; then
+                echo "CUDA_DEVICE_MAX_CONNECTIONS=$c run $i: pass"
+            else
+                echo "CUDA_DEVICE_MAX_CONNECTIONS=$c run $i: FAIL ($log)"
+                grep -E "^E  " "$log" | cut -c1-2000 | head -n 4
+                failed=1
+            fi
+            [[ -n $dump ]] && gzip -f "$dump"/*.dot 2>/dev/null
+        done
+    done
+    return "$failed"
+}
+
 pytest_cpu() {
     "$PY" -m pytest tests/python -q -rs -m "not cuda" -p no:cacheprovider
 }
@@ -242,6 +272,7 @@ for step in $ALL_STEPS; do  # in this order, whatever the order of SUITE_STEPS
         pytest_cuda) run_step pytest_cuda 500 "$SELF" __run pytest_cuda ;;
         soak) run_step soak 300 "$SELF" __run soak ;;
         pytest_cpu) run_step pytest_cpu 300 "$SELF" __run pytest_cpu ;;
+        step_graph_repeat) run_step step_graph_repeat 420 "$SELF" __run step_graph_repeat ;;
         train_cuda)
             run_step train_cuda 180 "$PY" examples/train_moe.py --device cuda --ranks 4 --steps 8 --tokens 64 \
                 --experts 16 --capacity-factor 1.25
