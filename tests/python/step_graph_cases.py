@@ -81,7 +81,9 @@ class StaticStep:
         named = [(n, p.grad) for n, p in self.model.named_parameters() if not hasattr(p, "main_grad")]
         named.append(("x.grad", self.x.grad))
         for i, moe in enumerate(self.model.moes):
-            named += [(f"moes.{i}.{n}.main_grad", p.main_grad) for n, p in moe.named_parameters() if hasattr(p, "main_grad")]
+            named += [
+                (f"moes.{i}.{n}.main_grad", p.main_grad) for n, p in moe.named_parameters() if hasattr(p, "main_grad")
+            ]
         if replayed:
             loss, out, plans = self.captured
         else:
