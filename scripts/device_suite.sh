@@ -22,7 +22,7 @@
 #   step_graph_repeat  (only when named) the flaky in-processes whole-step test (README, Testing) STEP_GRAPH_REPEAT
 #                times (default 6) under CUDA_DEVICE_MAX_CONNECTIONS=32 (what tests/python/conftest.py sets) and as many
 #                under 8, one line per run; the first run of each writes both ranks' captured graphs (Graphviz, gzip)
-#                to $OUT/graphs_<connections> (about 4 minutes)
+#                to $OUT/graphs_<connections> and prints their forks (scripts/graph_forks.py) (about 4 minutes)
 #
 #   scripts/device_suite.sh                                   # every step, logs in ${OUT:-/tmp/out}
 #   SUITE_STEPS="build pytest_cuda" scripts/device_suite.sh   # a subset, run in the order above
@@ -212,7 +212,14 @@ step_graph_repeat() {
                 grep -E "^E  " "$log" | cut -c1-2000 | head -n 4
                 failed=1
             fi
-            [[ -n $dump ]] && gzip -f "$dump"/*.dot 2>/dev/null
+            if [[ -n $dump ]]; then
+                for f in "$dump"/*.dot; do
+                    [[ -f $f ]] || continue
+                    echo "  $(basename "$f"):"
+                    "$PY" scripts/graph_forks.py "$f" --limit 8 2>&1 | head -n 40 | sed 's/^/    /'
+                done
+                gzip -f "$dump"/*.dot 2>/dev/null
+            fi
         done
     done
     return "$failed"
