@@ -51,6 +51,7 @@ class StaticStep:
         self.target = torch.zeros(S, H, device=device)
         self.idx = torch.zeros(LAYERS, S, K, dtype=torch.int64, device=device)
         self.params = [p for p in model.parameters() if not hasattr(p, "main_grad")]  # router and norms
+        self.names = {id(p): n for n, p in model.named_parameters()}  # what a failure calls each gradient
         self.loss = self.out = None
 
     def write_inputs(self, rank, trial):
@@ -78,12 +79,9 @@ class StaticStep:
         """(name, cloned tensor) of the loss, the output, every gradient and the layers' cu_seqlens (call after the
         device is idle): of the last eager step, or with replayed=True of the last replay (the captured step's static
         tensors and plans; the gradients are the same tensors in both)."""
-        named = [(n, p.grad) for n, p in self.model.named_parameters() if not hasattr(p, "main_grad")]
-        named.append(("x.grad", self.x.grad))
-        for i, moe in enumerate(self.model.moes):
-            named += [
-                (f"moes.{i}.{n}.main_grad", p.main_grad) for n, p in moe.named_parameters() if hasattr(p, "main_grad")
-            ]
+        named = [(self.names[id(p)], p.grad) for p in self.params] + [("x.grad", self.x.grad)]
+        experts = [p for moe in self.model.moes for p in moe.expert_parameters()]
+        named += [(self.names[id(p)] + ".main_grad", p.main_grad) for p in experts]
         if replayed:
             loss, out, plans = self.captured
         else:
