@@ -113,6 +113,10 @@ def capture(step, stream, dump_path=None):
     debug dump: which kernels depend on which)."""
     graph = torch.cuda.CUDAGraph()
     if dump_path:
+        try:  # torch 2.11 drops the captured graph at instantiation (debug_dump then writes nothing) unless kept
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+        except TypeError:  # older torch: keeps it in debug mode
+            pass
         graph.enable_debug_mode()
     with torch.cuda.graph(graph, stream=stream, capture_error_mode="global"):
         step.step()
