@@ -69,7 +69,7 @@ bool send_piece_by_piece(const Layout& l, int32_t* alloc, const planner_core::Wo
 
 TEST(PlannerSteps, SendLargestFirstEqualsPieceByPiece) {
     std::mt19937 rng(11);
-    int compared = 0, refused = 0, multi = 0;
+    int compared = 0, refused = 0, multi = 0, beyond = 0;
     for (int epn : {1, 3, 8, 33, 48, 64, 70}) {
         for (int trial = 0; trial < 60; ++trial) {
             Config c;
@@ -102,6 +102,7 @@ TEST(PlannerSteps, SendLargestFirstEqualsPieceByPiece) {
                     ASSERT_EQ(wa.num_out[r], wb.num_out[r]);
                 }
                 multi += wa.num_out[1] > 2;
+                beyond += wa.num_out[1] - 1 > planner_core::kLoopPieces;  // the rest computed at once
                 ++compared;
             } else {
                 ++refused;
@@ -110,7 +111,8 @@ TEST(PlannerSteps, SendLargestFirstEqualsPieceByPiece) {
     }
     EXPECT_GT(compared, 150);
     EXPECT_GT(refused, 20);
-    EXPECT_GT(multi, 50);  // flows of several pieces, not only the one-piece shortcut
+    EXPECT_GT(multi, 50);   // flows of several pieces, not only the one-piece shortcut
+    EXPECT_GT(beyond, 20);  // flows of more pieces than send_largest_first takes one at a time
 }
 
 // path_order as it was written before path_key: a pairwise scan.
