@@ -20,9 +20,11 @@
 #                GPU; fresh skew per step, replays bitwise, S*K rows every step, status, flat memory ($OUT/soak.csv)
 #   pytest_cpu   python3 -m pytest tests/python -m "not cuda": the CPU tests under this torch (last: the least news)
 #   step_graph_repeat  (only when named) the flaky in-processes whole-step test (README, Testing) STEP_GRAPH_REPEAT
-#                times (default 6) under CUDA_DEVICE_MAX_CONNECTIONS=32 (what tests/python/conftest.py sets) and as many
-#                under 8, one line per run; the first run of each writes both ranks' captured graphs (Graphviz, gzip)
-#                to $OUT/graphs_<connections> and prints their forks (scripts/graph_forks.py) (about 4 minutes)
+#                times (default 3) under CUDA_DEVICE_MAX_CONNECTIONS=32 (what tests/python/conftest.py sets) and as many
+#                under 8, each time from pytest and then from a plain python3 parent (tests/python/step_graph_cases.py
+#                run as a script: it has failed only under pytest so far), one line per run; the first pytest run of
+#                each writes both ranks' captured graphs (Graphviz, gzip) to $OUT/graphs_<connections> and prints their
+#                forks (scripts/graph_forks.py) (about 4 minutes)
 #
 #   scripts/device_suite.sh                                   # every step, logs in ${OUT:-/tmp/out}
 #   SUITE_STEPS="build pytest_cuda" scripts/device_suite.sh   # a subset, run in the order above
@@ -195,7 +197,7 @@ soak() {
 
 step_graph_repeat() {
     cuda_preflight || return 1
-    local n=${STEP_GRAPH_REPEAT:-6} failed=0 c i dump log
+    local n=${STEP_GRAPH_REPEAT:-3} failed=0 c i dump log
     for c in 32 8; do
         for ((i = 1; i <= n; i++)); do
             dump=""
@@ -205,11 +207,20 @@ step_graph_repeat() {
             fi
             log=$OUT/step_graph_repeat_${c}_$i.log
             if CUDA_DEVICE_MAX_CONNECTIONS=$c FLATEP_STEP_GRAPH_DUMP=$dump FLATEP_SPAWN_TIMEOUT_S=120 "$PY" -m pytest \
-                tests/python/test_gpu_step_graph.py -q -m cuda -p no:cacheprovider -k in_processes >"$log" 2>&1; then
+                tests/python/test_gpu_step_graph.py -q -vv -m cuda -p no:cacheprovider -k in_processes >"$log" 2>&1; then
                 echo "CUDA_DEVICE_MAX_CONNECTIONS=$c run $i: pass"
             else
                 echo "CUDA_DEVICE_MAX_CONNECTIONS=$c run $i: FAIL ($log)"
                 grep -E "^E  " "$log" | cut -c1-2000 | head -n 4
+                failed=1
+            fi
+            log=$OUT/step_graph_plain_${c}_$i.log
+            if CUDA_DEVICE_MAX_CONNECTIONS=$c FLATEP_SPAWN_TIMEOUT_S=120 "$PY" tests/python/step_graph_cases.py >"$log" 2>&1
+            then
+                echo "CUDA_DEVICE_MAX_CONNECTIONS=$c run $i, plain python3 parent: pass"
+            else
+                echo "CUDA_DEVICE_MAX_CONNECTIONS=$c run $i, plain python3 parent: FAIL ($log)"
+                tail -n 2 "$log" | cut -c1-2000
                 failed=1
             fi
             if [[ -n $dump ]]; then
@@ -279,7 +290,7 @@ for step in $ALL_STEPS; do  # in this order, whatever the order of SUITE_STEPS
         pytest_cuda) run_step pytest_cuda 500 "$SELF" __run pytest_cuda ;;
         soak) run_step soak 300 "$SELF" __run soak ;;
         pytest_cpu) run_step pytest_cpu 300 "$SELF" __run pytest_cpu ;;
-        step_graph_repeat) run_step step_graph_repeat 420 "$SELF" __run step_graph_repeat ;;
+        step_graph_repeat) run_step step_graph_repeat 600 "$SELF" __run step_graph_repeat ;;
         train_cuda)
             run_step train_cuda 180 "$PY" examples/train_moe.py --device cuda --ranks 4 --steps 8 --tokens 64 \
                 --experts 16 --capacity-factor 1.25
