@@ -247,6 +247,14 @@ def run_virtual(rank, world_size, out_path, R=4):
         json.dump({"errors": errors, "distinct_plans": len(seen)}, f)
 
 
+def errors_in_processes(out_path, R=2):
+    """run_processes on R processes (one rank each, all on cuda:0): every rank's list of errors, [[]] * R when every
+    replay matched its eager step."""
+    testing.spawn(run_processes, R, out_path)
+    with open(out_path) as f:
+        return json.load(f)
+
+
 def main():
     """The in-processes test's body from a plain python3 parent (no pytest): `python3 tests/python/step_graph_cases.py`
     prints `pass`, or `FAIL` and the errors (exit status 1). The flaky test (README, Testing) has failed only under
@@ -255,12 +263,10 @@ def main():
 
     import step_graph_cases as cases  # by its module name, so that the spawned processes import the same functions
 
+    R = 2
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "step_graph.json")
-        testing.spawn(cases.run_processes, 2, out)
-        with open(out) as f:
-            errors = json.load(f)
-    if errors == [[], []]:
+        errors = cases.errors_in_processes(os.path.join(tmp, "step_graph.json"), R)
+    if errors == [[]] * R:
         print("pass")
         return 0
     print("FAIL " + json.dumps(errors))
