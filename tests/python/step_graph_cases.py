@@ -77,8 +77,8 @@ class StaticStep:
 
     def results(self, replayed=False):
         """(name, cloned tensor) of the loss, the output, every gradient and the layers' cu_seqlens (call after the
-        device is idle): of the last eager step, or with replayed=True of the last replay (the captured step's static
-        tensors and plans; the gradients are the same tensors in both)."""
+        device is idle; returns once the clones are done): of the last eager step, or with replayed=True of the last
+        replay (the captured step's static tensors and plans; the gradients are the same tensors in both)."""
         named = [(self.names[id(p)], p.grad) for p in self.params] + [("x.grad", self.x.grad)]
         experts = [p for moe in self.model.moes for p in moe.expert_parameters()]
         named += [(self.names[id(p)] + ".main_grad", p.main_grad) for p in experts]
@@ -88,7 +88,12 @@ class StaticStep:
             loss, out, plans = self.loss, self.out, [moe.last_plan for moe in self.model.moes]
         named = [("loss", loss), ("out", out)] + named
         named += [(f"moes.{i}.cu_seqlens", plan.cu_seqlens) for i, plan in enumerate(plans)]
-        return [(n, t.detach().clone()) for n, t in named]
+        cloned = [(n, t.detach().clone()) for n, t in named]
+        # The clones run on the current stream, the next step on the test's own: without this wait the next step's
+        # zeroing of the gradients may run before a clone reads them (a replay's gradients then read as zeros; the
+        # whole-step test failed so in about one run in three, 2026-12-02/03).
+        torch.cuda.synchronize()
+        return cloned
 
 
 def compare(replayed, eager, where):
@@ -257,8 +262,8 @@ def errors_in_processes(out_path, R=2):
 
 def main():
     """The in-processes test's body from a plain python3 parent (no pytest): `python3 tests/python/step_graph_cases.py`
-    prints `pass`, or `FAIL` and the errors (exit status 1). The flaky test (README, Testing) has failed only under
-    pytest so far; scripts/device_suite.sh's step_graph_repeat runs both, alternately."""
+    prints `pass`, or `FAIL` and the errors (exit status 1). scripts/device_suite.sh's step_graph_repeat runs it and
+    the pytest test alternately (README, Testing: the race of results() once made the test flaky)."""
     import tempfile
 
     import step_graph_cases as cases  # by its module name, so that the spawned processes import the same functions
