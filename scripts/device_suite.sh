@@ -23,9 +23,8 @@
 #                the test's own, fixed 2026-12-03) STEP_GRAPH_REPEAT times (default 3) under
 #                CUDA_DEVICE_MAX_CONNECTIONS=32 (what tests/python/conftest.py sets) and as many under 8, each time from
 #                pytest and then from a plain python3 parent (tests/python/step_graph_cases.py run as a script), one
-#                line per run; the first pytest run of
-#                each writes both ranks' captured graphs (Graphviz, gzip) to $OUT/graphs_<connections> and prints their
-#                forks (scripts/graph_forks.py) (about 4 minutes)
+#                line per run; the first pytest run of each writes both ranks' captured graphs (Graphviz, gzip) to
+#                $OUT/graphs_<connections> and prints their forks (scripts/graph_forks.py) (about 4 minutes)
 #
 #   scripts/device_suite.sh                                   # every step, logs in ${OUT:-/tmp/out}
 #   SUITE_STEPS="build pytest_cuda" scripts/device_suite.sh   # a subset, run in the order above
