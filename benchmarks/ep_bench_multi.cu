@@ -477,7 +477,7 @@ class RankBench {
           options_(options) {
         // GPU-side start barrier: flags in a symmetric region of the ipc transport, the kernels library's barrier.
         flags_ = transport_->allocate(sizeof(uint64_t) * kMaxRanks);
-        epoch_ = DeviceArray<uint64_t>(1);
+        epoch_ = DeviceArray<uint64_t>(kEpochWords);
         status_ = DeviceArray<int32_t>(4);
         FLATEP_CUDA_CHECK(cudaMemset(epoch_.get(), 0, epoch_.bytes()));
         FLATEP_CUDA_CHECK(cudaMemset(status_.get(), 0, status_.bytes()));

@@ -99,8 +99,8 @@ std::string WaitRecordHost::failure_message() const {
 Context::Context(const Layout& layout) {
     kernels::preload_all_kernels();  // no lazy module load while a peer's kernel spins (see kernels/common/preload.hpp)
     planner::preload_planner_kernels();
-    FLATEP_CUDA_CHECK(cudaMalloc(&epoch_, sizeof(uint64_t)));
-    FLATEP_CUDA_CHECK(cudaMemset(epoch_, 0, sizeof(uint64_t)));
+    FLATEP_CUDA_CHECK(cudaMalloc(&epoch_, kEpochWords * sizeof(uint64_t)));
+    FLATEP_CUDA_CHECK(cudaMemset(epoch_, 0, kEpochWords * sizeof(uint64_t)));
     FLATEP_CUDA_CHECK(cudaMalloc(&workspace_, plan_workspace_bytes(layout)));
     max_blocks_ = env::sm_budget();
 }

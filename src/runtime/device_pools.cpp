@@ -135,8 +135,8 @@ void destroy_layer_allocation(LayerAllocation& a) noexcept {
 
 PoolsContext::PoolsContext() {
     kernels::preload_all_kernels();  // no lazy module load while a peer's kernel spins (see kernels/common/preload.hpp)
-    FLATEP_CUDA_CHECK(cudaMalloc(&epoch_, sizeof(uint64_t)));
-    const cudaError_t zeroed = cudaMemset(epoch_, 0, sizeof(uint64_t));
+    FLATEP_CUDA_CHECK(cudaMalloc(&epoch_, kEpochWords * sizeof(uint64_t)));
+    const cudaError_t zeroed = cudaMemset(epoch_, 0, kEpochWords * sizeof(uint64_t));
     if (zeroed != cudaSuccess) {
         cudaFree(epoch_);
         FLATEP_THROW(ErrorCategory::kRuntime, "ExpertPools: cudaMemset(epoch) failed: ", cudaGetErrorName(zeroed));

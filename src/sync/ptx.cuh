@@ -31,6 +31,12 @@ FLATEP_DEVICE int32_t ld_relaxed_sys(const int32_t* ptr) {
     return value;
 }
 
+FLATEP_DEVICE uint64_t ld_relaxed_sys(const uint64_t* ptr) {
+    uint64_t value;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
 FLATEP_DEVICE void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // Nanoseconds of the GPU's global timer (coarse: ticks of about a microsecond on some parts).

@@ -44,9 +44,17 @@ struct WaitRecord {
     uint64_t step;      // SyncArgs::step of the op that failed
 };
 
+// The words SyncArgs::epoch points at: this rank's own memory, zeroed at creation (device memory for a device backend,
+// kEpochWords of them; the host barrier uses the first alone).
+enum EpochWord : int {
+    kEpochCounter = 0,  // the barrier epoch (the last barrier this rank entered)
+    kEpochFailed = 1,   // device: nonzero once a wait of this rank has failed (record_wait_failure), read by every wait
+    kEpochWords = 2,
+};
+
 struct SyncArgs {
     uint64_t* flags[kMaxRanks];  // flags[p]: rank p's flag array (uint64_t[kMaxRanks]) as mapped in this process
-    uint64_t* epoch;             // this rank's barrier counter (local memory of this rank)
+    uint64_t* epoch;             // this rank's EpochWord words (local memory of this rank): [kEpochCounter] the epoch
     int32_t* status;             // this rank's status words (see StatusWord); may be null
     int rank;
     int num_ranks;
