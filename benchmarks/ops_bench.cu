@@ -182,13 +182,13 @@ Bytes count_bytes(const Layout& l, const std::vector<RankOutputs>& outs, int num
 
 // Prefetch and reduce_grad from the slot table: the owner of every replicated expert pushes each of its replicas (its
 // weights read, the slot written: 2 * expert_bytes a replica); reduce_grad's owner reads its gradient and every
-// replica's slot and writes its gradient ((P_e + 2) * grad_bytes an expert with P_e replicas), then, after a barrier,
-// every rank zeroes the slots it holds (grad_bytes each).
+// replica's slot, writes its gradient and zeroes the slots ((2 * P_e + 2) * grad_bytes an expert with P_e replicas),
+// all in one phase.
 void count_pool_bytes(const Layout& l, const int32_t* slot_expert, double expert_bytes, double grad_bytes,
                       OpBytes& prefetch, OpBytes& reduce) {
     const int R = l.num_ranks, epn = l.experts_per_rank;
     prefetch = make_op_bytes(1, R);
-    reduce = make_op_bytes(2, R);
+    reduce = make_op_bytes(1, R);
     std::vector<int> replicas(size_t(l.num_experts), 0);
     for (int d = 0; d < R; ++d) {
         for (int j = 0; j < epn; ++j) {
@@ -196,11 +196,10 @@ void count_pool_bytes(const Layout& l, const int32_t* slot_expert, double expert
             if (e < 0) continue;
             ++replicas[size_t(e)];
             add_bytes(prefetch, 0, e / epn, 2.0 * expert_bytes);
-            add_bytes(reduce, 1, d, grad_bytes);
         }
     }
     for (int e = 0; e < l.num_experts; ++e)
-        if (replicas[size_t(e)] > 0) add_bytes(reduce, 0, e / epn, (replicas[size_t(e)] + 2.0) * grad_bytes);
+        if (replicas[size_t(e)] > 0) add_bytes(reduce, 0, e / epn, (2.0 * replicas[size_t(e)] + 2.0) * grad_bytes);
 }
 
 // --planner-profile: the stamps of kProfileBatch back-to-back planners captured in one graph (as timed above),
@@ -775,13 +774,15 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     const PlanStats& st = *make_plan_view(l, outs[0].plan.data()).stats;
     const double expert_bytes = double(spec.expert_elems) * 2, grad_bytes = double(spec.expert_elems) * 4;
     OpBytes pre_bytes, red_bytes;
-    count_pool_bytes(l, make_plan_view(l, outs[0].plan.data()).slot_expert, expert_bytes, grad_bytes, pre_bytes,
-                     red_bytes);
-    // Back from count_pool_bytes' per-rank bytes: a pushed replica is 2 * expert_bytes, a held slot grad_bytes zeroed.
+    const int32_t* slot_expert = make_plan_view(l, outs[0].plan.data()).slot_expert;
+    count_pool_bytes(l, slot_expert, expert_bytes, grad_bytes, pre_bytes, red_bytes);
+    // Back from count_pool_bytes' per-rank bytes: a pushed replica is 2 * expert_bytes. Slots held: from the table.
     std::string owns, holds;
     for (int r = 0; r < R; ++r) {
         owns += " " + std::to_string(int(pre_bytes.phases[0][size_t(r)] / (2 * expert_bytes) + 0.5));
-        holds += " " + std::to_string(int(red_bytes.phases[1][size_t(r)] / grad_bytes + 0.5));
+        int held = 0;
+        for (int j = 0; j < l.experts_per_rank; ++j) held += slot_expert[r * l.experts_per_rank + j] >= 0;
+        holds += " " + std::to_string(held);
     }
     std::printf("  per rank: replicas pushed%s | slots held%s | kernels alone (us), prefetch%s | reduce_grad%s\n",
                 owns.c_str(), holds.c_str(), alone_line[0].c_str(), alone_line[1].c_str());

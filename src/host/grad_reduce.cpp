@@ -18,16 +18,13 @@ void grad_reduce(const GradReduceArgs& a) {
         for (int d = 0; d < a.num_ranks; ++d) {
             for (int j = 0; j < epn; ++j) {
                 if (a.slot_expert[d * epn + j] != expert) continue;
-                const float* pool = a.reduce_pools[d] + int64_t(j) * n;
+                float* pool = a.reduce_pools[d] + int64_t(j) * n;
                 for (int64_t i = 0; i < n; ++i) grad[i] = grad[i] + pool[i];
+                std::memset(pool, 0, sizeof(float) * size_t(n));  // consumed: its owner zeroes it, as the kernel does
             }
         }
     }
-    barrier(a.sync, kOpGradReduce);  // every owner has read the pools
-    float* own_pool = a.reduce_pools[a.rank];
-    for (int j = 0; j < epn; ++j) {
-        if (a.slot_expert[a.rank * epn + j] >= 0) std::memset(own_pool + int64_t(j) * n, 0, sizeof(float) * size_t(n));
-    }
+    barrier(a.sync, kOpGradReduce);  // every owner has read and zeroed its sources before a holder writes them again
 }
 
 }  // namespace flatep::host

@@ -1,5 +1,6 @@
 // Args of reduce_grad (design §3, §6): owners add the fp32 gradients computed on replicas of their experts
-// into their own gradients, in ascending (rank, slot) order; afterwards every rank zeroes its consumed slots.
+// into their own gradients, in ascending (rank, slot) order, and zero the slots they consumed; a closing barrier keeps
+// every holder from writing its slots again before the owners are done.
 #pragma once
 
 #include <cstdint>
