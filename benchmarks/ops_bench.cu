@@ -7,8 +7,9 @@
 // device-to-device copy measured in the same run, and the op's ceiling (OpBytes::ceiling: where the busiest rank
 // bounds it).
 // Planner: the planner kernels alone and the whole plan op. Where the pool ops' time goes: rows prefetch.kernels and
-// reduce_grad.kernels (the same launches without their barriers), two_barriers (two cross-rank barriers alone) and
-// empty_graph (the replay's own fork and join), and a line per case with each rank's replicas pushed, slots held and
+// reduce_grad.kernels (the same launches without their barriers), two_barriers (two cross-rank barriers alone),
+// two_empty_kernels (two empty one-block kernels a rank: the launches' share of two_barriers) and empty_graph (the
+// replay's own fork and join), and a line per case with each rank's replicas pushed, slots held and
 // pool kernels timed alone. CSV out.
 //
 //   ops_bench [--preset moonep,deepep] [shape and skew flags] [--tokens-per-call s,..] [--iters 20] [--warmup 3]
@@ -51,6 +52,8 @@ using namespace flatep;
 using namespace flatep::gpu_test;
 
 namespace {
+
+__global__ void empty_kernel() {}
 
 __global__ void fill_bf16_kernel(uint16_t* dst, int64_t n, uint64_t seed) {
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -746,6 +749,12 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
         }
     });
     const Timing g_empty = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [] {});
+    const Timing g_two_kernels = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [&] {
+        for (int r = 0; r < R; ++r) {
+            empty_kernel<<<1, 32, 0, group.stream(r)>>>();
+            empty_kernel<<<1, 32, 0, group.stream(r)>>>();
+        }
+    });
     // Each rank's pool kernels alone (the others launch nothing): the owners' own times, against the op's.
     std::string alone_line[2];
     for (int r = 0; r < R; ++r) {
@@ -801,7 +810,8 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
                         {"prefetch.kernels", g_prefetch_kernels, g_prefetch_kernels, pre_bytes},
                         {"reduce_grad.kernels", g_reduce_kernels, g_reduce_kernels, red_bytes},
                         {"two_barriers", g_barriers, g_barriers, {}},
-                        {"empty_graph", g_empty, g_empty, {}}};
+                        {"empty_graph", g_empty, g_empty, {}},
+                        {"two_empty_kernels", g_two_kernels, g_two_kernels, {}}};
     for (const Row& row : rows) {
         const double gbps = row.bytes.total > 0 ? row.bytes.total / (row.t.median_us * 1e-6) / 1e9 : 0;
         const double graph_gbps = row.bytes.total > 0 ? row.bytes.total / (row.graph.median_us * 1e-6) / 1e9 : 0;
