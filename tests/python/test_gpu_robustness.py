@@ -109,6 +109,17 @@ def test_gpu_timeout_poisons_every_rank_without_a_host_sync():
     assert bufs[0]._buffer.poisoned and bufs[1]._buffer.poisoned
 
 
+def _mismatch_on_both(streams, op0, op1):
+    """Waits for both ranks' streams after rank 0 entered op0 and rank 1 op1 (a mismatch fails at once, not after the
+    timeout); returns the message each rank's next op must raise."""
+    start = time.monotonic()
+    for s in streams:
+        s.synchronize()
+    assert time.monotonic() - start < 2.0, "a mismatch fails at once, not after the timeout"
+    return {0: f"rank 0 is in {op0} of step 1 but rank 1 in {op1} of step 1",
+            1: f"rank 1 is in {op1} of step 1 but rank 0 in {op0} of step 1"}
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(CUDA_SKIP is not None, reason=f"cuda: {CUDA_SKIP}")
 def test_gpu_ranks_in_different_ops_fail_on_both():
@@ -123,12 +134,7 @@ def test_gpu_ranks_in_different_ops_fail_on_both():
         recv = bufs[0].dispatch(plans[0], x[0])[0]
     with torch.cuda.stream(streams[1]), torch.no_grad():
         bufs[1].combine(plans[1], torch.zeros_like(recv))
-    start = time.monotonic()
-    for s in streams:
-        s.synchronize()
-    assert time.monotonic() - start < 2.0, "a mismatch fails at once, not after the timeout"
-    want = {0: "rank 0 is in dispatch of step 1 but rank 1 in combine of step 1",
-            1: "rank 1 is in combine of step 1 but rank 0 in dispatch of step 1"}
+    want = _mismatch_on_both(streams, "dispatch", "combine")
     for r in range(2):
         with torch.cuda.stream(streams[r]), pytest.raises(ValueError, match=want[r]):
             bufs[r].plan(idx[r])
@@ -154,3 +160,74 @@ def test_gpu_bad_expert_id_raises_at_a_later_op_without_sync(bad):
     recv_x, recv_w, cu = buf.dispatch(plan, x)  # reported once; the Buffer stays usable (the entry was skipped)
     assert int(cu[-1]) == 16 * 2 - 1
     buf.check_status()  # the device copy was cleared with it
+
+
+def _two_virtual_pools(timeout_s):
+    """Two virtual ranks on cuda:0 with a Buffer and ExpertPools each, and a plan of one step on both."""
+    import torch
+
+    import flatep
+    from flatep import virtual
+
+    device = torch.device("cuda", 0)
+    group = virtual.virtual_ranks(2, device, timeout_s=timeout_s)
+    bufs = virtual.run_threads(2, lambda r: flatep.Buffer(group[r], 64, 256, 8, 2, align=1, device=device))
+    pools = virtual.run_threads(2, lambda r: flatep.ExpertPools(group[r], 4, [(32, 16)], device=device))
+    layers = [p.register_layer() for p in pools]
+    streams = [torch.cuda.Stream(device) for _ in range(2)]
+    gen = torch.Generator().manual_seed(5)
+    idx = [torch.randint(0, 8, (64, 2), generator=gen).to(device) for _ in range(2)]
+    plans = []
+    for r in range(2):
+        with torch.cuda.stream(streams[r]):
+            plans.append(bufs[r].plan(idx[r]))
+    return pools, layers, streams, plans
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(CUDA_SKIP is not None, reason=f"cuda: {CUDA_SKIP}")
+def test_gpu_pools_in_different_ops_fail_on_both():
+    pools, layers, streams, plans = _two_virtual_pools(timeout_s=10.0)
+    with torch_stream(streams[0]):
+        pools[0].prefetch(plans[0], layers[0])
+    with torch_stream(streams[1]):
+        pools[1].reduce_grad(plans[1], layers[1])
+    want = _mismatch_on_both(streams, "prefetch", "reduce_grad")
+    for r in range(2):
+        with torch_stream(streams[r]), pytest.raises(ValueError, match=want[r]):
+            pools[r].prefetch(plans[r], layers[r])
+        with torch_stream(streams[r]), pytest.raises(RuntimeError, match="unusable after an earlier cross-rank"):
+            pools[r].reduce_grad(plans[r], layers[r])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(CUDA_SKIP is not None, reason=f"cuda: {CUDA_SKIP}")
+def test_gpu_pools_timeout_names_the_missing_rank():
+    pools, layers, streams, plans = _two_virtual_pools(timeout_s=1.0)
+    for r in range(2):  # a good step of both pool ops
+        with torch_stream(streams[r]):
+            pools[r].prefetch(plans[r], layers[r])
+    for r in range(2):
+        with torch_stream(streams[r]):
+            pools[r].reduce_grad(plans[r], layers[r])
+    with torch_stream(streams[0]):
+        pools[0].reduce_grad(plans[0], layers[0])  # rank 1 never comes
+    start = time.monotonic()
+    streams[0].synchronize()
+    assert time.monotonic() - start < 5.0, "the GPU wait is bounded by the timeout"
+    with torch_stream(streams[0]), pytest.raises(RuntimeError, match=r"timeout in reduce_grad \(GPU\): rank 0 waited "
+                                                  r"for peer 1"):
+        pools[0].prefetch(plans[0], layers[0])
+    with torch_stream(streams[1]):
+        pools[1].reduce_grad(plans[1], layers[1])  # the late rank sees rank 0's abort word and gives up at once
+    start = time.monotonic()
+    streams[1].synchronize()
+    assert time.monotonic() - start < 0.5, "the late rank must not wait a second timeout"
+    with torch_stream(streams[1]), pytest.raises(RuntimeError, match="rank 1 gives up: peer 0"):
+        pools[1].prefetch(plans[1], layers[1])
+
+
+def torch_stream(stream):
+    import torch
+
+    return torch.cuda.stream(stream)
