@@ -187,47 +187,47 @@ def _two_virtual_pools(timeout_s):
 @pytest.mark.cuda
 @pytest.mark.skipif(CUDA_SKIP is not None, reason=f"cuda: {CUDA_SKIP}")
 def test_gpu_pools_in_different_ops_fail_on_both():
+    import torch
+
     pools, layers, streams, plans = _two_virtual_pools(timeout_s=10.0)
-    with torch_stream(streams[0]):
+    with torch.cuda.stream(streams[0]):
         pools[0].prefetch(plans[0], layers[0])
-    with torch_stream(streams[1]):
+    with torch.cuda.stream(streams[1]):
         pools[1].reduce_grad(plans[1], layers[1])
     want = _mismatch_on_both(streams, "prefetch", "reduce_grad")
     for r in range(2):
-        with torch_stream(streams[r]), pytest.raises(ValueError, match=want[r]):
+        with torch.cuda.stream(streams[r]), pytest.raises(ValueError, match=want[r]):
             pools[r].prefetch(plans[r], layers[r])
-        with torch_stream(streams[r]), pytest.raises(RuntimeError, match="unusable after an earlier cross-rank"):
+        with torch.cuda.stream(streams[r]), pytest.raises(RuntimeError,
+                                                          match="unusable after an earlier cross-rank"):
             pools[r].reduce_grad(plans[r], layers[r])
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(CUDA_SKIP is not None, reason=f"cuda: {CUDA_SKIP}")
 def test_gpu_pools_timeout_names_the_missing_rank():
+    import torch
+
     pools, layers, streams, plans = _two_virtual_pools(timeout_s=1.0)
     for r in range(2):  # a good step of both pool ops
-        with torch_stream(streams[r]):
+        with torch.cuda.stream(streams[r]):
             pools[r].prefetch(plans[r], layers[r])
     for r in range(2):
-        with torch_stream(streams[r]):
+        with torch.cuda.stream(streams[r]):
             pools[r].reduce_grad(plans[r], layers[r])
-    with torch_stream(streams[0]):
+    with torch.cuda.stream(streams[0]):
         pools[0].reduce_grad(plans[0], layers[0])  # rank 1 never comes
     start = time.monotonic()
     streams[0].synchronize()
     assert time.monotonic() - start < 5.0, "the GPU wait is bounded by the timeout"
-    with torch_stream(streams[0]), pytest.raises(RuntimeError, match=r"timeout in reduce_grad \(GPU\): rank 0 waited "
-                                                  r"for peer 1"):
+    with torch.cuda.stream(streams[0]), pytest.raises(RuntimeError, match=r"timeout in reduce_grad \(GPU\): rank 0 "
+                                                       r"waited for peer 1"):
         pools[0].prefetch(plans[0], layers[0])
-    with torch_stream(streams[1]):
+    with torch.cuda.stream(streams[1]):
         pools[1].reduce_grad(plans[1], layers[1])  # the late rank sees rank 0's abort word and gives up at once
     start = time.monotonic()
     streams[1].synchronize()
     assert time.monotonic() - start < 0.5, "the late rank must not wait a second timeout"
-    with torch_stream(streams[1]), pytest.raises(RuntimeError, match="rank 1 gives up: peer 0"):
+    with torch.cuda.stream(streams[1]), pytest.raises(RuntimeError, match="rank 1 gives up: peer 0"):
         pools[1].prefetch(plans[1], layers[1])
 
-
-def torch_stream(stream):
-    import torch
-
-    return torch.cuda.stream(stream)
