@@ -326,7 +326,7 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
     // clang-format off
     enum { kCand, kGap, kSelect, kTotal, kBuilt, kRun, kGLoad, kGBuild, kGStore, kGEval, kGTotal, kCLoad, kCBuild,
            kCStore, kCEval, kCTotal, kEarly, kSLoad, kSSelect, kSCopy, kSRebuild, kSSums, kSSlots, kSRows, kSStats,
-           kGEnd, kNum };
+           kGEnd, kSLater, kNum };
     // clang-format on
     std::vector<std::vector<double>> m(kNum);
     std::vector<std::vector<double>> per_index(size_t(slots.candidates)), end_of(size_t(slots.candidates));
@@ -335,6 +335,10 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
         const PlannerProfileRecord* r = balanced.data() + size_t(i) * slots.total;
         const PlannerProfileRecord& g = r[slots.greedy];
         const PlannerProfileRecord& s = r[slots.select];
+        // The block that computed the statistics (select_derive_kernel over several blocks), else block 0 did.
+        const PlannerProfileRecord& mr = r[slots.merge];
+        const bool merged = mr.globaltimer[kStampDeriveEnd] != 0;
+        const unsigned long long end = merged ? mr.globaltimer[kStampDeriveEnd] : s.globaltimer[kStampDeriveEnd];
         unsigned long long first_in = g.globaltimer[kStampEntry], last_out = g.globaltimer[kStampEvaluated];
         double sum_load = 0, sum_build = 0, sum_store = 0, sum_eval = 0, sum_total = 0;
         int run = 0, built = 0;
@@ -363,9 +367,9 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
         const unsigned long long waited = s.globaltimer[kStampSelWaited];
         m[kCand].push_back(double(last_out - first_in) * 1e-3);
         m[kGap].push_back(waited > last_out ? double(waited - last_out) * 1e-3 : 0.0);
-        m[kSelect].push_back(clk.phase_us(s, kStampSelWaited, kStampDeriveEnd));
+        m[kSelect].push_back(double(end - waited) * 1e-3);
         m[kEarly].push_back(clk.phase_us(s, kStampEntry, kStampSelWaited));
-        m[kTotal].push_back(double(s.globaltimer[kStampDeriveEnd] - first_in) * 1e-3);
+        m[kTotal].push_back(double(end - first_in) * 1e-3);
         m[kBuilt].push_back(built);
         m[kRun].push_back(run);
         m[kGLoad].push_back(clk.phase_us(g, kStampEntry, kStampLoaded));
@@ -382,7 +386,13 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
         m[kCTotal].push_back(sum_total / n);
         const int stamps[] = {kStampSelWaited,  kStampSelLoaded,   kStampSelSelected, kStampSelCopied, kStampSelRebuilt,
                               kStampDeriveSums, kStampDeriveSlots, kStampDeriveRows,  kStampDeriveEnd};
-        for (int k = 0; k < 8; ++k) m[size_t(kSLoad + k)].push_back(clk.phase_us(s, stamps[k], stamps[k + 1]));
+        for (int k = 0; k < 7; ++k) m[size_t(kSLoad + k)].push_back(clk.phase_us(s, stamps[k], stamps[k + 1]));
+        // The statistics: block 0's, or those of the last block to finish its tasks (by its own clock), which began
+        // kSLater after block 0's tasks ended.
+        m[kSStats].push_back(merged ? clk.phase_us(mr, kStampEntry, kStampDeriveEnd)
+                                    : clk.phase_us(s, kStampDeriveRows, kStampDeriveEnd));
+        m[kSLater].push_back(
+            merged ? (double(mr.globaltimer[kStampEntry]) - double(s.globaltimer[kStampDeriveRows])) * 1e-3 : 0.0);
         kept[size_t(i)] = s.index;
         counts[size_t(i)] = s.count;
     }
@@ -439,7 +449,8 @@ void print_planner_profile(const Layout& l, const std::vector<PlannerProfileReco
     }
     std::printf("\n    select_derive %.1f us (started %.1f us before): load %.1f select %.1f copy %.1f rebuild %.1f",
                 md(kSelect), md(kEarly), md(kSLoad), md(kSSelect), md(kSCopy), md(kSRebuild));
-    std::printf(" | derive pass %.1f stats %.1f\n", md(kSSums) + md(kSSlots) + md(kSRows), md(kSStats));
+    std::printf(" | derive pass %.1f (block 0), the last block's sums %.1f after, stats %.1f\n",
+                md(kSSums) + md(kSSlots) + md(kSRows), md(kSLater), md(kSStats));
     // Inside select_derive (last run of the batch): the warp selection's phases (trace[4] its start, trace[0..3]
     // the ends of: path scan, lowest budget, budget scan, butterfly) and every derive warp's end of its tasks.
     const PlannerProfileRecord& sr = last[slots.select];

@@ -24,6 +24,7 @@
 //   g.inclusive_sum(v), g.from_last(v)               a prefix sum over the lanes; the last lane's value
 //   g.sum(v), g.sum2(a, b), g.max(v), g.min(v)       reductions over the lanes (every lane gets the result)
 //   g.match(key), g.sum_in(mask, v), g.leads(mask)   the lanes with the same key, a sum over them, its lowest lane
+//   g.any(b)                                         whether b holds on any lane
 //   g.add(p, v)                                      *p += v, safe when several lane groups add to the same word
 //   g.sync()                                         the lanes' writes visible to the group
 #pragma once
@@ -71,6 +72,7 @@ struct OneLane {
     FLATEP_HD unsigned match(int) const { return 1u; }
     FLATEP_HD unsigned sum_in(unsigned, unsigned v) const { return v; }
     FLATEP_HD bool leads(unsigned) const { return true; }
+    FLATEP_HD bool any(bool b) const { return b; }
     FLATEP_HD void add(int32_t* p, int32_t v) const { *p += v; }
     FLATEP_HD void add(unsigned long long* p, unsigned long long v) const { *p += v; }
     FLATEP_HD void sync() const {}
@@ -122,6 +124,8 @@ FLATEP_HD void derive_rank(const G& g, const Layout& l, const PlanView& p, const
             mine |= unsigned(pred) << q;
             n_mine += pred;
         }
+        // A rank hosts few replicas: most passes find none and skip the scan (same positions either way).
+        if (!g.any(n_mine != 0)) continue;
         const int32_t incl = g.inclusive_sum(n_mine);
         int pos = count + incl - n_mine;
         FLATEP_DERIVE_UNROLL

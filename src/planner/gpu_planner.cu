@@ -230,8 +230,9 @@ __global__ void __maxnreg__(kCandidateRegisters)
     };
     if (greedy_block) {
         PlannerProfileRecord* rec = prof != nullptr ? prof + max_candidates(l) : nullptr;
-        if (!mode.alloc_smem) w.cand = p.alloc;  // the greedy's plan is built where the plan keeps it
-        home(true);                              // the whole block; warp 0 then skips init_home and fixed_targets
+        clear_derive_merge(ws.derive_merge, tid, nthreads);  // select_derive_kernel adds to it after its wait
+        if (!mode.alloc_smem) w.cand = p.alloc;              // the greedy's plan is built where the plan keeps it
+        home(true);  // the whole block; warp 0 then skips init_home and fixed_targets
         if (warp == 0) planner_core::greedy_alloc(x, l, counts, w.cand, w);
         __syncthreads();
         if (tid == 0) profile_stamp(rec, kStampBuilt);
@@ -329,7 +330,7 @@ __global__ void __maxnreg__(kCandidateRegisters)
     }
 }
 
-// Threads of a select_derive_kernel<true> block: its kDeriveBlocks blocks hold more warps than derive_plan has tasks at
+// Threads of a select_derive_kernel<true> block: its blocks (derive_grid) hold more warps than derive_plan has tasks at
 // K3 (36), and a block of 512 threads gets 128 registers a thread, where one of 1024 (64) spilled in the rebuild.
 constexpr int kSelectSharedThreads = 512;
 // Threads of a select_derive_kernel block: its launch bounds and its launches both take them from here.
@@ -356,13 +357,15 @@ FLATEP_DEVICE void record_selection(PlannerProfileRecord* rec, int tid, int kept
     rec->count = count;
 }
 
-// prof: the select record (null = off). kDeriveBlocks blocks: each selects the same winner; block 0 writes the plan's
-// allocation, the statistics and the profile, the others derive the tasks (BlockDerive over the grid); block 0 alone
-// when the winner must be rebuilt.
+// prof: the select record (null = off); merge_rec: the record of the block that computes the statistics when merged.
+// Every block selects the same winner; block 0 writes the plan's allocation and the profile. The derive runs over the
+// grid (BlockDerive): merge false, block 0 computes the statistics in a pass of its own while the others run the
+// tasks; merge true, every block runs tasks and the last to finish them computes the statistics from everyone's sums
+// (ws.derive_merge, cleared by the candidate kernel's greedy block). Block 0 alone when the winner must be rebuilt.
 template <bool kShared>
 __global__ void __launch_bounds__(select_threads(kShared))
     select_derive_kernel(Layout l, PlanView p, PlannerWorkspace ws, int stored, CandidateMode mode_arg,
-                         PlannerProfileRecord* prof) {
+                         PlannerProfileRecord* prof, PlannerProfileRecord* merge_rec, bool merge) {
     const CandidateMode mode = kShared ? CandidateMode{true, true, true} : mode_arg;
     constexpr int kBatch = kShared ? kCopyBatch : kWideBatch;  // copy_words' batch for this block's registers
     extern __shared__ int4 smem_words[];
@@ -374,7 +377,8 @@ __global__ void __launch_bounds__(select_threads(kShared))
     PlannerProfileRecord* const rec = lead ? prof : nullptr;
     int32_t* const plan_alloc = lead ? p.alloc : nullptr;  // the copy of the winner's allocation to the plan
     PlannerProfileRecord* const task_rec = gridDim.x == 1 ? rec : blockIdx.x == 1 ? prof : nullptr;
-    const BlockDerive dx{tid, nthreads, rec, task_rec, int(blockIdx.x), int(gridDim.x)};
+    const BlockDerive dx{
+        tid, nthreads, rec, task_rec, int(blockIdx.x), int(gridDim.x), merge ? ws.derive_merge : nullptr, merge_rec};
     if (tid == 0) profile_stamp(rec, kStampEntry);
     const int64_t re = int64_t(l.num_ranks) * l.num_experts;
     // The counts go to shared memory at once (the selection does not need them, and no planner kernel writes them),
@@ -470,10 +474,21 @@ __global__ void planner_serial_kernel(Layout l, PlannerKind kind, PlanView p, in
     planner_core::derive_plan(l, p);
 }
 
-// Blocks of select_derive_kernel: block 0 and three task blocks. On the H200 at K3 (E=896, R=8, K 8/16; 1024-thread
-// blocks then) the planner took 38.8-44.1 us with one block, 34.9-40.4 with three, 34.7-40.3 with four and 34.7-40.2
-// with eight (the derive's rank tasks, about 4.4 us each, then bound it).
-constexpr int kDeriveBlocks = 4;
+// select_derive_kernel's grid: its blocks, and whether the statistics are merged by the last block to finish its tasks
+// (BlockDerive::merge_to) or computed by block 0 in a pass of its own while the others run the tasks. H200, graph of
+// planners, every plan bitwise the host's (benchmarks/results/planner_k3_ab_h200.csv, rows "s9"):
+// * K3 (R=8, K 8/16, maxvio 1/5/20): 28.1-30.7 us with block 0's pass over 4, 8 or 16 blocks (f890ebc, four blocks:
+//   28.1-30.4 us); 29.9-32.3 us merged over 8. Block 0's pass (4.2 us) and a rank task (3.6 us) are about even, and the
+//   merge's atomics, fence and ticket add some 2.6 us after the tasks.
+// * R=64 (K 8/16): merged over 16 blocks 124.3-143.9 us against 125.9-146.6 us (f890ebc) and 126.7-147.5 us with
+//   block 0's pass over 8 or 16 blocks: that pass (14.2 us) outlasts the tasks (9 us) there.
+// * R=16 and 32 (K=8) with block 0's pass over 8 blocks: 41.2-79.8 and 70.1-74.8 us, as f890ebc's 41.5-80.5 and
+//   70.0-74.1 (the merge not measured there).
+struct DeriveGrid {
+    int blocks;
+    bool merge;
+};
+DeriveGrid derive_grid(const Layout& l) { return l.num_ranks > 32 ? DeriveGrid{16, true} : DeriveGrid{8, false}; }
 
 // The overflow candidates and select_derive_kernel start while the kernel before them drains (programmatic dependent
 // launch, see wait_prior_grids): this hides a kernel launch latency per boundary. false: ordinary launches (the
@@ -527,8 +542,10 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
                                     mode, prof);
             }
             PlannerProfileRecord* const select_rec = prof != nullptr ? prof + slots.select : nullptr;
-            launch_programmatic(select_kernel, kDeriveBlocks, select_threads(shared), select_smem, stream, l, p, ws,
-                                stored, select_mode, select_rec);
+            PlannerProfileRecord* const merge_rec = prof != nullptr ? prof + slots.merge : nullptr;
+            const DeriveGrid grid = derive_grid(l);
+            launch_programmatic(select_kernel, grid.blocks, select_threads(shared), select_smem, stream, l, p, ws,
+                                stored, select_mode, select_rec, merge_rec, grid.merge);
             FLATEP_CUDA_CHECK_LAUNCH();
             return;
         }
@@ -607,7 +624,8 @@ PlannerProfileSlots planner_profile_slots(const Layout& l) {
     s.greedy = s.candidates;
     s.select = s.greedy + 1;
     s.parallel = s.select + 1;
-    s.total = s.parallel + 1;
+    s.merge = s.parallel + 1;
+    s.total = s.merge + 1;
     return s;
 }
 

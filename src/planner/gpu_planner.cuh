@@ -97,11 +97,12 @@ enum PlannerProfileStamp : int {
     kStampDeriveEnd = 8,    // derive: statistics (end of the kernel)
     kStampSelWaited = 9,    // select_derive_kernel: the candidate kernels done (its wait for them returned)
 };
-// Record slots: [0, candidates) one per candidate index, then the greedy block, select_derive_kernel, and
+// Record slots: [0, candidates) one per candidate index, then the greedy block, select_derive_kernel (its block 0),
 // planner_parallel_kernel (greedy planner kind, or the balanced planner when its candidates do not fit in shared
-// memory).
+// memory), and the select_derive_kernel block that computes the statistics (kStampEntry: it starts them, the others'
+// sums added; kStampDeriveEnd; index: the block).
 struct PlannerProfileSlots {
-    int candidates, greedy, select, parallel, total;
+    int candidates, greedy, select, parallel, merge, total;
 };
 PlannerProfileSlots planner_profile_slots(const Layout& layout);
 // The records (device memory) the planners launched from now on write to; nullptr turns profiling off.

@@ -28,6 +28,7 @@ struct PlannerWorkspace {
                             // shared memory and its candidate is not stored (CandidateMode::alloc_smem false)
     int32_t* block_small;   // [kCandidateBlocks + 1][block_small_words] candidate block b's [E] arrays under
                             // CandidateMode::small_global
+    DeriveMerge* derive_merge;  // select_derive_kernel's blocks' statistics sums (cleared by the greedy block)
 };
 
 // cand_meta words.
@@ -63,7 +64,7 @@ inline int stored_candidates(const Layout& l) {
 }
 
 struct PlannerWorkspaceSizes {
-    int64_t serial_ws, cand_quality, cand_meta, stored_alloc, cand_scratch, block_small, total;
+    int64_t serial_ws, cand_quality, cand_meta, stored_alloc, cand_scratch, block_small, derive_merge, total;
 };
 
 inline PlannerWorkspaceSizes planner_workspace_sizes(const Layout& l) {
@@ -76,6 +77,7 @@ inline PlannerWorkspaceSizes planner_workspace_sizes(const Layout& l) {
     s.stored_alloc = c.take(int64_t(stored_candidates(l)) * re);
     s.cand_scratch = c.take(int64_t(kCandidateBlocks) * re);
     s.block_small = c.take(int64_t(kCandidateBlocks + 1) * block_small_words(l));
+    s.derive_merge = c.take(kDeriveMergeWords);
     s.total = c.at;
     return s;
 }
@@ -90,6 +92,7 @@ inline PlannerWorkspace make_planner_workspace(const Layout& l, void* base) {
     p.stored_alloc = w + s.stored_alloc;
     p.cand_scratch = w + s.cand_scratch;
     p.block_small = w + s.block_small;
+    p.derive_merge = reinterpret_cast<DeriveMerge*>(w + s.derive_merge);
     return p;
 }
 
@@ -97,7 +100,7 @@ inline PlannerWorkspace make_planner_workspace(const Layout& l, void* base) {
 // Balanced planner, candidate-parallel. Kernel 1 (kCandidateThreads per block): every block loads the counts into
 // shared memory; one runs the greedy and its quality (so select_candidate knows how many candidates to look at), the
 // others build the candidates blockIdx.x, blockIdx.x + gridDim.x, ... with planner_core's own functions on the warp
-// executor (warp 0), writing each quality and (the first `stored` indices) each allocation. Kernel 2 (kDeriveBlocks
+// executor (warp 0), writing each quality and (the first `stored` indices) each allocation. Kernel 2 (derive_grid's
 // blocks): select_candidate's rule, the winner's allocation (copied, or rebuilt when it was not stored), derive_plan.
 // planner_core's code runs as written on both sides, so the plan is the host's bitwise; the host test
 // tests/unit/planner/test_planner_candidates.cpp checks the decomposition.
