@@ -498,8 +498,9 @@ FLATEP_DEVICE void derive_sums_pass(int tid, int nthreads, const Layout& l, cons
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank, lane = tid % 32, warp = tid / 32;
     const int warps = nthreads / 32;
     const int row_warps = warps == 1 ? 1 : min_of(R, warps / 2);
-    const int col_warps = warps == 1 ? 1 : warps - row_warps;
-    if (warps == 1 || warp < row_warps) {
+    const int col_first = warps == 1 ? 0 : row_warps;  // the first column warp
+    const int col_warps = warps - col_first;
+    if (warp < row_warps) {
         constexpr int kItems = 8;  // loads in flight a lane (the row may be in global memory)
         for (int d = warp; d < R; d += row_warps) {
             const int32_t* row = alloc + int64_t(d) * E;
@@ -527,9 +528,9 @@ FLATEP_DEVICE void derive_sums_pass(int tid, int nthreads, const Layout& l, cons
             }
         }
     }
-    if (warps != 1 && warp < row_warps) return;
+    if (warp < col_first) return;
     int64_t kept = 0, total = 0;
-    for (int e0 = (warp - (warps == 1 ? 0 : row_warps)) * 32; e0 < E; e0 += col_warps * 32) {
+    for (int e0 = (warp - col_first) * 32; e0 < E; e0 += col_warps * 32) {
         const int e = e0 + lane;
         const bool valid = e < E;
         const int h = valid ? l.home_rank(e) : -1;
@@ -604,13 +605,13 @@ struct BlockDerive {
     FLATEP_DEVICE WarpLanes lanes() const { return WarpLanes{tid % 32}; }
     FLATEP_DEVICE int thread() const { return tid; }
     FLATEP_DEVICE int threads() const { return nthreads; }
+    // Several blocks, block 0 computing the statistics' sums in a pass of its own (not merged).
+    FLATEP_DEVICE bool stats_block() const { return blocks > 1 && merge_to == nullptr; }
     FLATEP_DEVICE int first_task() const {
-        if (blocks > 1 && merge_to == nullptr) return block == 0 ? INT32_MAX : (tid / 32) * (blocks - 1) + (block - 1);
+        if (stats_block()) return block == 0 ? INT32_MAX : (tid / 32) * (blocks - 1) + (block - 1);
         return (tid / 32) * blocks + block;
     }
-    FLATEP_DEVICE int task_stride() const {
-        return (nthreads / 32) * (blocks > 1 && merge_to == nullptr ? blocks - 1 : blocks);
-    }
+    FLATEP_DEVICE int task_stride() const { return (nthreads / 32) * (stats_block() ? blocks - 1 : blocks); }
     FLATEP_DEVICE bool first_lanes() const { return tid < 32; }
     FLATEP_DEVICE void sync() const { __syncthreads(); }
     FLATEP_DEVICE void tasks_done() const {
@@ -630,7 +631,7 @@ struct BlockDerive {
     FLATEP_DEVICE bool merge(const Layout& l, const int32_t* tpe, const int32_t* alloc,
                              planner_core::DeriveSums& sums) const {
         if (blocks == 1) return true;
-        if (merge_to == nullptr) {
+        if (stats_block()) {
             if (block != 0) return false;
             derive_sums_pass(tid, nthreads, l, tpe, alloc, sums);
             __syncthreads();
@@ -672,8 +673,9 @@ struct BlockDerive {
     FLATEP_DEVICE void done() const {
         __syncthreads();
         if (tid == 0) {
-            profile_stamp(blocks == 1 || merge_to == nullptr ? rec : merge_rec, kStampDeriveEnd);
-            if (blocks > 1 && merge_to != nullptr && merge_rec != nullptr) {
+            const bool merged = blocks > 1 && merge_to != nullptr;
+            profile_stamp(merged ? merge_rec : rec, kStampDeriveEnd);
+            if (merged && merge_rec != nullptr) {
                 merge_rec->index = block;
                 merge_rec->sm = sm_id();
             }
