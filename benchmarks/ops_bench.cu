@@ -4,8 +4,9 @@
 // first barrier waits for the last rank's launches) and replayed as one CUDA graph of every rank's stream (the device
 // time, what a captured step or one process per GPU sees; the ratios are of this one); bytes moved per rank (each
 // byte read or written in device memory once, local rows included), aggregate bandwidth over all ranks against a
-// device-to-device copy measured in the same run, and the op's ceiling (OpBytes::ceiling: where the busiest rank
-// bounds it).
+// device-to-device copy measured in the same run, the op's ceiling (OpBytes::ceiling: where the busiest rank
+// bounds it), and that ceiling with the op's two barriers at the time two barriers alone take (ceiling_with_barriers:
+// a small op such as prefetch cannot pass it whatever its kernels do).
 // Planner: the planner kernels alone and the whole plan op. Where the pool ops' time goes: rows prefetch.kernels and
 // reduce_grad.kernels (the same launches without their barriers), two_barriers (two cross-rank barriers alone),
 // two_empty_kernels (two empty one-block kernels a rank: the launches' share of two_barriers) and empty_graph (the
@@ -13,14 +14,15 @@
 // pool kernels timed alone. CSV out.
 //
 //   ops_bench [--preset moonep,deepep] [shape and skew flags] [--tokens-per-call s,..] [--iters 20] [--warmup 3]
-//             [--ffn 1024] [--csv ops_bench.csv]
+//             [--ffn 1024] [--sm-budget 0] [--csv ops_bench.csv]
 //   ops_bench --planner-only [--planner-profile] [--seeds 3] [--preset ..] [shape and skew flags] [--csv ..]
 //
 // Shape and skew flags, presets (moonep, deepep, moonep-sweep, k3): benchmarks/common/flags.hpp, e.g.
 // `--preset k3 --ffn 512` (Kimi K3's shape on 8 virtual ranks) or `--preset moonep --maxvio 1` (one MoonEP case).
 // --ffn: H', the expert width; prefetch and reduce_grad move H*H' elements per expert. --tokens-per-call: s <= S
-// tokens each rank passes (default S; one case per value). Routing sigmas of --maxvio targets are bisected on
-// min(R, 8) ranks (--sigma-cache keeps them between runs).
+// tokens each rank passes (default S; one case per value). --sm-budget: multiprocessors per rank, each rank's launches
+// then use at most twice that many blocks (LocalDeviceGroup; 0: SMs / R, so 32 blocks for 8 ranks on an H200's 132
+// SMs). Routing sigmas of --maxvio targets are bisected on min(R, 8) ranks (--sigma-cache keeps them between runs).
 // --planner-only: only the planner kernels on host-generated counts of every case (no data plane, no cross-rank
 // barrier, so it also runs under a kernel profiler; --seeds routings per case, seeds 42..), graph-timed, with the
 // plan's P and replicas, the greedy's, the host planner's time, and whether the GPU plan equals the host planner's
@@ -489,6 +491,7 @@ struct Options {
     std::vector<bench::Case> cases;
     std::vector<int> tokens_per_call;  // empty: S
     int iters = 20, warmup = 3, seeds = 3;
+    int sm_budget = 0;  // multiprocessors a rank's launches may use (LocalDeviceGroup's sm_budget); 0: SMs / R
     bool planner_only = false, planner_profile = false;
     std::string csv = "ops_bench.csv", sigma_cache;
 };
@@ -610,7 +613,7 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     spec.expert_elems = int64_t(l.hidden) * c.shape.ffn;
     spec.sigma = sigma;
     spec.seed = 42;
-    LocalDeviceGroup group(l.num_ranks, false, 30.0);
+    LocalDeviceGroup group(l.num_ranks, false, 30.0, o.sm_budget);
     DeviceCase dev(spec, l, group);
     const double rank_gbps =
         rank_copy_gbps(group.max_blocks() > 0 ? group.max_blocks() : 2 * kernels::device_sm_count(), group.stream(0));
@@ -827,16 +830,24 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
         const double gbps = row.bytes.total > 0 ? row.bytes.total / (row.t.median_us * 1e-6) / 1e9 : 0;
         const double graph_gbps = row.bytes.total > 0 ? row.bytes.total / (row.graph.median_us * 1e-6) / 1e9 : 0;
         const double ceiling = row.bytes.ceiling(rank_gbps, copy_gbps);
-        std::printf("%-13s %-26s %5d %6.1f %6.2f %-14s %10.1f %10.1f %12.1f %9.0f %6.2f %6.2f %7.2f\n",
+        // With its two barriers: the ratio if the kernels reached the ceiling and the barriers took what two barriers
+        // alone take in this run (every data op opens and closes with one; its kernels alone rows have none).
+        const bool barriers = row.bytes.total > 0 && std::strstr(row.op, ".kernels") == nullptr;
+        const double with_barriers =
+            barriers && ceiling > 0
+                ? 1.0 / (1.0 / ceiling + g_barriers.median_us * 1e-6 * copy_gbps * 1e9 / row.bytes.total)
+                : ceiling;
+        std::printf("%-13s %-26s %5d %6.1f %6.2f %-14s %10.1f %10.1f %12.1f %9.0f %6.2f %6.2f %7.2f %8.2f\n",
                     c.preset.c_str(), c.shape.label().c_str(), s, c.skew.maxvio_target(), maxvio, row.op,
                     row.t.median_us, row.graph.median_us, row.bytes.total / R / 1e6, graph_gbps, gbps / copy_gbps,
-                    graph_gbps / copy_gbps, ceiling);
+                    graph_gbps / copy_gbps, ceiling, with_barriers);
         csv.row(c.preset, bench::fixed(c.skew.maxvio_target(), 2), bench::fixed(maxvio, 4), row.op,
                 bench::fixed(row.t.median_us, 2), bench::fixed(row.t.min_us, 2), bench::fixed(row.bytes.total / R, 0),
                 bench::fixed(gbps, 1), bench::fixed(copy_gbps, 1), bench::fixed(gbps / copy_gbps, 4), st.total_replicas,
                 st.makespan, R, l.num_tokens, s, l.num_experts, l.hidden, l.topk, c.shape.ffn, l.align, sigma,
                 bench::fixed(row.graph.median_us, 2), bench::fixed(row.graph.min_us, 2),
-                bench::fixed(graph_gbps / copy_gbps, 4), bench::fixed(ceiling, 4), bench::fixed(rank_gbps, 1));
+                bench::fixed(graph_gbps / copy_gbps, 4), bench::fixed(ceiling, 4), bench::fixed(rank_gbps, 1),
+                bench::fixed(with_barriers, 4), group.max_blocks());
     }
     std::fflush(stdout);
 }
@@ -855,6 +866,8 @@ int main(int argc, char** argv) {
     flags.add_switch("--planner-only", &o.planner_only, "only the planner kernels, graph-timed, vs the host planner");
     flags.add_switch("--planner-profile", &o.planner_profile, "with --planner-only: where the planner's time goes");
     flags.add("--seeds", &o.seeds, "--planner-only: routings per case (seeds 42..)", 1, 1000);
+    flags.add("--sm-budget", &o.sm_budget,
+              "multiprocessors per rank for its launches' block cap (twice this many blocks; 0: SMs / R)", 0, 1024);
     flags.add("--sigma-cache", &o.sigma_cache, "CSV of routing sigmas found before: read, and appended to");
     flags.parse(argc, argv);
     o.cases = flags.cases();
@@ -904,13 +917,18 @@ int main(int argc, char** argv) {
                                  "graph_us_min",
                                  "graph_ratio_to_copy",
                                  "ceiling",
-                                 "rank_copy_GBps"});
-    std::printf("%-13s %-26s %5s %6s %6s %-14s %10s %10s %12s %9s %6s %6s %7s\n", "config", "shape", "s", "target",
-                "maxvio", "op", "eager_us", "graph_us", "MB_per_rank", "agg_GB/s", "eager", "ratio", "ceiling");
+                                 "rank_copy_GBps",
+                                 "ceiling_with_barriers",
+                                 "max_blocks"});
+    std::printf("%-13s %-26s %5s %6s %6s %-14s %10s %10s %12s %9s %6s %6s %7s %8s\n", "config", "shape", "s", "target",
+                "maxvio", "op", "eager_us", "graph_us", "MB_per_rank", "agg_GB/s", "eager", "ratio", "ceiling",
+                "barriers");
     std::printf(
         "(eager: one host thread launching every rank's kernels, its launch time included; graph: every rank's "
         "work replayed as one CUDA graph; ratio: to the copy bandwidth, graph-timed; ceiling: at most 1, the ratio if "
-        "the busiest rank of every phase moved its bytes at one rank's copy bandwidth under its SM budget)\n");
+        "the busiest rank of every phase moved its bytes at one rank's copy bandwidth under its SM budget; barriers: "
+        "the "
+        "ceiling with the op's two barriers at what two barriers alone take)\n");
     for (const bench::Case& c : o.cases) {
         const double sigma = sigmas.sigma(c, 42);
         const std::vector<int> calls = o.tokens_per_call.empty() ? std::vector<int>{c.shape.tokens} : o.tokens_per_call;

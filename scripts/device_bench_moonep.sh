@@ -20,6 +20,9 @@
 #   data_plane_k3   ops_bench --preset k3 --ffn 512: plan op, planner, dispatch, combine, prefetch, reduce_grad at
 #                   R=8 virtual ranks, S=8192, E=896, H=7168, K 8/16, maxvio 1/5/20, each against the copy bandwidth
 #                   of the same run (ratio_to_copy)                                                  ops_k3.csv
+#   data_plane_k3_sm33
+#                   the same with --sm-budget 33: each rank's launches up to 66 blocks (a quarter of the GPU) where
+#                   the default gives 32; the pool ops' owners then run their share faster      ops_k3_sm33.csv
 #   s1024_k3        the same at K=8, maxvio 1 for s=1024 and s=8192 tokens per call (of S=8192)   ops_k3_s1024.csv
 #   host_check      flatep-plan-quality --preset moonep-sweep: every host plan of the sweep valid and the balanced
 #                   one never worse than the greedy (exit 1 otherwise)               plan_quality_moonep_sweep.csv
@@ -43,7 +46,7 @@ mkdir -p "$OUT"
 BUILD=${BUILD_DIR:-build-cuda}
 JOBS=${JOBS:-16}
 DEADLINE_S=${BENCH_DEADLINE_S:-400}
-ALL_STEPS="build planner_sweep planner_sweep_bench planner_sweep_bench_shared planner_reference data_plane_k3 s1024_k3 host_check"
+ALL_STEPS="build planner_sweep planner_sweep_bench planner_sweep_bench_shared planner_reference data_plane_k3 data_plane_k3_sm33 s1024_k3 host_check"
 STEPS=${BENCH_STEPS:-$ALL_STEPS}
 [[ " $STEPS " == *" build "* ]] || STEPS="build $STEPS"  # the binaries are always brought up to date
 SUMMARY=$OUT/summary_moonep.txt
@@ -119,6 +122,8 @@ step planner_reference 60 "$OPS" --planner-only --preset moonep,deepep --seeds 1
     --sigma-cache "$SIGMAS" --csv "$OUT/planner_reference.csv"
 step data_plane_k3 150 "$OPS" --preset k3 --ffn 512 --iters 20 --warmup 3 --sigma-cache "$SIGMAS" \
     --csv "$OUT/ops_k3.csv"
+step data_plane_k3_sm33 150 "$OPS" --preset k3 --ffn 512 --iters 20 --warmup 3 --sm-budget 33 \
+    --sigma-cache "$SIGMAS" --csv "$OUT/ops_k3_sm33.csv"
 step s1024_k3 60 "$OPS" --preset k3 --topk 8 --maxvio 1 --ffn 512 --tokens-per-call 1024,8192 --iters 20 \
     --warmup 3 --sigma-cache "$SIGMAS" --csv "$OUT/ops_k3_s1024.csv"
 step host_check 90 "$QUALITY" --preset moonep-sweep --seeds 1 --factors 1 --iters 3 --bisection-ranks 8 \
