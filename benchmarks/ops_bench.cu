@@ -813,28 +813,28 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
         const char* op;
         Timing t, graph;  // eager (one host thread launching every rank), and replayed as one graph
         OpBytes bytes;    // all ranks
+        bool barriers;    // the op opens and closes with a cross-rank barrier (its ".kernels" row: without them)
     };
-    const Row rows[] = {{"plan", t_plan, g_plan, {}},
-                        {"planner", t_planner, t_planner, {}},
-                        {"planner_greedy", t_planner_greedy, t_planner_greedy, {}},
-                        {"dispatch", t_dispatch, g_dispatch, bytes.dispatch},
-                        {"combine", t_combine, g_combine, bytes.combine},
-                        {"prefetch", t_prefetch, g_prefetch, pre_bytes},
-                        {"reduce_grad", t_reduce, g_reduce, red_bytes},
-                        {"prefetch.kernels", g_prefetch_kernels, g_prefetch_kernels, pre_bytes},
-                        {"reduce_grad.kernels", g_reduce_kernels, g_reduce_kernels, red_bytes},
-                        {"two_barriers", g_barriers, g_barriers, {}},
-                        {"empty_graph", g_empty, g_empty, {}},
-                        {"two_empty_kernels", g_two_kernels, g_two_kernels, {}}};
+    const Row rows[] = {{"plan", t_plan, g_plan, {}, false},
+                        {"planner", t_planner, t_planner, {}, false},
+                        {"planner_greedy", t_planner_greedy, t_planner_greedy, {}, false},
+                        {"dispatch", t_dispatch, g_dispatch, bytes.dispatch, true},
+                        {"combine", t_combine, g_combine, bytes.combine, true},
+                        {"prefetch", t_prefetch, g_prefetch, pre_bytes, true},
+                        {"reduce_grad", t_reduce, g_reduce, red_bytes, true},
+                        {"prefetch.kernels", g_prefetch_kernels, g_prefetch_kernels, pre_bytes, false},
+                        {"reduce_grad.kernels", g_reduce_kernels, g_reduce_kernels, red_bytes, false},
+                        {"two_barriers", g_barriers, g_barriers, {}, false},
+                        {"empty_graph", g_empty, g_empty, {}, false},
+                        {"two_empty_kernels", g_two_kernels, g_two_kernels, {}, false}};
     for (const Row& row : rows) {
         const double gbps = row.bytes.total > 0 ? row.bytes.total / (row.t.median_us * 1e-6) / 1e9 : 0;
         const double graph_gbps = row.bytes.total > 0 ? row.bytes.total / (row.graph.median_us * 1e-6) / 1e9 : 0;
         const double ceiling = row.bytes.ceiling(rank_gbps, copy_gbps);
         // With its two barriers: the ratio if the kernels reached the ceiling and the barriers took what two barriers
-        // alone take in this run (every data op opens and closes with one; its kernels alone rows have none).
-        const bool barriers = row.bytes.total > 0 && std::strstr(row.op, ".kernels") == nullptr;
+        // alone take in this run.
         const double with_barriers =
-            barriers && ceiling > 0
+            row.barriers && ceiling > 0
                 ? 1.0 / (1.0 / ceiling + g_barriers.median_us * 1e-6 * copy_gbps * 1e9 / row.bytes.total)
                 : ceiling;
         std::printf("%-13s %-26s %5d %6.1f %6.2f %-14s %10.1f %10.1f %12.1f %9.0f %6.2f %6.2f %7.2f %8.2f\n",
@@ -926,9 +926,8 @@ int main(int argc, char** argv) {
     std::printf(
         "(eager: one host thread launching every rank's kernels, its launch time included; graph: every rank's "
         "work replayed as one CUDA graph; ratio: to the copy bandwidth, graph-timed; ceiling: at most 1, the ratio if "
-        "the busiest rank of every phase moved its bytes at one rank's copy bandwidth under its SM budget; barriers: "
-        "the "
-        "ceiling with the op's two barriers at what two barriers alone take)\n");
+        "the busiest rank of every phase moved its bytes at one rank's copy bandwidth under its SM budget; "
+        "barriers: the ceiling with the op's two barriers at what two barriers alone take)\n");
     for (const bench::Case& c : o.cases) {
         const double sigma = sigmas.sigma(c, 42);
         const std::vector<int> calls = o.tokens_per_call.empty() ? std::vector<int>{c.shape.tokens} : o.tokens_per_call;
