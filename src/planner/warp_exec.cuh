@@ -607,6 +607,8 @@ struct BlockDerive {
     FLATEP_DEVICE int threads() const { return nthreads; }
     // Several blocks, block 0 computing the statistics' sums in a pass of its own (not merged).
     FLATEP_DEVICE bool stats_block() const { return blocks > 1 && merge_to == nullptr; }
+    // Several blocks, the last to finish its tasks merging every block's sums (the other arrangement).
+    FLATEP_DEVICE bool merged() const { return blocks > 1 && merge_to != nullptr; }
     FLATEP_DEVICE int first_task() const {
         if (stats_block()) return block == 0 ? INT32_MAX : (tid / 32) * (blocks - 1) + (block - 1);
         return (tid / 32) * blocks + block;
@@ -673,9 +675,8 @@ struct BlockDerive {
     FLATEP_DEVICE void done() const {
         __syncthreads();
         if (tid == 0) {
-            const bool merged = blocks > 1 && merge_to != nullptr;
-            profile_stamp(merged ? merge_rec : rec, kStampDeriveEnd);
-            if (merged && merge_rec != nullptr) {
+            profile_stamp(merged() ? merge_rec : rec, kStampDeriveEnd);
+            if (merged() && merge_rec != nullptr) {
                 merge_rec->index = block;
                 merge_rec->sm = sm_id();
             }
