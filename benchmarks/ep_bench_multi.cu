@@ -179,8 +179,8 @@ constexpr int kCheckBlocks = 1024, kCheckThreads = 256;
 
 // Holds the stream until the host has enqueued the op to time (host-side launch work stays out of the timed range),
 // at most sync.timeout_s: then the iteration is counted as host-bound (its time includes host work) and runs.
-__global__ void hold_kernel(SyncArgs sync, const uint64_t* release, uint64_t value, int32_t* host_bound) {
-    if (!kernels::wait_flag_at_least(sync, kOpNone, sync.rank, release, value)) atomicAdd(host_bound, 1);
+__global__ void hold_kernel(sync::SyncArgs sync, const uint64_t* release, uint64_t value, int32_t* host_bound) {
+    if (!sync::device::wait_flag_at_least(sync, sync::kOpNone, sync.rank, release, value)) atomicAdd(host_bound, 1);
 }
 constexpr double kHoldTimeoutS = 0.1;
 
@@ -477,12 +477,12 @@ class RankBench {
           options_(options) {
         // GPU-side start barrier: flags in a symmetric region of the ipc transport, the kernels library's barrier.
         flags_ = transport_->allocate(sizeof(uint64_t) * kMaxRanks);
-        epoch_ = DeviceArray<uint64_t>(kEpochWords);
+        epoch_ = DeviceArray<uint64_t>(sync::kEpochWords);
         status_ = DeviceArray<int32_t>(4);
         FLATEP_CUDA_CHECK(cudaMemset(epoch_.get(), 0, epoch_.bytes()));
         FLATEP_CUDA_CHECK(cudaMemset(status_.get(), 0, status_.bytes()));
         FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
-        gate_ = SyncArgs{};
+        gate_ = sync::SyncArgs{};
         for (int p = 0; p < R_; ++p) gate_.flags[p] = reinterpret_cast<uint64_t*>(flags_.peers[p]);
         gate_.epoch = epoch_.get();
         gate_.status = status_.get();
@@ -495,7 +495,7 @@ class RankBench {
         FLATEP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&hold_device_), hold_host_, 0));
         hold_status_ = DeviceArray<int32_t>(4);
         host_bound_ = DeviceArray<int32_t>(1);
-        hold_ = SyncArgs{};
+        hold_ = sync::SyncArgs{};
         hold_.status = hold_status_.get();
         hold_.rank = rank_;
         hold_.num_ranks = R_;
@@ -520,7 +520,7 @@ class RankBench {
             ++hold_value_;
             hold_kernel<<<1, 1, 0, stream_>>>(hold_, hold_device_, hold_value_, host_bound_.get());
             FLATEP_CUDA_CHECK_LAUNCH();
-            kernels::launch_barrier(gate_, kOpNone, stream_);
+            kernels::launch_barrier(gate_, sync::kOpNone, stream_);
             events_.start(stream_);
             op();
             events_.stop(stream_);
@@ -530,8 +530,8 @@ class RankBench {
         }
         int32_t status[4];
         FLATEP_CUDA_CHECK(cudaMemcpy(status, status_.get(), sizeof(status), cudaMemcpyDeviceToHost));
-        FLATEP_CHECK_RUNTIME(status[kStatusCode] == kStatusOk, "rank ", rank_,
-                             ": the GPU start barrier timed out waiting for rank ", status[kStatusPeer]);
+        FLATEP_CHECK_RUNTIME(status[sync::kStatusCode] == sync::kStatusOk, "rank ", rank_,
+                             ": the GPU start barrier timed out waiting for rank ", status[sync::kStatusPeer]);
         FLATEP_CUDA_CHECK(cudaMemcpy(&host_bound, host_bound_.get(), sizeof(int32_t), cudaMemcpyDeviceToHost));
         return us;
     }
@@ -566,12 +566,12 @@ class RankBench {
     SymmetricRegion flags_;
     DeviceArray<uint64_t> epoch_;
     DeviceArray<int32_t> status_;
-    SyncArgs gate_{};
+    sync::SyncArgs gate_{};
     uint64_t* hold_host_ = nullptr;    // host-mapped release word of the hold
     uint64_t* hold_device_ = nullptr;  // the same word as the device sees it
     uint64_t hold_value_ = 0;
     DeviceArray<int32_t> hold_status_, host_bound_;
-    SyncArgs hold_{};
+    sync::SyncArgs hold_{};
     bench::EventPair events_;
     int failures_ = 0;
 };

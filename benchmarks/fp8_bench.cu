@@ -194,7 +194,7 @@ void run_case(const bench::Case& c, double sigma, int iters, int warmup, bench::
     const bench::Timing g_pre = bench::time_ranks_graph(group, iters, warmup, kGraphBatch, pre_all);
     group.synchronize();
     for (int r = 0; r < R; ++r) {
-        const WaitRecord& w = group.wait_record(r);
+        const sync::WaitRecord& w = group.wait_record(r);
         FLATEP_CHECK_RUNTIME(w.code == 0, "a wait failed: op ", w.op, " rank ", w.rank, " peer ", w.peer);
     }
     std::vector<PlanCounts> counts(R);

@@ -758,8 +758,8 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     });
     const Timing g_barriers = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [&] {
         for (int r = 0; r < R; ++r) {
-            kernels::launch_barrier(sync(r), kOpPrefetch, group.stream(r));
-            kernels::launch_barrier(sync(r), kOpPrefetch, group.stream(r));
+            kernels::launch_barrier(sync(r), sync::kOpPrefetch, group.stream(r));
+            kernels::launch_barrier(sync(r), sync::kOpPrefetch, group.stream(r));
         }
     });
     const Timing g_empty = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [] {});
@@ -790,7 +790,7 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
             cudaMemcpy(outs[r].plan.data(), dev.ranks[r].plan, outs[r].plan.size() * 4, cudaMemcpyDeviceToHost));
     }
     for (int r = 0; r < R; ++r) {
-        const WaitRecord& w = group.wait_record(r);
+        const sync::WaitRecord& w = group.wait_record(r);
         FLATEP_CHECK_RUNTIME(w.code == 0, "timeout in op ", w.op, " rank ", w.rank, " peer ", w.peer);
     }
     const Bytes bytes = count_bytes(l, outs, s, true);

@@ -21,7 +21,7 @@ void combine(const CombineArgs& a, OpStats* stats) {
     std::vector<float> acc(H);
 
     // The entry barrier keeps us from overwriting partials a source may still be pulling in its previous combine.
-    barrier(a.sync, kOpCombine);
+    sync::host::barrier(a.sync, sync::kOpCombine);
 
     // Destination side: one fp32 partial per chain, terms in ascending k, rounded to bf16.
     auto* partial = region_at<uint16_t>(a.peers[a.rank], sym.partial_offset);
@@ -44,7 +44,7 @@ void combine(const CombineArgs& a, OpStats* stats) {
             if (stats != nullptr) ++stats->partials_written;
         }
     }
-    barrier(a.sync, kOpCombine);
+    sync::host::barrier(a.sync, sync::kOpCombine);
 
     // Source side: pull one partial per destination, add in ascending destination rank, round once.
     for (int t = 0; t < num_tokens; ++t) {

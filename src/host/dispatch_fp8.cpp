@@ -21,7 +21,7 @@ void dispatch_fp8(const DispatchFp8Args& a, OpStats* stats) {
     const int64_t scales_offset = fp8_recv_scales_offset(l, sym);
     const size_t scale_bytes = size_t(num_blocks) * sizeof(float);
 
-    barrier(a.sync, kOpDispatchFp8);  // destinations are done reading their previous contents
+    sync::host::barrier(a.sync, sync::kOpDispatchFp8);  // destinations are done reading their previous contents
 
     // Source side: one row per (token, destination) at the chain head, one weight per entry. bf16 rows are quantised
     // once, into the first destination's row, and copied from there to the others.
@@ -49,7 +49,7 @@ void dispatch_fp8(const DispatchFp8Args& a, OpStats* stats) {
             if (d != a.rank) ++stats->rows_pushed_remote;
         }
     });
-    barrier(a.sync, kOpDispatchFp8);  // every source's rows, scales and weights have landed
+    sync::host::barrier(a.sync, sync::kOpDispatchFp8);  // every source's rows, scales and weights have landed
 
     // Destination side: fan out from the chain heads, carry weights, zero padding.
     const uint8_t* sym_x = a.peers[a.rank] + fp8_recv_x_offset(sym);

@@ -15,13 +15,13 @@ void entry_values(const EntryValuesArgs& a) {
     const SymmetricLayout sym = make_symmetric_layout(l);
 
     // Entry barrier: sources of the previous op may still read this rank's recv_w region.
-    barrier(a.sync, kOpEntryValues);
+    sync::host::barrier(a.sync, sync::kOpEntryValues);
     auto* own = region_at<float>(a.peers[a.rank], sym.recv_w_offset);
     for (int g = 0; g < l.num_groups(); ++g) {
         const GroupRows group = group_rows(l, p, a.rank, g);
         for (int32_t r = group.start; r < group.real_end; ++r) own[r] = a.row_values[r];
     }
-    barrier(a.sync, kOpEntryValues);
+    sync::host::barrier(a.sync, sync::kOpEntryValues);
 
     const int64_t num_entries = int64_t(num_tokens) * l.topk;
     for (int64_t i = 0; i < num_entries; ++i) {

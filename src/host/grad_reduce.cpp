@@ -11,7 +11,7 @@ void grad_reduce(const GradReduceArgs& a) {
     const int epn = a.experts_per_rank;
     const int64_t n = a.expert_elems;
     FLATEP_CHECK(a.grads != nullptr, "reduce_grad: grads is null");
-    barrier(a.sync, kOpGradReduce);  // every replica's gradient is complete
+    sync::host::barrier(a.sync, sync::kOpGradReduce);  // every replica's gradient is complete
     for (int g = 0; g < epn; ++g) {
         const int expert = a.rank * epn + g;
         float* grad = a.grads + int64_t(g) * n;
@@ -24,7 +24,7 @@ void grad_reduce(const GradReduceArgs& a) {
             }
         }
     }
-    barrier(a.sync, kOpGradReduce);  // every owner has read and zeroed its sources before a holder writes them again
+    sync::host::barrier(a.sync, sync::kOpGradReduce);  // every owner has read and zeroed its sources before a holder writes them again
 }
 
 }  // namespace flatep::host

@@ -32,7 +32,7 @@ void plan_counts_op(const PlanArgs& a) {
     for (int64_t i = 0; i < num_entries; ++i) {
         const int64_t expert = read_expert(a.topk_idx, a.index_bytes, i);
         if (expert < 0 || expert >= E) {
-            record_status(a.sync.status, kStatusBadExpert, int32_t(i), clamp_to_int32(expert), -1);
+            sync::host::record_status(a.sync.status, sync::kStatusBadExpert, int32_t(i), clamp_to_int32(expert), -1);
             continue;
         }
         ++counts[expert];
@@ -40,12 +40,12 @@ void plan_counts_op(const PlanArgs& a) {
 
     // 2. All-gather of the counts. The entry barrier keeps us from overwriting tpe_all / staging rows that a peer
     // may still be reading in its previous plan op.
-    barrier(a.sync, kOpPlan);
+    sync::host::barrier(a.sync, sync::kOpPlan);
     for (int d = 0; d < R; ++d) {
         auto* row = region_at<int32_t>(a.peers[d], sym.tpe_all_offset) + int64_t(a.rank) * E;
         std::memcpy(row, counts.data(), sizeof(int32_t) * E);
     }
-    barrier(a.sync, kOpPlan);
+    sync::host::barrier(a.sync, sync::kOpPlan);
 
     std::memcpy(p.tpe_all, a.peers[a.rank] + sym.tpe_all_offset, sizeof(int32_t) * int64_t(R) * E);
 }
@@ -59,7 +59,7 @@ void plan_routes_op(const PlanArgs& a) {
     // 4. Chains: entries of token t going to d, in ascending k.
     for (int t = 0; t < a.num_tokens; ++t)
         push_token_chains(sym, a.peers, p.entry_rank + int64_t(t) * K, p.entry_row + int64_t(t) * K, K);
-    barrier(a.sync, kOpPlan);
+    sync::host::barrier(a.sync, sync::kOpPlan);
 
     // 5. Copy the staging of the real rows; -1 for padding and rows past the last group.
     const auto* head = region_at<const int32_t>(a.peers[a.rank], sym.row_head_offset);

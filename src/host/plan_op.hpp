@@ -12,7 +12,7 @@ namespace flatep::host {
 // collective (every rank calls them with the same layout and planner).
 // plan_counts_op:
 //   1. histogram of topk_idx[num_tokens][K]; ids outside [0, E) are skipped and the first one is recorded in the
-//      status words (kStatusBadExpert, flat index t*K+k, value)
+//      status words (sync::kStatusBadExpert, flat index t*K+k, value)
 //   2. barrier; write the counts into row `rank` of every peer's tpe_all region; barrier; copy tpe_all into the plan
 // (the planner: plan_counts(), route_entries())
 // plan_routes_op:

@@ -11,7 +11,7 @@ namespace flatep::host {
 void prefetch(const PrefetchArgs& a) {
     const int epn = a.experts_per_rank;
     FLATEP_CHECK(a.weights != nullptr, "prefetch: weights is null");
-    barrier(a.sync, kOpPrefetch);  // destinations are done computing with their previous slots
+    sync::host::barrier(a.sync, sync::kOpPrefetch);  // destinations are done computing with their previous slots
     for (int d = 0; d < a.num_ranks; ++d) {
         for (int j = 0; j < epn; ++j) {
             const int expert = a.slot_expert[d * epn + j];
@@ -20,7 +20,7 @@ void prefetch(const PrefetchArgs& a) {
                         a.weights + int64_t(local_expert(expert, epn)) * a.expert_bytes, size_t(a.expert_bytes));
         }
     }
-    barrier(a.sync, kOpPrefetch);  // every slot is filled before anyone computes with it
+    sync::host::barrier(a.sync, sync::kOpPrefetch);  // every slot is filled before anyone computes with it
 }
 
 }  // namespace flatep::host

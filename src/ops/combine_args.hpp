@@ -19,7 +19,7 @@ struct CombineArgs {
     PlanView plan;
     uint8_t* peers[kMaxRanks];
     uint16_t* out;  // [s][H] bf16 out, one row per token of this rank
-    SyncArgs sync;
+    sync::SyncArgs sync;
 };
 
 }  // namespace flatep

@@ -24,7 +24,7 @@ struct DispatchArgs {
     // padding rows not marked zero already; otherwise (false: a region nobody has marked yet) it zeroes every padding
     // row and marks every row. The CPU twin zeroes every padding row either way (same outputs).
     bool marks_valid;
-    SyncArgs sync;
+    sync::SyncArgs sync;
 };
 
 }  // namespace flatep

@@ -27,7 +27,7 @@ struct DispatchFp8Args {
     uint8_t* recv_x;            // [NvS][H] e4m3 out; may be this rank's symmetric FP8 rows (fp8_recv_x_offset)
     float* recv_scales;         // [NvS][H/128] fp32 out; may be this rank's symmetric scales (fp8_recv_scales_offset)
     float* recv_w;              // [NvS] fp32 out: routing weight per row, 0 on padding; may be null
-    SyncArgs sync;
+    sync::SyncArgs sync;
 };
 
 // Where a rank's symmetric buffer stages FP8 rows: inside the bf16 receive region ([NvS][H] bf16 = 2*NvS*H bytes),

@@ -18,7 +18,7 @@ struct EntryValuesArgs {
     PlanView plan;
     uint8_t* peers[kMaxRanks];  // symmetric buffer bases (the recv_w region carries the values)
     float* out;                 // [s][K] fp32 out: value of each entry's row; 0 for invalid entries
-    SyncArgs sync;
+    sync::SyncArgs sync;
 };
 
 }  // namespace flatep

@@ -18,7 +18,7 @@ struct GradReduceArgs {
     const int32_t* slot_expert;      // [R][epn] from the plan
     float* grads;                    // this rank's own expert gradients [epn][expert_elems], accumulated into
     float* reduce_pools[kMaxRanks];  // every rank's fp32 reduce pool [epn][expert_elems], as mapped here
-    SyncArgs sync;
+    sync::SyncArgs sync;
 };
 
 }  // namespace flatep

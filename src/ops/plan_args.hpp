@@ -20,7 +20,7 @@ struct PlanArgs {
     PlannerKind planner;
     uint8_t* peers[kMaxRanks];  // every rank's symmetric buffer base (SymmetricLayout offsets)
     PlanView plan;              // this rank's plan allocation
-    SyncArgs sync;
+    sync::SyncArgs sync;
     // CUDA plan op only: device scratch of device::plan_workspace_bytes(layout) bytes (runtime/device_ops.hpp: the
     // kernels' part and the GPU planner's), or null (the kernels library then keeps one, allocated on first use
     // outside stream capture). The host twin ignores it.

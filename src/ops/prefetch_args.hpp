@@ -17,7 +17,7 @@ struct PrefetchArgs {
     const int32_t* slot_expert;      // [R][epn] from the plan
     const uint8_t* weights;          // this rank's own experts [epn][expert_bytes]
     uint8_t* slot_pools[kMaxRanks];  // every rank's slot pool [epn][expert_bytes], as mapped here
-    SyncArgs sync;
+    sync::SyncArgs sync;
 };
 
 }  // namespace flatep

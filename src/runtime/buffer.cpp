@@ -35,9 +35,9 @@ struct ConfigBlob {
     PlannerKind planner;
 };
 
-SyncArgs make_sync(const SymmetricRegion& region, const SymmetricLayout& sym, uint64_t* epoch, int rank, int num_ranks,
+sync::SyncArgs make_sync(const SymmetricRegion& region, const SymmetricLayout& sym, uint64_t* epoch, int rank, int num_ranks,
                    double timeout_s) {
-    SyncArgs s{};
+    sync::SyncArgs s{};
     for (int p = 0; p < num_ranks; ++p) s.flags[p] = region_at<uint64_t>(region.peers[p], sym.barrier_offset);
     s.epoch = epoch;
     s.status = region_at<int32_t>(region.local, sym.status_offset);
@@ -428,12 +428,12 @@ void Buffer::check_status() {
         device_->read(words, status, sizeof(words), stream_);  // a synchronising point: the record is complete now
         const std::string failure = device_->failure_message();
         if (!failure.empty()) {
-            FLATEP_THROW(host::wait_failure_category(device_->failure_code()), "rank ", config_.rank, ": ", failure);
+            FLATEP_THROW(sync::host::wait_failure_category(device_->failure_code()), "rank ", config_.rank, ": ", failure);
         }
     } else {
         for (int i = 0; i < 4; ++i) words[i] = status[i];
     }
-    if (words[kStatusCode] == kStatusOk) return;
+    if (words[sync::kStatusCode] == sync::kStatusOk) return;
     if (device_ != nullptr) {
         device_->zero(status, sizeof(words), stream_);
         device_->take_status(words);  // the host-mapped twin holds the same error: it is reported now
@@ -444,24 +444,24 @@ void Buffer::check_status() {
 }
 
 void Buffer::throw_status(const int32_t words[4]) const {
-    const int32_t code = words[kStatusCode];
-    const int32_t index = words[kStatusIndex], value = words[kStatusValue], peer = words[kStatusPeer];
+    const int32_t code = words[sync::kStatusCode];
+    const int32_t index = words[sync::kStatusIndex], value = words[sync::kStatusValue], peer = words[sync::kStatusPeer];
     const int K = layout_->topk;
     switch (code) {
-        case kStatusBadExpert:
+        case sync::kStatusBadExpert:
             // The status word holds int32: an int64 id beyond that range arrives clamped to INT32_MAX / INT32_MIN.
             FLATEP_THROW(ErrorCategory::kInvalidArgument, "rank ", config_.rank, ": invalid expert id ", value,
                          value == INT32_MAX ? " or above" : (value == INT32_MIN ? " or below" : ""),
                          " at topk_idx flat index ", index, " (token ", index / K, ", k ", index % K,
                          "); ids must be in [0, E=", layout_->num_experts, "); the entry was skipped");
-        case kStatusTimeout:
-            FLATEP_THROW(ErrorCategory::kTimeout, "rank ", config_.rank, ": ", host::op_name(OpId(index)),
+        case sync::kStatusTimeout:
+            FLATEP_THROW(ErrorCategory::kTimeout, "rank ", config_.rank, ": ", sync::host::op_name(sync::OpId(index)),
                          " timed out waiting for peer ", peer, " (flag ", value, ")");
-        case kStatusMismatch:
-            FLATEP_THROW(ErrorCategory::kMismatch, "rank ", config_.rank, ": ", host::op_name(OpId(index)), ": peer ",
-                         peer, " was in ", host::op_name(OpId(value)), " at the same barrier");
-        case kStatusPeerAborted:
-            FLATEP_THROW(ErrorCategory::kRuntime, "rank ", config_.rank, ": ", host::op_name(OpId(index)), ": peer ",
+        case sync::kStatusMismatch:
+            FLATEP_THROW(ErrorCategory::kMismatch, "rank ", config_.rank, ": ", sync::host::op_name(sync::OpId(index)), ": peer ",
+                         peer, " was in ", sync::host::op_name(sync::OpId(value)), " at the same barrier");
+        case sync::kStatusPeerAborted:
+            FLATEP_THROW(ErrorCategory::kRuntime, "rank ", config_.rank, ": ", sync::host::op_name(sync::OpId(index)), ": peer ",
                          peer, " failed an earlier wait and gave up");
         default:
             FLATEP_THROW(ErrorCategory::kRuntime, "rank ", config_.rank, ": unknown status code ", code);

@@ -5,7 +5,7 @@
 // poisoned too.
 //
 // The CPU backend learns of a failure synchronously (the barrier throws inside the op). A device backend learns of
-// it from the host-mapped WaitRecord, which enter() reads at every op's entry without synchronising: the op that
+// it from the host-mapped sync::WaitRecord, which enter() reads at every op's entry without synchronising: the op that
 // the GPU was running when it failed returned long ago, so the error is raised by the first op the host enqueues
 // after the GPU recorded it (at once, inside that op, with FLATEP_DEBUG=1, which synchronises after every op).
 #pragma once
@@ -48,12 +48,12 @@ class CollectiveGuard {
         if (site.flags != nullptr) registry().push_back(this);
     }
 
-    // At the entry of every op. device_failure: the device's WaitRecord text ("" when none, and on the CPU backend).
+    // At the entry of every op. device_failure: the device's sync::WaitRecord text ("" when none, and on the CPU backend).
     // Throws the failure itself the first time (and poisons), then a kRuntime "unusable" error at every later call.
     void enter(const char* op, const std::string& device_failure, int32_t device_code) {
         if (reason_.empty() && !device_failure.empty()) {
             reason_ = device_failure;
-            FLATEP_THROW(host::wait_failure_category(device_code), op, ": ", device_failure);
+            FLATEP_THROW(sync::host::wait_failure_category(device_code), op, ": ", device_failure);
         }
         if (!reason_.empty()) {
             FLATEP_THROW(ErrorCategory::kRuntime, op, ": this ", what_,
@@ -70,9 +70,9 @@ class CollectiveGuard {
         try {
             body();
         } catch (const Error& e) {
-            if (status == nullptr || !status_is_fatal(load(status[kStatusCode]))) throw;
+            if (status == nullptr || !sync::status_is_fatal(load(status[sync::kStatusCode]))) throw;
             const std::string elsewhere =
-                e.category() == ErrorCategory::kTimeout ? peer_elsewhere(load(status[kStatusPeer])) : "";
+                e.category() == ErrorCategory::kTimeout ? peer_elsewhere(load(status[sync::kStatusPeer])) : "";
             if (elsewhere.empty()) {
                 if (reason_.empty()) reason_ = e.message();
                 throw;
@@ -100,9 +100,9 @@ class CollectiveGuard {
             if (other == this || other->site_.transport != site_.transport) continue;
             const uint64_t word = load(other->site_.flags[peer]);
             // Ahead of this rank there (an abort word too: the peer timed out waiting there itself).
-            if (flag_epoch(word) <= *other->site_.epoch) continue;
-            return detail::concat("peer ", peer, " was in ", host::op_name(OpId(flag_op(word))), " of another ",
-                                  other->what_, " on this transport (step ", word & kFlagStepMask,
+            if (sync::flag_epoch(word) <= *other->site_.epoch) continue;
+            return detail::concat("peer ", peer, " was in ", sync::host::op_name(sync::OpId(sync::flag_op(word))), " of another ",
+                                  other->what_, " on this transport (step ", word & sync::kFlagStepMask,
                                   " mod 2^16): every rank must call the same objects in the same order");
         }
         return "";

@@ -71,12 +71,12 @@ WaitRecordHost::~WaitRecordHost() {
 }
 
 int32_t WaitRecordHost::failure_code() const {
-    return static_cast<const volatile WaitRecord*>(&host_->wait)->code;  // written by the GPU, code last (sync.hpp)
+    return static_cast<const volatile sync::WaitRecord*>(&host_->wait)->code;  // written by the GPU, code last (sync.hpp)
 }
 
 bool WaitRecordHost::take_status(int32_t words[4]) {
     volatile int32_t* status = host_->status;
-    if (status[kStatusCode] == kStatusOk) return false;
+    if (status[sync::kStatusCode] == sync::kStatusOk) return false;
     std::atomic_thread_fence(std::memory_order_acquire);  // record_status publishes the code last
     for (int i = 0; i < 4; ++i) words[i] = status[i];
     for (int i = 3; i >= 0; --i) status[i] = 0;  // the code (word 0) last: the GPU may record the next error after it
@@ -84,23 +84,23 @@ bool WaitRecordHost::take_status(int32_t words[4]) {
 }
 
 std::string WaitRecordHost::failure_message() const {
-    const volatile WaitRecord* r = &host_->wait;
+    const volatile sync::WaitRecord* r = &host_->wait;
     const int32_t code = r->code;
     if (code == 0) return "";
     std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before code
-    if (code == kStatusTimeout) {  // the GPU knows no wall time: name the flags instead of seconds
-        return detail::concat("timeout in ", host::op_name(OpId(r->op)), " (GPU): rank ", r->rank, " waited for peer ",
-                              r->peer, " (flag ", flag_epoch(r->observed), " < expected ", flag_epoch(r->expected),
+    if (code == sync::kStatusTimeout) {  // the GPU knows no wall time: name the flags instead of seconds
+        return detail::concat("timeout in ", sync::host::op_name(sync::OpId(r->op)), " (GPU): rank ", r->rank, " waited for peer ",
+                              r->peer, " (flag ", sync::flag_epoch(r->observed), " < expected ", sync::flag_epoch(r->expected),
                               ")");
     }
-    return host::wait_failure_message(code, OpId(r->op), r->rank, r->peer, r->expected, r->observed, r->step, 0.0);
+    return sync::host::wait_failure_message(code, sync::OpId(r->op), r->rank, r->peer, r->expected, r->observed, r->step, 0.0);
 }
 
 Context::Context(const Layout& layout) {
     kernels::preload_all_kernels();  // no lazy module load while a peer's kernel spins (see kernels/common/preload.hpp)
     planner::preload_planner_kernels();
-    FLATEP_CUDA_CHECK(cudaMalloc(&epoch_, kEpochWords * sizeof(uint64_t)));
-    FLATEP_CUDA_CHECK(cudaMemset(epoch_, 0, kEpochWords * sizeof(uint64_t)));
+    FLATEP_CUDA_CHECK(cudaMalloc(&epoch_, sync::kEpochWords * sizeof(uint64_t)));
+    FLATEP_CUDA_CHECK(cudaMemset(epoch_, 0, sync::kEpochWords * sizeof(uint64_t)));
     FLATEP_CUDA_CHECK(cudaMalloc(&workspace_, plan_workspace_bytes(layout)));
     max_blocks_ = env::sm_budget();
 }
@@ -110,7 +110,7 @@ Context::~Context() {
     if (workspace_ != nullptr && cudaFree(workspace_) != cudaSuccess) FLATEP_LOG_WARN("Buffer: cudaFree failed");
 }
 
-void Context::fill_sync(SyncArgs& sync) const {
+void Context::fill_sync(sync::SyncArgs& sync) const {
     sync.epoch = epoch_;
     sync.wait_record = wait_.device_pointer();
     sync.host_status = wait_.status_device_pointer();
@@ -166,7 +166,7 @@ namespace {
 
 Context::Context(const Layout&) { no_cuda(); }
 Context::~Context() = default;
-void Context::fill_sync(SyncArgs&) const { no_cuda(); }
+void Context::fill_sync(sync::SyncArgs&) const { no_cuda(); }
 void Context::plan(const PlanArgs&, void*) const { no_cuda(); }
 void launch_plan(const PlanArgs&, void*) { no_cuda(); }
 size_t plan_workspace_bytes(const Layout&) { no_cuda(); }

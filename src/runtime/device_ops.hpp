@@ -19,7 +19,7 @@ namespace flatep::device {
 
 bool built_with_cuda();
 
-// A WaitRecord and a twin of the status words (sync/sync.hpp) in host-mapped pinned memory: the GPU writes a
+// A sync::WaitRecord and a twin of the status words (sync/sync.hpp) in host-mapped pinned memory: the GPU writes a
 // rank's first failed wait, and the first error an op records (a bad expert id), into it; the host reads both at
 // every op's entry without any synchronisation. Empty in builds without CUDA.
 class WaitRecordHost {
@@ -29,19 +29,19 @@ class WaitRecordHost {
     WaitRecordHost(const WaitRecordHost&) = delete;
     WaitRecordHost& operator=(const WaitRecordHost&) = delete;
 
-    WaitRecord* device_pointer() const { return &device_->wait; }
-    int32_t* status_device_pointer() const { return device_->status; }  // SyncArgs::host_status
-    // Takes the status words (StatusWord) the GPU recorded in host-mapped memory, if any (code != 0): copies them to
+    sync::WaitRecord* device_pointer() const { return &device_->wait; }
+    int32_t* status_device_pointer() const { return device_->status; }  // sync::SyncArgs::host_status
+    // Takes the status words (sync::StatusWord) the GPU recorded in host-mapped memory, if any (code != 0): copies them to
     // `words`, clears the host copy and returns true. No synchronisation.
     bool take_status(int32_t words[4]);
     // "" while no wait failed; else the failure's one-line text (e.g. "timeout in plan (GPU): rank 0 waited for peer
     // 1 (flag 0 < expected 1)", or a mismatch naming both ops and steps).
     std::string failure_message() const;
-    int32_t failure_code() const;  // 0 or the WaitRecord's StatusCode
+    int32_t failure_code() const;  // 0 or the sync::WaitRecord's sync::StatusCode
 
   private:
     struct Mapped {
-        WaitRecord wait;
+        sync::WaitRecord wait;
         int32_t status[4];
     };
     Mapped* host_ = nullptr;
@@ -57,8 +57,8 @@ class Context {
     Context(const Context&) = delete;
     Context& operator=(const Context&) = delete;
 
-    // Fills the CUDA-only fields of a SyncArgs (epoch pointer, wait record, SM budget).
-    void fill_sync(SyncArgs& sync) const;
+    // Fills the CUDA-only fields of a sync::SyncArgs (epoch pointer, wait record, SM budget).
+    void fill_sync(sync::SyncArgs& sync) const;
     void* workspace() const { return workspace_; }
     int max_blocks() const { return max_blocks_; }             // SM budget per launch (0: no cap)
     void set_max_blocks(int blocks) { max_blocks_ = blocks; }  // checked by the caller (Buffer::set_max_blocks)

@@ -135,8 +135,8 @@ void destroy_layer_allocation(LayerAllocation& a) noexcept {
 
 PoolsContext::PoolsContext() {
     kernels::preload_all_kernels();  // no lazy module load while a peer's kernel spins (see kernels/common/preload.hpp)
-    FLATEP_CUDA_CHECK(cudaMalloc(&epoch_, kEpochWords * sizeof(uint64_t)));
-    const cudaError_t zeroed = cudaMemset(epoch_, 0, kEpochWords * sizeof(uint64_t));
+    FLATEP_CUDA_CHECK(cudaMalloc(&epoch_, sync::kEpochWords * sizeof(uint64_t)));
+    const cudaError_t zeroed = cudaMemset(epoch_, 0, sync::kEpochWords * sizeof(uint64_t));
     if (zeroed != cudaSuccess) {
         cudaFree(epoch_);
         FLATEP_THROW(ErrorCategory::kRuntime, "ExpertPools: cudaMemset(epoch) failed: ", cudaGetErrorName(zeroed));
@@ -148,7 +148,7 @@ PoolsContext::~PoolsContext() {
     if (epoch_ != nullptr && cudaFree(epoch_) != cudaSuccess) FLATEP_LOG_WARN("ExpertPools: cudaFree(epoch) failed");
 }
 
-void PoolsContext::fill_sync(SyncArgs& sync) const {
+void PoolsContext::fill_sync(sync::SyncArgs& sync) const {
     sync.epoch = epoch_;
     sync.wait_record = wait_.device_pointer();
     sync.max_blocks = max_blocks_;
@@ -178,7 +178,7 @@ LayerAllocation create_layer_allocation(size_t, uint64_t, size_t) { no_cuda(); }
 void destroy_layer_allocation(LayerAllocation& allocation) noexcept { allocation = LayerAllocation{}; }
 PoolsContext::PoolsContext() { no_cuda(); }
 PoolsContext::~PoolsContext() = default;
-void PoolsContext::fill_sync(SyncArgs&) const { no_cuda(); }
+void PoolsContext::fill_sync(sync::SyncArgs&) const { no_cuda(); }
 void PoolsContext::prefetch(const PrefetchArgs&, void*) const { no_cuda(); }
 void PoolsContext::grad_reduce(const GradReduceArgs&, void*) const { no_cuda(); }
 void PoolsContext::write_grads(const WriteGradsArgs&, void*) const { no_cuda(); }

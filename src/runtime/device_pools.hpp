@@ -38,8 +38,8 @@ class PoolsContext {
     PoolsContext(const PoolsContext&) = delete;
     PoolsContext& operator=(const PoolsContext&) = delete;
 
-    // Fills the CUDA-only fields of a SyncArgs (epoch pointer, SM budget).
-    void fill_sync(SyncArgs& sync) const;
+    // Fills the CUDA-only fields of a sync::SyncArgs (epoch pointer, SM budget).
+    void fill_sync(sync::SyncArgs& sync) const;
     // Launch on `stream` (a cudaStream_t; null = the legacy default stream).
     void prefetch(const PrefetchArgs& args, void* stream) const;
     void grad_reduce(const GradReduceArgs& args, void* stream) const;

@@ -291,8 +291,8 @@ void ExpertPools::check_args(const Plan& plan, const ExpertLayer& layer, const c
 }
 
 namespace {
-SyncArgs pool_sync(const SymmetricRegion& region, uint64_t* epoch, int rank, int num_ranks, double timeout_s) {
-    SyncArgs s{};
+sync::SyncArgs pool_sync(const SymmetricRegion& region, uint64_t* epoch, int rank, int num_ranks, double timeout_s) {
+    sync::SyncArgs s{};
     for (int p = 0; p < num_ranks; ++p) s.flags[p] = reinterpret_cast<uint64_t*>(region.peers[p] + kFlagsOffset);
     s.epoch = epoch;
     s.status = reinterpret_cast<int32_t*>(region.local + kStatusOffset);

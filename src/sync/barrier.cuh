@@ -11,7 +11,7 @@
 #include "sync/sync.hpp"
 #include "sync/timed_wait.cuh"
 
-namespace flatep::kernels {
+namespace flatep::sync::device {
 
 // Full barrier of all sync.num_ranks ranks, run by every thread of ONE block of this rank (num_threads >= number
 // of ranks). Protocol (sync.hpp): e = ++*epoch (the epoch lives in device memory, so graph replays continue the
@@ -53,4 +53,4 @@ FLATEP_DEVICE bool block_barrier(const SyncArgs& sync, int op, int thread_idx) {
     return !failed;
 }
 
-}  // namespace flatep::kernels
+}  // namespace flatep::sync::device

@@ -15,7 +15,7 @@
 #include <immintrin.h>
 #endif
 
-namespace flatep::host {
+namespace flatep::sync::host {
 
 namespace {
 
@@ -217,4 +217,4 @@ void barrier(const SyncArgs& sync, OpId op) {
     }
 }
 
-}  // namespace flatep::host
+}  // namespace flatep::sync::host

@@ -10,7 +10,7 @@
 #include "flatep/error.hpp"
 #include "sync/sync.hpp"
 
-namespace flatep::host {
+namespace flatep::sync::host {
 
 // Name of an op as timeout messages print it ("plan", "dispatch", ...).
 const char* op_name(OpId op);
@@ -49,4 +49,4 @@ double now_s();
 // nothing else.
 void barrier(const SyncArgs& sync, OpId op);
 
-}  // namespace flatep::host
+}  // namespace flatep::sync::host

@@ -12,7 +12,7 @@
 
 #include "common/macros.hpp"
 
-namespace flatep::kernels {
+namespace flatep::sync::device {
 
 FLATEP_DEVICE uint64_t ld_acquire_sys(const uint64_t* ptr) {
     uint64_t value;
@@ -46,4 +46,4 @@ FLATEP_DEVICE uint64_t globaltimer_ns() {
     return t;
 }
 
-}  // namespace flatep::kernels
+}  // namespace flatep::sync::device

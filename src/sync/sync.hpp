@@ -17,7 +17,7 @@
 
 #include "common/macros.hpp"
 
-namespace flatep {
+namespace flatep::sync {
 
 // Which op a wait belonged to (WaitRecord::op, and kStatusIndex of a kStatusTimeout status).
 enum OpId : int32_t {
@@ -128,4 +128,4 @@ FLATEP_HD int32_t wait_status_value(int32_t code, uint64_t observed) {
     return code == kStatusMismatch ? int32_t(flag_op(observed)) : int32_t(flag_epoch(observed));
 }
 
-}  // namespace flatep
+}  // namespace flatep::sync

@@ -8,7 +8,7 @@
 #include "sync/ptx.cuh"
 #include "sync/sync.hpp"
 
-namespace flatep::kernels {
+namespace flatep::sync::device {
 
 // Records the first error of a rank in its status words: claims kStatusCode (0 -> -1 while writing), writes
 // index, value and peer, then publishes the code behind a system fence. Later errors are dropped.
@@ -81,4 +81,4 @@ FLATEP_DEVICE bool wait_flag_at_least(const SyncArgs& sync, int op, int peer, co
     return false;
 }
 
-}  // namespace flatep::kernels
+}  // namespace flatep::sync::device

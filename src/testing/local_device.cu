@@ -82,9 +82,9 @@ LocalDeviceGroup::LocalDeviceGroup(int num_ranks, bool device_per_rank, double t
         DeviceGuard guard(devices_[r]);
         kernels::preload_all_kernels();
     }
-    FLATEP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_records_), sizeof(WaitRecord) * num_ranks,
+    FLATEP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_records_), sizeof(sync::WaitRecord) * num_ranks,
                                     cudaHostAllocMapped | cudaHostAllocPortable));
-    std::memset(host_records_, 0, sizeof(WaitRecord) * num_ranks);
+    std::memset(host_records_, 0, sizeof(sync::WaitRecord) * num_ranks);
     FLATEP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_records_), host_records_, 0));
     FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
 }
@@ -148,9 +148,9 @@ void LocalDeviceGroup::release(std::vector<SymmetricRegion>& regions) noexcept {
     regions.clear();
 }
 
-SyncArgs LocalDeviceGroup::sync_args(int rank, const std::vector<SymmetricRegion>& regions, int64_t barrier_offset,
+sync::SyncArgs LocalDeviceGroup::sync_args(int rank, const std::vector<SymmetricRegion>& regions, int64_t barrier_offset,
                                      int64_t status_offset) const {
-    SyncArgs s{};
+    sync::SyncArgs s{};
     for (int p = 0; p < num_ranks_; ++p) s.flags[p] = region_at<uint64_t>(regions[rank].peers[p], barrier_offset);
     s.epoch = epochs_[rank];
     s.status = region_at<int32_t>(regions[rank].local, status_offset);
@@ -162,7 +162,7 @@ SyncArgs LocalDeviceGroup::sync_args(int rank, const std::vector<SymmetricRegion
     return s;
 }
 
-void LocalDeviceGroup::clear_wait_records() { std::memset(host_records_, 0, sizeof(WaitRecord) * num_ranks_); }
+void LocalDeviceGroup::clear_wait_records() { std::memset(host_records_, 0, sizeof(sync::WaitRecord) * num_ranks_); }
 
 void LocalDeviceGroup::synchronize() {
     for (int r = 0; r < num_ranks_; ++r) {

@@ -1,12 +1,12 @@
 // `local` transport on GPUs (design §7): R ranks in one process, either R virtual ranks on one GPU (one device
 // allocation holds every rank's symmetric region; peer pointers point into it) or one rank per GPU with peer
-// access. Each rank gets its own stream, its barrier epoch in device memory, a host-mapped WaitRecord and an SM
-// budget (SyncArgs::max_blocks) so that all ranks' kernels are co-resident on a shared GPU: a kernel spinning on a
+// access. Each rank gets its own stream, its barrier epoch in device memory, a host-mapped sync::WaitRecord and an SM
+// budget (sync::SyncArgs::max_blocks) so that all ranks' kernels are co-resident on a shared GPU: a kernel spinning on a
 // peer's flag never starves that peer.
 //
 //   LocalDeviceGroup group(8);                       // 8 virtual ranks on the current GPU
 //   auto regions = group.allocate(bytes);            // regions[r].peers[p] = rank p's region
-//   SyncArgs sync = group.sync_args(r, regions, sym.barrier_offset, sym.status_offset);
+//   sync::SyncArgs sync = group.sync_args(r, regions, sym.barrier_offset, sym.status_offset);
 //   kernels::launch(args_of_rank_r, group.stream(r));
 //
 // Streams of one GPU must map to distinct hardware queues, or a spinning kernel of one rank can block a peer's
@@ -47,13 +47,13 @@ class LocalDeviceGroup {
     // Frees what allocate returned (never throws).
     void release(std::vector<SymmetricRegion>& regions) noexcept;
 
-    // SyncArgs of `rank` for a buffer whose flag array and status words sit at these offsets of every region.
-    SyncArgs sync_args(int rank, const std::vector<SymmetricRegion>& regions, int64_t barrier_offset,
+    // sync::SyncArgs of `rank` for a buffer whose flag array and status words sit at these offsets of every region.
+    sync::SyncArgs sync_args(int rank, const std::vector<SymmetricRegion>& regions, int64_t barrier_offset,
                        int64_t status_offset) const;
 
-    // Host view of rank's WaitRecord (host-mapped; readable while kernels run).
-    const WaitRecord& wait_record(int rank) const { return host_records_[rank]; }
-    // Zeroes every WaitRecord (between tests).
+    // Host view of rank's sync::WaitRecord (host-mapped; readable while kernels run).
+    const sync::WaitRecord& wait_record(int rank) const { return host_records_[rank]; }
+    // Zeroes every sync::WaitRecord (between tests).
     void clear_wait_records();
 
     // Waits for every rank's stream.
@@ -67,8 +67,8 @@ class LocalDeviceGroup {
     std::vector<int> devices_;
     std::vector<cudaStream_t> streams_;
     std::vector<uint64_t*> epochs_;  // device memory, one counter per rank
-    WaitRecord* host_records_ = nullptr;
-    WaitRecord* device_records_ = nullptr;
+    sync::WaitRecord* host_records_ = nullptr;
+    sync::WaitRecord* device_records_ = nullptr;
     struct Allocation {
         std::vector<void*> bases;  // one (shared GPU) or one per rank
     };

@@ -10,8 +10,8 @@
 namespace flatep::gpu_test {
 
 namespace {
-SyncArgs host_sync(const SymmetricRegion& reg, const SymmetricLayout& sym, int rank, int num_ranks, uint64_t* epoch) {
-    SyncArgs s{};
+sync::SyncArgs host_sync(const SymmetricRegion& reg, const SymmetricLayout& sym, int rank, int num_ranks, uint64_t* epoch) {
+    sync::SyncArgs s{};
     for (int p = 0; p < num_ranks; ++p) s.flags[p] = reinterpret_cast<uint64_t*>(reg.peers[p] + sym.barrier_offset);
     s.epoch = epoch;
     s.status = reinterpret_cast<int32_t*>(reg.local + sym.status_offset);
@@ -40,7 +40,7 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                 SymmetricRegion slot = t->allocate(size_t(pe) * 2);
                 SymmetricRegion red = t->allocate(size_t(pe) * 4);
                 std::memcpy(red.local, in.red_pool[r].data(), size_t(pe) * 4);
-                const SyncArgs sync = host_sync(reg, sym, r, R, &epochs[r]);
+                const sync::SyncArgs sync = host_sync(reg, sym, r, R, &epochs[r]);
                 RankOutputs& o = outs[r];
                 HostPlan plan(l);
                 std::vector<int32_t> topk32;
@@ -179,11 +179,11 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                 ga.sync = sync;
                 host::grad_reduce(ga);
                 // Every rank must be done reading every pool before any copy-out / release.
-                host::barrier(sync, kOpNone);
+                sync::host::barrier(sync, sync::kOpNone);
                 o.red_pool.assign(reinterpret_cast<float*>(red.local), reinterpret_cast<float*>(red.local) + pe);
                 o.plan.assign(plan.view.tpe_all, plan.view.tpe_all + make_plan_sizes(l).total_words);
                 std::memcpy(o.status, reg.local + sym.status_offset, 16);
-                host::barrier(sync, kOpNone);
+                sync::host::barrier(sync, sync::kOpNone);
                 t->release(red);
                 t->release(slot);
                 t->release(reg);

@@ -291,7 +291,7 @@ std::vector<RankResult> run_host_fp8(const CaseSpec& c, const Layout& l, const I
             try {
                 auto t = world.transport(r);
                 SymmetricRegion reg = t->allocate(size_t(sym.total_bytes));
-                SyncArgs sync{};
+                sync::SyncArgs sync{};
                 for (int p = 0; p < R; ++p)
                     sync.flags[p] = reinterpret_cast<uint64_t*>(reg.peers[p] + sym.barrier_offset);
                 sync.epoch = &epochs[r];
@@ -361,7 +361,7 @@ std::vector<RankResult> run_host_fp8(const CaseSpec& c, const Layout& l, const I
                 a.x_scales = xs.data();
                 run(out[r].pre);
                 out[r].plan.assign(plan.view.tpe_all, plan.view.tpe_all + make_plan_sizes(l).total_words);
-                host::barrier(sync, kOpNone);  // every peer is done with this rank's region
+                sync::host::barrier(sync, sync::kOpNone);  // every peer is done with this rank's region
                 t->release(reg);
             } catch (const std::exception& e) {
                 errors[r] = e.what();
@@ -555,9 +555,9 @@ bool run_case(const CaseSpec& c) {
         const std::vector<RankResult> cpu = run_host_fp8(c, l, in, mode);
         const std::vector<RankResult> gpu = run_device_fp8(c, l, in, mode, group);
         for (int r = 0; r < l.num_ranks; ++r) {
-            const WaitRecord& w = group.wait_record(r);
+            const sync::WaitRecord& w = group.wait_record(r);
             if (w.code != 0) {
-                g_first = "wait failed: op " + std::string(host::op_name(OpId(w.op))) + " rank " +
+                g_first = "wait failed: op " + std::string(sync::host::op_name(sync::OpId(w.op))) + " rank " +
                           std::to_string(w.rank) + " peer " + std::to_string(w.peer);
                 return false;
             }

@@ -139,7 +139,7 @@ bool compare_outputs(const CaseSpec& c, const Layout& l, const std::vector<RankO
 
 bool check_wait_records(LocalDeviceGroup& group) {
     for (int r = 0; r < group.num_ranks(); ++r) {
-        const WaitRecord& w = group.wait_record(r);
+        const sync::WaitRecord& w = group.wait_record(r);
         if (w.code != 0) {
             char buf[200];
             std::snprintf(buf, sizeof(buf), "timeout: op %d rank %d waited for peer %d (expected %llu observed %llu)",

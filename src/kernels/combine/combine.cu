@@ -191,7 +191,7 @@ void launch(const CombineArgs& a, cudaStream_t stream) {
     const SymmetricLayout sym = make_symmetric_layout(l);
     const PeerPointers peers = per_rank("combine", a.peers, l.num_ranks);
     auto* partial = region_at<uint16_t>(a.peers[a.rank], sym.partial_offset);
-    launch_barrier(a.sync, kOpCombine, stream);  // sources are done pulling the previous partials
+    launch_barrier(a.sync, sync::kOpCombine, stream);  // sources are done pulling the previous partials
     const int part_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kWarps), 4);
     if (a.weights != nullptr) {
         combine_partial_kernel<true><<<part_blocks, kThreads, 0, stream>>>(l, a.rank, a.plan, a.y, a.weights, partial);
@@ -199,7 +199,7 @@ void launch(const CombineArgs& a, cudaStream_t stream) {
         combine_partial_kernel<false><<<part_blocks, kThreads, 0, stream>>>(l, a.rank, a.plan, a.y, nullptr, partial);
     }
     FLATEP_CUDA_CHECK_LAUNCH();
-    launch_barrier(a.sync, kOpCombine, stream);  // every partial is written
+    launch_barrier(a.sync, sync::kOpCombine, stream);  // every partial is written
     const int pull_blocks = grid_blocks(a.sync, ceil_div(l.num_tokens, kWarps), 4);
     combine_pull_kernel<<<pull_blocks, kThreads, 0, stream>>>(l, a.plan, sym, peers, a.out);
     FLATEP_CUDA_CHECK_LAUNCH();

@@ -8,7 +8,7 @@ namespace flatep::kernels {
 
 namespace {
 
-__global__ void barrier_kernel(SyncArgs sync, int op) { block_barrier(sync, op, threadIdx.x); }
+__global__ void barrier_kernel(sync::SyncArgs sync, int op) { sync::device::block_barrier(sync, op, threadIdx.x); }
 
 }  // namespace
 
@@ -26,7 +26,7 @@ void preload_all_kernels() {
     preload_write_grads_kernels();
 }
 
-void launch_barrier(const SyncArgs& sync, int op, cudaStream_t stream) {
+void launch_barrier(const sync::SyncArgs& sync, int op, cudaStream_t stream) {
     if (sync.num_ranks <= 1) return;
     const int threads = sync.num_ranks <= 32 ? 32 : 64;
     barrier_kernel<<<1, threads, 0, stream>>>(sync, op);
@@ -46,7 +46,7 @@ int device_sm_count() {
     return counts[device];
 }
 
-int grid_blocks(const SyncArgs& sync, int64_t work_blocks, int blocks_per_sm) {
+int grid_blocks(const sync::SyncArgs& sync, int64_t work_blocks, int blocks_per_sm) {
     return grid_blocks(sync.max_blocks, work_blocks, blocks_per_sm);
 }
 

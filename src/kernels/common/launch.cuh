@@ -54,15 +54,15 @@ void preload_kernels(Kernels... kernels) {
 }
 
 // Host: a one-block kernel running block_barrier on `stream` (between two kernels of an op).
-void launch_barrier(const SyncArgs& sync, int op, cudaStream_t stream);
+void launch_barrier(const sync::SyncArgs& sync, int op, cudaStream_t stream);
 
 // Host: multiprocessors of the current device (cached per device).
 int device_sm_count();
 
 // Host: blocks for a launch of `work_blocks` blocks of work under this rank's SM budget (sync.max_blocks, or
 // blocks_per_sm blocks on every multiprocessor when there is no budget); at least 1.
-int grid_blocks(const SyncArgs& sync, int64_t work_blocks, int blocks_per_sm);
-// The same for a local op (no SyncArgs): max_blocks is the SM budget (0: none).
+int grid_blocks(const sync::SyncArgs& sync, int64_t work_blocks, int blocks_per_sm);
+// The same for a local op (no sync::SyncArgs): max_blocks is the SM budget (0: none).
 int grid_blocks(int max_blocks, int64_t work_blocks, int blocks_per_sm);
 
 // Host: a device scratch buffer of at least `bytes`, owned by the kernels library, one per (key, device); grows

@@ -112,11 +112,11 @@ void launch(const DispatchArgs& a, cudaStream_t stream) {
                  "dispatch: x and recv_x must be 16-byte aligned");
     const SymmetricLayout sym = make_symmetric_layout(l);
     const PeerPointers peers = per_rank("dispatch", a.peers, l.num_ranks);
-    launch_barrier(a.sync, kOpDispatch, stream);  // destinations are done with the previous contents
+    launch_barrier(a.sync, sync::kOpDispatch, stream);  // destinations are done with the previous contents
     const int push_blocks = grid_blocks(a.sync, ceil_div(l.num_tokens, kWarps), 4);
     dispatch_push_kernel<<<push_blocks, kThreads, 0, stream>>>(l, a.x, a.topk_weights, a.plan, sym, peers);
     FLATEP_CUDA_CHECK_LAUNCH();
-    launch_barrier(a.sync, kOpDispatch, stream);  // every source's rows and weights have landed
+    launch_barrier(a.sync, sync::kOpDispatch, stream);  // every source's rows and weights have landed
     const int fan_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kWarps), 4);
     dispatch_fanout_kernel<<<fan_blocks, kThreads, 0, stream>>>(
         l, a.rank, a.plan, region_at<const uint16_t>(a.peers[a.rank], sym.recv_x_offset),

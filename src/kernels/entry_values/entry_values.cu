@@ -40,12 +40,12 @@ void launch(const EntryValuesArgs& a, cudaStream_t stream) {
                  a.rank);
     const SymmetricLayout sym = make_symmetric_layout(l);
     const PeerPointers peers = per_rank("entry_values", a.peers, l.num_ranks);
-    launch_barrier(a.sync, kOpEntryValues, stream);  // sources of the previous op are done with recv_w
+    launch_barrier(a.sync, sync::kOpEntryValues, stream);  // sources of the previous op are done with recv_w
     const int publish_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kThreads), 4);
     entry_values_publish_kernel<<<publish_blocks, kThreads, 0, stream>>>(
         l, a.rank, a.plan, a.row_values, region_at<float>(a.peers[a.rank], sym.recv_w_offset));
     FLATEP_CUDA_CHECK_LAUNCH();
-    launch_barrier(a.sync, kOpEntryValues, stream);  // every destination's values are published
+    launch_barrier(a.sync, sync::kOpEntryValues, stream);  // every destination's values are published
     const int pull_blocks = grid_blocks(a.sync, ceil_div(l.num_entries(), kThreads), 4);
     entry_values_pull_kernel<<<pull_blocks, kThreads, 0, stream>>>(l, a.plan, sym, peers, a.out);
     FLATEP_CUDA_CHECK_LAUNCH();

@@ -116,7 +116,7 @@ __global__ void histogram_kernel(Layout l, const void* topk_idx, int index_bytes
 
 // 2. All-gather of the counts: row `rank` of every peer's tpe_all region, barrier, copy into the plan.
 __global__ void allgather_kernel(Layout l, int rank, SymmetricLayout sym, PeerPointers peers, PlanView p,
-                                 const int32_t* tpe_local, SyncArgs sync, int num_tokens, PlannerKind kind) {
+                                 const int32_t* tpe_local, sync::SyncArgs sync, int num_tokens, PlannerKind kind) {
     const int R = l.num_ranks, E = l.num_experts;
     if (threadIdx.x == 0) {
         p.header[kHeaderNumTokens] = num_tokens;
@@ -126,7 +126,7 @@ __global__ void allgather_kernel(Layout l, int rank, SymmetricLayout sym, PeerPo
         const int d = int(i / E), e = int(i % E);
         region_at<int32_t>(peers.ptr[d], sym.tpe_all_offset)[int64_t(rank) * E + e] = tpe_local[e];
     }
-    block_barrier(sync, kOpPlan, threadIdx.x);
+    sync::device::block_barrier(sync, sync::kOpPlan, threadIdx.x);
     const int32_t* all = region_at<const int32_t>(peers.ptr[rank], sym.tpe_all_offset);
     for (int64_t i = threadIdx.x; i < int64_t(R) * E; i += blockDim.x) p.tpe_all[i] = all[i];
 }
@@ -217,8 +217,8 @@ __global__ void unpack_kernel(Layout l, int rank, SymmetricLayout sym, PeerPoint
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         const unsigned long long bad = *ws.first_bad;
         if (bad != ~0ull) {
-            record_status(status, kStatusBadExpert, int32_t(bad >> 32), int32_t(uint32_t(bad)), -1);
-            record_status(host_status, kStatusBadExpert, int32_t(bad >> 32), int32_t(uint32_t(bad)), -1);
+            sync::device::record_status(status, sync::kStatusBadExpert, int32_t(bad >> 32), int32_t(uint32_t(bad)), -1);
+            sync::device::record_status(host_status, sync::kStatusBadExpert, int32_t(bad >> 32), int32_t(uint32_t(bad)), -1);
         }
     }
 }
@@ -261,7 +261,7 @@ void launch_plan_routes(const PlanArgs& a, void* workspace, cudaStream_t stream)
                                                                     seg_tokens, sym, peers, a.plan, ws);
         FLATEP_CUDA_CHECK_LAUNCH();
     }
-    launch_barrier(a.sync, kOpPlan, stream);
+    launch_barrier(a.sync, sync::kOpPlan, stream);
     const int unpack_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, 256), 8);
     unpack_kernel<<<unpack_blocks, 256, 0, stream>>>(l, a.rank, sym, peers, a.plan, ws, a.sync.status,
                                                      a.sync.host_status);

@@ -77,7 +77,7 @@ void launch(const PrefetchArgs& a, cudaStream_t stream) {
     }
     FLATEP_CHECK(reinterpret_cast<uintptr_t>(a.weights) % 16 == 0 && a.expert_bytes % 16 == 0,
                  "prefetch: weights must be 16-byte aligned and expert_bytes a multiple of 16, got ", a.expert_bytes);
-    launch_barrier(a.sync, kOpPrefetch, stream);
+    launch_barrier(a.sync, sync::kOpPrefetch, stream);
     // Work items: replicas * chunks, unknown here (the plan is on the device): as many blocks as the budget allows,
     // and an expert's share of one block as the chunk, in whole 512-byte lines (32 words).
     const int64_t n16 = a.expert_bytes / 16;
@@ -86,7 +86,7 @@ void launch(const PrefetchArgs& a, cudaStream_t stream) {
     prefetch_push_kernel<<<blocks, kThreads, 0, stream>>>(a.rank, a.num_ranks, a.experts_per_rank, a.expert_bytes,
                                                           chunk16, a.slot_expert, a.weights, pools);
     FLATEP_CUDA_CHECK_LAUNCH();
-    launch_barrier(a.sync, kOpPrefetch, stream);
+    launch_barrier(a.sync, sync::kOpPrefetch, stream);
 }
 
 void preload_prefetch_kernels() { preload_kernels(prefetch_push_kernel); }

@@ -143,8 +143,8 @@ TEST(LocalHost, AllGatherTimesOutNamingTheMissingPeer) {
 // Barrier state of R ranks in one process: flag arrays and epochs.
 struct BarrierState {
     explicit BarrierState(int R) : flags(size_t(R) * kMaxRanks, 0), epochs(R, 0), status(size_t(R) * 4, 0) {}
-    SyncArgs sync(int rank, int R, double timeout) {
-        SyncArgs s{};
+    sync::SyncArgs sync(int rank, int R, double timeout) {
+        sync::SyncArgs s{};
         for (int p = 0; p < R; ++p) s.flags[p] = flags.data() + size_t(p) * kMaxRanks;
         s.epoch = &epochs[rank];
         s.status = status.data() + size_t(rank) * 4;
@@ -164,14 +164,14 @@ TEST(HostBarrier, OrdersWritesBeforeTheBarrierWithReadsAfterIt) {
     BarrierState state(R);
     std::vector<int64_t> data(R * 16, -1);
     const auto errors = run_ranks(R, [&](int rank) {
-        const SyncArgs sync = state.sync(rank, R, 10.0);
+        const sync::SyncArgs sync = state.sync(rank, R, 10.0);
         for (int round = 0; round < rounds; ++round) {
             for (int i = 0; i < 16; ++i) data[rank * 16 + i] = int64_t(round) * 1000 + rank * 16 + i;
-            host::barrier(sync, kOpDispatch);
+            sync::host::barrier(sync, sync::kOpDispatch);
             for (int p = 0; p < R; ++p)
                 for (int i = 0; i < 16; ++i)
                     ASSERT_EQ(data[p * 16 + i], int64_t(round) * 1000 + p * 16 + i) << "round " << round;
-            host::barrier(sync, kOpCombine);
+            sync::host::barrier(sync, sync::kOpCombine);
         }
     });
     EXPECT_EQ(failures(errors), "");
@@ -184,11 +184,11 @@ TEST(HostBarrier, TimeoutNamesOpRankPeerAndFlagsAndRecordsStatus) {
     std::vector<std::string> messages(R);
     std::vector<double> seconds(R, 0);
     run_ranks(R, [&](int rank) {
-        const SyncArgs sync = state.sync(rank, R, 0.5);
+        const sync::SyncArgs sync = state.sync(rank, R, 0.5);
         if (rank == 3) return;
         const auto start = std::chrono::steady_clock::now();
         try {
-            host::barrier(sync, kOpGradReduce);
+            sync::host::barrier(sync, sync::kOpGradReduce);
         } catch (const Error& e) {
             EXPECT_EQ(e.category(), ErrorCategory::kTimeout);
             messages[rank] = e.message();
@@ -201,12 +201,12 @@ TEST(HostBarrier, TimeoutNamesOpRankPeerAndFlagsAndRecordsStatus) {
         // The wait honours its timeout: not before it, and not much after it (the sleeps are at most 1 ms).
         EXPECT_GE(seconds[r], 0.5) << "rank " << r;
         EXPECT_LT(seconds[r], 2.0) << "rank " << r;
-        EXPECT_EQ(state.status[r * 4 + kStatusCode], kStatusTimeout);
-        EXPECT_EQ(state.status[r * 4 + kStatusIndex], kOpGradReduce);
-        EXPECT_EQ(state.status[r * 4 + kStatusValue], 0);
-        EXPECT_EQ(state.status[r * 4 + kStatusPeer], 3);
+        EXPECT_EQ(state.status[r * 4 + sync::kStatusCode], sync::kStatusTimeout);
+        EXPECT_EQ(state.status[r * 4 + sync::kStatusIndex], sync::kOpGradReduce);
+        EXPECT_EQ(state.status[r * 4 + sync::kStatusValue], 0);
+        EXPECT_EQ(state.status[r * 4 + sync::kStatusPeer], 3);
     }
-    EXPECT_EQ(state.status[3 * 4 + kStatusCode], kStatusOk);
+    EXPECT_EQ(state.status[3 * 4 + sync::kStatusCode], sync::kStatusOk);
 }
 
 }  // namespace
