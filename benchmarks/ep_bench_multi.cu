@@ -280,23 +280,23 @@ std::vector<std::vector<int32_t>> make_routing(const Case& c, int R) {
 
 // The host planner's plan of the same step: global part plus every source's entry routing.
 struct Reference {
-    std::unique_ptr<HostPlan> plan;
+    std::unique_ptr<planner::HostPlan> plan;
     std::vector<std::vector<int32_t>> entry_rank, entry_row;  // [source][S*K]
 };
 
 Reference make_reference(const Layout& l, const std::vector<std::vector<int32_t>>& idx) {
     Reference ref;
-    ref.plan = std::make_unique<HostPlan>(l);
+    ref.plan = std::make_unique<planner::HostPlan>(l);
     const PlanView& p = ref.plan->view;
     for (int s = 0; s < l.num_ranks; ++s) {
         for (int32_t e : idx[s]) ++p.tpe_all[int64_t(s) * l.num_experts + e];
     }
-    plan_counts(l, PlannerKind::kBalanced, p);
-    const std::string problem = check_plan(l, p);
+    planner::plan_counts(l, PlannerKind::kBalanced, p);
+    const std::string problem = planner::check_plan(l, p);
     FLATEP_CHECK_RUNTIME(problem.empty(), "host reference plan is invalid: ", problem);
     const int64_t entries = int64_t(l.num_tokens) * l.topk;
     for (int s = 0; s < l.num_ranks; ++s) {
-        const int64_t bad = route_entries(l, p, s, idx[s].data(), 4, l.num_tokens);
+        const int64_t bad = planner::route_entries(l, p, s, idx[s].data(), 4, l.num_tokens);
         FLATEP_CHECK_RUNTIME(bad < 0, "routing of rank ", s, " has an invalid expert id at ", bad);
         ref.entry_rank.emplace_back(p.entry_rank, p.entry_rank + entries);
         ref.entry_row.emplace_back(p.entry_row, p.entry_row + entries);
@@ -613,7 +613,7 @@ RankSummary RankBench::run(const Case& c, std::vector<std::vector<float>>& times
     // FlatEP: the plan against the host planner's.
     Plan plan = buffer.plan(topk.get(), 4, S);
     {
-        const HostPlan& got = plan.host_plan();  // synchronising copy
+        const planner::HostPlan& got = plan.host_plan();  // synchronising copy
         const PlanSizes sizes = make_plan_sizes(l);
         int64_t bad = -1;
         for (int64_t i = 0; i < sizes.entry_rank && bad < 0; ++i)

@@ -278,7 +278,7 @@ double median_of(const std::vector<double>& v) { return bench::median(v); }
 // greedy's quality is known too: acceptable means no worse than the greedy). Prints the budgets select reads and the
 // candidates' end with such stops (each stop priced at one more warp step, 0.5 us).
 void print_stop_estimate(const Layout& l, const int32_t* tpe, const std::vector<double>& end, double greedy_end) {
-    namespace pc = planner_core;
+    namespace pc = planner;
     std::vector<int32_t> ws(size_t(pc::planner_workspace_words(l))), alloc(size_t(l.num_ranks) * l.num_experts);
     const pc::Workspace w = pc::make_workspace(l, ws.data());
     pc::greedy_alloc(l, tpe, alloc.data(), w);
@@ -548,19 +548,20 @@ int planner_bench(const Options& o, bench::SigmaTable& sigmas) {
             FLATEP_CUDA_CHECK(cudaMemcpy(out.data(), d_plan, words * 4, cudaMemcpyDeviceToHost));
             const PlanStats& st = *make_plan_view(l, out.data()).stats;
             // The host planner on the same counts: the oracle, and the greedy's P and replicas.
-            HostPlan host(l), host_greedy(l);
+            planner::HostPlan host(l), host_greedy(l);
             std::copy(tpe.begin(), tpe.end(), host.view.tpe_all);
             std::copy(tpe.begin(), tpe.end(), host_greedy.view.tpe_all);
-            const Timing host_t = bench::time_host(3, 0, [&] { plan_counts(l, PlannerKind::kBalanced, host.view); });
-            plan_counts(l, PlannerKind::kGreedy, host_greedy.view);
+            const Timing host_t =
+                bench::time_host(3, 0, [&] { planner::plan_counts(l, PlannerKind::kBalanced, host.view); });
+            planner::plan_counts(l, PlannerKind::kGreedy, host_greedy.view);
             const bool bitwise = std::equal(out.begin(), out.begin() + global_words(l), host.view.tpe_all);
             mismatches += !bitwise;
             const PlanStats& gs = *host_greedy.view.stats;
             // The GPU plan's global part checked as a plan (check_plan on the host plan with it copied in: balance,
             // slots, conservation), and no worse than the greedy on P and on replicas.
-            HostPlan gpu_plan(l);
+            planner::HostPlan gpu_plan(l);
             std::copy(out.begin(), out.begin() + global_words(l), gpu_plan.view.tpe_all);
-            const std::string bad = check_plan(l, gpu_plan.view);
+            const std::string bad = planner::check_plan(l, gpu_plan.view);
             const bool not_worse = st.makespan <= gs.makespan && st.total_replicas <= gs.total_replicas;
             if (!bad.empty()) std::printf("FAIL: invalid GPU plan (%s): %s\n", c.shape.label().c_str(), bad.c_str());
             if (!not_worse) std::printf("FAIL: balanced plan worse than the greedy (%s)\n", c.shape.label().c_str());
@@ -579,7 +580,7 @@ int planner_bench(const Options& o, bench::SigmaTable& sigmas) {
             if (!planner::planner_uses_candidate_path(l))
                 std::printf(
                     "  balanced planner off its candidate path (FLATEP_PLANNER_PLACEMENT=shared): a candidate block "
-                    "needs %zu KiB of shared memory (at most 200): planner_core::plan_alloc ran on one thread\n",
+                    "needs %zu KiB of shared memory (at most 200): planner::plan_alloc ran on one thread\n",
                     planner::planner_candidate_smem_bytes(l) / 1024);
             else
                 std::printf("  balanced planner path: %s, %zu KiB of shared memory per candidate block\n",

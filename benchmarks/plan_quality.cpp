@@ -129,11 +129,11 @@ int main(int argc, char** argv) {
                     }
                     int greedy_p = 0, greedy_replicas = 0;
                     for (flatep::PlannerKind kind : {flatep::PlannerKind::kGreedy, flatep::PlannerKind::kBalanced}) {
-                        flatep::HostPlan plan(l);
+                        flatep::planner::HostPlan plan(l);
                         std::copy(counts.begin(), counts.end(), plan.view.tpe_all);
                         const flatep::bench::Timing t = flatep::bench::time_host(
-                            o.iters, o.warmup, [&] { flatep::plan_counts(l, kind, plan.view); });
-                        const std::string bad = flatep::check_plan(l, plan.view);
+                            o.iters, o.warmup, [&] { flatep::planner::plan_counts(l, kind, plan.view); });
+                        const std::string bad = flatep::planner::check_plan(l, plan.view);
                         const flatep::PlanStats& st = *plan.view.stats;
                         const bool greedy = kind == flatep::PlannerKind::kGreedy;
                         if (greedy) greedy_p = st.makespan, greedy_replicas = st.total_replicas;

@@ -81,11 +81,11 @@ int main(int argc, char** argv) {
                     flatep::routing::generate_counts(R, E, l.num_tokens, l.topk, sigma, seed);
                 const double real = flatep::routing::maxvio(counts.data(), R, E);
                 for (flatep::PlannerKind kind : {flatep::PlannerKind::kGreedy, flatep::PlannerKind::kBalanced}) {
-                    flatep::HostPlan plan(l);
+                    flatep::planner::HostPlan plan(l);
                     std::copy(counts.begin(), counts.end(), plan.view.tpe_all);
-                    const flatep::bench::Timing t =
-                        flatep::bench::time_host(o.iters, o.warmup, [&] { flatep::plan_counts(l, kind, plan.view); });
-                    const std::string bad = flatep::check_plan(l, plan.view);
+                    const flatep::bench::Timing t = flatep::bench::time_host(
+                        o.iters, o.warmup, [&] { flatep::planner::plan_counts(l, kind, plan.view); });
+                    const std::string bad = flatep::planner::check_plan(l, plan.view);
                     if (!bad.empty()) {
                         std::fprintf(stderr, "flatep-plan-stats: error: invalid %s plan (maxvio %g seed %llu): %s\n",
                                      flatep::planner_name(kind), target, (unsigned long long)seed, bad.c_str());

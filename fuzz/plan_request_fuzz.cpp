@@ -4,7 +4,7 @@
 // On any byte string: json::parse never crashes and agrees with nlohmann::json::parse (the same document, or an error
 // that is one line "invalid JSON at byte N: ..." and, unless it is json::parse's own refusal of a duplicate key or of
 // nesting past the limit, an input that nlohmann refuses too). parse_plan_request either accepts (then the config
-// validates, tpe has R*E counts that validate_counts accepts and, in strict mode, every row sums to S*K; small
+// validates, tpe has R*E counts that planner::validate_counts accepts and, in strict mode, every row sums to S*K; small
 // requests are planned and checked against design §4) or returns a one-line message.
 #include <algorithm>
 #include <cstdint>
@@ -68,7 +68,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         const flatep::Layout l = flatep::make_layout(c);
         FUZZ_ASSERT(request.tpe.size() == size_t(l.num_ranks) * size_t(l.num_experts), "tpe has %zu counts for R*E=%d",
                     request.tpe.size(), l.num_ranks * l.num_experts);
-        const std::string counts = flatep::validate_counts(l, request.tpe.data());
+        const std::string counts = planner::validate_counts(l, request.tpe.data());
         FUZZ_ASSERT(counts.empty(), "accepted request has invalid counts: %s", counts.c_str());
         if (!allow_partial) {
             for (int s = 0; s < l.num_ranks; ++s) {
@@ -81,9 +81,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         // Plan it when the plan arrays stay small (S*K and NvS words are allocated).
         if (int64_t(l.num_tokens) * l.topk <= (1 << 16) && l.num_recv_rows <= (1 << 18)) {
             for (const flatep::PlannerKind kind : {flatep::PlannerKind::kGreedy, flatep::PlannerKind::kBalanced}) {
-                flatep::HostPlan plan(l);
+                planner::HostPlan plan(l);
                 std::copy(request.tpe.begin(), request.tpe.end(), plan.view.tpe_all);
-                flatep::plan_counts(l, kind, plan.view);
+                planner::plan_counts(l, kind, plan.view);
                 const std::string violation = flatep::check_plan(l, plan.view);
                 FUZZ_ASSERT(violation.empty(), "%s plan of an accepted request violates design 4: %s",
                             flatep::planner_name(kind), violation.c_str());

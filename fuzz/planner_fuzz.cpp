@@ -2,8 +2,10 @@
 //
 // Input bytes decode to (mode, R, epn, S, K, align, capacity factor) inside the validated ranges (R <= 16, E <= 128,
 // S <= 256, mostly <= 48) and a count matrix tpe[R][E]:
-//   raw mode:    every count is an arbitrary int32 (mostly invalid): validate_counts must agree with an independent
-//                oracle, and plan_counts must reject exactly the matrices validate_counts rejects, with its message;
+//   raw mode:    every count is an arbitrary int32 (mostly invalid): planner::validate_counts must agree with an
+//   independent
+//                oracle, and planner::plan_counts must reject exactly the matrices planner::validate_counts rejects,
+//                with its message;
 //   shaped mode: each row distributes its total (S*K, or any value up to it: partial batches) over the experts by
 //                cubed byte weights (so a few hot experts dominate), optionally one popularity shared by all rows.
 // Every valid matrix is planned by both planners; check_plan (design §4 constraints 1-4, groups, stats) must return
@@ -25,7 +27,7 @@ using flatep::fuzz::ByteReader;
 
 constexpr int kAligns[16] = {1, 1, 2, 4, 8, 16, 32, 64, 128, 128, 3, 5, 7, 100, 256, 4096};
 
-// Independent oracle of validate_counts: non-negative counts, row sums <= S*K.
+// Independent oracle of planner::validate_counts: non-negative counts, row sums <= S*K.
 bool counts_valid(const flatep::Layout& l, const std::vector<int32_t>& tpe) {
     for (int s = 0; s < l.num_ranks; ++s) {
         int64_t sum = 0;
@@ -103,18 +105,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             v = kind < 200 ? int32_t(in.u8()) : (kind < 250 ? int32_t(in.u16()) - 256 : in.i32());
         }
         const bool valid = counts_valid(l, tpe);
-        const std::string message = flatep::validate_counts(l, tpe.data());
-        FUZZ_ASSERT(valid == message.empty(), "validate_counts says '%s' but the oracle says %s", message.c_str(),
-                    valid ? "valid" : "invalid");
+        const std::string message = planner::validate_counts(l, tpe.data());
+        FUZZ_ASSERT(valid == message.empty(), "planner::validate_counts says '%s' but the oracle says %s",
+                    message.c_str(), valid ? "valid" : "invalid");
         if (!valid) {
-            flatep::HostPlan plan(l);
+            planner::HostPlan plan(l);
             std::copy(tpe.begin(), tpe.end(), plan.view.tpe_all);
             try {
-                flatep::plan_counts(l, flatep::PlannerKind::kBalanced, plan.view);
-                FUZZ_ASSERT(false, "plan_counts accepted invalid counts (%s)", message.c_str());
+                planner::plan_counts(l, flatep::PlannerKind::kBalanced, plan.view);
+                FUZZ_ASSERT(false, "planner::plan_counts accepted invalid counts (%s)", message.c_str());
             } catch (const flatep::Error& e) {
                 FUZZ_ASSERT(e.category() == flatep::ErrorCategory::kInvalidArgument && e.message() == message,
-                            "plan_counts threw '%s', expected '%s'", e.what(), message.c_str());
+                            "planner::plan_counts threw '%s', expected '%s'", e.what(), message.c_str());
             }
             return 0;
         }
@@ -134,18 +136,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             const int64_t total = partial ? int64_t(in.u32() % uint32_t(sk + 1)) : sk;
             distribute(total, weights, in.u8() % E, tpe.data() + size_t(s) * E);
         }
-        const std::string message = flatep::validate_counts(l, tpe.data());
+        const std::string message = planner::validate_counts(l, tpe.data());
         FUZZ_ASSERT(message.empty(), "shaped counts were rejected: %s", message.c_str());
     }
 
     for (const flatep::PlannerKind kind : {flatep::PlannerKind::kGreedy, flatep::PlannerKind::kBalanced}) {
         const char* name = flatep::planner_name(kind);
-        flatep::HostPlan first(l), second(l);
+        planner::HostPlan first(l), second(l);
         std::copy(tpe.begin(), tpe.end(), first.view.tpe_all);
         std::copy(tpe.begin(), tpe.end(), second.view.tpe_all);
         try {
-            flatep::plan_counts(l, kind, first.view);
-            flatep::plan_counts(l, kind, second.view);
+            planner::plan_counts(l, kind, first.view);
+            planner::plan_counts(l, kind, second.view);
         } catch (const flatep::Error& e) {
             FUZZ_ASSERT(false, "%s planner threw on valid counts, %s: %s", name, c.to_string().c_str(), e.what());
         }

@@ -153,10 +153,10 @@ int main(int argc, char** argv) {
         if (!err.empty()) fail(err);
         const flatep::Config& c = req.config;
         const flatep::Layout l = flatep::make_layout(c);
-        flatep::HostPlan plan(l);
+        flatep::planner::HostPlan plan(l);
         std::copy(req.tpe.begin(), req.tpe.end(), plan.view.tpe_all);
-        flatep::plan_counts(l, kind, plan.view);
-        const std::string bad = flatep::check_plan(l, plan.view);
+        flatep::planner::plan_counts(l, kind, plan.view);
+        const std::string bad = flatep::planner::check_plan(l, plan.view);
         if (!bad.empty()) fail("internal error: the plan violates its invariants: " + bad);
 
         const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;

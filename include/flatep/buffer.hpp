@@ -43,7 +43,9 @@ namespace flatep {
 
 struct Layout;          // layout/layout.hpp: every size derived from the Config
 class CollectiveGuard;  // runtime/collective_guard.hpp: poisoning after a failed cross-rank wait
-struct HostPlan;        // planner/planner.hpp: the plan arrays in host memory
+namespace planner {
+struct HostPlan;  // planner/planner.hpp: the plan arrays in host memory
+}  // namespace planner
 namespace host {
 struct OpStats;  // host/op_stats.hpp: counters of the CPU backend's ops
 }  // namespace host
@@ -79,7 +81,7 @@ class Plan {
     const int32_t* device_slot_expert(int rank) const;  // [epn] int32 in device memory
 
     // The plan arrays (internal API: planner/planner.hpp gives the type).
-    const HostPlan& host_plan() const;
+    const planner::HostPlan& host_plan() const;
 
   private:
     friend class Buffer;

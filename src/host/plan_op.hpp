@@ -14,7 +14,7 @@ namespace flatep::host {
 //   1. histogram of topk_idx[num_tokens][K]; ids outside [0, E) are skipped and the first one is recorded in the
 //      status words (sync::kStatusBadExpert, flat index t*K+k, value)
 //   2. barrier; write the counts into row `rank` of every peer's tpe_all region; barrier; copy tpe_all into the plan
-// (the planner: plan_counts(), route_entries())
+// (the planner: planner::plan_counts(), planner::route_entries())
 // plan_routes_op:
 //   4. for every token and destination d, the entries going to d in ascending k form a chain: write d's staging
 //      row_head[row] = first row of the chain and row_next[row] = next row or -1; barrier

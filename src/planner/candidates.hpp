@@ -12,7 +12,7 @@
 #include "planner/greedy.hpp"
 #include "planner/quality.hpp"
 
-namespace flatep::planner_core {
+namespace flatep::planner {
 
 // Number of transport variants tried per makespan budget (see transport_candidate).
 inline constexpr int kNumTransportVariants = 6;
@@ -511,4 +511,4 @@ FLATEP_HD void plan_alloc(const Layout& l, PlannerKind kind, const int32_t* tpe_
     }
 }
 
-}  // namespace flatep::planner_core
+}  // namespace flatep::planner

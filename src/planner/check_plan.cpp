@@ -8,7 +8,7 @@
 #include "common/check.hpp"
 #include "planner/planner.hpp"
 
-namespace flatep {
+namespace flatep::planner {
 
 namespace {
 using detail::concat;
@@ -163,4 +163,4 @@ std::string check_plan(const Layout& l, const PlanView& p) {
     return check_stats(l, p, group_load);
 }
 
-}  // namespace flatep
+}  // namespace flatep::planner

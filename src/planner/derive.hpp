@@ -44,7 +44,7 @@
 #define FLATEP_DERIVE_UNROLL
 #endif
 
-namespace flatep::planner_core {
+namespace flatep::planner {
 
 // Sums of the tasks that the statistics are made of. Per rank: loads before (its home experts' entries) and after
 // (its allocation), replicas it hosts and replica copies of its experts; entries in all and kept on their source.
@@ -297,4 +297,4 @@ FLATEP_HD void derive_plan(const Layout& l, const PlanView& p) {
     derive_plan(SerialDerive{}, l, p, p.tpe_all, p.alloc, p.slot_expert, sums);
 }
 
-}  // namespace flatep::planner_core
+}  // namespace flatep::planner

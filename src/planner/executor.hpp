@@ -10,7 +10,7 @@
 #include "layout/layout.hpp"
 #include "layout/plan.hpp"
 
-namespace flatep::planner_core {
+namespace flatep::planner {
 
 // Workspace layout, in int32 words. Every array is indexed like the plan's ([r], [e], [d*E + e]).
 struct Workspace {
@@ -182,4 +182,4 @@ FLATEP_HD uint64_t key_larger(int32_t v) { return v > 0 ? uint64_t(v) : 0; }
 // A positive int32 value, smaller first (still > 0).
 FLATEP_HD uint64_t key_smaller(int32_t v) { return uint64_t(int64_t(INT32_MAX) - v) + 1; }
 
-}  // namespace flatep::planner_core
+}  // namespace flatep::planner

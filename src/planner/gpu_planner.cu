@@ -30,8 +30,8 @@ struct PlannerShared {
     int32_t load[kMaxRanks];  // greedy: current load
     int32_t target[kMaxRanks];
     unsigned long long n;
-    int32_t winner;                 // index of the kept candidate, -1 = keep the greedy
-    planner_core::DeriveSums sums;  // derive_plan's
+    int32_t winner;   // index of the kept candidate, -1 = keep the greedy
+    DeriveSums sums;  // derive_plan's
 };
 
 __global__ void __launch_bounds__(kPlannerThreads)
@@ -76,15 +76,15 @@ __global__ void __launch_bounds__(kPlannerThreads)
     __syncthreads();
     const int64_t n = int64_t(sh.n);
     if (tid == 0) {
-        planner_core::Workspace w{};
+        Workspace w{};
         w.load = sh.load;
         w.target = sh.target;
-        planner_core::fixed_targets(l, n, w);
+        fixed_targets(l, n, w);
         profile_stamp(rec, kStampSelLoaded);
     }
     __syncthreads();
 
-    // One-donor greedy (planner_core::greedy_alloc), by warp 0 (the balanced planner reruns it inside plan_alloc).
+    // One-donor greedy (greedy_alloc), by warp 0 (the balanced planner reruns it inside plan_alloc).
     if (warp == 0 && kind == PlannerKind::kGreedy) {
         for (int fill = 0; fill < R; ++fill) {
             uint64_t kd = 0, ks = 0;
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kPlannerThreads)
     __syncthreads();
 
     if (kind == PlannerKind::kBalanced) {
-        // The balanced planner's candidate search runs as planner_core::plan_alloc wrote it, on one thread, over
+        // The balanced planner's candidate search runs as plan_alloc wrote it, on one thread, over
         // copies in shared memory when they fit (the block-parallel greedy above is then only a warm-up of the
         // arrays; plan_alloc redoes it serially so the result is the core's by construction).
         int32_t* tpe_s = ws.serial_ws;
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kPlannerThreads)
         }
         for (int64_t i = tid; i < int64_t(R) * E; i += blockDim.x) tpe_s[i] = p.tpe_all[i];
         __syncthreads();
-        if (tid == 0) planner_core::plan_alloc(l, kind, tpe_s, alloc_s, core_ws);
+        if (tid == 0) plan_alloc(l, kind, tpe_s, alloc_s, core_ws);
         __syncthreads();
         if (alloc_s != p.alloc)
             for (int64_t i = tid; i < int64_t(R) * E; i += blockDim.x) p.alloc[i] = alloc_s[i];
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(kPlannerThreads)
         for (int64_t i = tid; i < int64_t(R) * E; i += blockDim.x) p.alloc[i] = alloc[i];
     }
     // total[] (T_e, and the counts' copy of the balanced planner) is no longer read: it holds the slot experts.
-    planner_core::derive_plan(BlockDerive{tid, int(blockDim.x), rec, rec}, l, p, p.tpe_all, alloc, total, sh.sums);
+    derive_plan(BlockDerive{tid, int(blockDim.x), rec, rec}, l, p, p.tpe_all, alloc, total, sh.sums);
 }
 
 // Main launch (first == 0, gridDim.x = G + 1): block G runs the greedy (the plan when no candidate is kept, and
@@ -205,15 +205,14 @@ __global__ void __maxnreg__(kCandidateRegisters)
             __syncthreads();  // `built` is rewritten per candidate below
             if (tid == 0)
                 for (int index = begin; index < end; index += step)
-                    if (index >= read)
-                        ws.cand_quality[index] = planner_core::PlanQuality{planner_core::kNoCandidate, 0, 0};
+                    if (index >= read) ws.cand_quality[index] = PlanQuality{kNoCandidate, 0, 0};
             end = read;
         }
     }
     if (!greedy_block && begin >= end) return;  // uniform over the block
     const CandidateSmem cs =
         carve_candidate_smem(l, p, mode, smem, ws.block_small + int64_t(blockIdx.x) * block_small_words(l));
-    planner_core::Workspace w = cs.w;
+    Workspace w = cs.w;
     const int32_t* const counts = cs.counts;
     int32_t* const ahead_s = cs.table;  // [E] home_ahead's table
     // Counts in shared memory: the block's first home allocation is computed as they are copied; later ones from the
@@ -233,14 +232,14 @@ __global__ void __maxnreg__(kCandidateRegisters)
         clear_derive_merge(ws.derive_merge, tid, nthreads);  // select_derive_kernel adds to it after its wait
         if (!mode.alloc_smem) w.cand = p.alloc;              // the greedy's plan is built where the plan keeps it
         home(true);  // the whole block; warp 0 then skips init_home and fixed_targets
-        if (warp == 0) planner_core::greedy_alloc(x, l, counts, w.cand, w);
+        if (warp == 0) greedy_alloc(x, l, counts, w.cand, w);
         __syncthreads();
         if (tid == 0) profile_stamp(rec, kStampBuilt);
         if (mode.alloc_smem) copy_words(p.alloc, w.cand, re, tid, nthreads);
         if (tid == 0) profile_stamp(rec, kStampStored);
-        const planner_core::PlanQuality greedy = evaluate_alloc_block(bx, l, counts, w.cand, w.num_in, w.num_out);
+        const PlanQuality greedy = evaluate_alloc_block(bx, l, counts, w.cand, w.num_in, w.num_out);
         if (tid == 0) {
-            const int count = min_of(planner_core::num_candidates(greedy.makespan), max_candidates(l));
+            const int count = min_of(num_candidates(greedy.makespan), max_candidates(l));
             ws.cand_meta[kMetaMakespan] = greedy.makespan;
             ws.cand_meta[kMetaReplicas] = greedy.total_replicas;
             ws.cand_meta[kMetaMovedLo] = int32_t(uint32_t(uint64_t(greedy.entries_moved)));
@@ -268,7 +267,7 @@ __global__ void __maxnreg__(kCandidateRegisters)
                 index < stored ? ws.stored_alloc + int64_t(index) * re : ws.cand_scratch + int64_t(blockIdx.x) * re;
         // The whole block; warp 0 then skips init_home and fixed_targets.
         home(index == begin);
-        const bool path = index < planner_core::kNumPathVariants && nthreads > 32;
+        const bool path = index < kNumPathVariants && nthreads > 32;
         if (path && warp != 0) {
             home_ahead_table(l, w.total, ahead_s, tid - 32, nthreads - 32);
             named_barrier_sync(kAheadBarrier, nthreads);
@@ -287,7 +286,7 @@ __global__ void __maxnreg__(kCandidateRegisters)
                 }
                 __syncwarp();
             }
-            const bool ok = planner_core::build_candidate(x, l, counts, w.cand, w, index);
+            const bool ok = build_candidate(x, l, counts, w.cand, w, index);
             x.wait_ahead_table();  // completes the named barrier when the build never read the table
             if (x.lane == 0) {
                 built = ok;
@@ -308,8 +307,8 @@ __global__ void __maxnreg__(kCandidateRegisters)
             copy_words(ws.cand_scratch + int64_t(blockIdx.x) * re, w.cand, re, tid, nthreads);
         }
         if (tid == 0) profile_stamp(rec, kStampStored);
-        const planner_core::PlanQuality q = ok ? evaluate_alloc_block(bx, l, counts, w.cand, w.num_in, w.num_out)
-                                               : planner_core::PlanQuality{planner_core::kNoCandidate, 0, 0};
+        const PlanQuality q =
+            ok ? evaluate_alloc_block(bx, l, counts, w.cand, w.num_in, w.num_out) : PlanQuality{kNoCandidate, 0, 0};
         if (tid == 0) {
             ws.cand_quality[index] = q;
             if (rec != nullptr) {
@@ -338,10 +337,10 @@ constexpr int select_threads(bool shared) { return shared ? kSelectSharedThreads
 
 // select_derive_kernel: warp 0 rebuilds candidate `index` (not stored) into w.cand from the counts and copies it to
 // the plan's allocation when w.cand is elsewhere (plan_alloc null: no copy); then a block barrier.
-FLATEP_DEVICE void rebuild_winner(const Layout& l, const int32_t* counts, const planner_core::Workspace& w, int index,
+FLATEP_DEVICE void rebuild_winner(const Layout& l, const int32_t* counts, const Workspace& w, int index,
                                   int32_t* plan_alloc, int tid) {
     if (tid < 32) {
-        planner_core::build_candidate(WarpExec{tid}, l, counts, w.cand, w, index);
+        build_candidate(WarpExec{tid}, l, counts, w.cand, w, index);
         if (plan_alloc != nullptr && w.cand != plan_alloc)
             copy_words<kWideBatch>(plan_alloc, w.cand, int64_t(l.num_ranks) * l.num_experts, tid, 32);
     }
@@ -371,7 +370,7 @@ __global__ void __launch_bounds__(select_threads(kShared))
     extern __shared__ int4 smem_words[];
     int32_t* smem = reinterpret_cast<int32_t*>(smem_words);
     __shared__ PlannerShared sh;
-    __shared__ planner_core::PlanQuality quality[kSelectCached];  // the qualities, loaded in parallel
+    __shared__ PlanQuality quality[kSelectCached];  // the qualities, loaded in parallel
     const int tid = threadIdx.x, nthreads = blockDim.x;
     const bool lead = blockIdx.x == 0;
     PlannerProfileRecord* const rec = lead ? prof : nullptr;
@@ -391,12 +390,12 @@ __global__ void __launch_bounds__(select_threads(kShared))
     const int main_count = min_of(min_of(kCandidateBlocks, max_candidates(l)), kSelectCached);
     for (int i = tid; i < main_count; i += nthreads) quality[i] = ws.cand_quality[i];
     const int count = ws.cand_meta[kMetaCount];
-    const planner_core::PlanQuality greedy = greedy_quality(ws);  // loaded with the count (one memory round trip)
+    const PlanQuality greedy = greedy_quality(ws);  // loaded with the count (one memory round trip)
     for (int i = main_count + tid; i < min_of(count, kSelectCached); i += nthreads) quality[i] = ws.cand_quality[i];
     __syncthreads();
     if (tid == 0) profile_stamp(rec, kStampSelLoaded);
     if (tid < 32) {
-        const planner_core::PlanQuality* q = count <= kSelectCached ? quality : ws.cand_quality;
+        const PlanQuality* q = count <= kSelectCached ? quality : ws.cand_quality;
         if (kWarpSelect) {
             long long* trace = rec != nullptr ? rec->trace : nullptr;
             if (trace != nullptr && tid == 0) trace[4] = clock64();
@@ -406,7 +405,7 @@ __global__ void __launch_bounds__(select_threads(kShared))
             if (trace != nullptr && tid == 0) rec->trace_count = 5;
             if (tid == 0) sh.winner = winner;
         } else if (tid == 0) {
-            sh.winner = planner_core::select_candidate(greedy, q, count);
+            sh.winner = select_candidate(greedy, q, count);
         }
     }
     __syncthreads();
@@ -417,7 +416,7 @@ __global__ void __launch_bounds__(select_threads(kShared))
         // stored or scratch slot, or the greedy's in the plan), copied to the block's shared memory when the
         // allocation lives there; block 0 copies it to the plan. A winner lost from its slot is rebuilt by block 0
         // into the plan (or its shared memory), which then derives alone: the other blocks return.
-        planner_core::Workspace w = cs.w;
+        Workspace w = cs.w;
         // Where the winner's allocation is (null: rebuild it).
         const int32_t* from = nullptr;
         if (kept >= 0 && kept < stored) {
@@ -446,7 +445,7 @@ __global__ void __launch_bounds__(select_threads(kShared))
         record_selection(rec, tid, kept, count);
         if (!rebuild && task_rec != nullptr && task_rec != rec && tid == 0) task_rec->trace[7] = clock64();
         const BlockDerive alone{tid, nthreads, rec, rec};
-        planner_core::derive_plan(rebuild ? alone : dx, l, p, cs.counts, alloc_s, cs.table, sh.sums);
+        derive_plan(rebuild ? alone : dx, l, p, cs.counts, alloc_s, cs.table, sh.sums);
         return;
     }
     // Shared memory: the counts [R*E], then the allocation derived from (the winner's, or the greedy's).
@@ -459,19 +458,19 @@ __global__ void __launch_bounds__(select_threads(kShared))
     __syncthreads();
     if (tid == 0) profile_stamp(rec, kStampSelCopied);
     if (kept >= stored) {  // not stored: warp 0 rebuilds it next to the counts
-        const planner_core::Workspace w = planner_core::make_workspace(l, smem + re);
+        const Workspace w = make_workspace(l, smem + re);
         rebuild_winner(l, smem, w, kept, plan_alloc, tid);
         alloc_s = w.cand;
     }
     record_selection(rec, tid, kept, count);
     if (task_rec != nullptr && task_rec != rec && tid == 0) task_rec->trace[7] = clock64();  // its own clock's start
     // The slot experts go right after the allocation: inside planner_core's workspace region either way.
-    planner_core::derive_plan(dx, l, p, smem, alloc_s, alloc_s + re, sh.sums);
+    derive_plan(dx, l, p, smem, alloc_s, alloc_s + re, sh.sums);
 }
 
 __global__ void planner_serial_kernel(Layout l, PlannerKind kind, PlanView p, int32_t* ws) {
-    planner_core::plan_alloc(l, kind, p.tpe_all, p.alloc, ws);
-    planner_core::derive_plan(l, p);
+    plan_alloc(l, kind, p.tpe_all, p.alloc, ws);
+    derive_plan(l, p);
 }
 
 // select_derive_kernel's grid: its blocks, and whether the statistics are merged by the last block to finish its tasks
@@ -550,8 +549,7 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
             return;
         }
         const size_t core_smem =
-            (2 * size_t(l.num_ranks) * l.num_experts + size_t(planner_core::planner_workspace_words(l))) *
-            sizeof(int32_t);
+            (2 * size_t(l.num_ranks) * l.num_experts + size_t(planner_workspace_words(l))) * sizeof(int32_t);
         // Greedy kind: T_e [E] and the allocation [R*E] in shared memory when they fit.
         const size_t greedy_smem = (size_t(l.num_ranks) + 1) * l.num_experts * sizeof(int32_t);
         const bool use_smem =

@@ -25,7 +25,7 @@ enum class PlannerPlacement : int {
                         // when the rest fits (R=32), else kAllocShared when the allocation fits alone (R=64), else
                         // the counts and the allocation in global memory
     kShared = 1,        // the path before issue 22: everything in shared memory when it fits, else (E=896, R >= 32)
-                        // planner_core::plan_alloc on one thread of planner_parallel_kernel over global memory (ms)
+                        // plan_alloc on one thread of planner_parallel_kernel over global memory (ms)
     kCountsGlobal = 2,  // the counts in global memory, the allocation in shared memory when it fits, else global
     kGlobal = 3,        // the counts and the allocation in global memory (the workspace's stored / scratch slots)
     kAllocShared = 4,   // the allocation and planner_core's [R] arrays alone in shared memory, the counts and every
@@ -47,7 +47,7 @@ const char* planner_path_name(const Layout& layout);
 // How the planner step runs on the GPU.
 enum class PlannerEngine : int {
     kParallel = 0,  // planner_core on warp executors: one warp per balanced-planner candidate (the default)
-    kSerial = 1,    // one thread calling planner_core::plan_alloc / derive_plan as written (reference; slow)
+    kSerial = 1,    // one thread calling plan_alloc / derive_plan as written (reference; slow)
 };
 
 // From plan.tpe_all (already in device memory) computes the global part of the plan on `stream`. `workspace`: at

@@ -1,5 +1,5 @@
 // select_candidate's rule on one warp (the GPU planner's select_derive_kernel): the same index as
-// planner_core::select_candidate for the same qualities.
+// select_candidate for the same qualities.
 #pragma once
 
 #include <cstdint>
@@ -24,20 +24,19 @@ constexpr bool kWarpSelect = true;
 // none beats the greedy), then the lowest budget in [1, best->makespan] with an acceptable candidate among [0, count),
 // kNoBudget when none (every lane gets the same values).
 constexpr int kNoBudget = 0x7fffffff;
-FLATEP_DEVICE int lowest_acceptable_budget(const planner_core::PlanQuality& greedy,
-                                           const planner_core::PlanQuality* quality, int count, int lane,
-                                           planner_core::PlanQuality* best, int* kept) {
+FLATEP_DEVICE int lowest_acceptable_budget(const PlanQuality& greedy, const PlanQuality* quality, int count, int lane,
+                                           PlanQuality* best, int* kept) {
     *best = greedy;
     *kept = -1;
-    for (int i = 0; i < planner_core::kNumPathVariants && i < count; ++i) {
-        if (!planner_core::acceptable(greedy, quality[i]) || !planner_core::better_than(quality[i], *best)) continue;
+    for (int i = 0; i < kNumPathVariants && i < count; ++i) {
+        if (!acceptable(greedy, quality[i]) || !better_than(quality[i], *best)) continue;
         *best = quality[i];
         *kept = i;
     }
     int budget = kNoBudget;
-    for (int i = planner_core::kNumPathVariants + lane; i < count; i += 32) {
-        const int b = (i - planner_core::kNumPathVariants) / planner_core::kVariantsPerBudget + 1;
-        if (b <= best->makespan && b < budget && planner_core::acceptable(greedy, quality[i])) budget = b;
+    for (int i = kNumPathVariants + lane; i < count; i += 32) {
+        const int b = (i - kNumPathVariants) / kVariantsPerBudget + 1;
+        if (b <= best->makespan && b < budget && acceptable(greedy, quality[i])) budget = b;
     }
     return int(__reduce_min_sync(kFull, unsigned(budget)));
 }
@@ -45,23 +44,20 @@ FLATEP_DEVICE int lowest_acceptable_budget(const planner_core::PlanQuality& gree
 // The candidates select_candidate reads, when those of [0, built) are known (built: whole budgets, or every
 // candidate): the path candidates and every budget up to the lowest one with an acceptable candidate, or, when none
 // of the known ones has one, every budget up to the best path (or greedy) makespan. At most count. One warp.
-FLATEP_DEVICE int candidates_read(const planner_core::PlanQuality& greedy, const planner_core::PlanQuality* quality,
-                                  int built, int count, int lane) {
-    planner_core::PlanQuality best{};
+FLATEP_DEVICE int candidates_read(const PlanQuality& greedy, const PlanQuality* quality, int built, int count,
+                                  int lane) {
+    PlanQuality best{};
     int kept = -1;
     const int budget = lowest_acceptable_budget(greedy, quality, min_of(built, count), lane, &best, &kept);
-    return min_of(count, planner_core::num_candidates(budget != kNoBudget ? budget : best.makespan));
+    return min_of(count, num_candidates(budget != kNoBudget ? budget : best.makespan));
 }
 
 // trace (profile, null = off): clock64 after each of its four phases (lane 0; the first two together).
-FLATEP_DEVICE int select_candidate_warp(const planner_core::PlanQuality& greedy,
-                                        const planner_core::PlanQuality* quality, int count, int lane,
+FLATEP_DEVICE int select_candidate_warp(const PlanQuality& greedy, const PlanQuality* quality, int count, int lane,
                                         long long* trace = nullptr) {
     auto mark = [&](int at) {
         if (trace != nullptr && lane == 0) trace[at] = clock64();
     };
-    using planner_core::better_than;
-    using planner_core::PlanQuality;
     PlanQuality best{};
     int kept = -1;
     const int budget = lowest_acceptable_budget(greedy, quality, count, lane, &best, &kept);
@@ -70,13 +66,13 @@ FLATEP_DEVICE int select_candidate_warp(const planner_core::PlanQuality& greedy,
     if (budget == kNoBudget) return kept;
     // Its best candidate strictly better than `best`: per lane in index order (strict improvement keeps the first),
     // then a butterfly under the total order (found first, quality, lower index).
-    const int lo = planner_core::kNumPathVariants + (budget - 1) * planner_core::kVariantsPerBudget;
-    const int hi = min_of(lo + planner_core::kVariantsPerBudget, count);
+    const int lo = kNumPathVariants + (budget - 1) * kVariantsPerBudget;
+    const int hi = min_of(lo + kVariantsPerBudget, count);
     PlanQuality mine = best;
     int at = -1;
     for (int i = lo + lane; i < hi; i += 32) {
         const PlanQuality q = quality[i];
-        if (planner_core::acceptable(greedy, q) && better_than(q, mine)) {
+        if (acceptable(greedy, q) && better_than(q, mine)) {
             mine = q;
             at = i;
         }
@@ -104,11 +100,11 @@ FLATEP_DEVICE int select_candidate_warp(const planner_core::PlanQuality& greedy,
 // acceptable candidate is at most that on both; entries moved <= N < 2^37 always). Every selection is then one warp
 // minimum of (key, index): the path candidates one per lane, the lowest acceptable budget, that budget's candidates
 // one per lane (kVariantsPerBudget <= 32). The same index as select_candidate_warp.
-static_assert(planner_core::kVariantsPerBudget <= 32 && planner_core::kNumPathVariants <= 32, "one per lane");
-FLATEP_DEVICE bool quality_keys_fit(const planner_core::PlanQuality& greedy) {
+static_assert(kVariantsPerBudget <= 32 && kNumPathVariants <= 32, "one per lane");
+FLATEP_DEVICE bool quality_keys_fit(const PlanQuality& greedy) {
     return greedy.makespan >= 0 && greedy.makespan < 256 && greedy.total_replicas >= 0 && greedy.total_replicas < 65536;
 }
-FLATEP_DEVICE uint64_t quality_key(const planner_core::PlanQuality& q) {
+FLATEP_DEVICE uint64_t quality_key(const PlanQuality& q) {
     return (uint64_t(q.makespan) << 56) | (uint64_t(q.total_replicas) << 40) | uint64_t(q.entries_moved);
 }
 // The lowest lane holding the smallest key among the lanes with `has` (-1 when none); *best = that key.
@@ -121,23 +117,21 @@ FLATEP_DEVICE int warp_min_key(bool has, uint64_t key, uint64_t* best) {
     *best = k;
     return __ffs(at) - 1;
 }
-FLATEP_DEVICE int select_candidate_keys(const planner_core::PlanQuality& greedy,
-                                        const planner_core::PlanQuality* quality, int count, int lane) {
-    using planner_core::PlanQuality;
-    constexpr int kPath = planner_core::kNumPathVariants, kPerBudget = planner_core::kVariantsPerBudget;
+FLATEP_DEVICE int select_candidate_keys(const PlanQuality& greedy, const PlanQuality* quality, int count, int lane) {
+    constexpr int kPath = kNumPathVariants, kPerBudget = kVariantsPerBudget;
     uint64_t best = quality_key(greedy);
     int best_p = greedy.makespan;
     PlanQuality q{};
     if (lane < kPath && lane < count) q = quality[lane];
     const uint64_t path_key = quality_key(q);
-    const int kept = warp_min_key(
-        lane < kPath && lane < count && planner_core::acceptable(greedy, q) && path_key < best, path_key, &best);
+    const int kept =
+        warp_min_key(lane < kPath && lane < count && acceptable(greedy, q) && path_key < best, path_key, &best);
     if (kept >= 0) best_p = int(best >> 56);
     constexpr int kNone = 0x7fffffff;
     int budget = kNone;
     for (int i = kPath + lane; i < count; i += 32) {
         const int b = (i - kPath) / kPerBudget + 1;
-        if (b <= best_p && b < budget && planner_core::acceptable(greedy, quality[i])) budget = b;
+        if (b <= best_p && b < budget && acceptable(greedy, quality[i])) budget = b;
     }
     budget = int(__reduce_min_sync(kFull, unsigned(budget)));
     if (budget == kNone) return kept;
@@ -145,7 +139,7 @@ FLATEP_DEVICE int select_candidate_keys(const planner_core::PlanQuality& greedy,
     const bool mine = lane < kPerBudget && i < count;
     if (mine) q = quality[i];
     const uint64_t key = quality_key(q);
-    const int at = warp_min_key(mine && planner_core::acceptable(greedy, q) && key < best, key, &best);
+    const int at = warp_min_key(mine && acceptable(greedy, q) && key < best, key, &best);
     return at >= 0 ? i - lane + at : kept;
 }
 

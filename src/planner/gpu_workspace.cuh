@@ -20,10 +20,10 @@ constexpr size_t kMaxPlannerSmem = 200 * 1024;
 
 // Workspace (int32 words, every array 64-word aligned): planner_workspace_bytes(l) bytes at a 256-byte boundary.
 struct PlannerWorkspace {
-    int32_t* serial_ws;                       // the tpe_all copy [R*E] and planner_core's workspace (serial engine)
-    planner_core::PlanQuality* cand_quality;  // [max_candidates] quality of every balanced-planner candidate
-    int32_t* cand_meta;                       // [kMetaWords] the greedy's quality and the number of candidates
-    int32_t* stored_alloc;                    // [stored_candidates][R*E] allocations of the first candidates
+    int32_t* serial_ws;         // the tpe_all copy [R*E] and planner_core's workspace (serial engine)
+    PlanQuality* cand_quality;  // [max_candidates] quality of every balanced-planner candidate
+    int32_t* cand_meta;         // [kMetaWords] the greedy's quality and the number of candidates
+    int32_t* stored_alloc;      // [stored_candidates][R*E] allocations of the first candidates
     int32_t* cand_scratch;  // [kCandidateBlocks][R*E] working allocation of candidate block b when it is not kept in
                             // shared memory and its candidate is not stored (CandidateMode::alloc_smem false)
     int32_t* block_small;   // [kCandidateBlocks + 1][block_small_words] candidate block b's [E] arrays under
@@ -35,8 +35,8 @@ struct PlannerWorkspace {
 enum CandidateMeta : int { kMetaMakespan = 0, kMetaReplicas, kMetaMovedLo, kMetaMovedHi, kMetaCount, kMetaWords = 8 };
 
 // The greedy's quality, as the greedy block wrote it to ws.cand_meta.
-FLATEP_DEVICE planner_core::PlanQuality greedy_quality(const PlannerWorkspace& ws) {
-    planner_core::PlanQuality q{};
+FLATEP_DEVICE PlanQuality greedy_quality(const PlannerWorkspace& ws) {
+    PlanQuality q{};
     q.makespan = ws.cand_meta[kMetaMakespan];
     q.total_replicas = ws.cand_meta[kMetaReplicas];
     q.entries_moved = int64_t(uint64_t(uint32_t(ws.cand_meta[kMetaMovedLo])) |
@@ -45,13 +45,13 @@ FLATEP_DEVICE planner_core::PlanQuality greedy_quality(const PlannerWorkspace& w
 }
 
 // Upper bound of the greedy's makespan: a rank hosts at most epn replicas and the E experts have at most E copies.
-FLATEP_HD int max_candidates(const Layout& l) { return planner_core::num_candidates(l.num_experts); }
+FLATEP_HD int max_candidates(const Layout& l) { return num_candidates(l.num_experts); }
 // The candidate kernel's grid: one pass covers every candidate up to a greedy P of 6 (num_candidates(6)).
 constexpr int kCandidateBlocks = 4 + 18 * 6;
 // A candidate block's arrays in global memory under CandidateMode::small_global: planner_core's small workspace (its
 // [R] arrays unused: they are in shared memory), then home_ahead's table [E]; a multiple of 64 words.
 FLATEP_HD int64_t block_small_words(const Layout& l) {
-    return (planner_core::planner_small_workspace_words(l) + l.num_experts + 63) / 64 * 64;
+    return (planner_small_workspace_words(l) + l.num_experts + 63) / 64 * 64;
 }
 // Candidates whose allocation the candidate kernels keep: every candidate of a greedy P up to kStoredMakespan (the
 // main launch's and the first overflow candidates), within 16 MiB. The winner is copied from there, or rebuilt
@@ -59,7 +59,7 @@ FLATEP_HD int64_t block_small_words(const Layout& l) {
 constexpr int kStoredMakespan = 10;
 inline int stored_candidates(const Layout& l) {
     const int64_t re = int64_t(l.num_ranks) * l.num_experts;
-    const int want = min_of(planner_core::num_candidates(kStoredMakespan), max_candidates(l));
+    const int want = min_of(num_candidates(kStoredMakespan), max_candidates(l));
     return int(min_of<int64_t>(want, (int64_t(4) << 20) / re));
 }
 
@@ -71,8 +71,8 @@ inline PlannerWorkspaceSizes planner_workspace_sizes(const Layout& l) {
     const int64_t re = int64_t(l.num_ranks) * l.num_experts;
     Carver c{64};
     PlannerWorkspaceSizes s{};
-    s.serial_ws = c.take(re + planner_core::planner_workspace_words(l));
-    s.cand_quality = c.take(int64_t(max_candidates(l)) * int64_t(sizeof(planner_core::PlanQuality) / 4));
+    s.serial_ws = c.take(re + planner_workspace_words(l));
+    s.cand_quality = c.take(int64_t(max_candidates(l)) * int64_t(sizeof(PlanQuality) / 4));
     s.cand_meta = c.take(kMetaWords);
     s.stored_alloc = c.take(int64_t(stored_candidates(l)) * re);
     s.cand_scratch = c.take(int64_t(kCandidateBlocks) * re);
@@ -87,7 +87,7 @@ inline PlannerWorkspace make_planner_workspace(const Layout& l, void* base) {
     int32_t* w = static_cast<int32_t*>(base);
     PlannerWorkspace p{};
     p.serial_ws = w + s.serial_ws;
-    p.cand_quality = reinterpret_cast<planner_core::PlanQuality*>(w + s.cand_quality);
+    p.cand_quality = reinterpret_cast<PlanQuality*>(w + s.cand_quality);
     p.cand_meta = w + s.cand_meta;
     p.stored_alloc = w + s.stored_alloc;
     p.cand_scratch = w + s.cand_scratch;
@@ -126,7 +126,7 @@ struct CandidateMode {
 inline size_t candidate_smem_bytes(const Layout& l, bool counts_smem, bool alloc_smem, bool small_global = false) {
     const size_t re = size_t(l.num_ranks) * l.num_experts;
     if (small_global) return (re + 6 * size_t(l.num_ranks)) * sizeof(int32_t);
-    return ((counts_smem ? re : 0) + (alloc_smem ? re : 0) + size_t(planner_core::planner_small_workspace_words(l)) +
+    return ((counts_smem ? re : 0) + (alloc_smem ? re : 0) + size_t(planner_small_workspace_words(l)) +
             size_t(l.num_experts)) *
            sizeof(int32_t);
 }
@@ -219,7 +219,7 @@ FLATEP_HD int scratch_slot(int index, int main_blocks, int count) {
 // small_global: the allocation and the [R] arrays; the rest in `block_small` (block_small_words, global memory).
 struct CandidateSmem {
     const int32_t* counts;  // shared memory, or plan.tpe_all
-    planner_core::Workspace w;
+    Workspace w;
     int32_t* table;  // [E]: home_ahead's table (candidates), the slot experts (select_derive_kernel)
 };
 FLATEP_DEVICE CandidateSmem carve_candidate_smem(const Layout& l, const PlanView& p, const CandidateMode& m,
@@ -230,7 +230,7 @@ FLATEP_DEVICE CandidateSmem carve_candidate_smem(const Layout& l, const PlanView
         // The allocation, then the [R] arrays, in shared memory; T_e and the items in block_small, then the table.
         const int E = l.num_experts, R = l.num_ranks;
         c.counts = p.tpe_all;
-        c.w = planner_core::make_workspace_at(l, block_small, smem, block_small + E + 6 * R);
+        c.w = make_workspace_at(l, block_small, smem, block_small + E + 6 * R);
         int32_t* const ranks = smem + re;
         c.w.target = ranks;
         c.w.load = ranks + R;
@@ -238,13 +238,13 @@ FLATEP_DEVICE CandidateSmem carve_candidate_smem(const Layout& l, const PlanView
         c.w.excess = ranks + 3 * R;
         c.w.num_in = ranks + 4 * R;
         c.w.num_out = ranks + 5 * R;
-        c.table = block_small + planner_core::planner_small_workspace_words(l);
+        c.table = block_small + planner_small_workspace_words(l);
         return c;
     }
     if (m.counts_smem && m.alloc_smem) {
         c.counts = smem;
-        c.w = planner_core::make_workspace(l, smem + re);
-        c.table = smem + re + planner_core::planner_workspace_words(l);
+        c.w = make_workspace(l, smem + re);
+        c.table = smem + re + planner_workspace_words(l);
         return c;
     }
     int32_t* at = smem;
@@ -258,17 +258,16 @@ FLATEP_DEVICE CandidateSmem carve_candidate_smem(const Layout& l, const PlanView
         cand = at;
         at += re;
     }
-    c.w = planner_core::make_workspace_split(l, at, cand);
-    c.table = at + planner_core::planner_small_workspace_words(l);
+    c.w = make_workspace_split(l, at, cand);
+    c.table = at + planner_small_workspace_words(l);
     return c;
 }
 
-// planner_core::evaluate_alloc over the whole block (every thread gets the quality). The quality is a count, a sum
+// evaluate_alloc over the whole block (every thread gets the quality). The quality is a count, a sum
 // and a maximum of integers, so any split of the work gives the same value. Uses num_in / num_out [R] as
 // evaluate_alloc does, and bx.red. Begins and ends with a block barrier.
-FLATEP_DEVICE planner_core::PlanQuality evaluate_alloc_block(const BlockExec& bx, const Layout& l,
-                                                             const int32_t* tpe_all, const int32_t* alloc,
-                                                             int32_t* num_in, int32_t* num_out) {
+FLATEP_DEVICE PlanQuality evaluate_alloc_block(const BlockExec& bx, const Layout& l, const int32_t* tpe_all,
+                                               const int32_t* alloc, int32_t* num_in, int32_t* num_out) {
     const int tid = bx.tid, nthreads = bx.nthreads;
     for (int r = tid; r < l.num_ranks; r += nthreads) num_in[r] = num_out[r] = 0;
     __syncthreads();
@@ -313,8 +312,7 @@ FLATEP_DEVICE planner_core::PlanQuality evaluate_alloc_block(const BlockExec& bx
                 if (copies[q] != 0) atomicAdd(&num_out[h[q]], copies[q]);
         }
     } else {
-        for (int e = tid; e < E; e += nthreads)
-            off += planner_core::evaluate_expert(bx, l, tpe_all, alloc, num_in, num_out, e);
+        for (int e = tid; e < E; e += nthreads) off += evaluate_expert(bx, l, tpe_all, alloc, num_in, num_out, e);
     }
     // The warps' sums of `off` side by side in bx.red (a 64-bit atomic on one shared word serialises the warps).
     for (int o = 16; o > 0; o >>= 1) off += __shfl_xor_sync(kFull, off, o);
@@ -322,7 +320,7 @@ FLATEP_DEVICE planner_core::PlanQuality evaluate_alloc_block(const BlockExec& bx
     __syncthreads();
     int64_t moved = 0;
     for (int wp = 0; wp < nthreads / 32; ++wp) moved += bx.red[wp];
-    const planner_core::PlanQuality q = planner_core::quality_of(l, num_in, num_out, moved);
+    const PlanQuality q = quality_of(l, num_in, num_out, moved);
     __syncthreads();  // the workspace (and bx.red) may be overwritten after this
     return q;
 }
@@ -330,10 +328,10 @@ FLATEP_DEVICE planner_core::PlanQuality evaluate_alloc_block(const BlockExec& bx
 // The home allocation (init_home) and the fixed targets of the counts in shared memory, computed by the whole block
 // for warp 0's candidate (x then reports them ready). Begins and ends with a block barrier.
 FLATEP_DEVICE void prepare_home(WarpExec& x, const BlockExec& bx, const Layout& l, const int32_t* counts,
-                                const planner_core::Workspace& w) {
-    x.home_n = planner_core::init_home(bx, l, counts, w.cand, w);
+                                const Workspace& w) {
+    x.home_n = init_home(bx, l, counts, w.cand, w);
     x.home_alloc = w.cand;
-    if (bx.tid == 0) planner_core::fixed_targets(l, x.home_n, w);
+    if (bx.tid == 0) fixed_targets(l, x.home_n, w);
     __syncthreads();
 }
 
@@ -345,7 +343,7 @@ FLATEP_DEVICE void prepare_home(WarpExec& x, const BlockExec& bx, const Layout& 
 // (The copy, then prepare_home over the copy, took about 1 + 3 us a K3 candidate block on the H200.) Begins and ends
 // with a block barrier.
 FLATEP_DEVICE void load_counts_and_home(WarpExec& x, const BlockExec& bx, const Layout& l, const int32_t* tpe_all,
-                                        int32_t* counts, const planner_core::Workspace& w) {
+                                        int32_t* counts, const Workspace& w) {
     const int R = l.num_ranks, E = l.num_experts;
     const uintptr_t ends = reinterpret_cast<uintptr_t>(tpe_all) | reinterpret_cast<uintptr_t>(counts) |
                            reinterpret_cast<uintptr_t>(w.cand) | reinterpret_cast<uintptr_t>(w.total);
@@ -390,7 +388,7 @@ FLATEP_DEVICE void load_counts_and_home(WarpExec& x, const BlockExec& bx, const 
     bx.group_sum(R, l.experts_per_rank, w.total, w.load);
     x.home_n = n;
     x.home_alloc = w.cand;
-    if (bx.tid == 0) planner_core::fixed_targets(l, n, w);
+    if (bx.tid == 0) fixed_targets(l, n, w);
     __syncthreads();
 }
 

@@ -8,7 +8,7 @@
 #include "layout/layout.hpp"
 #include "planner/executor.hpp"
 
-namespace flatep::planner_core {
+namespace flatep::planner {
 
 // Home allocation (no replicas) into alloc; fills w.total and w.load (= group loads G_r). Returns N.
 template <class X>
@@ -149,4 +149,4 @@ FLATEP_HD void greedy_alloc(const Layout& l, const int32_t* tpe_all, int32_t* al
     greedy_alloc(SerialExec{}, l, tpe_all, alloc, w);
 }
 
-}  // namespace flatep::planner_core
+}  // namespace flatep::planner

@@ -19,6 +19,10 @@ const char* planner_name(PlannerKind kind) {
     return "unknown";
 }
 
+}  // namespace flatep
+
+namespace flatep::planner {
+
 HostPlan::HostPlan(const Layout& l)
     : layout(l),
       // 64 extra words so the base can be moved to a 256-byte boundary.
@@ -53,9 +57,9 @@ void plan_counts(const Layout& l, PlannerKind kind, const PlanView& p) {
                  "balanced (1), got ", int(kind));
     const std::string bad = validate_counts(l, p.tpe_all);
     FLATEP_CHECK(bad.empty(), bad);
-    std::vector<int32_t> workspace(size_t(planner_core::planner_workspace_words(l)));
-    planner_core::plan_alloc(l, kind, p.tpe_all, p.alloc, workspace.data());
-    planner_core::derive_plan(l, p);
+    std::vector<int32_t> workspace(size_t(planner_workspace_words(l)));
+    plan_alloc(l, kind, p.tpe_all, p.alloc, workspace.data());
+    derive_plan(l, p);
 }
 
 namespace {
@@ -93,4 +97,4 @@ int64_t route_entries(const Layout& l, const PlanView& p, int rank, const void* 
     return route_typed(l, p, rank, static_cast<const int64_t*>(topk_idx), num_tokens);
 }
 
-}  // namespace flatep
+}  // namespace flatep::planner

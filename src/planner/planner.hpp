@@ -12,7 +12,7 @@
 #include "layout/layout.hpp"
 #include "layout/plan.hpp"
 
-namespace flatep {
+namespace flatep::planner {
 
 // A plan in host memory: one int32 allocation viewed through PlanView.
 struct HostPlan {
@@ -42,4 +42,4 @@ std::string check_plan(const Layout& layout, const PlanView& p);
 // Validates a count matrix for a layout: sizes, non-negative, every row sum <= S*K. Returns "" or the message.
 std::string validate_counts(const Layout& layout, const int32_t* tpe_all);
 
-}  // namespace flatep
+}  // namespace flatep::planner

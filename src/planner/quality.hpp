@@ -7,7 +7,7 @@
 #include "layout/layout.hpp"
 #include "planner/executor.hpp"
 
-namespace flatep::planner_core {
+namespace flatep::planner {
 
 // Quality of an allocation: objectives 1-3 of design §4, compared lexicographically.
 struct PlanQuality {
@@ -70,4 +70,4 @@ FLATEP_HD PlanQuality evaluate_alloc(const Layout& l, const int32_t* tpe_all, co
     return evaluate_alloc(SerialExec{}, l, tpe_all, alloc, num_in, num_out);
 }
 
-}  // namespace flatep::planner_core
+}  // namespace flatep::planner

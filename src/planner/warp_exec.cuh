@@ -226,7 +226,7 @@ struct WarpExec {
             return;
         }
         if (n <= 32) {
-            const planner_core::Keys3 k = key_or_zero(key, lane, n);
+            const Keys3 k = key_or_zero(key, lane, n);
             unsigned hi[3], lo[3];
 #pragma unroll
             for (int j = 0; j < 3; ++j) hi[j] = __reduce_max_sync(kFull, unsigned(k.k[j] >> 32));
@@ -244,8 +244,8 @@ struct WarpExec {
         if (n <= 64) {
             // Two items per lane (R up to 64), each key evaluated once: per selection the maximum of the lane's two,
             // the warp maximum, then the lowest index holding it (first items, then second items), as arg_max_of.
-            const planner_core::Keys3 k0 = key(lane);
-            const planner_core::Keys3 k1 = key_or_zero(key, lane + 32, n);
+            const Keys3 k0 = key(lane);
+            const Keys3 k1 = key_or_zero(key, lane + 32, n);
 #pragma unroll
             for (int j = 0; j < 3; ++j) {
                 const uint64_t k = k1.k[j] > k0.k[j] ? k1.k[j] : k0.k[j];
@@ -338,7 +338,7 @@ struct WarpExec {
         return at;
 #endif
     }
-    // Only planner_core::evaluate_alloc adds, and the kernels evaluate with evaluate_alloc_block (the whole block):
+    // Only evaluate_alloc adds, and the kernels evaluate with evaluate_alloc_block (the whole block):
     // kept for the executor contract, unreferenced.
 #pragma nv_diag_suppress 177
     FLATEP_DEVICE void add(int32_t* p, int32_t v) const { atomicAdd(p, v); }
@@ -409,7 +409,7 @@ struct WarpExec {
     }
 };
 
-// Block executor for planner_core::init_home (sum, sync, group_sum) and evaluate_expert (add): the candidate blocks
+// Block executor for init_home (sum, sync, group_sum) and evaluate_expert (add): the candidate blocks
 // compute the home allocation and evaluate with all their threads, while warp 0 builds alone (WarpExec::home_ready
 // then skips init_home). red: 32 int64 words of
 // shared memory.
@@ -451,7 +451,7 @@ struct BlockExec {
     FLATEP_DEVICE bool home_ready(const int32_t*, int64_t*) const { return false; }
 };
 
-// The lane group of planner_core::derive_plan on the GPU: a warp (see planner/derive.hpp's contract).
+// The lane group of derive_plan on the GPU: a warp (see planner/derive.hpp's contract).
 struct WarpLanes {
     static constexpr int kWidth = 32;
     // derive_rank's items per lane and pass: four loads in flight a lane, and a quarter of the passes. (At E=896, with
@@ -494,7 +494,7 @@ struct WarpLanes {
 // (loads before and replicas out by home rank, entries). (Before, every warp took an expert chunk and added each
 // rank's row sums by shared atomics: 4.6 us at K3 on 16 warps, 14.8 us at R=64 on 32, H200.)
 FLATEP_DEVICE void derive_sums_pass(int tid, int nthreads, const Layout& l, const int32_t* tpe, const int32_t* alloc,
-                                    planner_core::DeriveSums& sums) {
+                                    DeriveSums& sums) {
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank, lane = tid % 32, warp = tid / 32;
     const int warps = nthreads / 32;
     const int row_warps = warps == 1 ? 1 : min_of(R, warps / 2);
@@ -574,7 +574,7 @@ FLATEP_DEVICE void derive_sums_pass(int tid, int nthreads, const Layout& l, cons
 // every block adds its own, then takes a ticket; the block with the last ticket computes the statistics. Zero before
 // the derive starts (the candidate kernel's greedy block clears it every planner run).
 struct DeriveMerge {
-    planner_core::DeriveSums sums;
+    DeriveSums sums;
     unsigned int ticket;
 };
 constexpr int kDeriveMergeWords = int((sizeof(DeriveMerge) + 3) / 4);
@@ -630,8 +630,7 @@ struct BlockDerive {
             if (tid == 0) profile_stamp(rec, kStampDeriveRows);
         }
     }
-    FLATEP_DEVICE bool merge(const Layout& l, const int32_t* tpe, const int32_t* alloc,
-                             planner_core::DeriveSums& sums) const {
+    FLATEP_DEVICE bool merge(const Layout& l, const int32_t* tpe, const int32_t* alloc, DeriveSums& sums) const {
         if (blocks == 1) return true;
         if (stats_block()) {
             if (block != 0) return false;
@@ -640,7 +639,7 @@ struct BlockDerive {
             return true;
         }
         __shared__ int last;
-        planner_core::DeriveSums& to = merge_to->sums;
+        DeriveSums& to = merge_to->sums;
         const int R = l.num_ranks;
         for (int r = tid; r < R; r += nthreads) {
             if (sums.loads_before[r] != 0) atomicAdd(&to.loads_before[r], sums.loads_before[r]);

@@ -35,8 +35,8 @@ struct ConfigBlob {
     PlannerKind planner;
 };
 
-sync::SyncArgs make_sync(const SymmetricRegion& region, const SymmetricLayout& sym, uint64_t* epoch, int rank, int num_ranks,
-                   double timeout_s) {
+sync::SyncArgs make_sync(const SymmetricRegion& region, const SymmetricLayout& sym, uint64_t* epoch, int rank,
+                         int num_ranks, double timeout_s) {
     sync::SyncArgs s{};
     for (int p = 0; p < num_ranks; ++p) s.flags[p] = region_at<uint64_t>(region.peers[p], sym.barrier_offset);
     s.epoch = epoch;
@@ -76,7 +76,7 @@ int Plan::rank() const { return data().rank; }
 int Plan::num_tokens() const { return data().num_tokens; }
 PlannerKind Plan::planner() const { return data().planner; }
 bool Plan::on_device() const { return data().on_device(); }
-const HostPlan& Plan::host_plan() const { return data().host_plan(); }
+const planner::HostPlan& Plan::host_plan() const { return data().host_plan(); }
 
 const int32_t* Plan::device_cu_seqlens(int rank) const {
     const Data& d = data();
@@ -96,22 +96,22 @@ const int32_t* Plan::device_slot_expert(int rank) const {
 }
 
 std::span<const int32_t> Plan::tpe_all() const {
-    const HostPlan& h = data().host_plan();
+    const planner::HostPlan& h = data().host_plan();
     return {h.view.tpe_all, size_t(h.layout.num_ranks) * h.layout.num_experts};
 }
 std::span<const int32_t> Plan::alloc() const {
-    const HostPlan& h = data().host_plan();
+    const planner::HostPlan& h = data().host_plan();
     return {h.view.alloc, size_t(h.layout.num_ranks) * h.layout.num_experts};
 }
 std::span<const int32_t> Plan::slot_expert(int rank) const {
-    const HostPlan& h = data().host_plan();
+    const planner::HostPlan& h = data().host_plan();
     FLATEP_CHECK(rank >= 0 && rank < h.layout.num_ranks, "slot_expert: rank must be in [0, ", h.layout.num_ranks,
                  "), got ", rank);
     const int epn = h.layout.experts_per_rank;
     return {h.view.slot_expert + int64_t(rank) * epn, size_t(epn)};
 }
 std::span<const int32_t> Plan::cu_seqlens(int rank) const {
-    const HostPlan& h = data().host_plan();
+    const planner::HostPlan& h = data().host_plan();
     FLATEP_CHECK(rank >= 0 && rank < h.layout.num_ranks, "cu_seqlens: rank must be in [0, ", h.layout.num_ranks,
                  "), got ", rank);
     const int groups = h.layout.num_groups();
@@ -119,19 +119,19 @@ std::span<const int32_t> Plan::cu_seqlens(int rank) const {
 }
 const PlanStats& Plan::stats() const { return *data().host_plan().view.stats; }
 std::span<const int32_t> Plan::entry_ranks() const {
-    const HostPlan& h = data().host_plan();
+    const planner::HostPlan& h = data().host_plan();
     return {h.view.entry_rank, size_t(num_tokens()) * h.layout.topk};
 }
 std::span<const int32_t> Plan::entry_rows() const {
-    const HostPlan& h = data().host_plan();
+    const planner::HostPlan& h = data().host_plan();
     return {h.view.entry_row, size_t(num_tokens()) * h.layout.topk};
 }
 std::span<const int32_t> Plan::row_heads() const {
-    const HostPlan& h = data().host_plan();
+    const planner::HostPlan& h = data().host_plan();
     return {h.view.row_head, size_t(h.layout.num_recv_rows)};
 }
 std::span<const int32_t> Plan::row_nexts() const {
-    const HostPlan& h = data().host_plan();
+    const planner::HostPlan& h = data().host_plan();
     return {h.view.row_next, size_t(h.layout.num_recv_rows)};
 }
 
@@ -293,7 +293,7 @@ Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t
             data->device_words = std::shared_ptr<int32_t>(plan_slots_, plan_slots_.get() + data->slot * words);
         }
         data->device_view = make_plan_view(l, data->device_words.get());
-        data->refresh_host = [words, source = data->device_words](HostPlan& host) {
+        data->refresh_host = [words, source = data->device_words](planner::HostPlan& host) {
             device::copy_to_host(host.view.tpe_all, source.get(), size_t(words) * sizeof(int32_t));  // view base
         };
         device_->zero(data->device_words.get(), size_t(words) * sizeof(int32_t), stream_);  // ordered on the stream
@@ -428,7 +428,8 @@ void Buffer::check_status() {
         device_->read(words, status, sizeof(words), stream_);  // a synchronising point: the record is complete now
         const std::string failure = device_->failure_message();
         if (!failure.empty()) {
-            FLATEP_THROW(sync::host::wait_failure_category(device_->failure_code()), "rank ", config_.rank, ": ", failure);
+            FLATEP_THROW(sync::host::wait_failure_category(device_->failure_code()), "rank ", config_.rank, ": ",
+                         failure);
         }
     } else {
         for (int i = 0; i < 4; ++i) words[i] = status[i];
@@ -458,11 +459,11 @@ void Buffer::throw_status(const int32_t words[4]) const {
             FLATEP_THROW(ErrorCategory::kTimeout, "rank ", config_.rank, ": ", sync::host::op_name(sync::OpId(index)),
                          " timed out waiting for peer ", peer, " (flag ", value, ")");
         case sync::kStatusMismatch:
-            FLATEP_THROW(ErrorCategory::kMismatch, "rank ", config_.rank, ": ", sync::host::op_name(sync::OpId(index)), ": peer ",
-                         peer, " was in ", sync::host::op_name(sync::OpId(value)), " at the same barrier");
+            FLATEP_THROW(ErrorCategory::kMismatch, "rank ", config_.rank, ": ", sync::host::op_name(sync::OpId(index)),
+                         ": peer ", peer, " was in ", sync::host::op_name(sync::OpId(value)), " at the same barrier");
         case sync::kStatusPeerAborted:
-            FLATEP_THROW(ErrorCategory::kRuntime, "rank ", config_.rank, ": ", sync::host::op_name(sync::OpId(index)), ": peer ",
-                         peer, " failed an earlier wait and gave up");
+            FLATEP_THROW(ErrorCategory::kRuntime, "rank ", config_.rank, ": ", sync::host::op_name(sync::OpId(index)),
+                         ": peer ", peer, " failed an earlier wait and gave up");
         default:
             FLATEP_THROW(ErrorCategory::kRuntime, "rank ", config_.rank, ": unknown status code ", code);
     }

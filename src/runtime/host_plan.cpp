@@ -7,8 +7,8 @@ namespace flatep {
 
 void run_host_plan(const PlanArgs& a) {
     host::plan_counts_op(a);  // checks the arguments first
-    plan_counts(a.layout, a.planner, a.plan);
-    route_entries(a.layout, a.plan, a.rank, a.topk_idx, a.index_bytes, a.num_tokens);
+    planner::plan_counts(a.layout, a.planner, a.plan);
+    planner::route_entries(a.layout, a.plan, a.rank, a.topk_idx, a.index_bytes, a.num_tokens);
     host::plan_routes_op(a);
 }
 

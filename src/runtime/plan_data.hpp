@@ -18,10 +18,10 @@ struct Plan::Data {
     explicit Data(const Layout& layout) : host(layout) {}
     // Host plans: `host` is the plan. Device plans: `device_words` is the plan (what the kernels read) and `host` a
     // copy refreshed on first access by a host accessor (a synchronising read, for diagnostics only).
-    HostPlan host;
+    planner::HostPlan host;
     std::shared_ptr<int32_t> device_words;
     PlanView device_view{};
-    std::function<void(HostPlan&)> refresh_host;  // copies device_words into host (device plans only)
+    std::function<void(planner::HostPlan&)> refresh_host;  // copies device_words into host (device plans only)
     mutable std::once_flag host_ready;
     // Device plans in one of the Buffer's plan slots: the slot and the Buffer's table of which generation each slot
     // holds (stale once another plan took the slot). slot < 0: caller storage or a host plan.
@@ -45,10 +45,10 @@ struct Plan::Data {
                      slot_generations->size(), " plan slots; keep fewer plans alive, or pass plan storage)");
     }
     // Host arrays (synchronised from the device on first use for device plans).
-    const HostPlan& host_plan() const {
+    const planner::HostPlan& host_plan() const {
         if (on_device()) {
             check_fresh("plan accessor");
-            std::call_once(host_ready, [this] { refresh_host(const_cast<HostPlan&>(host)); });
+            std::call_once(host_ready, [this] { refresh_host(const_cast<planner::HostPlan&>(host)); });
         }
         return host;
     }

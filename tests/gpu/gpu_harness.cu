@@ -10,7 +10,8 @@
 namespace flatep::gpu_test {
 
 namespace {
-sync::SyncArgs host_sync(const SymmetricRegion& reg, const SymmetricLayout& sym, int rank, int num_ranks, uint64_t* epoch) {
+sync::SyncArgs host_sync(const SymmetricRegion& reg, const SymmetricLayout& sym, int rank, int num_ranks,
+                         uint64_t* epoch) {
     sync::SyncArgs s{};
     for (int p = 0; p < num_ranks; ++p) s.flags[p] = reinterpret_cast<uint64_t*>(reg.peers[p] + sym.barrier_offset);
     s.epoch = epoch;
@@ -42,7 +43,7 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                 std::memcpy(red.local, in.red_pool[r].data(), size_t(pe) * 4);
                 const sync::SyncArgs sync = host_sync(reg, sym, r, R, &epochs[r]);
                 RankOutputs& o = outs[r];
-                HostPlan plan(l);
+                planner::HostPlan plan(l);
                 std::vector<int32_t> topk32;
                 const void* topk = in.topk[r].data();
                 if (c.index_bytes == 4) {

@@ -83,7 +83,7 @@ void run_ops(Buffer& buffer, Io& io, RankData& out) {
     buffer.entry_values(plan, io.recv_w, io.values);
     buffer.check_status();
     io.copy_back(l, out);
-    const HostPlan& h = plan.host_plan();
+    const planner::HostPlan& h = plan.host_plan();
     out.plan_words.assign(h.view.tpe_all, h.view.tpe_all + make_plan_sizes(l).total_words);  // from the view base
 }
 

@@ -299,7 +299,7 @@ std::vector<RankResult> run_host_fp8(const CaseSpec& c, const Layout& l, const I
                 sync.rank = r;
                 sync.num_ranks = R;
                 sync.timeout_s = 120.0;
-                HostPlan plan(l);
+                planner::HostPlan plan(l);
                 PlanArgs pa{};
                 pa.layout = l;
                 pa.rank = r;

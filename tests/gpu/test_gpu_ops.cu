@@ -251,9 +251,9 @@ bool run_planner_sweep(int num_matrices) {
                 tpe = routing::generate_counts(sh.R, sh.E, sh.S, sh.K, sigmas[m % 5], 1000 + m);
             }
             for (int kind = 0; kind < 2; ++kind) {
-                HostPlan host(l);
+                planner::HostPlan host(l);
                 std::copy(tpe.begin(), tpe.end(), host.view.tpe_all);
-                plan_counts(l, PlannerKind(kind), host.view);
+                planner::plan_counts(l, PlannerKind(kind), host.view);
                 // The parallel engine under every placement of the balanced planner's candidate path that gives a
                 // distinct path at this shape (kShared off the candidate path: plan_alloc on one thread, sampled
                 // like the serial engine), then the serial engine.

@@ -94,10 +94,10 @@ TEST(FuzzRegression, PlannersSatisfyDesignConstraintsOnExtremeShapes) {
             for (int64_t i = 0; i < total; ++i) ++tpe[size_t(s) * cs.E + (cs.hot >= 0 ? cs.hot : int(i % cs.E))];
         }
         for (const PlannerKind kind : {PlannerKind::kGreedy, PlannerKind::kBalanced}) {
-            HostPlan plan(l);
+            planner::HostPlan plan(l);
             std::copy(tpe.begin(), tpe.end(), plan.view.tpe_all);
-            plan_counts(l, kind, plan.view);
-            EXPECT_EQ(check_plan(l, plan.view), "") << c.to_string() << " planner " << planner_name(kind);
+            planner::plan_counts(l, kind, plan.view);
+            EXPECT_EQ(planner::check_plan(l, plan.view), "") << c.to_string() << " planner " << planner_name(kind);
         }
     }
 }

@@ -155,16 +155,16 @@ StepOutputs run_threaded(const Case& c, const Layout& l, const std::vector<std::
 void check_step(const Case& c, const Layout& l, const std::vector<RankInput>& in, const std::vector<RankOutput>& out) {
     const int R = c.R, E = l.num_experts, K = c.K, H = c.H, nvs = l.num_recv_rows, epn = c.epn;
     // Plan: counts, planner, routing of every source.
-    HostPlan ref(l);
+    planner::HostPlan ref(l);
     for (int r = 0; r < R; ++r) {
         const std::vector<int32_t> h = routing::histogram(in[r].topk_idx.data(), int64_t(in[r].topk_idx.size()), E);
         std::copy(h.begin(), h.end(), ref.view.tpe_all + int64_t(r) * E);
     }
-    plan_counts(l, c.planner, ref.view);
-    ASSERT_EQ(check_plan(l, ref.view), "");
+    planner::plan_counts(l, c.planner, ref.view);
+    ASSERT_EQ(planner::check_plan(l, ref.view), "");
     std::vector<std::vector<int32_t>> ref_rank(R), ref_row(R);
     for (int r = 0; r < R; ++r) {
-        route_entries(l, ref.view, r, in[r].topk_idx.data(), 4, in[r].num_tokens);
+        planner::route_entries(l, ref.view, r, in[r].topk_idx.data(), 4, in[r].num_tokens);
         const size_t n = size_t(in[r].num_tokens) * K;
         ref_rank[r].assign(ref.view.entry_rank, ref.view.entry_rank + n);
         ref_row[r].assign(ref.view.entry_row, ref.view.entry_row + n);

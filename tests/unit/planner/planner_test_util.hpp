@@ -28,10 +28,11 @@ inline Layout make_test_layout(int R, int E, int S, int K, int align = 1, double
 }
 
 // Plans `counts` with `kind`; the plan is returned for inspection.
-inline std::unique_ptr<HostPlan> plan_of(const Layout& l, const std::vector<int32_t>& counts, PlannerKind kind) {
-    auto plan = std::make_unique<HostPlan>(l);
+inline std::unique_ptr<planner::HostPlan> plan_of(const Layout& l, const std::vector<int32_t>& counts,
+                                                  PlannerKind kind) {
+    auto plan = std::make_unique<planner::HostPlan>(l);
     std::copy(counts.begin(), counts.end(), plan->view.tpe_all);
-    plan_counts(l, kind, plan->view);
+    planner::plan_counts(l, kind, plan->view);
     return plan;
 }
 

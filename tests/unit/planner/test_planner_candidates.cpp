@@ -12,28 +12,27 @@ namespace flatep {
 namespace {
 
 std::vector<int32_t> parallel_plan_alloc(const Layout& l, const std::vector<int32_t>& tpe) {
-    const int64_t words = planner_core::planner_workspace_words(l);
+    const int64_t words = planner::planner_workspace_words(l);
     const int64_t re = int64_t(l.num_ranks) * l.num_experts;
     std::vector<int32_t> alloc(re), ws(words);
-    const planner_core::Workspace w = planner_core::make_workspace(l, ws.data());
-    planner_core::greedy_alloc(l, tpe.data(), alloc.data(), w);
-    const planner_core::PlanQuality greedy =
-        planner_core::evaluate_alloc(l, tpe.data(), alloc.data(), w.num_in, w.num_out);
-    const int count = planner_core::num_candidates(greedy.makespan);
-    std::vector<planner_core::PlanQuality> quality(count);
+    const planner::Workspace w = planner::make_workspace(l, ws.data());
+    planner::greedy_alloc(l, tpe.data(), alloc.data(), w);
+    const planner::PlanQuality greedy = planner::evaluate_alloc(l, tpe.data(), alloc.data(), w.num_in, w.num_out);
+    const int count = planner::num_candidates(greedy.makespan);
+    std::vector<planner::PlanQuality> quality(count);
     // Built in reverse order, each with its own poisoned workspace: no candidate may depend on another's leftovers.
     for (int i = count - 1; i >= 0; --i) {
         std::vector<int32_t> own(words, -7), cand(re, -7);
-        const planner_core::Workspace wi = planner_core::make_workspace(l, own.data());
-        quality[i] = planner_core::build_candidate(l, tpe.data(), cand.data(), wi, i)
-                         ? planner_core::evaluate_alloc(l, tpe.data(), cand.data(), wi.num_in, wi.num_out)
-                         : planner_core::PlanQuality{planner_core::kNoCandidate, 0, 0};
+        const planner::Workspace wi = planner::make_workspace(l, own.data());
+        quality[i] = planner::build_candidate(l, tpe.data(), cand.data(), wi, i)
+                         ? planner::evaluate_alloc(l, tpe.data(), cand.data(), wi.num_in, wi.num_out)
+                         : planner::PlanQuality{planner::kNoCandidate, 0, 0};
     }
-    const int kept = planner_core::select_candidate(greedy, quality.data(), count);
+    const int kept = planner::select_candidate(greedy, quality.data(), count);
     if (kept >= 0) {
         std::vector<int32_t> own(words, -7);
-        const planner_core::Workspace wk = planner_core::make_workspace(l, own.data());
-        EXPECT_TRUE(planner_core::build_candidate(l, tpe.data(), alloc.data(), wk, kept));
+        const planner::Workspace wk = planner::make_workspace(l, own.data());
+        EXPECT_TRUE(planner::build_candidate(l, tpe.data(), alloc.data(), wk, kept));
     }
     return alloc;
 }
@@ -52,10 +51,10 @@ TEST(PlannerCandidates, IndependentBuildsAndSelectionEqualTheSerialPlanner) {
                         const std::vector<int32_t> tpe =
                             routing::generate_counts(R, c.num_experts, c.num_tokens, c.topk, sigma, seed);
                         std::vector<int32_t> serial(int64_t(R) * c.num_experts);
-                        std::vector<int32_t> ws(planner_core::planner_workspace_words(l));
-                        planner_core::plan_alloc(l, PlannerKind::kBalanced, tpe.data(), serial.data(), ws.data());
+                        std::vector<int32_t> ws(planner::planner_workspace_words(l));
+                        planner::plan_alloc(l, PlannerKind::kBalanced, tpe.data(), serial.data(), ws.data());
                         std::vector<int32_t> greedy(serial.size());
-                        planner_core::plan_alloc(l, PlannerKind::kGreedy, tpe.data(), greedy.data(), ws.data());
+                        planner::plan_alloc(l, PlannerKind::kGreedy, tpe.data(), greedy.data(), ws.data());
                         const std::vector<int32_t> parallel = parallel_plan_alloc(l, tpe);
                         ASSERT_EQ(parallel, serial) << "R=" << R << " epn=" << epn << " sigma=" << sigma
                                                     << " factor=" << factor << " seed=" << seed;
@@ -73,7 +72,7 @@ TEST(PlannerCandidates, IndependentBuildsAndSelectionEqualTheSerialPlanner) {
 // An executor that visits for_each / sum items in reverse and scans arg_max from the top (keeping the lower index
 // on ties). The GPU's warp executor runs for_each and sum bodies in an unspecified order across lanes, so the plan
 // must not depend on that order: every candidate and the greedy must come out as with SerialExec.
-struct ReverseExec : planner_core::SerialExec {
+struct ReverseExec : planner::SerialExec {
     template <class F>
     void for_each(int n, F&& f) const {
         for (int i = n - 1; i >= 0; --i) f(i);
@@ -111,25 +110,25 @@ TEST(PlannerCandidates, ExecutionOrderDoesNotChangeAnyCandidate) {
                     const Layout l = make_layout(c);
                     const std::vector<int32_t> tpe =
                         routing::generate_counts(R, c.num_experts, c.num_tokens, c.topk, sigma, 7);
-                    const int64_t words = planner_core::planner_workspace_words(l);
+                    const int64_t words = planner::planner_workspace_words(l);
                     const int64_t re = int64_t(R) * c.num_experts;
                     std::vector<int32_t> ws_a(words, -3), ws_b(words, -5), a(re), b(re);
-                    const planner_core::Workspace wa = planner_core::make_workspace(l, ws_a.data());
-                    const planner_core::Workspace wb = planner_core::make_workspace(l, ws_b.data());
-                    planner_core::greedy_alloc(planner_core::SerialExec{}, l, tpe.data(), a.data(), wa);
-                    planner_core::greedy_alloc(ReverseExec{}, l, tpe.data(), b.data(), wb);
+                    const planner::Workspace wa = planner::make_workspace(l, ws_a.data());
+                    const planner::Workspace wb = planner::make_workspace(l, ws_b.data());
+                    planner::greedy_alloc(planner::SerialExec{}, l, tpe.data(), a.data(), wa);
+                    planner::greedy_alloc(ReverseExec{}, l, tpe.data(), b.data(), wb);
                     ASSERT_EQ(a, b) << "greedy R=" << R << " epn=" << epn << " sigma=" << sigma;
-                    const planner_core::PlanQuality qa = planner_core::evaluate_alloc(
-                        planner_core::SerialExec{}, l, tpe.data(), a.data(), wa.num_in, wa.num_out);
-                    const planner_core::PlanQuality qb =
-                        planner_core::evaluate_alloc(ReverseExec{}, l, tpe.data(), b.data(), wb.num_in, wb.num_out);
+                    const planner::PlanQuality qa =
+                        planner::evaluate_alloc(planner::SerialExec{}, l, tpe.data(), a.data(), wa.num_in, wa.num_out);
+                    const planner::PlanQuality qb =
+                        planner::evaluate_alloc(ReverseExec{}, l, tpe.data(), b.data(), wb.num_in, wb.num_out);
                     ASSERT_EQ(qa.makespan, qb.makespan);
                     ASSERT_EQ(qa.total_replicas, qb.total_replicas);
                     ASSERT_EQ(qa.entries_moved, qb.entries_moved);
-                    for (int i = 0; i < planner_core::num_candidates(qa.makespan + 1); ++i) {
+                    for (int i = 0; i < planner::num_candidates(qa.makespan + 1); ++i) {
                         const bool ok_a =
-                            planner_core::build_candidate(planner_core::SerialExec{}, l, tpe.data(), a.data(), wa, i);
-                        const bool ok_b = planner_core::build_candidate(ReverseExec{}, l, tpe.data(), b.data(), wb, i);
+                            planner::build_candidate(planner::SerialExec{}, l, tpe.data(), a.data(), wa, i);
+                        const bool ok_b = planner::build_candidate(ReverseExec{}, l, tpe.data(), b.data(), wb, i);
                         ASSERT_EQ(ok_a, ok_b) << "candidate " << i << " R=" << R << " epn=" << epn;
                         if (ok_a) ASSERT_EQ(a, b) << "candidate " << i << " R=" << R << " epn=" << epn;
                         ++compared;

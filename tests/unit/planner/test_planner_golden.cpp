@@ -24,7 +24,7 @@ TEST(PlannerGolden, ExactTwoRanksOneReplica) {
         SCOPED_TRACE(planner_name(kind));
         auto plan = plan_of(l, counts, kind);
         const PlanView& p = plan->view;
-        EXPECT_EQ(check_plan(l, p), "");
+        EXPECT_EQ(planner::check_plan(l, p), "");
         EXPECT_EQ(copy_of(p.alloc, 8), (std::vector<int32_t>{5, 3, 0, 0, 5, 0, 1, 2}));
         EXPECT_EQ(copy_of(p.keep, 8), (std::vector<int32_t>{5, 1, 0, 0, 4, 0, 0, 2}));
         EXPECT_EQ(copy_of(p.spill_start, 8), (std::vector<int32_t>{0, 0, 0, 0, 1, 0, 1, 0}));
@@ -70,7 +70,7 @@ TEST(PlannerGolden, SlackModeAndRoutingRows) {
         SCOPED_TRACE(planner_name(kind));
         auto plan = plan_of(l, counts, kind);
         const PlanView& p = plan->view;
-        EXPECT_EQ(check_plan(l, p), "");
+        EXPECT_EQ(planner::check_plan(l, p), "");
         EXPECT_EQ(copy_of(p.alloc, 8), (std::vector<int32_t>{9, 3, 0, 0, 1, 0, 1, 2}));
         EXPECT_EQ(copy_of(p.slot_expert, 4), (std::vector<int32_t>{-1, -1, 0, -1}));
         EXPECT_EQ(copy_of(p.cu_seqlens, 8), (std::vector<int32_t>{12, 16, 16, 16, 4, 8, 12, 12}));
@@ -84,12 +84,12 @@ TEST(PlannerGolden, SlackModeAndRoutingRows) {
         //   e1: rank 0 keeps its 1 entry (row 12); rank 1's two spill after it: rows 13, 14.
         //   e3: home rank 1 keeps both: rows 4, 5.
         const std::vector<int32_t> topk = {0, 1, 0, 3, 0, 1, 0, 3};
-        EXPECT_EQ(route_entries(l, p, 1, topk.data(), 4, 4), -1);
+        EXPECT_EQ(planner::route_entries(l, p, 1, topk.data(), 4, 4), -1);
         EXPECT_EQ(copy_of(p.entry_rank, 8), (std::vector<int32_t>{1, 0, 0, 1, 0, 0, 0, 1}));
         EXPECT_EQ(copy_of(p.entry_row, 8), (std::vector<int32_t>{8, 13, 6, 4, 7, 14, 8, 5}));
         // Same with int64 ids and two invalid ones: they get -1 and are skipped (the counter j does not advance).
         const std::vector<int64_t> topk64 = {0, 1, 7, 0, 3, 0, -1, 1, 0, 3};
-        EXPECT_EQ(route_entries(l, p, 1, topk64.data(), 8, 4), 2);
+        EXPECT_EQ(planner::route_entries(l, p, 1, topk64.data(), 8, 4), 2);
         EXPECT_EQ(copy_of(p.entry_rank, 8), (std::vector<int32_t>{1, 0, -1, 0, 1, 0, -1, 0}));
         EXPECT_EQ(copy_of(p.entry_row, 8), (std::vector<int32_t>{8, 13, -1, 6, 4, 7, -1, 14}));
     }
@@ -107,7 +107,7 @@ TEST(PlannerGolden, GreedyCascadeWithOneSlotPerRank) {
         SCOPED_TRACE(planner_name(kind));
         auto plan = plan_of(l, counts, kind);
         const PlanView& p = plan->view;
-        EXPECT_EQ(check_plan(l, p), "");
+        EXPECT_EQ(planner::check_plan(l, p), "");
         EXPECT_EQ(copy_of(p.alloc, 9), (std::vector<int32_t>{1, 1, 0, 0, 2, 0, 2, 0, 0}));
         EXPECT_EQ(copy_of(p.slot_expert, 3), (std::vector<int32_t>{1, -1, 0}));
         EXPECT_EQ(copy_of(p.cu_seqlens, 6), (std::vector<int32_t>{1, 2, 2, 2, 0, 2}));
@@ -127,7 +127,7 @@ TEST(PlannerGolden, PartialBatchLowerRankTakesRemainder) {
         SCOPED_TRACE(planner_name(kind));
         auto plan = plan_of(l, counts, kind);
         const PlanView& p = plan->view;
-        EXPECT_EQ(check_plan(l, p), "");
+        EXPECT_EQ(planner::check_plan(l, p), "");
         EXPECT_EQ(copy_of(p.alloc, 8), (std::vector<int32_t>{0, 0, 3, 0, 0, 0, 1, 1}));
         EXPECT_EQ(copy_of(p.slot_expert, 4), (std::vector<int32_t>{2, -1, -1, -1}));
         // Rank 0: empty home groups e0, e1, then slot e2 (3). Rank 1: e2 (1), e3 (1).

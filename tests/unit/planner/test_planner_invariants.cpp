@@ -28,7 +28,7 @@ struct Rng {
 void check_both(const Layout& l, const std::vector<int32_t>& counts, const std::string& what) {
     auto greedy = plan_of(l, counts, PlannerKind::kGreedy);
     auto balanced = plan_of(l, counts, PlannerKind::kBalanced);
-    const std::string g = check_plan(l, greedy->view), b = check_plan(l, balanced->view);
+    const std::string g = planner::check_plan(l, greedy->view), b = planner::check_plan(l, balanced->view);
     ASSERT_EQ(g, "") << describe(l, PlannerKind::kGreedy) << " " << what;
     ASSERT_EQ(b, "") << describe(l, PlannerKind::kBalanced) << " " << what;
     const PlanStats& gs = *greedy->view.stats;
@@ -236,16 +236,16 @@ TEST(PlannerInvariants, CheckPlanDetectsCorruption) {
     const std::vector<int32_t> counts = routing::generate_counts(4, 16, 32, 4, 1.5, 3);
     auto plan = plan_of(l, counts, PlannerKind::kBalanced);
     PlanView& p = plan->view;
-    ASSERT_EQ(check_plan(l, p), "");
+    ASSERT_EQ(planner::check_plan(l, p), "");
     ASSERT_GT(p.stats->total_replicas, 0);
     const int E = l.num_experts, epn = l.experts_per_rank;
     auto expect_caught = [&](int32_t* word, int32_t delta, const char* what, const char* needle) {
         const int32_t saved = *word;
         *word += delta;
-        const std::string msg = check_plan(l, p);
+        const std::string msg = planner::check_plan(l, p);
         EXPECT_NE(msg.find(needle), std::string::npos) << what << ": got \"" << msg << "\"";
         *word = saved;
-        ASSERT_EQ(check_plan(l, p), "") << "restoring " << what;
+        ASSERT_EQ(planner::check_plan(l, p), "") << "restoring " << what;
     };
     int replica_slot = -1;
     for (int i = 0; i < l.num_ranks * epn; ++i)
@@ -267,7 +267,7 @@ TEST(PlannerInvariants, CheckPlanDetectsCorruption) {
         const int32_t a = p.alloc[0 * E + 0];
         p.alloc[0 * E + 0] = a + 1;
         p.alloc[1 * E + 0] -= 1;
-        const std::string msg = check_plan(l, p);
+        const std::string msg = planner::check_plan(l, p);
         EXPECT_TRUE(msg.find("balance:") != std::string::npos || msg.find("negative") != std::string::npos) << msg;
         p.alloc[0 * E + 0] = a;
         p.alloc[1 * E + 0] += 1;
@@ -284,13 +284,13 @@ TEST(PlannerInvariants, CheckPlanDetectsCorruption) {
                 q.alloc[0 * E + x] += 1;
             }
         }
-        EXPECT_NE(check_plan(l, q), "");
+        EXPECT_NE(planner::check_plan(l, q), "");
     }
     // Counts that do not fit: negative and too large.
     {
         const int32_t saved = p.tpe_all[2];
         p.tpe_all[2] = -3;
-        EXPECT_EQ(check_plan(l, p), "counts: tpe_all[0][2] = -3 is negative");
+        EXPECT_EQ(planner::check_plan(l, p), "counts: tpe_all[0][2] = -3 is negative");
         p.tpe_all[2] = saved;
     }
 }
@@ -298,18 +298,18 @@ TEST(PlannerInvariants, CheckPlanDetectsCorruption) {
 TEST(PlannerInvariants, ValidateCountsMessages) {
     const Layout l = make_test_layout(2, 4, 4, 2);
     std::vector<int32_t> c = {8, 0, 0, 0, 2, 2, 2, 2};
-    EXPECT_EQ(validate_counts(l, c.data()), "");
-    EXPECT_EQ(validate_counts(l, nullptr), "tpe_all is null");
+    EXPECT_EQ(planner::validate_counts(l, c.data()), "");
+    EXPECT_EQ(planner::validate_counts(l, nullptr), "tpe_all is null");
     c[5] = -1;
-    EXPECT_EQ(validate_counts(l, c.data()), "tpe_all[1][1] = -1 is negative");
+    EXPECT_EQ(planner::validate_counts(l, c.data()), "tpe_all[1][1] = -1 is negative");
     c[5] = 3;
-    EXPECT_EQ(validate_counts(l, c.data()), "tpe_all row 1 sums to 9, above S*K = 8 (S=4, K=2)");
-    // plan_counts refuses them with the same message.
-    HostPlan plan(l);
+    EXPECT_EQ(planner::validate_counts(l, c.data()), "tpe_all row 1 sums to 9, above S*K = 8 (S=4, K=2)");
+    // planner::plan_counts refuses them with the same message.
+    planner::HostPlan plan(l);
     std::copy(c.begin(), c.end(), plan.view.tpe_all);
     try {
-        plan_counts(l, PlannerKind::kBalanced, plan.view);
-        ADD_FAILURE() << "plan_counts accepted a row above S*K";
+        planner::plan_counts(l, PlannerKind::kBalanced, plan.view);
+        ADD_FAILURE() << "planner::plan_counts accepted a row above S*K";
     } catch (const Error& e) {
         EXPECT_EQ(e.message(), "tpe_all row 1 sums to 9, above S*K = 8 (S=4, K=2)");
     }
@@ -328,13 +328,13 @@ TEST(PlannerInvariants, RouteEntriesErrors) {
         return "";
     };
     EXPECT_EQ(
-        message_of([&] { route_entries(l, plan->view, 0, ids.data(), 4, 4); }),
+        message_of([&] { planner::route_entries(l, plan->view, 0, ids.data(), 4, 4); }),
         "topk_idx of rank 0 routes more than tpe_all[0][0] = 2 entries to expert 0 (counts and routing disagree)");
-    EXPECT_EQ(message_of([&] { route_entries(l, plan->view, 0, ids.data(), 2, 4); }),
+    EXPECT_EQ(message_of([&] { planner::route_entries(l, plan->view, 0, ids.data(), 2, 4); }),
               "plan: index_bytes must be 4 (int32) or 8 (int64), got 2");
-    EXPECT_EQ(message_of([&] { route_entries(l, plan->view, 2, ids.data(), 4, 4); }),
+    EXPECT_EQ(message_of([&] { planner::route_entries(l, plan->view, 2, ids.data(), 4, 4); }),
               "plan: rank must be in [0, 2), got 2");
-    EXPECT_EQ(message_of([&] { route_entries(l, plan->view, 0, ids.data(), 4, 5); }),
+    EXPECT_EQ(message_of([&] { planner::route_entries(l, plan->view, 0, ids.data(), 4, 5); }),
               "plan: num_tokens must be in [0, S=4], got 5");
 }
 

@@ -42,7 +42,7 @@ TEST(PlannerOrder, SlackTargetsTieToTheRankWithTheLowerIndex) {
         SCOPED_TRACE(planner_name(kind));
         auto plan = plan_of(l, counts, kind);
         const PlanView& p = plan->view;
-        ASSERT_EQ(check_plan(l, p), "");
+        ASSERT_EQ(planner::check_plan(l, p), "");
         EXPECT_EQ(copy_of(p.alloc, 16), (std::vector<int32_t>{10, 0, 0, 0, 4, 2, 0, 0, 0, 0, 2, 0, 0, 0, 0, 2}));
         EXPECT_EQ(copy_of(p.slot_expert, 4), (std::vector<int32_t>{-1, 0, -1, -1}));
         EXPECT_EQ(copy_of(p.cu_seqlens, 8), (std::vector<int32_t>{10, 10, 2, 6, 2, 2, 2, 2}));
@@ -74,7 +74,7 @@ TEST(PlannerOrder, GreedyReceiverAndDonorExpertTiesGoToTheLowerIndex) {
         SCOPED_TRACE(planner_name(kind));
         auto plan = plan_of(l, counts, kind);
         const PlanView& p = plan->view;
-        ASSERT_EQ(check_plan(l, p), "");
+        ASSERT_EQ(planner::check_plan(l, p), "");
         EXPECT_EQ(copy_of(p.alloc, 18), (std::vector<int32_t>{1, 1, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0}));
         EXPECT_EQ(copy_of(p.slot_expert, 6), (std::vector<int32_t>{-1, -1, 0, -1, 1, -1}));
         EXPECT_EQ(p.stats->makespan, 2);
@@ -111,7 +111,7 @@ TEST(PlannerOrder, RowsInsideEveryGroupAreOrderedBySourceTokenK) {
                         // (rank, expert) -> (row, key) of every entry computed there.
                         std::map<std::pair<int, int>, std::vector<std::pair<int, EntryKey>>> groups;
                         for (int s = 0; s < R; ++s) {
-                            ASSERT_EQ(route_entries(l, p, s, idx[s].data(), 4, S), -1);
+                            ASSERT_EQ(planner::route_entries(l, p, s, idx[s].data(), 4, S), -1);
                             for (int t = 0; t < S; ++t) {
                                 for (int k = 0; k < K; ++k) {
                                     const int i = t * K + k;

@@ -66,7 +66,7 @@ TEST(PlannerQuality, WithinOneOfTheMilpOptimum) {
         const std::vector<int32_t> counts = routing::generate_counts(c.R, c.E, c.S, c.K, c.sigma, c.seed);
         auto greedy = plan_of(l, counts, PlannerKind::kGreedy);
         auto balanced = plan_of(l, counts, PlannerKind::kBalanced);
-        ASSERT_EQ(check_plan(l, balanced->view), "") << describe_case(c);
+        ASSERT_EQ(planner::check_plan(l, balanced->view), "") << describe_case(c);
         const PlanStats& g = *greedy->view.stats;
         const PlanStats& b = *balanced->view.stats;
         EXPECT_GE(b.makespan, c.optimum_p) << "below the optimum: " << describe_case(c);

@@ -16,7 +16,7 @@
 namespace flatep {
 namespace {
 
-using planner_core::SerialExec;
+using planner::SerialExec;
 
 TEST(PlannerSteps, AheadSumsFollowValueThenIndex) {
     // Order: 9 (i=2), 5 (i=0), 5 (i=4), 3 (i=5), 1 (i=1); zero and negative items are not ranked.
@@ -39,7 +39,7 @@ TEST(PlannerSteps, ArgMax3IsThreeArgMaxes) {
     std::mt19937_64 rng(9);
     for (int trial = 0; trial < 300; ++trial) {
         const int n = 1 + int(rng() % 40);
-        std::vector<planner_core::Keys3> keys(n);
+        std::vector<planner::Keys3> keys(n);
         for (auto& k : keys)
             for (uint64_t& v : k.k) v = rng() % 4 == 0 ? 0 : (rng() % 5) << (trial % 2 ? 33 : 0);  // ties and zeros
         int out[3] = {7, 7, 7};
@@ -53,13 +53,12 @@ TEST(PlannerSteps, ArgMax3IsThreeArgMaxes) {
 }
 
 // The flow of path_candidate as it was written before send_largest_first: one piece at a time.
-bool send_piece_by_piece(const Layout& l, int32_t* alloc, const planner_core::Workspace& w, int src, int dst,
-                         int32_t need) {
+bool send_piece_by_piece(const Layout& l, int32_t* alloc, const planner::Workspace& w, int src, int dst, int32_t need) {
     while (need > 0) {
-        const int best = planner_core::largest_home_expert(SerialExec{}, l, alloc, src);
+        const int best = planner::largest_home_expert(SerialExec{}, l, alloc, src);
         if (best < 0 || w.num_in[dst] >= l.experts_per_rank) return false;
         const int32_t piece = std::min(need, alloc[src * l.num_experts + best]);
-        planner_core::move_entries(l, alloc, w, best, dst, piece);
+        planner::move_entries(l, alloc, w, best, dst, piece);
         ++w.num_in[dst];
         ++w.num_out[src];
         need -= piece;
@@ -76,9 +75,9 @@ TEST(PlannerSteps, SendLargestFirstEqualsPieceByPiece) {
             c.num_ranks = 3, c.num_experts = 3 * epn, c.num_tokens = 64, c.topk = 1;
             const Layout l = make_layout(c);
             const int E = l.num_experts;
-            std::vector<int32_t> ws_a(planner_core::planner_workspace_words(l), -3), ws_b(ws_a.size(), -5);
-            const planner_core::Workspace wa = planner_core::make_workspace(l, ws_a.data());
-            const planner_core::Workspace wb = planner_core::make_workspace(l, ws_b.data());
+            std::vector<int32_t> ws_a(planner::planner_workspace_words(l), -3), ws_b(ws_a.size(), -5);
+            const planner::Workspace wa = planner::make_workspace(l, ws_a.data());
+            const planner::Workspace wb = planner::make_workspace(l, ws_b.data());
             std::vector<int32_t> a(3 * E, 0);
             // Home allocations of rank 1 with ties and zeros; earlier replicas on rank 2.
             std::uniform_int_distribution<int> value(0, trial % 3 == 0 ? 4 : 40);
@@ -91,7 +90,7 @@ TEST(PlannerSteps, SendLargestFirstEqualsPieceByPiece) {
             }
             std::vector<int32_t> b = a;
             const int32_t need = 1 + int32_t(rng() % uint32_t(home + 3));  // sometimes more than rank 1 holds
-            const bool ok_a = planner_core::send_largest_first(SerialExec{}, l, a.data(), wa, 1, 2, need);
+            const bool ok_a = planner::send_largest_first(SerialExec{}, l, a.data(), wa, 1, 2, need);
             const bool ok_b = send_piece_by_piece(l, b.data(), wb, 1, 2, need);
             ASSERT_EQ(ok_a, ok_b) << "epn " << epn << " trial " << trial << " need " << need;
             if (ok_a) {
@@ -102,7 +101,7 @@ TEST(PlannerSteps, SendLargestFirstEqualsPieceByPiece) {
                     ASSERT_EQ(wa.num_out[r], wb.num_out[r]);
                 }
                 multi += wa.num_out[1] > 2;
-                beyond += wa.num_out[1] - 1 > planner_core::kLoopPieces;  // the rest computed at once
+                beyond += wa.num_out[1] - 1 > planner::kLoopPieces;  // the rest computed at once
                 ++compared;
             } else {
                 ++refused;
@@ -116,7 +115,7 @@ TEST(PlannerSteps, SendLargestFirstEqualsPieceByPiece) {
 }
 
 // path_order as it was written before path_key: a pairwise scan.
-int path_order_pairwise(const Layout& l, const planner_core::Workspace& w, int variant, std::vector<int32_t>& order) {
+int path_order_pairwise(const Layout& l, const planner::Workspace& w, int variant, std::vector<int32_t>& order) {
     const int R = l.num_ranks;
     std::vector<int32_t> used(R, 0);
     int m = 0;
@@ -158,8 +157,8 @@ TEST(PlannerSteps, PathOrderEqualsPairwiseScan) {
         Config c;
         c.num_ranks = R, c.num_experts = R, c.num_tokens = 64, c.topk = 1;
         const Layout l = make_layout(c);
-        std::vector<int32_t> ws(planner_core::planner_workspace_words(l));
-        const planner_core::Workspace w = planner_core::make_workspace(l, ws.data());
+        std::vector<int32_t> ws(planner::planner_workspace_words(l));
+        const planner::Workspace w = planner::make_workspace(l, ws.data());
         for (int trial = 0; trial < 200; ++trial) {
             // Surpluses summing to zero, with ties and zeros; rooms around them.
             const int span = trial % 4 == 0 ? 3 : 1000;
@@ -170,10 +169,10 @@ TEST(PlannerSteps, PathOrderEqualsPairwiseScan) {
             }
             w.excess[R - 1] = -sum;
             for (int r = 0; r < R; ++r) w.room[r] = int32_t(rng() % uint32_t(2 * span + 1));
-            for (int variant = 0; variant < planner_core::kNumPathVariants; ++variant) {
+            for (int variant = 0; variant < planner::kNumPathVariants; ++variant) {
                 std::vector<int32_t> want(R, -1), used(R, 0), got(R, -1);
                 const int m_want = path_order_pairwise(l, w, variant, want);
-                const int m_got = planner_core::path_order(SerialExec{}, l, w, variant, got.data(), used.data());
+                const int m_got = planner::path_order(SerialExec{}, l, w, variant, got.data(), used.data());
                 ASSERT_EQ(m_got, m_want) << "R " << R << " trial " << trial << " variant " << variant;
                 ASSERT_EQ(got, want) << "R " << R << " trial " << trial << " variant " << variant;
             }
@@ -210,12 +209,12 @@ TEST(PlannerSteps, PathCandidatesWithHomeAheadTableAsWithout) {
                     for (int r = 0; r < R; ++r) SerialExec{}.ahead_sums(epn, &total[r * epn], &table[r * epn]);
                     HomeAheadExec x;
                     x.table = table.data(), x.used = &used, x.epn = epn;
-                    std::vector<int32_t> ws_a(planner_core::planner_workspace_words(l)), ws_b(ws_a.size());
-                    const planner_core::Workspace wa = planner_core::make_workspace(l, ws_a.data());
-                    const planner_core::Workspace wb = planner_core::make_workspace(l, ws_b.data());
-                    for (int i = 0; i < planner_core::kNumPathVariants; ++i) {
-                        const bool ok_a = planner_core::build_candidate(x, l, tpe.data(), wa.cand, wa, i);
-                        const bool ok_b = planner_core::build_candidate(SerialExec{}, l, tpe.data(), wb.cand, wb, i);
+                    std::vector<int32_t> ws_a(planner::planner_workspace_words(l)), ws_b(ws_a.size());
+                    const planner::Workspace wa = planner::make_workspace(l, ws_a.data());
+                    const planner::Workspace wb = planner::make_workspace(l, ws_b.data());
+                    for (int i = 0; i < planner::kNumPathVariants; ++i) {
+                        const bool ok_a = planner::build_candidate(x, l, tpe.data(), wa.cand, wa, i);
+                        const bool ok_b = planner::build_candidate(SerialExec{}, l, tpe.data(), wb.cand, wb, i);
                         ASSERT_EQ(ok_a, ok_b) << "R " << R << " epn " << epn << " sigma " << sigma << " path " << i;
                         if (!ok_a) continue;
                         ASSERT_TRUE(std::equal(wa.cand, wa.cand + R * E, wb.cand))
@@ -262,13 +261,13 @@ TEST(PlannerSteps, EveryCandidateAsRecorded) {
                     const Layout l = make_layout(c);
                     const std::vector<int32_t> tpe =
                         routing::generate_counts(R, c.num_experts, c.num_tokens, c.topk, sigma, 1);
-                    std::vector<int32_t> ws(planner_core::planner_workspace_words(l)), alloc(R * c.num_experts);
-                    const planner_core::Workspace w = planner_core::make_workspace(l, ws.data());
-                    planner_core::plan_alloc(l, PlannerKind::kBalanced, tpe.data(), alloc.data(), ws.data());
+                    std::vector<int32_t> ws(planner::planner_workspace_words(l)), alloc(R * c.num_experts);
+                    const planner::Workspace w = planner::make_workspace(l, ws.data());
+                    planner::plan_alloc(l, PlannerKind::kBalanced, tpe.data(), alloc.data(), ws.data());
                     uint64_t h = 0;
                     for (int32_t v : alloc) h = mix(h, uint32_t(v));
-                    for (int i = 0; i < planner_core::num_candidates(8); ++i) {
-                        const bool ok = planner_core::build_candidate(l, tpe.data(), w.cand, w, i);
+                    for (int i = 0; i < planner::num_candidates(8); ++i) {
+                        const bool ok = planner::build_candidate(l, tpe.data(), w.cand, w, i);
                         h = mix(h, ok);
                         if (ok)
                             for (int j = 0; j < R * c.num_experts; ++j) h = mix(h, uint32_t(w.cand[j]));
