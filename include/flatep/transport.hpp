@@ -54,6 +54,13 @@ struct MappedView {
     int id = -1;  // transport-private identifier
 };
 
+// What Transport::bind_device returns: while it lives, the transport's device context is current on the thread that
+// bound it; destroying it (on that thread) makes the context that was current before current again. Never throws.
+class DeviceBinding {
+  public:
+    virtual ~DeviceBinding() = default;
+};
+
 // Small-blob all-gather plus rank/size: the bootstrap every transport is built on (fork launcher, socket
 // rendezvous, torch.distributed, or threads of one process).
 class Bootstrap {
@@ -80,10 +87,14 @@ class Transport {
     virtual Bootstrap& bootstrap() = 0;
 
     // CUDA device ordinal of this transport's memory (MemoryKind::kDevice), -1 for host memory. Every driver call of
-    // the transport runs in that device's primary context, bound by the transport itself whatever the calling
-    // thread has current; the runtime makes it the current device while it allocates or frees its own device state
-    // (barrier epochs, workspaces, plans), so objects built and destroyed on any thread stay on this GPU.
+    // the transport runs in that device's primary context (torch's), retained by the transport and bound by it
+    // whatever the calling thread has current.
     virtual int device() const = 0;
+    // Makes that context current on the calling thread until the returned object is destroyed (on the same thread);
+    // nullptr (nothing to bind) for host memory. The runtime allocates and frees its own device state (barrier epochs,
+    // workspaces, plans) inside one, so objects built and dropped on any thread land on device(). Throws kRuntime
+    // when the context cannot be made current.
+    virtual std::unique_ptr<DeviceBinding> bind_device() = 0;
 
     // Unit of region sizes, local memory sizes and view offsets: the page size for host memory, the CUDA VMM
     // allocation granularity for device memory.

@@ -7,7 +7,6 @@
 #include "common/log.hpp"
 
 #if defined(FLATEP_WITH_CUDA)
-#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "kernels/combine/combine.cuh"
@@ -30,22 +29,6 @@ namespace flatep::device {
 #if defined(FLATEP_WITH_CUDA)
 
 bool built_with_cuda() { return true; }
-
-DeviceScope::DeviceScope(int device) {
-    if (device < 0) return;
-    CUcontext saved = nullptr;
-    FLATEP_CHECK_RUNTIME(cuCtxGetCurrent(&saved) == CUDA_SUCCESS, "DeviceScope: cuCtxGetCurrent failed");
-    CUdevice current = -1;
-    if (saved != nullptr && cuCtxGetDevice(&current) == CUDA_SUCCESS && current == device) return;
-    FLATEP_CUDA_CHECK(cudaSetDevice(device));  // makes the device's primary context (torch's) current
-    saved_ = saved;
-    switched_ = true;
-}
-
-DeviceScope::~DeviceScope() {
-    if (switched_ && cuCtxSetCurrent(static_cast<CUcontext>(saved_)) != CUDA_SUCCESS)
-        FLATEP_LOG_WARN("DeviceScope: cuCtxSetCurrent (restoring the caller's context) failed");
-}
 
 namespace {
 cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
@@ -158,27 +141,27 @@ void Context::zero(void* device_dst, size_t bytes, void* stream) const {
     FLATEP_CUDA_CHECK(cudaMemsetAsync(device_dst, 0, bytes, as_stream(stream)));
 }
 
-void synchronize_device(int device) {
-    const DeviceScope scope(device);
+void synchronize_device(Transport& transport) {
+    const std::unique_ptr<DeviceBinding> bound = transport.bind_device();
     FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
-void copy_to_host(void* host_dst, const void* device_src, size_t bytes, int device) {
-    const DeviceScope scope(device);
+void copy_to_host(void* host_dst, const void* device_src, size_t bytes, Transport& transport) {
+    const std::unique_ptr<DeviceBinding> bound = transport.bind_device();
     FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
     FLATEP_CUDA_CHECK(cudaMemcpy(host_dst, device_src, bytes, cudaMemcpyDeviceToHost));
 }
 
-std::shared_ptr<int32_t> allocate_words(size_t words, int device) {
-    const DeviceScope scope(device);
+std::shared_ptr<int32_t> allocate_words(size_t words, std::shared_ptr<Transport> transport) {
+    const std::unique_ptr<DeviceBinding> bound = transport->bind_device();
     int32_t* ptr = nullptr;
     FLATEP_CUDA_CHECK(cudaMalloc(&ptr, words * sizeof(int32_t)));  // zeroed on the op's stream by the caller
-    return std::shared_ptr<int32_t>(ptr, [device](int32_t* p) {
+    return std::shared_ptr<int32_t>(ptr, [transport](int32_t* p) {
         try {
-            const DeviceScope free_scope(device);
+            const std::unique_ptr<DeviceBinding> free_bound = transport->bind_device();
             if (cudaFree(p) != cudaSuccess) FLATEP_LOG_WARN("Plan: cudaFree failed");
         } catch (const std::exception& e) {
-            FLATEP_LOG_WARN("Plan: cannot free its device memory: ", e.what());
+            FLATEP_LOG_WARN("Plan: cannot bind the transport's device to free its memory: ", e.what());
         }
     });
 }
@@ -206,16 +189,14 @@ void Context::entry_values(const EntryValuesArgs&, void*) const { no_cuda(); }
 void Context::combine_grad(const CombineGradArgs&, void*) const { no_cuda(); }
 void Context::read(void*, const void*, size_t, void*) const { no_cuda(); }
 void Context::zero(void*, size_t, void*) const { no_cuda(); }
-DeviceScope::DeviceScope(int) {}
-DeviceScope::~DeviceScope() = default;
 WaitRecordHost::WaitRecordHost() = default;
 WaitRecordHost::~WaitRecordHost() = default;
 std::string WaitRecordHost::failure_message() const { return ""; }
 int32_t WaitRecordHost::failure_code() const { return 0; }
 bool WaitRecordHost::take_status(int32_t*) { return false; }
-void synchronize_device(int) { no_cuda(); }
-void copy_to_host(void*, const void*, size_t, int) { no_cuda(); }
-std::shared_ptr<int32_t> allocate_words(size_t, int) { no_cuda(); }
+void synchronize_device(Transport&) { no_cuda(); }
+void copy_to_host(void*, const void*, size_t, Transport&) { no_cuda(); }
+std::shared_ptr<int32_t> allocate_words(size_t, std::shared_ptr<Transport>) { no_cuda(); }
 
 #endif
 

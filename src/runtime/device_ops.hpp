@@ -10,6 +10,7 @@
 #include <string>
 
 #include "common/log.hpp"
+#include "flatep/transport.hpp"
 #include "ops/combine_args.hpp"
 #include "ops/combine_grad_args.hpp"
 #include "ops/dispatch_args.hpp"
@@ -21,31 +22,17 @@ namespace flatep::device {
 
 bool built_with_cuda();
 
-// Makes CUDA device `device` current on the calling thread for the scope's lifetime and puts the thread's previous
-// context (or none) back at its end; a no-op for -1 (host memory) and when that device is current already. The
-// runtime's own device state (barrier epochs, workspaces, plans, wait records) is allocated and freed inside one, on
-// the transport's device (Transport::device), whatever thread builds or drops the object.
-class DeviceScope {
-  public:
-    explicit DeviceScope(int device);
-    ~DeviceScope();  // never throws
-    DeviceScope(const DeviceScope&) = delete;
-    DeviceScope& operator=(const DeviceScope&) = delete;
-
-  private:
-    void* saved_ = nullptr;  // CUcontext current before
-    bool switched_ = false;
-};
-
-// Destroys `state` (whose destructor frees device memory) inside a DeviceScope of `device`; never throws (logs).
+// Destroys `state` (whose destructor frees device memory) with the transport's device bound (Transport::bind_device):
+// the memory is freed on its GPU from whatever thread drops the owner. Never throws (logs).
 template <typename State>
-void reset_on_device(int device, std::unique_ptr<State>& state, const char* owner) noexcept {
+void reset_on_device(Transport& transport, std::unique_ptr<State>& state, const char* owner) noexcept {
     if (state == nullptr) return;
     try {
-        const DeviceScope scope(device);
+        const std::unique_ptr<DeviceBinding> bound = transport.bind_device();
         state.reset();
     } catch (const std::exception& e) {
         FLATEP_LOG_WARN(owner, ": cannot bind the transport's device to free its device state: ", e.what());
+        state.reset();
     }
 }
 
@@ -80,8 +67,8 @@ class WaitRecordHost {
 
 class Context {
   public:
-    // Allocates the per-buffer device state on the current device (the caller holds a DeviceScope of the transport's
-    // device around construction and destruction). The SM budget starts at FLATEP_SM_BUDGET.
+    // Allocates the per-buffer device state on the current device (the caller binds the transport's device around
+    // construction and destruction: Transport::bind_device). The SM budget starts at FLATEP_SM_BUDGET.
     explicit Context(const Layout& layout);
     ~Context();  // never throws
     Context(const Context&) = delete;
@@ -123,15 +110,15 @@ class Context {
 void launch_plan(const PlanArgs& args, void* stream);
 size_t plan_workspace_bytes(const Layout& layout);
 
-// Waits for all work of CUDA device `device` (construction-time only: e.g. the transport's zero-fill of new regions
+// Waits for all work of the transport's device (construction-time only: e.g. the transport's zero-fill of new regions
 // runs on the legacy stream, which the ops' streams do not wait for).
-void synchronize_device(int device);
+void synchronize_device(Transport& transport);
 
-// Synchronising copy of device memory to the host (waits for the whole of CUDA device `device` first).
-void copy_to_host(void* host_dst, const void* device_src, size_t bytes, int device);
+// Synchronising copy of device memory to the host (waits for the whole of the transport's device first).
+void copy_to_host(void* host_dst, const void* device_src, size_t bytes, Transport& transport);
 
-// Device memory for a plan on CUDA device `device`: `words` int32 words, freed (on that device, from any thread) when
-// the last owner goes.
-std::shared_ptr<int32_t> allocate_words(size_t words, int device);
+// Device memory for a plan on the transport's device: `words` int32 words, freed (on that device, from any thread)
+// when the last owner goes (the memory keeps the transport alive until then).
+std::shared_ptr<int32_t> allocate_words(size_t words, std::shared_ptr<Transport> transport);
 
 }  // namespace flatep::device

@@ -17,7 +17,7 @@ namespace flatep::device {
 // Per-ExpertPools device state: the barrier epoch (device memory), the host-mapped wait record and the SM budget.
 class PoolsContext {
   public:
-    PoolsContext();   // on the current device: the caller holds a DeviceScope of the transport's device
+    PoolsContext();   // on the current device: the caller binds the transport's (Transport::bind_device)
     ~PoolsContext();  // never throws
     PoolsContext(const PoolsContext&) = delete;
     PoolsContext& operator=(const PoolsContext&) = delete;

@@ -126,7 +126,7 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
     }
     debug_ = env::debug();
     if (on_device) {
-        const device::DeviceScope scope(transport_->device());  // the epoch lands on the transport's GPU
+        const std::unique_ptr<DeviceBinding> bound = transport_->bind_device();  // the epoch lands on its GPU
         device_ = std::make_unique<device::PoolsContext>();
     }
     auto release_all = [this] {
@@ -151,7 +151,7 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
     if (on_device) {
         // Every rank's zero fill of the new regions is complete before any rank's kernels write into them.
         try {
-            device::synchronize_device(transport_->device());
+            device::synchronize_device(*transport_);
             transport_->bootstrap().all_gather(std::string());
         } catch (...) {
             release_all();
@@ -163,7 +163,7 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
 ExpertPools::~ExpertPools() {
     guard_->set_site({});  // before the flags go
     // The device state is freed on the transport's GPU, from whatever thread drops the object.
-    if (device_ != nullptr) device::reset_on_device(transport_->device(), device_, "ExpertPools");
+    if (device_ != nullptr) device::reset_on_device(*transport_, device_, "ExpertPools");
     for (SymmetricRegion& r : slot_regions_) transport_->release(r);
     for (SymmetricRegion& r : reduce_regions_) transport_->release(r);
     transport_->release(sync_region_);

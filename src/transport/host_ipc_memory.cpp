@@ -14,6 +14,7 @@ class HostIpcMemory final : public IpcMemory {
   public:
     MemoryKind kind() const override { return MemoryKind::kHost; }
     int device() const override { return -1; }
+    std::unique_ptr<DeviceBinding> bind_device() override { return nullptr; }
     size_t granularity() const override { return host_memory::page_size(); }
 
     IpcMapping create(size_t mapped_bytes, bool /*exported: the memfd is always there*/) override {

@@ -27,7 +27,8 @@ class IpcMemory {
   public:
     virtual ~IpcMemory() = default;
     virtual MemoryKind kind() const = 0;
-    virtual int device() const = 0;  // CUDA device ordinal; -1 for host memory
+    virtual int device() const = 0;                            // CUDA device ordinal; -1 for host memory
+    virtual std::unique_ptr<DeviceBinding> bind_device() = 0;  // Transport::bind_device; nullptr for host memory
     // Sizes of allocations and offsets inside views are multiples of this.
     virtual size_t granularity() const = 0;
     // A zero-filled allocation of mapped_bytes (a granularity multiple), mapped here. exported: device memory also

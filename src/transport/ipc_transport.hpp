@@ -46,6 +46,7 @@ class IpcTransport final : public Transport {
     void release(SymmetricRegion& region) noexcept override;
     Bootstrap& bootstrap() override { return *bootstrap_; }
     int device() const override { return memory_->device(); }
+    std::unique_ptr<DeviceBinding> bind_device() override { return memory_->bind_device(); }
     size_t granularity() const override { return memory_->granularity(); }
     LocalMemory allocate_local(size_t bytes) override { return views_->allocate_local(bytes); }
     void release_local(LocalMemory& memory) noexcept override { views_->release_local(memory); }

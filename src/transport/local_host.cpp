@@ -115,6 +115,7 @@ class LocalHostTransport : public Transport {
     const char* name() const override { return "local"; }
     Bootstrap& bootstrap() override { return bootstrap_; }
     int device() const override { return -1; }
+    std::unique_ptr<DeviceBinding> bind_device() override { return nullptr; }
     size_t granularity() const override { return host_memory::page_size(); }
     LocalMemory allocate_local(size_t bytes) override { return views_.allocate_local(bytes); }
     void release_local(LocalMemory& memory) noexcept override { views_.release_local(memory); }

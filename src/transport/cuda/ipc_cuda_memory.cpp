@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <memory>
 
 #include "common/check.hpp"
 #include "common/log.hpp"
@@ -24,7 +25,7 @@ void cu_log(const CuDriver& driver, CUresult result, const char* what) noexcept 
 // Makes `context` current on the calling thread for the scope's lifetime when another one (or none) is, and puts the
 // previous one back at its end: the transport's driver calls run in its own context on any thread (a rank's thread,
 // Python's garbage collector, the interpreter's exit) without changing what the caller has current.
-class ContextScope {
+class ContextScope final : public DeviceBinding {
   public:
     ContextScope(const CuDriver& driver, CUcontext context) noexcept : driver_(driver) {
         result_ = driver_.cuCtxGetCurrent(&saved_);
@@ -33,7 +34,7 @@ class ContextScope {
             switched_ = result_ == CUDA_SUCCESS;
         }
     }
-    ~ContextScope() {
+    ~ContextScope() override {
         if (switched_) cu_log(driver_, driver_.cuCtxSetCurrent(saved_), "cuCtxSetCurrent (restoring the caller's)");
     }
     ContextScope(const ContextScope&) = delete;
@@ -108,6 +109,12 @@ class CudaIpcMemory final : public IpcMemory {
 
     MemoryKind kind() const override { return MemoryKind::kDevice; }
     int device() const override { return ordinal_; }
+
+    std::unique_ptr<DeviceBinding> bind_device() override {
+        auto scope = std::make_unique<ContextScope>(*drv_, context_);
+        scope->check();
+        return scope;
+    }
     size_t granularity() const override { return granularity_; }
 
     IpcMapping create(size_t mapped_bytes, bool exported) override {

@@ -235,6 +235,17 @@ TEST(TransportViews, BadRequestsGiveOneLineErrorsOnBothTransports) {
     EXPECT_EQ(static_cast<IpcTransport&>(*ipc).num_live_locals(), 0);
 }
 
+TEST(TransportViews, HostTransportsHaveNoDeviceToBind) {
+    LocalHostWorld world(1, 10.0);
+    const std::shared_ptr<Transport> local = world.transport(0);
+    std::unique_ptr<Transport> ipc = make_ipc_transport(std::make_shared<SoloBootstrap>(), MemoryKind::kHost, 10.0);
+    for (Transport* t : {local.get(), ipc.get()}) {
+        EXPECT_EQ(t->device(), -1) << t->name();
+        EXPECT_EQ(t->bind_device(), nullptr) << t->name();
+        EXPECT_EQ(t->granularity(), host_memory::page_size()) << t->name();
+    }
+}
+
 TEST(TransportViews, LocalMemoryAndViewCyclesLeakNoDescriptorsOrMappings) {
     LocalHostWorld world(1, 10.0);
     std::shared_ptr<Transport> t = world.transport(0);
