@@ -4,10 +4,10 @@
 // transport, they take the pointers in their Args.
 #pragma once
 
+#include <charconv>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -118,9 +118,11 @@ class Transport {
     // seconds: finite, in (0, 86400] (one day); anything else (NaN, infinity, 0, negative) is kInvalidArgument.
     void set_timeout_s(double seconds) {
         if (!(seconds > 0 && seconds <= 86400)) {  // NaN fails every comparison
-            std::ostringstream text;
-            text << "Transport: timeout_s must be a finite number of seconds in (0, 86400], got " << seconds;
-            throw Error(ErrorCategory::kInvalidArgument, __FILE__, __LINE__, text.str());
+            char value[64];                        // the value as given: shortest round-trip form
+            const std::to_chars_result written = std::to_chars(value, value + sizeof(value), seconds);
+            throw Error(ErrorCategory::kInvalidArgument, __FILE__, __LINE__,
+                        "Transport: timeout_s must be a finite number of seconds in (0, 86400], got " +
+                            std::string(value, written.ptr));
         }
         timeout_s_ = seconds;
     }
