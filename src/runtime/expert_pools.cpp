@@ -7,7 +7,6 @@
 
 #include "common/check.hpp"
 #include "common/env.hpp"
-#include "common/log.hpp"
 #include "host/grad_reduce.hpp"
 #include "host/prefetch.hpp"
 #include "host/write_grads.hpp"
