@@ -73,7 +73,9 @@ TEST(ExpertPools, RefusesExpertsNotAMultipleOf16BytesInTheConstructor) {
                   "ExpertPools: projection 1 of [3][5] has 30 bytes per expert (bf16), not a multiple of 16; rows * "
                   "cols must be a multiple of 8");
     }
-    EXPECT_EQ(error_message([&] { ExpertPools pools(world.transport(0), 2, {{1, 4}}); }),
+    EXPECT_EQ(error_message([&] {
+                  ExpertPools pools(world.transport(0), 2, {{1, 4}});
+              }),
               "ExpertPools: projection 0 of [1][4] has 8 bytes per expert (bf16), not a multiple of 16; rows * cols "
               "must be a multiple of 8");
     EXPECT_EQ(error_message([&] { ExpertPools pools(world.transport(0), 3, {{1, 8}, {7, 24}}); }), "(no error)");
