@@ -12,8 +12,13 @@
 #   ipc_pools    ipc_pools_gpu_main: ExpertPools compute views, prefetch and reduce_grad on device memory
 #   step_graph   step_graph_gpu_main 2 4: a whole training step through Buffer / ExpertPools captured as one CUDA
 #                graph per rank process, 20 replays with new routing bitwise equal to the eager step
+#   virtual_gpu  python3 -m pytest tests/python/test_gpu_virtual.py -m cuda (issue 46, in a user's environment): a
+#                two-layer RMSNorm + nn.MoE model on 4 virtual ranks in a fresh python3 with CUDA_MODULE_LOADING unset
+#                (first eager step, whole-step graph replays bitwise, no "[flatep warning]" up to its exit), the lazy-
+#                loading warning, ExpertPools built on fresh threads vs the CPU backend, 30 create/destroy cycles flat
 #   pytest_cuda  python3 -m pytest tests/python -m cuda: the multi-process Python tests on cuda:0 (MoE output and
 #                gradients vs the dense reference, every op bitwise vs the CPU backend), train_moe on cuda, grouped_mm
+#                (all but test_gpu_virtual.py, which is the step above)
 #   train_cuda   examples/train_moe.py --device cuda, 4 processes on the GPU, slack mode
 #   soak         benchmarks/gpu_soak.py in the environment a user has (FLATEP_TIMEOUT_S and CUDA_MODULE_LOADING
 #                unset): 3000 steps on 4 virtual ranks driven by one thread, 1000 steps of 2 processes sharing the
@@ -35,7 +40,7 @@
 # The whole run stays within SUITE_DEADLINE_S (default 540 s): a step gets at most the time that is left. With the
 # FP8, whole-step-graph, MoonEP planner-sweep and torch.compile checks the full list takes longer than one 10-minute
 # device call; run it as three calls (each a fresh machine builds again, about 60-80 s):
-#   SUITE_STEPS="build gpu_ops gpu_fp8 ipc_gpu ipc_buffer ipc_pools step_graph" scripts/device_suite.sh
+#   SUITE_STEPS="build gpu_ops gpu_fp8 ipc_gpu ipc_buffer ipc_pools step_graph virtual_gpu" scripts/device_suite.sh
 #   SUITE_STEPS="build pytest_cuda" scripts/device_suite.sh
 #   SUITE_STEPS="build train_cuda soak pytest_cpu" scripts/device_suite.sh
 # (On 2026-12-01, with the compile tests added, pytest_cuda ran past its old 360 s limit after 68 of its 72 tests:
@@ -61,7 +66,7 @@ BUILD=build-cuda
 JOBS=${SUITE_JOBS:-16}
 DEADLINE_S=${SUITE_DEADLINE_S:-540}
 PY=$(command -v "${PYTHON:-python3}" || true)
-DEFAULT_STEPS="build gpu_ops gpu_fp8 ipc_gpu ipc_buffer ipc_pools step_graph pytest_cuda train_cuda soak pytest_cpu"
+DEFAULT_STEPS="build gpu_ops gpu_fp8 ipc_gpu ipc_buffer ipc_pools step_graph virtual_gpu pytest_cuda train_cuda soak pytest_cpu"
 ALL_STEPS="$DEFAULT_STEPS step_graph_repeat"  # the order steps run in; the last only when SUITE_STEPS names it
 STEPS=${SUITE_STEPS:-$DEFAULT_STEPS}
 
@@ -184,7 +189,13 @@ pytest_cuda() {
     # A spawned test that hangs fails on its own after 240 s (flatep.testing.spawn) instead of using up the step;
     # -v names every test as it ends, so a step killed at its limit still shows how far it got.
     FLATEP_SPAWN_TIMEOUT_S=${FLATEP_SPAWN_TIMEOUT_S:-240} "$PY" -m pytest tests/python -v -rs -m cuda -p no:cacheprovider \
-        --durations=15
+        --durations=15 --ignore=tests/python/test_gpu_virtual.py
+}
+
+virtual_gpu() {
+    cuda_preflight || return 1
+    # The test starts its own fresh interpreters without CUDA_MODULE_LOADING / CUDA_DEVICE_MAX_CONNECTIONS.
+    "$PY" -m pytest tests/python/test_gpu_virtual.py -v -rs -s -m cuda -p no:cacheprovider --durations=5
 }
 
 soak() {
@@ -287,6 +298,7 @@ for step in $ALL_STEPS; do  # in this order, whatever the order of SUITE_STEPS
         ipc_buffer) run_step ipc_buffer 240 "$GPU_BIN"/ipc_buffer_gpu_main 2 4 8 ;;
         ipc_pools) run_step ipc_pools 180 "$GPU_BIN"/ipc_pools_gpu_main ;;
         step_graph) run_step step_graph 180 "$GPU_BIN"/step_graph_gpu_main 2 4 ;;
+        virtual_gpu) run_step virtual_gpu 240 "$SELF" __run virtual_gpu ;;
         pytest_cuda) run_step pytest_cuda 500 "$SELF" __run pytest_cuda ;;
         soak) run_step soak 300 "$SELF" __run soak ;;
         pytest_cpu) run_step pytest_cpu 300 "$SELF" __run pytest_cpu ;;

@@ -158,6 +158,9 @@ void bind_transport(py::module_& m) {
         .def_property_readonly("name", &Transport::name)
         .def_property_readonly(
             "memory_kind", [](const Transport& t) { return t.memory_kind() == MemoryKind::kHost ? "host" : "device"; })
+        .def_property_readonly("device", &Transport::device, "CUDA device ordinal of the memory; -1 for host memory")
+        .def_property_readonly("granularity", &Transport::granularity,
+                               "unit of region sizes, local memory sizes and view offsets (bytes)")
         .def_property("timeout_s", &Transport::timeout_s, [](Transport& t, double seconds) {
             t.set_timeout_s(env::check_timeout("Transport", "timeout_s", seconds));
         });
@@ -167,18 +170,21 @@ void bind_transport(py::module_& m) {
 
     m.def(
         "make_ipc_transport",
-        [](const py::object& bootstrap, const std::string& memory, double timeout_s, bool same_process) {
+        [](const py::object& bootstrap, const std::string& memory, double timeout_s, bool same_process, int device) {
             FLATEP_CHECK(memory == "host" || memory == "device", "memory must be 'host' or 'device', got '", memory,
                          "'");
             std::shared_ptr<Bootstrap> boot = keep_python_alive(bootstrap);
             const MemoryKind kind = memory == "host" ? MemoryKind::kHost : MemoryKind::kDevice;
             py::gil_scoped_release release;  // the bootstrap's all_gather takes the GIL back
-            return std::shared_ptr<Transport>(make_ipc_transport(std::move(boot), kind, timeout_s, same_process));
+            return std::shared_ptr<Transport>(
+                make_ipc_transport(std::move(boot), kind, timeout_s, same_process, device));
         },
         py::arg("bootstrap"), py::arg("memory") = "host", py::arg("timeout_s") = 0.0, py::arg("same_process") = false,
-        "Collective over the bootstrap's ranks: the multi-process `ipc` transport (memfd regions for 'host'); "
-        "same_process=True lets the ranks be threads of one process (flatep.virtual). timeout_s: seconds in "
-        "(0, 86400], 0 (the default): FLATEP_TIMEOUT_S; anything else raises ValueError before any collective.");
+        py::arg("device") = -1,
+        "Collective over the bootstrap's ranks: the multi-process `ipc` transport (memfd regions for 'host'; CUDA VMM "
+        "regions on CUDA device `device` for 'device', -1: the current context's device). same_process=True lets the "
+        "ranks be threads of one process (flatep.virtual). timeout_s: seconds in (0, 86400], 0 (the default): "
+        "FLATEP_TIMEOUT_S; anything else raises ValueError before any collective.");
 }
 
 void bind_plan(py::module_& m) {

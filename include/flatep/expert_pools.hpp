@@ -6,9 +6,10 @@
 //   grads(p):   fp32 [2*epn][rows][cols] = the layer's own gradients followed by the reduce pool
 // each one contiguous virtual range (memfd mappings placed back to back), so an unmodified grouped GEMM over
 // group g of Plan::cu_seqlens(rank) reads the right expert for both local groups and replica slots.
-// Over a device-memory transport (ipc with MemoryKind::kDevice) the same holds in device memory: the layer's memory
-// is a CUDA VMM allocation mapped in front of the pool's allocation in one reserved VA range, and prefetch /
-// reduce_grad are kernels enqueued on stream() (device plans only; no host synchronisation).
+// The memory and the views come from the transport (Transport::allocate_local / map_view): over a device-memory
+// transport (ipc with MemoryKind::kDevice) the same holds in device memory (CUDA VMM allocations mapped back to back
+// in one reserved VA range), and prefetch / reduce_grad are kernels enqueued on stream() (device plans only; no host
+// synchronisation). Pools and layers may be built and dropped on any thread: the transport binds its own device.
 //
 //   flatep::ExpertPools pools(transport, epn, {{H, Hp}, {Hp, H}});   // collective
 //   flatep::ExpertLayer layer = pools.register_layer();              // collective
@@ -41,8 +42,8 @@ namespace device {
 class PoolsContext;  // runtime/device_pools.hpp: the CUDA side of ExpertPools
 }  // namespace device
 
-// One layer's expert memory (per projection: own weights in a memfd, own grads in a memfd) and its compute views.
-// Move-only; unmaps everything on destruction (never throws).
+// One layer's expert memory (per projection: own weights and own grads, each the transport's local memory) and its
+// compute views. Move-only; unmaps everything on destruction (never throws).
 class ExpertLayer {
   public:
     ExpertLayer() = default;
@@ -54,8 +55,8 @@ class ExpertLayer {
     // Compute views [2*epn][rows][cols].
     uint16_t* weights(int projection) const;
     float* grads(int projection) const;
-    // The layer's own memory [epn][rows][cols] through a second mapping of the same memfd (aliases weights(p)'s
-    // first epn experts). Device memory (on_device()) for device-memory transports.
+    // The layer's own memory [epn][rows][cols] through its own mapping (aliases weights(p)'s first epn experts).
+    // Device memory (on_device()) for device-memory transports.
     uint16_t* own_weights(int projection) const;
     float* own_grads(int projection) const;
     uint64_t pools_id() const { return pools_id_; }
@@ -63,20 +64,15 @@ class ExpertLayer {
 
   private:
     friend class ExpertPools;
-    struct Mapping {
-        void* address = nullptr;
-        size_t bytes = 0;
-    };
     struct Projection {
-        int weights_fd = -1, grads_fd = -1;
-        Mapping weights_own, grads_own;    // plain mappings of the layer's memfds
-        Mapping weights_view, grads_view;  // reserved ranges: layer memfd then pool memfd
-        uint16_t* weights = nullptr;       // start of the weights view (data of the layer memfd)
+        LocalMemory weights_own, grads_own;   // the layer's own memory; its data ends where the memory ends
+        MappedView weights_view, grads_view;  // own memory, then this rank's slot / reduce pool region
+        uint16_t* weights = nullptr;          // start of the weights view's data (inside the own memory's part)
         float* grads = nullptr;
-        uint64_t weights_handle = 0, grads_handle = 0;  // device layers: CUmemGenericAllocationHandles (fds unused)
     };
     void reset() noexcept;
     const Projection& projection(int p) const;
+    std::shared_ptr<Transport> transport_;  // frees the memory and the views
     std::vector<Projection> projections_;
     uint64_t pools_id_ = 0;
     bool on_device_ = false;

@@ -53,11 +53,13 @@ std::shared_ptr<Bootstrap> make_socket_bootstrap(const std::string& job_id, int 
 // The same from FLATEP_JOB_ID, FLATEP_RANK and FLATEP_NUM_RANKS.
 std::shared_ptr<Bootstrap> make_socket_bootstrap_from_env(double timeout_s = 0);
 
-// Collective over the bootstrap's ranks. kHost: memfd regions (CPU backend); kDevice: CUDA VMM regions on the
-// calling thread's current device (call cudaSetDevice first; requires a build with CUDA). timeout_s: seconds in
-// (0, 86400], or 0: FLATEP_TIMEOUT_S; it bounds every collective of the transport. same_process: the ranks may be
-// threads of one process (virtual ranks for benchmarks and tests); otherwise two ranks with one pid are an error.
+// Collective over the bootstrap's ranks. kHost: memfd regions (CPU backend); kDevice: CUDA VMM regions on CUDA device
+// `device` (-1: the device of the calling thread's current CUDA context, device 0 when none is current; requires a
+// build with CUDA), whose primary context the transport retains and binds for every driver call it makes, on any
+// thread (Transport::device). timeout_s: seconds in (0, 86400], or 0: FLATEP_TIMEOUT_S; it bounds every collective
+// of the transport. same_process: the ranks may be threads of one process (virtual ranks for benchmarks and tests);
+// otherwise two ranks with one pid are an error.
 std::unique_ptr<Transport> make_ipc_transport(std::shared_ptr<Bootstrap> bootstrap, MemoryKind kind,
-                                              double timeout_s = 0, bool same_process = false);
+                                              double timeout_s = 0, bool same_process = false, int device = -1);
 
 }  // namespace flatep

@@ -11,6 +11,13 @@ INT64_MAX = 2**63 - 1
 MAX_TIMEOUT_S = 86400.0  # one day: flatep::env::kMaxTimeoutSeconds
 
 
+def number_text(value):
+    """A number as the user gave it, for messages: the shortest round-trip form (0.1234567, not :g's 0.123457), without
+    a trailing ".0" (2, 0.5)."""
+    text = repr(float(value))
+    return text[:-2] if text.endswith(".0") else text
+
+
 def check_int(op, name, value, accepted, low=-INT32_MAX - 1, high=INT32_MAX):
     """`value` when it is an int (not a bool) in [low, high], the range of the C++ parameter it is passed as (int32 by
     default): the C++ checks then give their own one-line messages for values inside it. Otherwise a one-line

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._tensors import check_timeout
+from ._tensors import check_timeout, number_text
 
 _ARRIVAL_TAG = 0x464C  # "FL": the tag of TorchBootstrap's arrival messages
 
@@ -109,7 +109,7 @@ class TorchBootstrap(_C.Bootstrap):
             return
         problems = []  # worded as the C++ socket mesh's (src/transport/ipc_socket.cpp)
         if timed_out:
-            problems.append(f"{_rank_list(timed_out)} did not arrive within {self.timeout_s:g} s")
+            problems.append(f"{_rank_list(timed_out)} did not arrive within {number_text(self.timeout_s)} s")
         if left:
             problems.append(f"{_rank_list(left)} left the job (connection closed) without arriving")
         raise PeerTimeout(f"{what}: {'; '.join(problems)}")
@@ -208,12 +208,10 @@ def transport_for(group=None, device=None, timeout_s=None):
         entry = _transports.get(key)
         if entry is None:
             bootstrap = SingleProcessBootstrap() if single else TorchBootstrap(group, timeout_s)
-            with device_guard(device):  # device regions live on the current device
-                if memory == "device":
-                    # The transport adopts the thread's current CUDA context: make it torch's (the primary context of
-                    # `device`), which a device guard alone does not create.
-                    torch.empty(1, device=device)
-                transport = _C.make_ipc_transport(bootstrap, memory, 0.0 if timeout_s is None else timeout_s)
+            index = device.index if memory == "device" else -1  # the transport binds that GPU's context itself
+            transport = _C.make_ipc_transport(
+                bootstrap, memory, 0.0 if timeout_s is None else timeout_s, device=index
+            )
             entry = (group, bootstrap, transport)  # keep the group object alive: its id is the key
             _transports[key] = entry
     bootstrap, transport = entry[1], entry[2]

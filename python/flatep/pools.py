@@ -80,7 +80,8 @@ class ExpertPools:
         group: torch.distributed process group (None: the default group, or a one-rank world).
         experts_per_rank (int): epn = E / R of the Buffers whose plans are used.
         projections (list of (rows, cols)): per projection, the shape of one expert's weight matrix, e.g.
-            [(H, F), (F, H)] for an FFN x @ W1 -> act -> @ W2.
+            [(H, F), (F, H)] for an FFN x @ W1 -> act -> @ W2; rows * cols a multiple of 8 (an expert's bf16 weights
+            a multiple of 16 bytes, on every backend).
         device: 'cpu' (the CPU backend, default) or a CUDA device (FlatEP built with CUDA; 'cuda' means the current
             device). Plans must come from Buffers on the same device.
         timeout_s (float): bound on every cross-rank wait of this object, seconds in (0, 86400]; kept from
@@ -109,6 +110,11 @@ class ExpertPools:
             if max(shape) > INT64_MAX:  # the C++ check's message, for sizes its int64 cannot hold
                 raise ValueError(
                     f"ExpertPools: projection {i} of [{shape[0]}][{shape[1]}] x {experts_per_rank} experts is too large"
+                )
+            if shape[0] * shape[1] * 2 % 16:  # the C++ check's message, before the transport's collective set-up
+                raise ValueError(
+                    f"ExpertPools: projection {i} of [{shape[0]}][{shape[1]}] has {shape[0] * shape[1] * 2} bytes per "
+                    "expert (bf16), not a multiple of 16; rows * cols must be a multiple of 8"
                 )
             shapes.append((int(shape[0]), int(shape[1])))
         if not shapes:
@@ -140,8 +146,7 @@ class ExpertPools:
 
     def register_layer(self):
         """A new layer's zero-filled weights and grads with their compute views (local, not collective)."""
-        with device_guard(self.device):  # a device layer's memory is allocated on the current device
-            layer = ExpertLayer(self, self._pools.register_layer(), len(self.layers))
+        layer = ExpertLayer(self, self._pools.register_layer(), len(self.layers))  # on the transport's device
         self.layers.append(layer)
         return layer
 

@@ -14,6 +14,7 @@ import torch
 
 from . import _C
 from . import fp8 as _fp8
+from ._tensors import number_text
 from .nn import (
     add_shared, check_activation, expert_ffn, grouped_ffn, init_expert_weights, init_router_weight,
     init_shared_weights, route, shared_expert_ffn,
@@ -257,7 +258,7 @@ def spawn(fn, world_size, *args):
                     process.join()
                 name = getattr(fn, "__qualname__", repr(fn))
                 raise TimeoutError(
-                    f"spawn: {name} on {world_size} process(es) did not finish within {limit:g} s "
+                    f"spawn: {name} on {world_size} process(es) did not finish within {number_text(limit)} s "
                     f"(FLATEP_SPAWN_TIMEOUT_S); its processes were killed"
                 )
             if context.join(timeout=None if left is None else min(left, 5.0)):

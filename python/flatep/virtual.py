@@ -9,17 +9,30 @@ Production runs one process per rank (torch.distributed). Here the R ranks are t
                                                                  # per rank); CPU: use run_threads, ops block
 
 A :class:`VirtualRank` stands where a torch.distributed group goes (``Buffer(group=...)``,
-``ExpertPools(group, ...)``). Constructors are collective, so they must run on R threads at once (run_threads). On
-a CUDA device the ops never block the host, so one thread may enqueue every rank's op, each on its own stream
-(whatever CUDA_MODULE_LOADING says: FlatEP loads its kernels, and the torch kernels its ops launch, when a Buffer is
-built). The streams must not share a hardware queue, since a rank's kernel may spin for a peer's: importing this
-module before CUDA starts sets CUDA_DEVICE_MAX_CONNECTIONS=32 unless it is set (CUDA's default is 8). Your own
-kernels that first run between two ranks' ops are loaded lazily under CUDA's default: run them once before the
-first step. FLATEP_SM_BUDGET (thread blocks per launch, e.g. SMs / R) lets the ranks' kernels run side by side.
+``ExpertPools(group, ...)``). Constructors are collective, so they must run on R threads at once (run_threads), any
+threads: each transport binds its GPU's context itself. On a CUDA device the ops never block the host, so one thread
+may enqueue every rank's op, each on its own stream. Two settings of CUDA, read when CUDA starts, make that safe, and
+importing this module before CUDA starts sets both unless they are set:
+
+* CUDA_DEVICE_MAX_CONNECTIONS=32 (CUDA's default is 8): the ranks' streams must not share a hardware queue, since a
+  rank's kernel may spin for a peer's.
+* CUDA_MODULE_LOADING=EAGER (torch's default is LAZY): under lazy loading the first launch of any kernel (your
+  model's norm, say, between two ranks' ops) may wait for the kernels running in the context, among them a rank's
+  kernel spinning for a peer this thread has yet to enqueue: the first step hangs until the timeout. FlatEP loads its
+  own kernels, and the torch kernels its ops launch, when a Buffer is built; eager loading covers yours. Its cost,
+  measured once per process on an H200 with torch 2.11 (benchmarks/module_loading_cost.py): start-up
+  <TBD: EAGER s vs LAZY s> and device memory <TBD: EAGER MiB vs LAZY MiB>.
+
+When CUDA started before this import (lazily), virtual_ranks(device='cuda') says so once, in one line with the fix
+(a RuntimeWarning), before anything can hang: import flatep.virtual first, set CUDA_MODULE_LOADING=EAGER in the
+environment, or run each of your kernels once before the first step. FLATEP_SM_BUDGET (thread blocks per launch,
+e.g. SMs / R) lets the ranks' kernels run side by side.
 """
 
+import ctypes
 import os
 import threading
+import warnings
 
 import torch
 
@@ -27,7 +40,8 @@ from . import _C
 
 if not torch.cuda.is_initialized():  # read when CUDA starts; see the module docstring
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
-from ._tensors import check_timeout
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+from ._tensors import check_timeout, number_text
 from .distributed import PeerTimeout
 
 _MAX_RANKS = 64  # flatep::kMaxRanks
@@ -67,7 +81,7 @@ class ThreadBootstrap(_C.Bootstrap):
         except threading.BrokenBarrierError:
             raise PeerTimeout(
                 f"virtual rank {self._rank}: all_gather: not every one of {rv.size} ranks arrived within "
-                f"{rv.timeout_s:g} s"
+                f"{number_text(rv.timeout_s)} s"
             ) from None
 
 
@@ -139,12 +153,44 @@ def virtual_ranks(num_ranks, device="cpu", timeout_s=None):
     rv = _Rendezvous(num_ranks, 60.0 if timeout_s is None else timeout_s)
 
     def make(r):
-        device = rank_device[r]
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # per thread: the transport adopts this thread's current context
-            torch.empty(1, device=device)
+        index = rank_device[r].index if rank_device[r].type == "cuda" else -1
         timeout = 0.0 if timeout_s is None else timeout_s
-        return _C.make_ipc_transport(ThreadBootstrap(rv, r), memory, timeout, same_process=True)
+        return _C.make_ipc_transport(ThreadBootstrap(rv, r), memory, timeout, same_process=True, device=index)
 
     transports = run_threads(num_ranks, make)
+    if memory == "device":
+        _warn_if_lazy()
     return [VirtualRank(r, num_ranks, transports[r], rank_device[r]) for r in range(num_ranks)]
+
+
+_warned_lazy = False
+
+
+def cuda_module_loading():
+    """'EAGER' or 'LAZY': how this process's CUDA driver loads modules (cuModuleGetLoadingMode, CUDA >= 12.0), or None
+    when it cannot tell (no driver, an older one, or CUDA not started yet)."""
+    try:
+        get = ctypes.CDLL("libcuda.so.1").cuModuleGetLoadingMode
+    except (OSError, AttributeError):
+        return None
+    mode = ctypes.c_int(0)
+    if get(ctypes.byref(mode)) != 0:  # CUDA_ERROR_NOT_INITIALIZED before cuInit
+        return None
+    return {1: "EAGER", 2: "LAZY"}.get(mode.value)  # CU_MODULE_EAGER_LOADING, CU_MODULE_LAZY_LOADING
+
+
+def _warn_if_lazy():
+    """The one-line warning of the module docstring, once per process, when CUDA loads modules lazily."""
+    global _warned_lazy
+    if _warned_lazy or cuda_module_loading() != "LAZY":
+        return
+    _warned_lazy = True
+    warnings.warn(
+        "flatep.virtual: CUDA loads modules lazily in this process (CUDA started with CUDA_MODULE_LOADING unset or "
+        "LAZY; importing flatep.virtual sets EAGER only before CUDA starts): the first launch of one of your kernels "
+        "between two ranks' ops can wait for a rank spinning on its peer and hang until the timeout; fix: import "
+        "flatep.virtual before anything starts CUDA, or set CUDA_MODULE_LOADING=EAGER in the environment (or run each "
+        "of your kernels once before the first step)",
+        RuntimeWarning,
+        stacklevel=3,
+    )

@@ -2,19 +2,42 @@
 // streamed together; the other macros pick a category or wrap an API's return code.
 #pragma once
 
+#include <charconv>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "flatep/error.hpp"
 
 namespace flatep::detail {
 
+// One part of a message. Floating-point values are written in their shortest round-trip form (std::to_chars), so a
+// message shows the value the user passed (4.0000001, not the 6 significant digits of a stream's default).
+template <typename Part>
+void append_part(std::ostringstream& os, Part&& part) {
+    if constexpr (std::is_floating_point_v<std::remove_cvref_t<Part>>) {
+        char text[64];
+        const std::to_chars_result written = std::to_chars(text, text + sizeof(text), part);
+        os.write(text, written.ptr - text);
+    } else {
+        os << std::forward<Part>(part);
+    }
+}
+
 template <typename... Parts>
 std::string concat(Parts&&... parts) {
     std::ostringstream os;
-    (os << ... << std::forward<Parts>(parts));
+    (append_part(os, std::forward<Parts>(parts)), ...);
     return os.str();
+}
+
+// Seconds as the user gave them (shortest round-trip form) with ".0" on whole numbers, for the timeout messages
+// ("waited 0.5 s", "waited 1.0 s", "waited 0.05 s").
+inline std::string seconds_text(double seconds) {
+    std::string text = concat(seconds);
+    if (text.find_first_of(".eni") == std::string::npos) text += ".0";  // not 1e+30, nan, inf
+    return text;
 }
 
 [[noreturn]] void throw_error(ErrorCategory category, const char* file, int line, const std::string& message);

@@ -73,7 +73,7 @@ uint64_t Config::hash() const {
 std::string Config::mismatch(const Config& o) const {
     std::ostringstream os;
     auto field = [&](const char* name, auto mine, auto theirs) {
-        if (os.tellp() == 0 && mine != theirs) os << name << ": " << mine << " vs " << theirs;
+        if (os.tellp() == 0 && mine != theirs) os << detail::concat(name, ": ", mine, " vs ", theirs);  // exact doubles
     };
     field("num_ranks", num_ranks, o.num_ranks);
     field("num_experts", num_experts, o.num_experts);

@@ -184,8 +184,10 @@ Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, Plann
     }
 
     if (transport_->memory_kind() == MemoryKind::kDevice) {
+        const std::unique_ptr<DeviceBinding> bound = transport_->bind_device();  // the state lands on its GPU
         device_ = std::make_unique<device::Context>(*layout_);
-        if (num_plan_slots_ > 0) plan_slots_ = device::allocate_words(size_t(num_plan_slots_) * size_t(plan_words()));
+        if (num_plan_slots_ > 0)
+            plan_slots_ = device::allocate_words(size_t(num_plan_slots_) * size_t(plan_words()), transport_);
         slot_generations_ = std::make_shared<std::vector<uint64_t>>(size_t(num_plan_slots_), 0);
     }
     region_ = transport_->allocate(size_t(make_symmetric_layout(*layout_).total_bytes));
@@ -195,7 +197,7 @@ Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, Plann
     }
     if (device_ != nullptr) {
         // The region's zero fill must be complete on every rank before any rank's kernels write into it.
-        device::synchronize_device();
+        device::synchronize_device(*transport_);
         transport_->bootstrap().all_gather(std::string());
     }
     debug_ = env::debug();
@@ -203,6 +205,8 @@ Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, Plann
 
 Buffer::~Buffer() {
     guard_->set_site({});  // before the flags go
+    // The device state is freed on the transport's GPU, from whatever thread drops the object.
+    if (device_ != nullptr) device::reset_on_device(*transport_, device_, "Buffer");
     if (transport_ != nullptr) transport_->release(region_);
 }
 
@@ -293,8 +297,8 @@ Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t
             data->device_words = std::shared_ptr<int32_t>(plan_slots_, plan_slots_.get() + data->slot * words);
         }
         data->device_view = make_plan_view(l, data->device_words.get());
-        data->refresh_host = [words, source = data->device_words](planner::HostPlan& host) {
-            device::copy_to_host(host.view.tpe_all, source.get(), size_t(words) * sizeof(int32_t));  // view base
+        data->refresh_host = [words, source = data->device_words, transport = transport_](planner::HostPlan& host) {
+            device::copy_to_host(host.view.tpe_all, source.get(), size_t(words) * sizeof(int32_t), *transport);
         };
         device_->zero(data->device_words.get(), size_t(words) * sizeof(int32_t), stream_);  // ordered on the stream
         args.plan = data->device_view;

@@ -1,5 +1,7 @@
 #include "runtime/device_ops.hpp"
 
+#include <exception>
+
 #include "common/check.hpp"
 #include "common/env.hpp"
 #include "common/log.hpp"
@@ -139,18 +141,28 @@ void Context::zero(void* device_dst, size_t bytes, void* stream) const {
     FLATEP_CUDA_CHECK(cudaMemsetAsync(device_dst, 0, bytes, as_stream(stream)));
 }
 
-void synchronize_device() { FLATEP_CUDA_CHECK(cudaDeviceSynchronize()); }
+void synchronize_device(Transport& transport) {
+    const std::unique_ptr<DeviceBinding> bound = transport.bind_device();
+    FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
+}
 
-void copy_to_host(void* host_dst, const void* device_src, size_t bytes) {
+void copy_to_host(void* host_dst, const void* device_src, size_t bytes, Transport& transport) {
+    const std::unique_ptr<DeviceBinding> bound = transport.bind_device();
     FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
     FLATEP_CUDA_CHECK(cudaMemcpy(host_dst, device_src, bytes, cudaMemcpyDeviceToHost));
 }
 
-std::shared_ptr<int32_t> allocate_words(size_t words) {
+std::shared_ptr<int32_t> allocate_words(size_t words, std::shared_ptr<Transport> transport) {
+    const std::unique_ptr<DeviceBinding> bound = transport->bind_device();
     int32_t* ptr = nullptr;
     FLATEP_CUDA_CHECK(cudaMalloc(&ptr, words * sizeof(int32_t)));  // zeroed on the op's stream by the caller
-    return std::shared_ptr<int32_t>(ptr, [](int32_t* p) {
-        if (cudaFree(p) != cudaSuccess) FLATEP_LOG_WARN("Plan: cudaFree failed");
+    return std::shared_ptr<int32_t>(ptr, [transport](int32_t* p) {
+        try {
+            const std::unique_ptr<DeviceBinding> free_bound = transport->bind_device();
+            if (cudaFree(p) != cudaSuccess) FLATEP_LOG_WARN("Plan: cudaFree failed");
+        } catch (const std::exception& e) {
+            FLATEP_LOG_WARN("Plan: cannot bind the transport's device to free its memory: ", e.what());
+        }
     });
 }
 
@@ -182,9 +194,9 @@ WaitRecordHost::~WaitRecordHost() = default;
 std::string WaitRecordHost::failure_message() const { return ""; }
 int32_t WaitRecordHost::failure_code() const { return 0; }
 bool WaitRecordHost::take_status(int32_t*) { return false; }
-void synchronize_device() { no_cuda(); }
-void copy_to_host(void*, const void*, size_t) { no_cuda(); }
-std::shared_ptr<int32_t> allocate_words(size_t) { no_cuda(); }
+void synchronize_device(Transport&) { no_cuda(); }
+void copy_to_host(void*, const void*, size_t, Transport&) { no_cuda(); }
+std::shared_ptr<int32_t> allocate_words(size_t, std::shared_ptr<Transport>) { no_cuda(); }
 
 #endif
 

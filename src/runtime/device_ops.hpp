@@ -5,9 +5,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <string>
 
+#include "common/log.hpp"
+#include "flatep/transport.hpp"
 #include "ops/combine_args.hpp"
 #include "ops/combine_grad_args.hpp"
 #include "ops/dispatch_args.hpp"
@@ -18,6 +21,20 @@
 namespace flatep::device {
 
 bool built_with_cuda();
+
+// Destroys `state` (whose destructor frees device memory) with the transport's device bound (Transport::bind_device):
+// the memory is freed on its GPU from whatever thread drops the owner. Never throws (logs).
+template <typename State>
+void reset_on_device(Transport& transport, std::unique_ptr<State>& state, const char* owner) noexcept {
+    if (state == nullptr) return;
+    try {
+        const std::unique_ptr<DeviceBinding> bound = transport.bind_device();
+        state.reset();
+    } catch (const std::exception& e) {
+        FLATEP_LOG_WARN(owner, ": cannot bind the transport's device to free its device state: ", e.what());
+        state.reset();
+    }
+}
 
 // A sync::WaitRecord and a twin of the status words (sync/sync.hpp) in host-mapped pinned memory: the GPU writes a
 // rank's first failed wait, and the first error an op records (a bad expert id), into it; the host reads both at
@@ -50,8 +67,8 @@ class WaitRecordHost {
 
 class Context {
   public:
-    // Allocates the per-buffer device state on the current device. max_blocks: SM budget per launch (0: no cap);
-    // FLATEP_SM_BUDGET overrides it when set.
+    // Allocates the per-buffer device state on the current device (the caller binds the transport's device around
+    // construction and destruction: Transport::bind_device). The SM budget starts at FLATEP_SM_BUDGET.
     explicit Context(const Layout& layout);
     ~Context();  // never throws
     Context(const Context&) = delete;
@@ -93,14 +110,15 @@ class Context {
 void launch_plan(const PlanArgs& args, void* stream);
 size_t plan_workspace_bytes(const Layout& layout);
 
-// Waits for all work of the current device (construction-time only: e.g. the transport's zero-fill of new regions
+// Waits for all work of the transport's device (construction-time only: e.g. the transport's zero-fill of new regions
 // runs on the legacy stream, which the ops' streams do not wait for).
-void synchronize_device();
+void synchronize_device(Transport& transport);
 
-// Synchronising copy of device memory to the host (waits for the whole device first).
-void copy_to_host(void* host_dst, const void* device_src, size_t bytes);
+// Synchronising copy of device memory to the host (waits for the whole of the transport's device first).
+void copy_to_host(void* host_dst, const void* device_src, size_t bytes, Transport& transport);
 
-// Device memory for a plan: `words` int32 words, freed when the last owner goes.
-std::shared_ptr<int32_t> allocate_words(size_t words);
+// Device memory for a plan on the transport's device: `words` int32 words, freed (on that device, from any thread)
+// when the last owner goes (the memory keeps the transport alive until then).
+std::shared_ptr<int32_t> allocate_words(size_t words, std::shared_ptr<Transport> transport);
 
 }  // namespace flatep::device

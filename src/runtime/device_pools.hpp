@@ -1,7 +1,7 @@
-// The CUDA side of ExpertPools (design §5): a layer's own weights / grads as CUDA VMM allocations mapped in front of
-// the pools' allocations (one reserved VA range per compute view, the device twin of the host path's memfd
-// mappings), and the launches of prefetch / reduce_grad with a per-pools barrier epoch in device memory.
-// Compiled in every build; without CUDA every entry point throws "this FlatEP build has no CUDA support".
+// The CUDA side of ExpertPools (design §5): the launches of prefetch / reduce_grad / write_grads with a per-pools
+// barrier epoch in device memory. (The layers' memory and compute views come from the transport: Transport::
+// allocate_local / map_view.) Compiled in every build; without CUDA every entry point throws "this FlatEP build has
+// no CUDA support".
 #pragma once
 
 #include <cstddef>
@@ -14,26 +14,10 @@
 
 namespace flatep::device {
 
-// One device allocation of a layer (cuMemCreate on the current device, zero-filled) and its two mappings.
-struct LayerAllocation {
-    uint64_t handle = 0;      // CUmemGenericAllocationHandle of the layer's memory
-    size_t bytes = 0;         // allocation size (a granularity multiple); the layer's data ends at its end
-    uint8_t* own = nullptr;   // the allocation alone [bytes]
-    uint8_t* view = nullptr;  // one reserved range [view_bytes]: the allocation, then the pool's allocation
-    size_t view_bytes = 0;    // bytes + the pool's mapped bytes
-};
-
-// Creates the allocation for `data_bytes` (rounded up to the allocation granularity) and maps it alone and in front
-// of the pool allocation `pool_handle` (a CUmemGenericAllocationHandle of `pool_bytes`, a granularity multiple),
-// both read/write for the current device. Throws kRuntime on any driver failure (nothing leaks).
-LayerAllocation create_layer_allocation(size_t data_bytes, uint64_t pool_handle, size_t pool_bytes);
-// Waits for the device, unmaps both ranges and releases the allocation. Never throws (logs failures).
-void destroy_layer_allocation(LayerAllocation& allocation) noexcept;
-
 // Per-ExpertPools device state: the barrier epoch (device memory), the host-mapped wait record and the SM budget.
 class PoolsContext {
   public:
-    PoolsContext();
+    PoolsContext();   // on the current device: the caller binds the transport's (Transport::bind_device)
     ~PoolsContext();  // never throws
     PoolsContext(const PoolsContext&) = delete;
     PoolsContext& operator=(const PoolsContext&) = delete;

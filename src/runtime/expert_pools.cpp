@@ -16,7 +16,6 @@
 #include "runtime/device_ops.hpp"
 #include "runtime/device_pools.hpp"
 #include "sync/sync.hpp"
-#include "transport/host_memory.hpp"
 
 namespace flatep {
 
@@ -24,32 +23,24 @@ namespace {
 
 std::atomic<uint64_t> next_pools_id{1};
 
+// Bytes of one expert's bf16 weights must be a multiple of this on both backends: prefetch moves them in 16-byte
+// vectors on the GPU (and a layer's data must end 16-byte aligned at the end of its local memory).
+constexpr int64_t kExpertByteMultiple = 16;
+
 // Layout of the pools' sync region: barrier flags then status words (same shape as the Buffer's).
 constexpr int64_t kFlagsOffset = 0;
 constexpr int64_t kStatusOffset = int64_t(kMaxRanks) * 8;
 constexpr int64_t kSyncBytes = kStatusOffset + 16;
-
-// Maps `own_fd` (file_bytes, whose data ends at its end) and then the pool's memfd right after it in one reserved
-// range; returns the range.
-void* map_view(int own_fd, size_t file_bytes, const SymmetricRegion& pool) {
-    const size_t total = file_bytes + pool.mapped_bytes;
-    uint8_t* base = static_cast<uint8_t*>(host_memory::reserve(total));
-    try {
-        host_memory::map_fixed(base, own_fd, file_bytes, 0);
-        host_memory::map_fixed(base + file_bytes, pool.local_fd, pool.mapped_bytes, 0);
-    } catch (...) {
-        host_memory::unmap(base, total);
-        throw;
-    }
-    return base;
-}
 
 }  // namespace
 
 // ---- ExpertLayer ----
 
 ExpertLayer::ExpertLayer(ExpertLayer&& other) noexcept
-    : projections_(std::move(other.projections_)), pools_id_(other.pools_id_), on_device_(other.on_device_) {
+    : transport_(std::move(other.transport_)),
+      projections_(std::move(other.projections_)),
+      pools_id_(other.pools_id_),
+      on_device_(other.on_device_) {
     other.projections_.clear();
     other.pools_id_ = 0;
     other.on_device_ = false;
@@ -58,6 +49,7 @@ ExpertLayer::ExpertLayer(ExpertLayer&& other) noexcept
 ExpertLayer& ExpertLayer::operator=(ExpertLayer&& other) noexcept {
     if (this != &other) {
         reset();
+        transport_ = std::move(other.transport_);
         projections_ = std::move(other.projections_);
         pools_id_ = other.pools_id_;
         on_device_ = other.on_device_;
@@ -71,32 +63,16 @@ ExpertLayer& ExpertLayer::operator=(ExpertLayer&& other) noexcept {
 ExpertLayer::~ExpertLayer() { reset(); }
 
 void ExpertLayer::reset() noexcept {
-    for (Projection& p : projections_) {
-        if (on_device_) {
-            // Rebuild what device::create_layer_allocation returned from the projection's fields.
-            for (auto [own, view, handle] : {std::tuple{&p.weights_own, &p.weights_view, &p.weights_handle},
-                                             std::tuple{&p.grads_own, &p.grads_view, &p.grads_handle}}) {
-                device::LayerAllocation a;
-                a.handle = *handle;
-                a.bytes = own->bytes;
-                a.own = static_cast<uint8_t*>(own->address);
-                a.view = static_cast<uint8_t*>(view->address);
-                a.view_bytes = view->bytes;
-                if (a.handle != 0) device::destroy_layer_allocation(a);
-                *own = Mapping{};
-                *view = Mapping{};
-                *handle = 0;
-            }
-            continue;
+    if (transport_ != nullptr) {
+        for (Projection& p : projections_) {  // unmap_view / release_local skip what was never made
+            transport_->unmap_view(p.weights_view);
+            transport_->unmap_view(p.grads_view);
+            transport_->release_local(p.weights_own);
+            transport_->release_local(p.grads_own);
         }
-        for (Mapping* m : {&p.weights_own, &p.grads_own, &p.weights_view, &p.grads_view}) {
-            host_memory::unmap(m->address, m->bytes);
-            *m = Mapping{};
-        }
-        host_memory::close_fd(p.weights_fd);
-        host_memory::close_fd(p.grads_fd);
     }
     projections_.clear();
+    transport_.reset();
     on_device_ = false;
 }
 
@@ -108,15 +84,12 @@ uint16_t* ExpertLayer::weights(int p) const { return projection(p).weights; }
 float* ExpertLayer::grads(int p) const { return projection(p).grads; }
 uint16_t* ExpertLayer::own_weights(int p) const {
     const Projection& pr = projection(p);
-    return reinterpret_cast<uint16_t*>(
-        static_cast<uint8_t*>(pr.weights_own.address) +
-        (reinterpret_cast<uint8_t*>(pr.weights) - static_cast<uint8_t*>(pr.weights_view.address)));
+    return reinterpret_cast<uint16_t*>(pr.weights_own.ptr +
+                                       (reinterpret_cast<uint8_t*>(pr.weights) - pr.weights_view.base));
 }
 float* ExpertLayer::own_grads(int p) const {
     const Projection& pr = projection(p);
-    return reinterpret_cast<float*>(
-        static_cast<uint8_t*>(pr.grads_own.address) +
-        (reinterpret_cast<uint8_t*>(pr.grads) - static_cast<uint8_t*>(pr.grads_view.address)));
+    return reinterpret_cast<float*>(pr.grads_own.ptr + (reinterpret_cast<uint8_t*>(pr.grads) - pr.grads_view.base));
 }
 
 // ---- ExpertPools ----
@@ -145,9 +118,16 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
         FLATEP_CHECK(!overflow && bytes <= (int64_t(1) << 48), "ExpertPools: projection ", p, " of [",
                      projections_[p].rows, "][", projections_[p].cols, "] x ", experts_per_rank_,
                      " experts is too large");
+        // One size contract for both backends (design §5): the kernels move experts in 16-byte vectors.
+        FLATEP_CHECK(elems * 2 % kExpertByteMultiple == 0, "ExpertPools: projection ", p, " of [", projections_[p].rows,
+                     "][", projections_[p].cols, "] has ", elems * 2, " bytes per expert (bf16), not a multiple of ",
+                     kExpertByteMultiple, "; rows * cols must be a multiple of ", kExpertByteMultiple / 2);
     }
     debug_ = env::debug();
-    if (on_device) device_ = std::make_unique<device::PoolsContext>();
+    if (on_device) {
+        const std::unique_ptr<DeviceBinding> bound = transport_->bind_device();  // the epoch lands on its GPU
+        device_ = std::make_unique<device::PoolsContext>();
+    }
     auto release_all = [this] {
         for (SymmetricRegion& r : slot_regions_) transport_->release(r);
         for (SymmetricRegion& r : reduce_regions_) transport_->release(r);
@@ -167,20 +147,10 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
         guard_->set_site(
             {transport_.get(), reinterpret_cast<const uint64_t*>(sync_region_.local + kFlagsOffset), &epoch_});
     }
-    for (const std::vector<SymmetricRegion>* regions : {&slot_regions_, &reduce_regions_}) {
-        for (const SymmetricRegion& r : *regions) {
-            const bool mappable = on_device ? r.local_handle != 0 : r.local_fd >= 0;
-            if (!mappable) {
-                release_all();  // the destructor does not run for a throwing constructor
-                FLATEP_THROW(ErrorCategory::kRuntime, "ExpertPools: transport '", transport_->name(), "' gave no ",
-                             on_device ? "CUDA allocation handle" : "memfd", " for a pool; compute views need one");
-            }
-        }
-    }
     if (on_device) {
         // Every rank's zero fill of the new regions is complete before any rank's kernels write into them.
         try {
-            device::synchronize_device();
+            device::synchronize_device(*transport_);
             transport_->bootstrap().all_gather(std::string());
         } catch (...) {
             release_all();
@@ -191,6 +161,8 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
 
 ExpertPools::~ExpertPools() {
     guard_->set_site({});  // before the flags go
+    // The device state is freed on the transport's GPU, from whatever thread drops the object.
+    if (device_ != nullptr) device::reset_on_device(*transport_, device_, "ExpertPools");
     for (SymmetricRegion& r : slot_regions_) transport_->release(r);
     for (SymmetricRegion& r : reduce_regions_) transport_->release(r);
     transport_->release(sync_region_);
@@ -210,53 +182,30 @@ float* ExpertPools::reduce_pool(int p) const {
 }
 
 ExpertLayer ExpertPools::register_layer() {
-    ExpertLayer layer;
+    ExpertLayer layer;  // frees what was made when a later step throws
     layer.pools_id_ = id_;
-    if (device_ != nullptr) {
-        layer.on_device_ = true;
-        for (int p = 0; p < num_projections(); ++p) {
-            layer.projections_.emplace_back();
-            ExpertLayer::Projection& pr = layer.projections_.back();
-            const int64_t elems = experts_per_rank_ * projections_[p].elems();
-            const size_t weights_data = size_t(elems * 2), grads_data = size_t(elems * 4);
-            // Same trick as the host path: the layer's data ends at the allocation's end (a granularity boundary),
-            // so the pool's allocation, mapped right after it, continues the view without a gap.
-            for (auto [data_bytes, pool, own, view, handle] :
-                 {std::tuple{weights_data, &slot_regions_[p], &pr.weights_own, &pr.weights_view, &pr.weights_handle},
-                  std::tuple{grads_data, &reduce_regions_[p], &pr.grads_own, &pr.grads_view, &pr.grads_handle}}) {
-                const device::LayerAllocation a =
-                    device::create_layer_allocation(data_bytes, pool->local_handle, pool->mapped_bytes);
-                *own = {a.own, a.bytes};
-                *view = {a.view, a.view_bytes};
-                *handle = a.handle;
-            }
-            pr.weights = reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(pr.weights_view.address) +
-                                                     (pr.weights_own.bytes - weights_data));
-            pr.grads = reinterpret_cast<float*>(static_cast<uint8_t*>(pr.grads_view.address) +
-                                                (pr.grads_own.bytes - grads_data));
-        }
-        return layer;
-    }
+    layer.on_device_ = device_ != nullptr;
+    layer.transport_ = transport_;
     for (int p = 0; p < num_projections(); ++p) {
         layer.projections_.emplace_back();
         ExpertLayer::Projection& pr = layer.projections_.back();
         const int64_t elems = experts_per_rank_ * projections_[p].elems();
-        // The layer's data ends at a page boundary of its memfd, so the pool (data at offset 0 of its memfd)
-        // follows it without a gap in the view.
         const size_t weights_data = size_t(elems * 2), grads_data = size_t(elems * 4);
-        const size_t weights_file = host_memory::round_up_pages(weights_data);
-        const size_t grads_file = host_memory::round_up_pages(grads_data);
-        pr.weights_fd = host_memory::create(weights_file, "flatep-layer-weights");
-        pr.grads_fd = host_memory::create(grads_file, "flatep-layer-grads");
-        pr.weights_own = {host_memory::map(pr.weights_fd, weights_file), weights_file};
-        pr.grads_own = {host_memory::map(pr.grads_fd, grads_file), grads_file};
-        pr.weights_view = {map_view(pr.weights_fd, weights_file, slot_regions_[p]),
-                           weights_file + slot_regions_[p].mapped_bytes};
-        pr.grads_view = {map_view(pr.grads_fd, grads_file, reduce_regions_[p]),
-                         grads_file + reduce_regions_[p].mapped_bytes};
-        pr.weights =
-            reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(pr.weights_view.address) + (weights_file - weights_data));
-        pr.grads = reinterpret_cast<float*>(static_cast<uint8_t*>(pr.grads_view.address) + (grads_file - grads_data));
+        // The layer's data ends where its local memory ends (a granularity boundary), so this rank's pool region,
+        // mapped right after it, continues the view without a gap.
+        for (auto [data_bytes, pool, own, view] :
+             {std::tuple{weights_data, &slot_regions_[p], &pr.weights_own, &pr.weights_view},
+              std::tuple{grads_data, &reduce_regions_[p], &pr.grads_own, &pr.grads_view}}) {
+            *own = transport_->allocate_local(data_bytes);
+            ViewPiece own_piece, pool_piece;
+            own_piece.local_id = own->id;
+            pool_piece.region_id = pool->id;
+            pool_piece.rank = transport_->rank();
+            pool_piece.offset = own->bytes;
+            *view = transport_->map_view(own->bytes + pool->mapped_bytes, {own_piece, pool_piece});
+        }
+        pr.weights = reinterpret_cast<uint16_t*>(pr.weights_view.base + (pr.weights_own.bytes - weights_data));
+        pr.grads = reinterpret_cast<float*>(pr.grads_view.base + (pr.grads_own.bytes - grads_data));
     }
     return layer;
 }

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstdio>
 #include <ctime>
 #include <string>
 
@@ -108,10 +107,9 @@ std::string wait_failure_message(int32_t code, OpId op, int rank, int peer, uint
                                  uint64_t step, double timeout_s) {
     switch (code) {
         case kStatusTimeout: {
-            char waited[32];
-            std::snprintf(waited, sizeof(waited), "%.1f", timeout_s);
-            return detail::concat("timeout in ", op_name(op), ": rank ", rank, " waited ", waited, " s for peer ", peer,
-                                  " (flag ", flag_epoch(observed), " < expected ", flag_epoch(mine), ")");
+            return detail::concat("timeout in ", op_name(op), ": rank ", rank, " waited ",
+                                  detail::seconds_text(timeout_s), " s for peer ", peer, " (flag ",
+                                  flag_epoch(observed), " < expected ", flag_epoch(mine), ")");
         }
         case kStatusMismatch: {
             return detail::concat(op_name(op), ": rank ", rank, " is in ", op_name(OpId(flag_op(mine))), " of step ",

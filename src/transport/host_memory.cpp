@@ -1,5 +1,6 @@
 #include "transport/host_memory.hpp"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -73,6 +74,12 @@ void unmap(void* address, size_t bytes) noexcept {
 void close_fd(int fd) noexcept {
     if (fd < 0) return;
     if (close(fd) != 0) FLATEP_LOG_WARN("close(fd ", fd, ") failed: ", detail::errno_text());
+}
+
+int dup_fd(int fd) {
+    const int copy = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    FLATEP_SYS_CHECK(copy >= 0, detail::concat("fcntl(F_DUPFD_CLOEXEC of fd ", fd, ")"));
+    return copy;
 }
 
 }  // namespace flatep::host_memory

@@ -1,7 +1,7 @@
 // Shared host memory backed by memfd (anonymous files): create, map, map again at a fixed address inside a
 // reserved virtual range, unmap, close. Transport-agnostic: the local transport maps every rank's memfd in one
-// process, the ipc transport passes the same fds to other processes (SCM_RIGHTS), and ExpertPools maps a layer's
-// memfd and a pool's memfd back to back to build one contiguous compute view.
+// process, the ipc transport passes the same fds to other processes (SCM_RIGHTS), and both map memfds back to back
+// in one reserved range for views (Transport::map_view, e.g. ExpertPools' contiguous compute views).
 //
 // Granularity is the page size: sizes and offsets passed to map* must be page multiples (round_up_pages).
 // Every function that can fail throws flatep::Error(kRuntime) naming the call and errno; unmap / close never
@@ -33,5 +33,8 @@ void unmap(void* address, size_t bytes) noexcept;
 
 // close(fd); logs on failure, never throws. Negative fds are ignored.
 void close_fd(int fd) noexcept;
+
+// A new descriptor (close-on-exec) of the same file as fd: keeps the file mappable after its owner closes fd.
+int dup_fd(int fd);
 
 }  // namespace flatep::host_memory

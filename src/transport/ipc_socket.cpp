@@ -45,11 +45,7 @@ int millis_until(Deadline deadline) {
     return left <= 0 ? 0 : static_cast<int>(std::min<int64_t>(left + 1, 1 << 30));
 }
 
-std::string format_seconds(double seconds) {
-    char text[32];
-    std::snprintf(text, sizeof(text), "%g", seconds);
-    return text;
-}
+std::string format_seconds(double seconds) { return detail::concat(seconds); }  // as given (shortest round-trip)
 
 sockaddr_un abstract_address(const std::string& name, socklen_t* length) {
     sockaddr_un addr{};

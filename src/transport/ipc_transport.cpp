@@ -1,6 +1,5 @@
 #include "transport/ipc_transport.hpp"
 
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -9,7 +8,6 @@
 #include "common/env.hpp"
 #include "common/log.hpp"
 #include "flatep/ipc.hpp"
-#include "transport/host_memory.hpp"
 #if defined(FLATEP_IPC_CUDA)
 #include "transport/cuda/ipc_cuda_memory.hpp"
 #endif
@@ -35,45 +33,7 @@ struct AllocateMessage {
     uint64_t mapped_bytes;
 };
 
-class HostIpcMemory final : public IpcMemory {
-  public:
-    MemoryKind kind() const override { return MemoryKind::kHost; }
-    size_t granularity() const override { return host_memory::page_size(); }
-
-    IpcLocalMemory create(size_t mapped_bytes) override {
-        IpcLocalMemory local;
-        local.fd = host_memory::create(mapped_bytes, "flatep-ipc");
-        try {
-            local.ptr = static_cast<uint8_t*>(host_memory::map(local.fd, mapped_bytes));
-        } catch (...) {
-            host_memory::close_fd(local.fd);
-            throw;
-        }
-        local.mapped_bytes = mapped_bytes;
-        return local;
-    }
-
-    uint8_t* map_peer(int fd, size_t mapped_bytes) override {
-        struct stat info {};
-        FLATEP_SYS_CHECK(::fstat(fd, &info) == 0, "fstat(peer memfd)");
-        // A shorter file would turn accesses past its end into SIGBUS.
-        FLATEP_CHECK_RUNTIME(static_cast<size_t>(info.st_size) >= mapped_bytes, "ipc: a peer's memfd holds ",
-                             info.st_size, " bytes, expected ", mapped_bytes);
-        return static_cast<uint8_t*>(host_memory::map(fd, mapped_bytes));
-    }
-
-    void unmap_peer(uint8_t* ptr, size_t mapped_bytes) noexcept override { host_memory::unmap(ptr, mapped_bytes); }
-
-    void destroy(IpcLocalMemory& local) noexcept override {
-        host_memory::unmap(local.ptr, local.mapped_bytes);
-        host_memory::close_fd(local.fd);
-        local = IpcLocalMemory{};
-    }
-};
-
 }  // namespace
-
-std::unique_ptr<IpcMemory> make_host_ipc_memory() { return std::make_unique<HostIpcMemory>(); }
 
 IpcTransport::IpcTransport(std::shared_ptr<Bootstrap> bootstrap, std::unique_ptr<IpcMemory> memory,
                            const IpcOptions& options)
@@ -85,6 +45,7 @@ IpcTransport::IpcTransport(std::shared_ptr<Bootstrap> bootstrap, std::unique_ptr
     num_ranks_ = bootstrap_->size();
     FLATEP_CHECK(num_ranks_ >= 1 && num_ranks_ <= kMaxRanks, "ipc transport: num_ranks must be in [1, ", kMaxRanks,
                  "], got ", num_ranks_);
+    views_ = std::make_unique<MemoryViews>(*memory_, num_ranks_);
 
     // 1. Announce pid, uid, memory kind and a nonce; rank 0's nonce names the job's sockets.
     Announce mine{};
@@ -144,12 +105,18 @@ std::string IpcTransport::name_peer(int rank) const {
 }
 
 void IpcTransport::free_allocation(Allocation& allocation) noexcept {
-    for (int p = 0; p < static_cast<int>(allocation.peers.size()); ++p) {
-        if (p != rank_ && allocation.peers[p] != nullptr)
-            memory_->unmap_peer(allocation.peers[p], allocation.mapped_bytes);
-        allocation.peers[p] = nullptr;
-    }
+    for (int p = 0; p < static_cast<int>(allocation.peers.size()); ++p)
+        if (p != rank_ && allocation.peers[p].ptr != nullptr) memory_->unmap_peer(allocation.peers[p]);
+    allocation.peers.clear();
     memory_->destroy(allocation.local);
+}
+
+MappedView IpcTransport::map_view(size_t bytes, const std::vector<ViewPiece>& pieces) {
+    return views_->map_view(bytes, pieces, [this](int region_id, int rank) -> const IpcMapping* {
+        const auto it = allocations_.find(region_id);
+        if (it == allocations_.end()) return nullptr;
+        return rank == rank_ ? &it->second.local : &it->second.peers[rank];
+    });
 }
 
 SymmetricRegion IpcTransport::allocate(size_t bytes) {
@@ -160,8 +127,8 @@ SymmetricRegion IpcTransport::allocate(size_t bytes) {
 
     Allocation allocation;
     allocation.mapped_bytes = mapped_bytes;
-    allocation.peers.assign(num_ranks_, nullptr);
-    allocation.local = memory_->create(mapped_bytes);
+    allocation.peers.assign(num_ranks_, IpcMapping{});
+    allocation.local = memory_->create(mapped_bytes, /*exported=*/true);
     try {
         if (num_ranks_ > 1) {
             const AllocateMessage request{bytes, mapped_bytes};
@@ -206,7 +173,7 @@ SymmetricRegion IpcTransport::allocate(size_t bytes) {
     region.bytes = bytes;
     region.mapped_bytes = mapped_bytes;
     region.local = allocation.local.ptr;
-    for (int p = 0; p < num_ranks_; ++p) region.peers[p] = p == rank_ ? allocation.local.ptr : allocation.peers[p];
+    for (int p = 0; p < num_ranks_; ++p) region.peers[p] = p == rank_ ? allocation.local.ptr : allocation.peers[p].ptr;
     region.local_fd = allocation.local.fd;
     region.local_handle = allocation.local.handle;
     region.id = id;
@@ -228,16 +195,17 @@ void IpcTransport::release(SymmetricRegion& region) noexcept {
 }
 
 std::unique_ptr<Transport> make_ipc_transport(std::shared_ptr<Bootstrap> bootstrap, MemoryKind kind, double timeout_s,
-                                              bool same_process) {
+                                              bool same_process, int device) {
     IpcOptions options;
     options.timeout_s = timeout_s;
     options.same_process = same_process;
     std::unique_ptr<IpcMemory> memory;
+    FLATEP_CHECK(device >= -1, "ipc transport: device must be a CUDA device ordinal or -1, got ", device);
     if (kind == MemoryKind::kHost) {
         memory = make_host_ipc_memory();
     } else {
 #if defined(FLATEP_IPC_CUDA)
-        memory = make_cuda_ipc_memory();
+        memory = make_cuda_ipc_memory(device);
 #else
         FLATEP_THROW(ErrorCategory::kInvalidArgument,
                      "ipc transport: MemoryKind::kDevice needs a FlatEP build with CUDA (this one has none)");

@@ -3,8 +3,10 @@
 // abstract namespace); every rank listens, a bootstrap barrier, then the ranks build a full socket mesh in which
 // every connection is checked with SO_PEERCRED against the announced pid and uid (ipc::build_mesh).
 // allocate(): each rank creates its region (IpcMemory), sends its descriptor to every peer over the mesh
-// (SCM_RIGHTS) and maps every peer's. release() is local (unmap, close) and may run at any time: a peer's memory
-// stays valid while a mapping of it exists.
+// (SCM_RIGHTS) and maps every peer's, keeping what maps a peer's region again (host: a dup of its fd; device: the
+// imported handle) until release(). release() is local (unmap, close) and may run at any time: a peer's memory
+// stays valid while a mapping of it exists (views included). Local memory and views: MemoryViews over the same
+// IpcMemory.
 #pragma once
 
 #include <sys/types.h>
@@ -18,6 +20,7 @@
 #include "flatep/transport.hpp"
 #include "transport/ipc_memory.hpp"
 #include "transport/ipc_socket.hpp"
+#include "transport/memory_views.hpp"
 
 namespace flatep {
 
@@ -42,16 +45,25 @@ class IpcTransport final : public Transport {
     SymmetricRegion allocate(size_t bytes) override;
     void release(SymmetricRegion& region) noexcept override;
     Bootstrap& bootstrap() override { return *bootstrap_; }
+    int device() const override { return memory_->device(); }
+    std::unique_ptr<DeviceBinding> bind_device() override { return memory_->bind_device(); }
+    size_t granularity() const override { return memory_->granularity(); }
+    LocalMemory allocate_local(size_t bytes) override { return views_->allocate_local(bytes); }
+    void release_local(LocalMemory& memory) noexcept override { views_->release_local(memory); }
+    MappedView map_view(size_t bytes, const std::vector<ViewPiece>& pieces) override;
+    void unmap_view(MappedView& view) noexcept override { views_->unmap_view(view); }
 
     // Connections refused while the mesh was built (foreign processes).
     int num_refused() const { return num_refused_; }
     pid_t pid_of(int rank) const { return pids_[rank]; }
     int num_live_regions() const { return static_cast<int>(allocations_.size()); }
+    int num_live_locals() const { return views_->num_live_locals(); }
+    int num_live_views() const { return views_->num_live_views(); }
 
   private:
     struct Allocation {
-        IpcLocalMemory local;
-        std::vector<uint8_t*> peers;  // nullptr at rank_ and where not mapped
+        IpcMapping local;
+        std::vector<IpcMapping> peers;  // empty at rank_ and where not mapped
         size_t mapped_bytes = 0;
     };
     void free_allocation(Allocation& allocation) noexcept;
@@ -59,6 +71,7 @@ class IpcTransport final : public Transport {
 
     std::shared_ptr<Bootstrap> bootstrap_;
     std::unique_ptr<IpcMemory> memory_;
+    std::unique_ptr<MemoryViews> views_;  // over memory_ (destroyed first)
     int rank_ = 0;
     int num_ranks_ = 1;
     std::vector<pid_t> pids_;
@@ -68,8 +81,5 @@ class IpcTransport final : public Transport {
     int num_allocations_ = 0;
     int num_refused_ = 0;
 };
-
-// The host-memory (memfd) IpcMemory.
-std::unique_ptr<IpcMemory> make_host_ipc_memory();
 
 }  // namespace flatep

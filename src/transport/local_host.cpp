@@ -2,7 +2,6 @@
 
 #include <chrono>
 #include <condition_variable>
-#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -13,6 +12,8 @@
 #include "common/env.hpp"
 #include "common/log.hpp"
 #include "transport/host_memory.hpp"
+#include "transport/ipc_memory.hpp"
+#include "transport/memory_views.hpp"
 
 namespace flatep {
 
@@ -56,10 +57,10 @@ std::vector<std::string> LocalHostWorld::State::all_gather(int rank, const std::
         for (int p = 0; p < num_ranks && missing < 0; ++p) {
             if (!round.present[p]) missing = p;
         }
-        char waited[32];
-        std::snprintf(waited, sizeof(waited), "%.1f", timeout);  // the configured limit: stable messages
-        FLATEP_THROW(ErrorCategory::kTimeout, "timeout in all_gather: rank ", rank, " waited ", waited, " s for peer ",
-                     missing, " (round ", index, ", ", round.arrived, " of ", num_ranks, " ranks arrived)");
+        // The configured limit (stable messages), as given.
+        FLATEP_THROW(ErrorCategory::kTimeout, "timeout in all_gather: rank ", rank, " waited ",
+                     detail::seconds_text(timeout), " s for peer ", missing, " (round ", index, ", ", round.arrived,
+                     " of ", num_ranks, " ranks arrived)");
     }
     std::vector<std::string> result = round.blobs;
     if (++round.departed == num_ranks) rounds.erase(index);
@@ -96,18 +97,36 @@ struct RegionBlob {
 class LocalHostTransport : public Transport {
   public:
     LocalHostTransport(std::shared_ptr<LocalHostWorld::State> state, int rank)
-        : state_(state), rank_(rank), bootstrap_(state, this, rank) {
+        : state_(state),
+          rank_(rank),
+          bootstrap_(state, this, rank),
+          memory_(make_host_ipc_memory()),
+          views_(*memory_, state->num_ranks) {
         timeout_s_ = state->timeout_s;
     }
     ~LocalHostTransport() override {
         if (live_regions_ > 0)
             FLATEP_LOG_WARN("local transport rank ", rank_, ": ", live_regions_, " region(s) not released");
+        for (auto& [id, fds] : region_fds_) close_all(fds);
     }
     int rank() const override { return rank_; }
     int num_ranks() const override { return state_->num_ranks; }
     MemoryKind memory_kind() const override { return MemoryKind::kHost; }
     const char* name() const override { return "local"; }
     Bootstrap& bootstrap() override { return bootstrap_; }
+    int device() const override { return -1; }
+    std::unique_ptr<DeviceBinding> bind_device() override { return nullptr; }
+    size_t granularity() const override { return host_memory::page_size(); }
+    LocalMemory allocate_local(size_t bytes) override { return views_.allocate_local(bytes); }
+    void release_local(LocalMemory& memory) noexcept override { views_.release_local(memory); }
+    void unmap_view(MappedView& view) noexcept override { views_.unmap_view(view); }
+
+    MappedView map_view(size_t bytes, const std::vector<ViewPiece>& pieces) override {
+        return views_.map_view(bytes, pieces, [this](int region_id, int rank) -> const IpcMapping* {
+            const auto it = region_fds_.find(region_id);
+            return it == region_fds_.end() ? nullptr : &it->second[rank];
+        });
+    }
 
     SymmetricRegion allocate(size_t bytes) override {
         FLATEP_CHECK(bytes > 0, "allocate: bytes must be positive, got ", bytes);
@@ -120,6 +139,7 @@ class LocalHostTransport : public Transport {
         region.local_fd = host_memory::create(region.mapped_bytes, name.c_str());
         RegionBlob mine{region.local_fd, bytes, region.mapped_bytes};
         std::vector<std::string> blobs;
+        std::vector<IpcMapping> fds;
         try {
             blobs = bootstrap_.all_gather(std::string(reinterpret_cast<const char*>(&mine), sizeof(mine)));
             std::vector<RegionBlob> theirs(num_ranks);
@@ -132,23 +152,33 @@ class LocalHostTransport : public Transport {
                                  " bytes but rank ", p, " asked for ", theirs[p].bytes);
                 }
             }
+            fds.assign(num_ranks, IpcMapping{});
             for (int p = 0; p < num_ranks; ++p) {
                 region.peers[p] = static_cast<uint8_t*>(host_memory::map(theirs[p].fd, theirs[p].mapped_bytes));
+                // Views map every rank's region again, after its owner may have closed its fd: keep a dup.
+                fds[p] = IpcMapping{region.peers[p], theirs[p].mapped_bytes, host_memory::dup_fd(theirs[p].fd), 0};
             }
             region.local = region.peers[rank_];
-            // Every rank has mapped every fd before any owner may close its fd (release).
+            // Every rank has mapped (and duplicated) every fd before any owner may close its fd (release).
             bootstrap_.all_gather("");
         } catch (...) {
             unmap_all(region);
+            close_all(fds);
             host_memory::close_fd(region.local_fd);
             throw;
         }
+        region_fds_.emplace(region.id, std::move(fds));
         ++live_regions_;
         return region;
     }
 
     void release(SymmetricRegion& region) noexcept override {
         if (region.local == nullptr && region.local_fd < 0) return;
+        const auto it = region_fds_.find(region.id);
+        if (it != region_fds_.end()) {
+            close_all(it->second);
+            region_fds_.erase(it);
+        }
         unmap_all(region);
         host_memory::close_fd(region.local_fd);
         region = SymmetricRegion{};
@@ -156,6 +186,11 @@ class LocalHostTransport : public Transport {
     }
 
   private:
+    static void close_all(std::vector<IpcMapping>& fds) noexcept {
+        for (IpcMapping& m : fds) host_memory::close_fd(m.fd);
+        fds.clear();
+    }
+
     void unmap_all(SymmetricRegion& region) noexcept {
         for (int p = 0; p < kMaxRanks; ++p) {
             host_memory::unmap(region.peers[p], region.mapped_bytes);
@@ -167,6 +202,10 @@ class LocalHostTransport : public Transport {
     std::shared_ptr<LocalHostWorld::State> state_;
     int rank_;
     ThreadBootstrap bootstrap_;
+    std::unique_ptr<IpcMemory> memory_;  // host memory: local memory and views
+    MemoryViews views_;                  // over memory_ (destroyed first)
+    // Per live region: every rank's mapping here and a dup of its memfd (what views map; ptr is region.peers[p]).
+    std::map<int, std::vector<IpcMapping>> region_fds_;
     int next_id_ = 0;
     int live_regions_ = 0;
 };

@@ -6,7 +6,8 @@
 //   ipc_gpu_main [--gpu-per-rank] [R ...]   (default: 2 4; FLATEP_TIMEOUT_S bounds every collective, default 60 s)
 //
 // Without MPS the processes' work on one GPU time-slices; this test never spins on the GPU (every cross-process
-// wait is a host bootstrap barrier), so it only needs generous timeouts, not co-residency.
+// wait is a host bootstrap barrier), so it only needs generous timeouts, not co-residency. Each cycle also maps a
+// view of local memory, its own and the next rank's region (Transport::map_view) with no CUDA context current.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -72,6 +73,65 @@ int probe_gpu(bool gpu_per_rank) {
     return usable ? 0 : kNoGpu;
 }
 
+// Views (Transport::map_view) on device memory: [local memory | this rank's region | a gap | the next rank's
+// region], made and unmade with no CUDA context current on this thread (the transport binds its own and leaves none
+// current after). Words [0, R) of the regions are left alone: peers' remote writes may already be landing there.
+int check_views(int rank, int num_ranks, int cycle, Transport& transport, const SymmetricRegion& region,
+                CUcontext context, const std::shared_ptr<Bootstrap>& boot) {
+    const int next = (rank + 1) % num_ranks, prev = (rank + num_ranks - 1) % num_ranks;
+    const size_t g = transport.granularity(), num_words = region.bytes / 4;
+    CU(cuCtxSetCurrent(nullptr));
+    flatep::LocalMemory local = transport.allocate_local(g + 1);
+    flatep::ViewPiece own_local, own_region, next_region;
+    own_local.local_id = local.id;
+    own_region.region_id = next_region.region_id = region.id;
+    own_region.rank = rank;
+    own_region.offset = local.bytes;
+    next_region.rank = next;
+    next_region.offset = local.bytes + region.mapped_bytes + g;
+    flatep::MappedView view =
+        transport.map_view(next_region.offset + region.mapped_bytes, {next_region, own_local, own_region});
+    CUcontext current = nullptr;
+    CU(cuCtxGetCurrent(&current));
+    EXPECT_OR_FAIL(current == nullptr, "the transport left a CUDA context current");
+    CU(cuCtxSetCurrent(context));
+    EXPECT_OR_FAIL(local.bytes == 2 * g && view.bytes == 3 * g + 2 * region.mapped_bytes, "sizes: local ", local.bytes,
+                   ", view ", view.bytes);
+    const CUdeviceptr base = CUdeviceptr(view.base);
+    std::vector<uint32_t> words(local.bytes / 4, 1);
+    CU(cuMemcpyDtoH(words.data(), base, local.bytes));
+    for (size_t i = 0; i < words.size(); ++i) EXPECT_OR_FAIL(words[i] == 0, "local memory word ", i, " not zero");
+    for (size_t i = 0; i < words.size(); ++i) words[i] = pattern(100 + rank, i);
+    CU(cuMemcpyHtoD(CUdeviceptr(local.ptr), words.data(), local.bytes));
+    std::vector<uint32_t> seen(words.size(), 0);
+    CU(cuMemcpyDtoH(seen.data(), base, local.bytes));
+    EXPECT_OR_FAIL(seen == words, "the view's first piece is not the local memory");
+    std::vector<uint32_t> host(num_words, 0);
+    for (const auto& [owner, at] : {std::pair{rank, own_region.offset}, std::pair{next, next_region.offset}}) {
+        CU(cuMemcpyDtoH(host.data(), base + at, num_words * 4));
+        for (size_t i = num_ranks; i < num_words; ++i)
+            EXPECT_OR_FAIL(host[i] == pattern(owner, i + cycle), "view of rank ", owner, "'s region: word ", i);
+    }
+    // A write through the view lands in the next rank's region.
+    CU(cuMemsetD32(base + next_region.offset + 4 * (num_words - 1), 0xbeef0000u + rank, 1));
+    CU(cuCtxSynchronize());
+    boot->all_gather("written through views");
+    CU(cuMemcpyDtoH(host.data(), CUdeviceptr(region.local) + 4 * (num_words - 1), 4));
+    EXPECT_OR_FAIL(host[0] == 0xbeef0000u + prev, "last word ", host[0], ", not rank ", prev,
+                   "'s write through its view");
+    // The view keeps the local memory after its release.
+    CU(cuCtxSetCurrent(nullptr));
+    transport.release_local(local);
+    CU(cuCtxSetCurrent(context));
+    CU(cuMemcpyDtoH(seen.data(), base, seen.size() * 4));
+    EXPECT_OR_FAIL(seen == words, "local memory lost after release_local while a view maps it");
+    CU(cuCtxSetCurrent(nullptr));
+    transport.unmap_view(view);
+    CU(cuCtxSetCurrent(context));
+    EXPECT_OR_FAIL(view.base == nullptr && local.ptr == nullptr, "unmap_view / release_local did not clear");
+    return 0;
+}
+
 int run_rank(int rank, std::shared_ptr<Bootstrap> boot, double timeout_s, bool gpu_per_rank) {
     const int num_ranks = boot->size();
     drv = flatep::cu_driver();
@@ -116,6 +176,7 @@ int run_rank(int rank, std::shared_ptr<Bootstrap> boot, double timeout_s, bool g
                                host[i]);
         }
         boot->all_gather("read");
+        if (check_views(rank, num_ranks, cycle, *transport, region, context, boot) != 0) return 1;
         // Remote writes: rank r sets word r of every peer's region (device memset through the peer mapping).
         for (int p = 0; p < num_ranks; ++p)
             CU(cuMemsetD32(CUdeviceptr(region.peers[p]) + 4 * rank, 0xf00d0000u + rank, 1));

@@ -271,6 +271,15 @@ def test_bad_constructor_arguments():
     )
     raises(lambda: flatep.Buffer(None, S, H, E, E + 1), f"topk (K) must not exceed num_experts (E): K={E + 1} E={E}")
     raises(lambda: flatep.Buffer(None, S, H, E, K, capacity_factor=0.5), "capacity_factor must be in [1, 4], got 0.5")
+    # The value as passed (C++ prints doubles in their shortest round-trip form), not "4" (6 significant digits).
+    raises(
+        lambda: flatep.Buffer(None, S, H, E, K, capacity_factor=4.0000001),
+        "capacity_factor must be in [1, 4], got 4.0000001",
+    )
+    raises(
+        lambda: flatep.Buffer(None, S, H, E, K, capacity_factor=0.99999999999),
+        "capacity_factor must be in [1, 4], got 0.99999999999",
+    )
     raises(lambda: flatep.Buffer(None, S, H, E, K, align=0), "align must be in [1, 4096], got 0")
     raises(
         lambda: flatep.Buffer(None, S, H, E, K, planner="best"),
@@ -286,6 +295,17 @@ def test_bad_constructor_arguments():
     raises(
         lambda: flatep.ExpertPools(None, 1, [(8, -1)]),
         "ExpertPools: projection 0 must be (rows, cols) positive ints, got (8, -1)",
+    )
+    # One size contract for both backends (design §5), checked at construction: 16-byte experts.
+    raises(
+        lambda: flatep.ExpertPools(None, 2, [(8, 8), (3, 5)]),
+        "ExpertPools: projection 1 of [3][5] has 30 bytes per expert (bf16), not a multiple of 16; rows * cols must "
+        "be a multiple of 8",
+    )
+    raises(  # the C++ constructor's own check, with the same words
+        lambda: _C.ExpertPools(flatep.distributed.transport_for(None, "cpu"), 2, [(8, 8), (3, 5)]),
+        "ExpertPools: projection 1 of [3][5] has 30 bytes per expert (bf16), not a multiple of 16; rows * cols must "
+        "be a multiple of 8",
     )
 
 

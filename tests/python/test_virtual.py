@@ -93,3 +93,79 @@ def test_run_threads_raises_the_first_rank_error_with_the_others_as_notes():
         assert info.value.__notes__ == ["virtual rank 2: RuntimeError: rank 2 timed out",
                                         "virtual rank 3: RuntimeError: rank 3 timed out"]
     assert virtual.run_threads(3, lambda r: r * r) == [0, 1, 4]
+
+
+def test_importing_virtual_before_cuda_makes_module_loading_eager_unless_set():
+    """Read when CUDA starts: flatep.virtual sets CUDA_MODULE_LOADING=EAGER (and CUDA_DEVICE_MAX_CONNECTIONS=32) at
+    import when CUDA has not started and the user set nothing; a user's own setting stays."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, flatep.virtual; print(os.environ.get('CUDA_MODULE_LOADING'))"
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_MODULE_LOADING"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    unset = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert unset.stdout.strip() == "EAGER"
+    env["CUDA_MODULE_LOADING"] = "LAZY"
+    kept = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert kept.stdout.strip() == "LAZY"
+
+
+def test_lazy_module_loading_is_named_once_in_one_line(monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(virtual, "_warned_lazy", False)
+    monkeypatch.setattr(virtual, "cuda_module_loading", lambda: "EAGER")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        virtual._warn_if_lazy()  # eager: nothing to say
+    monkeypatch.setattr(virtual, "cuda_module_loading", lambda: "LAZY")
+    with pytest.warns(RuntimeWarning) as record:
+        virtual._warn_if_lazy()
+        virtual._warn_if_lazy()
+    assert len(record) == 1
+    text = str(record[0].message)
+    assert "\n" not in text and text.startswith("flatep.virtual: CUDA loads modules lazily")
+    assert "set CUDA_MODULE_LOADING=EAGER" in text
+
+
+def test_pools_and_layers_build_on_fresh_threads():
+    """Every ExpertPools and register_layer call on a thread of its own (the CPU half of test_gpu_virtual.py)."""
+    R, epn = 3, 2
+    ranks = virtual.virtual_ranks(R, "cpu", timeout_s=20)
+    pools = virtual.run_threads(R, lambda r: flatep.ExpertPools(ranks[r], epn, [(8, 16), (16, 8)]))
+    layers = virtual.run_threads(R, lambda r: pools[r].register_layer())
+    for r in range(R):
+        view = layers[r].weights(0)
+        assert view.shape == (2 * epn, 8, 16) and torch.count_nonzero(view) == 0
+        layers[r].own_weights(0)[1, 2, 3] = 5.0
+        assert view[1, 2, 3] == 5.0  # own part of the view
+        view[epn, 0, 0] = 7.0
+        assert pools[r].slot_pool(0)[0, 0, 0] == 7.0  # slot 0 of the pool, right after the own experts
+
+
+
+def test_create_destroy_cycles_leak_no_descriptors_or_mappings():
+    """The CPU twin of test_gpu_virtual.py's leak check: virtual ranks, Buffers, ExpertPools and a layer built and
+    dropped 30 times leave this process's open files and memory mappings as they were after the first cycle."""
+    import gc
+    import os
+
+    def cycle():
+        ranks = virtual.virtual_ranks(3, "cpu", timeout_s=20)
+        bufs = virtual.run_threads(3, lambda r: flatep.Buffer(ranks[r], S, H, 6, K, align=8))
+        pools = virtual.run_threads(3, lambda r: flatep.ExpertPools(ranks[r], 2, [(H, 8), (8, H)]))
+        layers = virtual.run_threads(3, lambda r: pools[r].register_layer())
+        del layers, pools, bufs, ranks
+        gc.collect()
+
+    def counts():
+        with open("/proc/self/maps") as maps:
+            return len(os.listdir("/proc/self/fd")), sum(1 for _ in maps)
+
+    cycle()
+    first = counts()
+    for _ in range(29):
+        cycle()
+    assert counts() == first

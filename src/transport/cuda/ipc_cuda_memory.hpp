@@ -9,8 +9,10 @@
 
 namespace flatep {
 
-// Uses the calling thread's current CUDA context (retains device 0's primary context when there is none).
-// Throws kRuntime when the device cannot export POSIX-fd VMM handles.
-std::unique_ptr<IpcMemory> make_cuda_ipc_memory();
+// Memory on CUDA device `device` (-1: the device of the calling thread's current context, device 0 when none is
+// current). Retains that device's primary context (torch's) for its lifetime and binds it around every driver call,
+// on whatever thread, restoring the caller's context after. Throws kRuntime when the device cannot export POSIX-fd
+// VMM handles.
+std::unique_ptr<IpcMemory> make_cuda_ipc_memory(int device);
 
 }  // namespace flatep

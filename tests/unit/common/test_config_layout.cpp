@@ -55,6 +55,9 @@ TEST(Config, EachBadFieldIsNamedWithItsValue) {
         {[](Config& c) { c.hidden = 12; }, "hidden (H) must be a positive multiple of 8 (16-byte bf16 rows), got 12"},
         {[](Config& c) { c.align = 0; }, "align must be in [1, 4096], got 0"},
         {[](Config& c) { c.capacity_factor = 0.9; }, "capacity_factor must be in [1, 4], got 0.9"},
+        // The value as given (shortest round-trip form), not "4" (a stream's 6 significant digits).
+        {[](Config& c) { c.capacity_factor = 4.0000001; }, "capacity_factor must be in [1, 4], got 4.0000001"},
+        {[](Config& c) { c.capacity_factor = 0.99999999999; }, "capacity_factor must be in [1, 4], got 0.99999999999"},
         {[](Config& c) { c.num_tokens = 1 << 27, c.topk = 16; },
          "num_tokens*topk (S*K) must fit int32, got 2147483648"},
     };
@@ -113,6 +116,10 @@ TEST(Config, HashIgnoresRankAndMismatchNamesField) {
     b.topk = 3;
     EXPECT_NE(a.hash(), b.hash());
     EXPECT_EQ(a.mismatch(b), "topk: 2 vs 3");
+    Config c = small(), d = small();
+    c.capacity_factor = 1.25;
+    d.capacity_factor = 1.2500001;
+    EXPECT_EQ(c.mismatch(d), "capacity_factor: 1.25 vs 1.2500001");
 }
 
 TEST(Layout, DerivedSizes) {

@@ -441,6 +441,12 @@ TEST(BadInput, Timeouts) {
          [kNan] { LocalHostWorld(1, 1.0).transport(0)->set_timeout_s(kNan); }},
         {"Transport::set_timeout_s(0)", ErrorCategory::kInvalidArgument, "Transport: timeout_s" + range + "0",
          [] { LocalHostWorld(1, 1.0).transport(0)->set_timeout_s(0); }},
+        // Values just past a bound print as given, not rounded onto it.
+        {"Transport::set_timeout_s(86400.000001)", ErrorCategory::kInvalidArgument,
+         "Transport: timeout_s" + range + "86400.000001",
+         [] { LocalHostWorld(1, 1.0).transport(0)->set_timeout_s(86400.000001); }},
+        {"make_ipc_transport: timeout_s = 86400.5", ErrorCategory::kInvalidArgument,
+         "ipc transport: timeout_s" + range + "86400.5", ipc(86400.5)},
     };
     EXPECT_EQ(check_rows(rows), "");
 

@@ -27,7 +27,7 @@ using testing::run_ranks;
 TEST(ExpertPools, ComputeViewIsOneRangeOverLayerMemoryThenPool) {
     LocalHostWorld world(1, 10.0);
     const int epn = 3;
-    ExpertPools pools(world.transport(0), epn, {{5, 7}, {8, 16}});
+    ExpertPools pools(world.transport(0), epn, {{5, 8}, {8, 16}});
     ExpertLayer layer = pools.register_layer();
     ExpertLayer other = pools.register_layer();
     for (int p = 0; p < 2; ++p) {
@@ -59,6 +59,26 @@ TEST(ExpertPools, ComputeViewIsOneRangeOverLayerMemoryThenPool) {
         pools.reduce_pool(p)[3] = 4.0f;
         EXPECT_EQ(other.grads(p)[epn * elems + 3], 4.0f);
     }
+}
+
+TEST(ExpertPools, RefusesExpertsNotAMultipleOf16BytesInTheConstructor) {
+    // One size contract for both backends (design §5): the constructor refuses what the GPU's prefetch cannot move.
+    LocalHostWorld world(1, 10.0);
+    try {
+        ExpertPools pools(world.transport(0), 2, {{8, 16}, {3, 5}});
+        FAIL() << "no error";
+    } catch (const Error& e) {
+        EXPECT_EQ(e.category(), ErrorCategory::kInvalidArgument);
+        EXPECT_EQ(e.message(),
+                  "ExpertPools: projection 1 of [3][5] has 30 bytes per expert (bf16), not a multiple of 16; rows * "
+                  "cols must be a multiple of 8");
+    }
+    EXPECT_EQ(error_message([&] {
+                  ExpertPools pools(world.transport(0), 2, {{1, 4}});
+              }),
+              "ExpertPools: projection 0 of [1][4] has 8 bytes per expert (bf16), not a multiple of 16; rows * cols "
+              "must be a multiple of 8");
+    EXPECT_EQ(error_message([&] { ExpertPools pools(world.transport(0), 3, {{1, 8}, {7, 24}}); }), "(no error)");
 }
 
 TEST(ExpertPools, PrefetchAndReduceGradFollowThePlan) {
@@ -148,9 +168,9 @@ TEST(ExpertPools, WriteGradsWritesOwnGroupsAndUsedSlotsOnly) {
     // Skewed routing: rank 0's experts get replicas, experts 2 (rank 1) and 4..7 (ranks 2, 3) get no rows. The GEMM
     // gradient holds NaN in every group without rows (a grouped GEMM need not write them): own ones must come out
     // zero, slot ones untouched (the test pre-fills the grads view with a sentinel). Projection 0 passes bf16,
-    // projection 1 fp32 (odd size).
+    // projection 1 fp32 (odd rows).
     const int R = 4, epn = 2, E = R * epn, S = 16, K = 2;
-    const ProjectionShape shapes[2] = {{3, 8}, {5, 3}};
+    const ProjectionShape shapes[2] = {{3, 8}, {5, 8}};
     const float kSentinel = -777.25f;
     LocalHostWorld world(R, 10.0);
     std::vector<std::string> mismatch(R);
@@ -320,13 +340,13 @@ TEST(ExpertPools, WriteGradsRejectsBadArguments) {
     LocalHostWorld world(1, 10.0);
     const Config c{.num_experts = 2, .num_tokens = 2, .hidden = 8, .align = 1};
     Buffer buffer(c, world.transport(0));
-    ExpertPools pools(world.transport(0), 2, {{2, 2}});
-    ExpertPools other(world.transport(0), 2, {{2, 2}});
+    ExpertPools pools(world.transport(0), 2, {{2, 4}});
+    ExpertPools other(world.transport(0), 2, {{2, 4}});
     ExpertLayer layer = pools.register_layer();
     ExpertLayer foreign = other.register_layer();
     const int32_t idx[2] = {0, 1};
     const Plan plan = buffer.plan(idx, 4, 2);
-    std::vector<uint16_t> grad(16);
+    std::vector<uint16_t> grad(32);  // [2*epn][2][4]
     EXPECT_EQ(error_message([&] { pools.write_grads(plan, layer, 1, grad.data(), 2); }),
               "write_grads: projection must be in [0, 1), got 1");
     EXPECT_EQ(error_message([&] { pools.write_grads(plan, layer, 0, grad.data(), 8); }),
@@ -344,9 +364,9 @@ TEST(ExpertPools, RejectsLayersOfOtherPoolsAndMismatchedPlans) {
     LocalHostWorld world(1, 10.0);
     const Config c{.num_experts = 2, .num_tokens = 2, .hidden = 8, .align = 1};
     Buffer buffer(c, world.transport(0));
-    ExpertPools a(world.transport(0), 2, {{2, 2}});
-    ExpertPools b(world.transport(0), 2, {{2, 2}});
-    ExpertPools wrong_epn(world.transport(0), 1, {{2, 2}});
+    ExpertPools a(world.transport(0), 2, {{2, 4}});
+    ExpertPools b(world.transport(0), 2, {{2, 4}});
+    ExpertPools wrong_epn(world.transport(0), 1, {{2, 4}});
     ExpertLayer layer = b.register_layer();
     const int32_t idx[2] = {0, 1};
     const Plan plan = buffer.plan(idx, 4, 2);

@@ -107,9 +107,10 @@ TEST(OrderedSums, ReduceGradAddsTheOwnerThenReplicasInAscendingRank) {
     // R = 3, E = 3, S = 2, K = 1, exact: every rank routes both tokens to expert 0, so rank 0 holds 6 entries against
     // targets of 2, and ranks 1 and 2 each get a replica of expert 0 in slot 0. Element i of the owner's gradient and
     // of the two replicas' gradients holds term a, b, c of one of the two orders: grad = ((a + b) + c).
-    const int R = 3, n = 6;
+    const int R = 3, n = 8;  // an expert of 16 bytes of bf16 weights (ExpertPools' size contract)
     LocalHostWorld world(R, 10.0);
-    const Terms* per_elem[n] = {&kTiesAway, &kExactGap, &kTiesAway, &kExactGap, &kTiesAway, &kExactGap};
+    const Terms* per_elem[n] = {&kTiesAway, &kExactGap, &kTiesAway, &kExactGap,
+                                &kTiesAway, &kExactGap, &kTiesAway, &kExactGap};
     std::vector<std::vector<float>> own_after(R);
     const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
         Buffer buffer(config(R, rank, 3, 2, 1), world.transport(rank));
