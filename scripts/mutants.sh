@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# Mutation testing of FlatEP's test suite (not in CI: it rebuilds once per mutant and takes tens of minutes).
+# Mutation testing of FlatEP's test suite (not in CI: it rebuilds once per mutant; see the timings below).
 #
-# Each mutant below is one plausible bug, given as (file, exact original text, replacement): one line each, but for
-# M19 (three lines: the order of a chain has no one-line change). The script
-# copies the tree to a work folder (never touching the working tree), configures one CPU-only build there
-# (-DFLATEP_CUDA=OFF) that every mutant reuses incrementally, checks that the unmutated copy passes, then per mutant:
-# patches the copy, builds, runs the tests that cover the mutated area (ctest -R ... and pytest files) and, only when
-# those pass, the whole suite (ctest and pytest); then restores the file. A mutant is caught when a test fails (or the
-# run hangs past its time limit), survived when everything passes. The score is caught / (caught + survived); a
-# mutant that does not apply or does not build is reported and left out of the score.
+# The mutants are in scripts/mutants.txt (format there): each a plausible bug, one line (M19: three), given as
+# (file, exact original text, replacement). The script copies the tree to a work folder (never touching the working
+# tree), configures one CPU-only build there (-DFLATEP_CUDA=OFF) that every mutant reuses incrementally, checks that
+# the unmutated copy passes, then per mutant: patches the copy, builds, runs the tests that cover the mutated area
+# (ctest -R ... and pytest files) and, only when those pass, the whole suite (ctest and pytest); then restores the
+# file. A mutant is caught when a test fails (or the run hangs past its time limit), survived when everything passes.
+# The score is caught / (caught + survived).
+#
+# The list is kept true: a mutant whose original text does not occur exactly once in its file (the code moved)
+# fails the script before anything is built, naming it (exit 2), and so does a mutant that does not build (exit 2,
+# after the run); a survivor not listed as accepted below makes the exit status 1. `--check` does only the first
+# check (a second; CI-able).
 #
 #   scripts/mutants.sh                       the committed tree (HEAD), every mutant; --rev REV: another commit
+#   scripts/mutants.sh --check               every mutant's text occurs exactly once at HEAD (with --from-worktree:
+#                                            in the working tree); nothing is built
 #   scripts/mutants.sh --overlay tests/python/test_new.py,tests/unit/host/test_new.cpp
 #                                            HEAD with these files taken from the working tree (try new tests before
 #                                            committing them)
@@ -23,10 +29,13 @@
 # Python tests: /usr/bin/python3 (Debian's, with torch) over PYTHONPATH=<copy>/python:<build>/python. The install and
 # dependency-check tests (test_install*.py, test_check_deps.py) test packaging, not the library, and are left out.
 #
-# Scores (issue 23): at f2ea609, 19/19 caught. At 939716f, before issue 23's tests, 15/19: M01, M02, M03 (the three
-# survivors the issue reported) and M09 survived.
+# Scores: issue 23: at f2ea609, 19/19 caught; at 939716f, before issue 23's tests, 15/19. Issue 49: 7 of those 19
+# no longer matched the code (skipped silently then; a failure now) and were refreshed; M20-M40 added. At 1f9d289,
+# from a clean work folder: 40/40 caught, 28 min on 2 shared cores (8 of them the baseline build and run; a caught
+# mutant 2-200 s, a survivor about 100 s more for the whole suite). At bc10301, before issue 49's tests, M20, M21 and
+# M22 (the issue's three) survived.
 # Survivors accepted: none. A mutant that survives is a missing test unless it is equivalent (no input can tell it
-# apart); such a mutant would be listed here with the reason it is accepted.
+# apart); such a mutant would be listed in ACCEPTED with the reason it is accepted.
 set -euo pipefail
 ROOT=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 exec /usr/bin/python3 - "$ROOT" "$@" <<'PYTHON'
@@ -49,6 +58,7 @@ parser.add_argument("--only", default="")
 parser.add_argument("--list", action="store_true")
 parser.add_argument("--work", default="/tmp/flatep-mutants")
 parser.add_argument("--no-baseline", action="store_true")
+parser.add_argument("--check", action="store_true", help="only check that every mutant applies; build nothing")
 parser.add_argument("--ctest", default=None, help="run only the ctest tests matching this regex")
 parser.add_argument("--pytest", default=None, help="run only these pytest files / node ids (comma-separated)")
 args = parser.parse_args(sys.argv[2:])
@@ -62,86 +72,54 @@ AREAS = {
     "layout": ("^Config|^Layout|BadInput|DataPlane", []),
     "runtime": (HOST, ["tests/python/test_buffer.py"]),
     "transport": ("HostBarrier|LocalHost|BufferErrors", []),
-    "python": ("", ["tests/python/test_autograd_paths.py", "tests/python/test_buffer.py",
-                      "tests/python/test_contract_edges.py"]),
+    "python": ("", ["tests/python/test_dense_reference.py", "tests/python/test_object_caches.py",
+                    "tests/python/test_autograd_paths.py", "tests/python/test_buffer.py",
+                    "tests/python/test_contract_edges.py", "tests/python/test_moe_activation.py"]),
 }
 
-# (id, area, file, original text (exactly once in the file), replacement, the bug)
-MUTANTS = [
-    ("M01", "planner", "src/planner/planner_core.hpp",
-     "(best < 0 || c - w.target[r] > c - w.target[best])", "(best < 0 || c - w.target[r] >= c - w.target[best])",
-     "slack-mode targets: ties in free room go to the higher rank"),
-    ("M02", "host", "src/host/grad_reduce.cpp",
-     "for (int d = 0; d < a.num_ranks; ++d) {", "for (int d = a.num_ranks - 1; d >= 0; --d) {",
-     "reduce_grad adds the replicas in descending rank order"),
-    ("M03", "python", "python/flatep/autograd.py",
-     "want_y, want_weights = ctx.needs_input_grad[2], ctx.needs_input_grad[3]",
-     "want_y, want_weights = ctx.needs_input_grad[3], ctx.needs_input_grad[2]",
-     "combine backward: needs_input_grad of y and weights swapped"),
-    ("M04", "host", "src/host/combine.cpp",
-     "for (int d = 0; d < l.num_ranks; ++d) {", "for (int d = l.num_ranks - 1; d >= 0; --d) {",
-     "combine adds the destination partials in descending rank order"),
-    ("M05", "planner", "src/planner/planner.cpp",
-     "for (int64_t i = 0; i < num_entries; ++i) {", "for (int64_t i = num_entries - 1; i >= 0; --i) {",
-     "routing numbers a source's entries in reverse (token, k) order: rows inside a group reversed"),
-    ("M06", "host", "src/host/entry_values.cpp",
-     "reinterpret_cast<const float*>(a.peers[d] + sym.recv_w_offset)",
-     "reinterpret_cast<const float*>(a.peers[a.rank] + sym.recv_w_offset)",
-     "entry_values reads every entry's row on its own rank instead of the destination"),
-    ("M07", "planner", "src/planner/planner_core.hpp",
-     "            if (k > best) {", "            if (k > best || (k != 0 && k == best)) {",
-     "SerialExec::arg_max breaks ties toward the higher index"),
-    ("M08", "layout", "src/layout/config.cpp",
-     "align >= 1 && align <= kMaxAlign", "align >= 1 && align < kMaxAlign",
-     "config rejects align = 4096, its documented limit"),
-    ("M09", "layout", "src/layout/config.cpp",
-     "return int64_t(std::ceil(c.capacity_factor * double(sk)));",
-     "return int64_t(std::floor(c.capacity_factor * double(sk)));",
-     "slack capacity rounded down instead of up"),
-    ("M10", "layout", "src/layout/layout.hpp",
-     "s.recv_w_offset = at;\n    at = SymmetricLayout::align_up(at + int64_t(l.num_recv_rows) * 4);",
-     "s.recv_w_offset = at;\n    at = SymmetricLayout::align_up(at + int64_t(l.num_recv_rows) * 2);",
-     "symmetric recv_w region sized for bf16, overlapping the next region"),
-    ("M11", "host", "src/host/dispatch.cpp",
-     "for (int32_t r = group.real_end; r < group.padded_end; ++r) {",
-     "for (int32_t r = group.real_end + 1; r < group.padded_end; ++r) {",
-     "dispatch leaves the first padding row of every group unzeroed"),
-    ("M12", "host", "src/host/grad_reduce.cpp",
-     "if (a.slot_expert[a.rank * epn + j] >= 0) std::memset", "if (a.slot_expert[a.rank * epn + j] > 0) std::memset",
-     "reduce_grad does not zero a consumed slot that holds expert 0"),
-    ("M13", "host", "src/host/plan_op.cpp",
-     "if (expert < 0 || expert >= E) {", "if (expert < 0 || expert > E) {",
-     "the histogram takes expert id E as valid"),
-    ("M14", "runtime", "src/runtime/expert_pools.cpp",
-     "args.expert_bytes = projections_[p].elems() * 2;", "args.expert_bytes = projections_[p].elems();",
-     "prefetch copies half of each expert (elements, not bytes)"),
-    ("M15", "runtime", "src/runtime/buffer.cpp",
-     "data->generation = ++generation_;", "data->generation = generation_++;",
-     "the first plan gets generation 0 (unstamped): its step is never checked"),
-    ("M16", "python", "python/flatep/autograd.py",
-     "if ctx.has_weights and ctx.needs_input_grad[3]:", "if ctx.has_weights and ctx.needs_input_grad[2]:",
-     "dispatch backward computes the weights' gradient only when x needs one"),
-    ("M17", "python", "python/flatep/nn.py",
-     "x_leaf = recv_x.detach().requires_grad_(ctx.needs_input_grad[2])",
-     "x_leaf = recv_x.detach().requires_grad_(False)",
-     "the MoE layer drops the gradient through the expert FFN into the receive rows"),
-    ("M18", "transport", "src/sync/barrier_host.cpp",
-     "if (now - start_s > sync.timeout_s) {", "if (now - start_s > 10 * sync.timeout_s) {",
-     "the host barrier waits ten times its timeout (and still reports the timeout it was given)"),
-    # Not one line (the order of a chain has no one-line change): the chain's terms summed in descending k.
-    ("M19", "host", "src/host/combine.cpp",
-     "for (int32_t r = h; r >= 0; r = p.row_next[r]) {",
-     "std::vector<int32_t> chain;\n"
-     "            for (int32_t r = h; r >= 0; r = p.row_next[r]) chain.insert(chain.begin(), r);\n"
-     "            for (int32_t r : chain) {",
-     "combine sums a chain's terms in descending k (three lines)"),
-]
+# Survivors accepted as equivalent: {id: why no input can tell it apart}.
+ACCEPTED = {}
+
+
+def load_mutants(path):
+    """[(id, area, file, original text, replacement, the bug)] from mutants.txt (its format is described there)."""
+    mutants, entry = [], None
+    with open(path) as f:
+        lines = f.read().splitlines()
+    for number, line in enumerate(lines, 1):
+        if line.startswith("== "):
+            parts = line.split()
+            if len(parts) != 4 or parts[2] not in AREAS:
+                sys.exit(f"{path}:{number}: expected '== ID AREA PATH' with AREA one of {', '.join(AREAS)}: {line!r}")
+            entry = {"id": parts[1], "area": parts[2], "path": parts[3], "bug": None, "-": [], "+": []}
+            mutants.append(entry)
+        elif entry is not None and line[:1] in "-+" and line[:2] in ("- ", "+ ", "-", "+"):
+            entry[line[0]].append(line[2:])
+        elif entry is not None and line.strip() and not line.startswith("#"):
+            if entry["bug"] is not None or entry["-"]:
+                sys.exit(f"{path}:{number}: unexpected line in {entry['id']}: {line!r}")
+            entry["bug"] = line.strip()
+    out = []
+    for e in mutants:
+        if not e["bug"] or not e["-"] or not e["+"]:
+            sys.exit(f"{path}: {e['id']} needs a description, '-' lines and '+' lines")
+        out.append((e["id"], e["area"], e["path"], "\n".join(e["-"]), "\n".join(e["+"]), e["bug"]))
+    ids = [m[0] for m in out]
+    if len(set(ids)) != len(ids):
+        sys.exit(f"{path}: duplicate mutant ids")
+    return out
+
+
+MUTANTS = load_mutants(os.path.join(root, "scripts", "mutants.txt"))
 
 if args.list:
     for mid, area, path, _, _, bug in MUTANTS:
         print(f"{mid}  {area:8s} {path:32s} {bug}")
     sys.exit(0)
 only = {m for m in args.only.split(",") if m}
+unknown = only - {m[0] for m in MUTANTS}
+if unknown:
+    sys.exit(f"--only: no mutant {', '.join(sorted(unknown))} in scripts/mutants.txt")
 mutants = [m for m in MUTANTS if not only or m[0] in only]
 
 work = os.path.abspath(args.work)
@@ -266,18 +244,23 @@ else:
     for name in filter(None, args.overlay.split(",")):
         with open(os.path.join(root, name), "rb") as f:
             files[name] = f.read()
-os.makedirs(tree, exist_ok=True)
-sync_tree(files)
-log(f"copy: {tree} ({len(files)} files); build: {build}")
 
 problems = []
 for mid, _, path, old, _, _ in mutants:
-    count = files.get(path, b"").decode().count(old)
+    count = files[path].decode().count(old) if path in files else 0
     if count != 1:
-        problems.append(f"{mid}: the original text occurs {count} times in {path} (the code moved: update the mutant)")
-for p in problems:
-    log(p)
-skip = {p.split(":")[0] for p in problems}
+        where = f"{count} times in {path}" if path in files else f"nowhere: {path} does not exist"
+        problems.append(f"{mid}: its original text occurs {where}; update scripts/mutants.txt (the code moved)")
+if problems:
+    for p in problems:
+        log("MUTANT DOES NOT APPLY " + p)
+    sys.exit(2)
+if args.check:
+    log(f"mutants: all {len(mutants)} apply (each original text occurs exactly once)")
+    sys.exit(0)
+os.makedirs(tree, exist_ok=True)
+sync_tree(files)
+log(f"copy: {tree} ({len(files)} files); build: {build}")
 
 if not os.path.exists(os.path.join(build, "build.ninja")):
     ok, out = run(["cmake", "-S", tree, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
@@ -297,9 +280,6 @@ if not args.no_baseline:
 # ---- the mutants ----
 results = []
 for mid, area, path, old, new, bug in mutants:
-    if mid in skip:
-        results.append((mid, "not applied", bug, ""))
-        continue
     full = os.path.join(tree, path)
     original = files[path]
     t0 = time.time()
@@ -308,7 +288,7 @@ for mid, area, path, old, new, bug in mutants:
     try:
         ok, out = build_tree()
         if not ok:
-            verdict, by = "build error", out.strip().splitlines()[-1] if out.strip() else ""
+            verdict, by = "BUILD ERROR", out.strip().splitlines()[-1] if out.strip() else ""
         else:
             failed, _ = failing_run(area)
             verdict, by = ("caught", failed) if failed else ("SURVIVED", "")
@@ -325,8 +305,15 @@ scored = caught + len(survived)
 log("")
 for mid, verdict, bug, by in results:
     log(f"  {mid}  {verdict:11s} {bug}" + (f"  [{by}]" if by else ""))
-log(f"score: {caught}/{scored} caught" + (f" ({100.0 * caught / scored:.0f}%)" if scored else ""))
+log(f"score: {caught}/{scored} caught" + (f" ({100.0 * caught / scored:.0f}%)" if scored else "") +
+    f" in {time.time() - start:.0f} s")
+broken = [r[0] for r in results if r[1] == "BUILD ERROR"]
+unaccepted = [r[0] for r in survived if r[0] not in ACCEPTED]
 if survived:
-    log("survivors: " + ", ".join(r[0] for r in survived))
-sys.exit(0)
+    log("survivors: " + ", ".join(r[0] + (" (accepted: " + ACCEPTED[r[0]] + ")" if r[0] in ACCEPTED else "")
+                                  for r in survived))
+if broken:
+    log("MUTANTS THAT DO NOT BUILD (fix them in scripts/mutants.txt): " + ", ".join(broken))
+    sys.exit(2)
+sys.exit(1 if unaccepted else 0)
 PYTHON

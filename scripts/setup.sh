@@ -17,8 +17,9 @@ case "${1:-}" in
         ;;
 esac
 
+# llvm: llvm-profdata and llvm-cov for scripts/coverage.sh (clang's source-based branch coverage of the planner).
 packages=(cmake ninja-build g++ git libgtest-dev nlohmann-json3-dev libcli11-dev clang-format clang libclang-rt-14-dev
-    python3 python3-numpy python3-scipy)
+    llvm python3 python3-numpy python3-scipy)
 if [[ "${FLATEP_WITH_PYTHON:-1}" == "1" ]]; then
     # python3-venv, -pip, -setuptools and -wheel: the README's `pip install --no-build-isolation .` in a venv.
     packages+=(python3-pytest python3-torch pybind11-dev python3-pybind11 python3-dev python3-matplotlib

@@ -119,7 +119,8 @@ def expert_ffn(x, w1, w2, activation=None):
     """One expert on its rows: x [n, H] (bf16 values), w1 [H, 2F] (swiglu: [gate | up]) or [H, F] (silu), w2 [F, H]
     (bf16 values, any float dtype) -> [n, H] bf16. activation: 'swiglu', 'silu' or None (from the shapes). Matmuls
     accumulate in fp32; h, the activation (computed in fp32) and the output are rounded to bf16, as a bf16 grouped
-    GEMM does. Shared by the distributed layer and the dense reference so both round at the same points."""
+    GEMM does. flatep.testing.DenseMoE writes the same rounding points out on its own (an oracle shares no code with
+    what it judges)."""
     activation = _activation_of(w1, w2, activation)
     h = (x.float() @ w1.float()).to(_BF16)
     a = activate(h, activation)
@@ -274,9 +275,11 @@ def route(x, router_weight, topk, topk_idx=None):
 
 
 def init_expert_weights(hidden, ffn, expert_ids, seed, activation="swiglu"):
-    """Deterministic per-expert init (N(0, 1/H) for W1, gate and up alike, N(0, 1/F) for W2, from seed and the expert
-    id), so a sharded layer and the dense reference built with the same seed hold the same experts. W1 is
-    [H, 2F] for swiglu, [H, F] for silu."""
+    """Deterministic per-expert init (N(0, 1/H) for W1, gate and up alike, N(0, 1/F) for W2, drawn in that order from a
+    torch.Generator seeded seed * 1_000_003 + expert id + 1), so a sharded layer and the dense reference built with
+    the same seed hold the same experts. W1 is [H, 2F] for swiglu, [H, F] for silu. The router (init_router_weight)
+    draws [E, H] N(0, 1/H) from seed * 1_000_003, the shared expert (init_shared_weights) from seed * 1_000_003 +
+    500_000_009."""
     cols = w1_columns(ffn, activation)
     w1 = torch.empty(len(expert_ids), hidden, cols)
     w2 = torch.empty(len(expert_ids), ffn, hidden)
@@ -310,8 +313,8 @@ def _bf16_values(w):
 def shared_expert_ffn(x, w1, w2, activation):
     """The shared expert on every token: x [s, H] bf16, w1 [H, 2F] (swiglu) or [H, F], w2 [F, H] (fp32 masters or
     bf16) -> [s, H] bf16, the weights used as bf16 values. CUDA: two bf16 GEMMs (fp32 accumulation, bf16 out) with
-    the activation of expert_ffn between them; elsewhere expert_ffn itself (fp32 matmuls rounded at the same points).
-    Shared by nn.MoE and flatep.testing.DenseMoE."""
+    the activation of expert_ffn between them; elsewhere expert_ffn itself (fp32 matmuls rounded at the same points,
+    as flatep.testing.DenseMoE's shared expert on any device)."""
     if x.is_cuda:
         h = x.to(_BF16) @ w1.to(_BF16)
         a = activate(h, activation)

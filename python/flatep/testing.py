@@ -13,12 +13,7 @@ import tempfile
 import torch
 
 from . import _C
-from . import fp8 as _fp8
 from ._tensors import number_text
-from .nn import (
-    add_shared, check_activation, expert_ffn, grouped_ffn, init_expert_weights, init_router_weight,
-    init_shared_weights, route, shared_expert_ffn,
-)
 
 _BF16 = torch.bfloat16
 
@@ -62,6 +57,17 @@ def maxvio(counts, num_experts=None):
 
 
 # ---- dense reference ----
+#
+# An oracle: written from the contract (docs/design.md §6 "Expert FFN" and "FP8 rows", flatep.nn's module docstring),
+# calling no function of flatep.nn or flatep.fp8, so that a bug there shows up as a difference instead of being
+# carried into the reference (tests/python/test_dense_reference.py checks that it runs with those functions broken).
+# Where nn.MoE and this reference round at the same points they use the same torch operations, so single-rank
+# results agree bit for bit.
+
+#: What DenseMoE accepts: (name, W1 columns per F). The first is the default.
+_DENSE_ACTIVATIONS = (("swiglu", 2), ("silu", 1))
+_E4M3_LARGEST = 448.0  # the largest finite e4m3 ("fn") value
+_FP8_BLOCK = 128  # channels per FP8 scale
 
 
 def _round_bf16(w):
@@ -69,29 +75,114 @@ def _round_bf16(w):
     return w + (w.to(_BF16).float() - w).detach()
 
 
+def _normal(generator, shape, fan_in):
+    """N(0, 1/fan_in) draws of `shape` from `generator` (fp32)."""
+    return torch.randn(*shape, generator=generator) / fan_in**0.5
+
+
+def _dense_init(hidden, ffn, num_experts, seed, w1_cols, shared_ffn):
+    """The documented init (flatep.nn.init_expert_weights and friends): generator seed s = seed * 1_000_003; the
+    router [E, H] from s; expert e's W1 [H, cols] then W2 [F, H] from s + e + 1; the shared expert's W1, W2 from
+    s + 500_000_009. W1 draws are N(0, 1/H), W2 draws N(0, 1/F)."""
+    base = int(seed) * 1_000_003
+    router = _normal(torch.Generator().manual_seed(base), (num_experts, hidden), hidden)
+    w1 = torch.empty(num_experts, hidden, w1_cols * ffn)
+    w2 = torch.empty(num_experts, ffn, hidden)
+    for e in range(num_experts):
+        g = torch.Generator().manual_seed(base + e + 1)
+        w1[e] = _normal(g, (hidden, w1_cols * ffn), hidden)
+        w2[e] = _normal(g, (ffn, hidden), ffn)
+    shared = None
+    if shared_ffn is not None:
+        g = torch.Generator().manual_seed(base + 500_000_009)
+        shared = (_normal(g, (hidden, w1_cols * shared_ffn), hidden), _normal(g, (shared_ffn, hidden), shared_ffn))
+    return router, w1, w2, shared
+
+
+def routing_weights(x, router_weight, topk, topk_idx=None):
+    """The router of the contract, written out: logits = x @ router_weight.T in fp32, softmax over the E experts,
+    the K largest probabilities (or those of the given topk_idx [s, K]), divided by their sum so that each row sums
+    to 1. Returns (weights [s, K] fp32, topk_idx [s, K] int64)."""
+    logits = torch.matmul(x.float(), router_weight.float().t())
+    probs = torch.softmax(logits, dim=1)
+    if topk_idx is None:
+        chosen, idx = torch.topk(probs, topk, dim=1)
+    else:
+        idx = topk_idx.to(device=probs.device, dtype=torch.long)
+        chosen = torch.gather(probs, 1, idx)
+    total = chosen.sum(dim=1, keepdim=True)
+    return chosen / total, idx
+
+
+def _dense_ffn(rows, w1, w2, swiglu):
+    """One FFN on fp32 rows holding bf16 values, weights holding bf16 values: h = rows @ W1 rounded to bf16; the
+    activation (silu(gate) * up, gate = h's first F columns, or silu(h)) in fp32 rounded to bf16; y = a @ W2 rounded
+    to bf16. Returns y in fp32 (bf16 values)."""
+    h = torch.matmul(rows, w1).to(_BF16).float()
+    if swiglu:
+        f = h.shape[1] // 2
+        a = torch.nn.functional.silu(h[:, :f]) * h[:, f:]
+    else:
+        a = torch.nn.functional.silu(h)
+    return torch.matmul(a.to(_BF16).float(), w2).to(_BF16).float()
+
+
+def _pow2(exponent):
+    """2^exponent (int32 tensor, every value in the fp32 normal range) as exact fp32, built from its bits."""
+    return ((exponent + 127) << 23).view(torch.float32)
+
+
+def _nearest_e4m3(v):
+    """fp32 values -> the nearest e4m3 value (fp32), ties to the even code, subnormals (multiples of 2^-9 below
+    2^-6) kept, magnitudes from 448 up (Inf included) saturating to 448, NaN staying NaN, the sign kept (-0 too)."""
+    magnitude = v.abs().clamp(max=2 * _E4M3_LARGEST)  # anything this large saturates anyway
+    _, exponent = torch.frexp(magnitude)  # magnitude = m * 2^exponent, m in [0.5, 1): leading bit 2^(exponent - 1)
+    step = (exponent.to(torch.int32) - 4).clamp(min=-9)  # 3 fraction bits; the subnormal step is 2^-9
+    rounded = torch.round(magnitude * _pow2(-step)) * _pow2(step)  # exact scalings; round: half to even
+    out = torch.copysign(rounded.clamp(max=_E4M3_LARGEST), v)
+    return torch.where(torch.isnan(v), v, out)
+
+
+def fp8_round_trip(rows):
+    """fp32 rows holding bf16 values [N, H], H % 128 == 0 -> what an FP8 dispatch delivers once dequantised, by the
+    rule of docs/design.md §6 ("FP8 rows"), written out on values: per block of 128 channels, amax = the largest
+    finite |x| (0: scale and inverse 1), scale = amax / 448 and inverse = 448 / amax (fp32 divisions); q = the
+    nearest e4m3 value of x * inverse (x / scale where the inverse is not finite); the value read back is q * scale
+    in fp32, rounded to bf16. Returns fp32 (bf16 values)."""
+    n, hidden = rows.shape
+    blocks = rows.reshape(n, hidden // _FP8_BLOCK, _FP8_BLOCK)
+    amax = torch.where(torch.isfinite(blocks), blocks.abs(), torch.zeros_like(blocks)).amax(dim=2, keepdim=True)
+    largest = torch.full_like(amax, _E4M3_LARGEST)
+    ones = torch.ones_like(amax)
+    scale = torch.where(amax == 0, ones, amax / largest)
+    inverse = torch.where(amax == 0, ones, largest / amax)
+    scaled = torch.where(torch.isfinite(inverse), blocks * inverse, blocks / scale)
+    return (_nearest_e4m3(scaled) * scale).to(_BF16).float().reshape(n, hidden)
+
+
 def _round_fp8(rows):
-    """fp32 rows of bf16 values -> their FP8 round trip (flatep.fp8.quantize then dequantize: the values an FP8
-    dispatch delivers), gradient passed straight through (as nn.MoE's fp8 backward does)."""
-    q, scales = _fp8.quantize(rows.detach().to(_BF16))
-    return rows + (_fp8.dequantize(q, scales, _BF16).float() - rows).detach()
+    """fp8_round_trip with the gradient passed straight through (as nn.MoE's fp8 backward does)."""
+    return rows + (fp8_round_trip(rows.detach()) - rows).detach()
 
 
 class DenseMoE(torch.nn.Module):
     """Single-process MoE with every expert, the reference flatep.nn.MoE is held to.
 
-    Same math and rounding points as the distributed layer (flatep.nn.route, flatep.nn.expert_ffn, bf16 token rows,
-    fp32 weighted sum rounded to bf16), same init for the same seed. Parameters: router_weight [E, H], w1 [E, H, 2F]
-    (activation='swiglu', the default: columns [0, F) gate, [F, 2F) up) or [E, H, F] (activation='silu'),
-    w2 [E, F, H] (fp32, rounded to bf16 where used, their gradients fp32).
+    Written from the contract, sharing no function with the layer's path (see the section comment above): the router
+    of routing_weights (fp32 softmax, top-K, renormalised over the K chosen), bf16 token rows, each expert's FFN
+    rounded to bf16 at the documented points (h, the activation, y), fp32 weighted sum rounded to bf16; the same
+    init as nn.MoE for the same seed. Parameters: router_weight [E, H], w1 [E, H, 2F] (activation='swiglu', the
+    default: columns [0, F) gate, [F, 2F) up) or [E, H, F] (activation='silu'), w2 [E, F, H] (fp32, rounded to bf16
+    where used, their gradients fp32).
 
-    fp8=True: the experts' input rows are the FP8 round trip of the bf16 token rows (flatep.fp8's rule: what an FP8
+    fp8=True: the experts' input rows are the FP8 round trip of the bf16 token rows (fp8_round_trip: what an FP8
     dispatch delivers, dequantised), the router still reads x; the rows' gradient passes straight through the
     quantisation. nn.MoE(fp8=True) is held to this at bf16 tolerance and to the fp8=False reference at the FP8
     tolerance (tests/python/test_moe_fp8.py).
 
-    shared_ffn=F_s: nn.MoE's shared expert (same init for the same seed, flatep.nn.shared_expert_ffn on the bf16 token
-    rows, never FP8: it is local), added to the routed output rounded to bf16: bf16(fp32(routed) + fp32(shared)).
-    Parameters shared_w1 [H, 2F_s] (swiglu) or [H, F_s], shared_w2 [F_s, H], fp32.
+    shared_ffn=F_s: nn.MoE's shared expert (same init for the same seed, the FFN above on the bf16 token rows with
+    the weights rounded to bf16, never FP8: it is local), added to the routed output rounded to bf16:
+    bf16(fp32(routed) + fp32(shared)). Parameters shared_w1 [H, 2F_s] (swiglu) or [H, F_s], shared_w2 [F_s, H], fp32.
 
     forward(x [N, H], topk_idx=None [N, K], chunks=1) -> [N, H] in x's dtype. `chunks` (a count, or a list of
     sizes) splits the router matmul the way the ranks compute it on their own tokens, so that both sides get the
@@ -101,43 +192,47 @@ class DenseMoE(torch.nn.Module):
     def __init__(self, hidden, ffn, num_experts, topk, seed=0, activation="swiglu", fp8=False, shared_ffn=None):
         super().__init__()
         self.hidden, self.ffn, self.num_experts, self.topk = hidden, ffn, num_experts, topk
-        self.activation = check_activation("DenseMoE", activation)
-        if not isinstance(fp8, bool) or (fp8 and hidden % _fp8.BLOCK != 0):
-            raise ValueError(f"DenseMoE: fp8 must be a bool, and fp8=True needs H % {_fp8.BLOCK} == 0; got "
+        columns = dict(_DENSE_ACTIVATIONS)
+        if activation not in columns:
+            names = ", ".join(repr(name) for name, _ in _DENSE_ACTIVATIONS)
+            raise ValueError(f"DenseMoE: activation must be one of {names}, got {activation!r}")
+        self.activation = activation
+        if not isinstance(fp8, bool) or (fp8 and hidden % _FP8_BLOCK != 0):
+            raise ValueError(f"DenseMoE: fp8 must be a bool, and fp8=True needs H % {_FP8_BLOCK} == 0; got "
                              f"fp8={fp8!r}, H={hidden}")
         self.fp8 = fp8
-        w1, w2 = init_expert_weights(hidden, ffn, range(num_experts), seed, self.activation)
-        self.router_weight = torch.nn.Parameter(init_router_weight(hidden, num_experts, seed))
+        router, w1, w2, shared = _dense_init(hidden, ffn, num_experts, seed, columns[activation], shared_ffn)
+        self.router_weight = torch.nn.Parameter(router)
         self.w1 = torch.nn.Parameter(w1)
         self.w2 = torch.nn.Parameter(w2)
         self.shared_ffn = shared_ffn
         self.shared_w1 = self.shared_w2 = None
-        if shared_ffn is not None:
-            sw1, sw2 = init_shared_weights(hidden, shared_ffn, seed, self.activation)
-            self.shared_w1 = torch.nn.Parameter(sw1)
-            self.shared_w2 = torch.nn.Parameter(sw2)
+        if shared is not None:
+            self.shared_w1 = torch.nn.Parameter(shared[0])
+            self.shared_w2 = torch.nn.Parameter(shared[1])
 
     def forward(self, x, topk_idx=None, chunks=1):
         sizes = [len(c) for c in torch.arange(x.shape[0]).chunk(chunks)] if isinstance(chunks, int) else list(chunks)
         xs = x.split(sizes)
         idxs = topk_idx.split(sizes) if topk_idx is not None else [None] * len(xs)
-        routed = [route(xc, self.router_weight, self.topk, ic) for xc, ic in zip(xs, idxs)]
+        routed = [routing_weights(xc, self.router_weight, self.topk, ic) for xc, ic in zip(xs, idxs)]
         weights = torch.cat([w for w, _ in routed])
         idx = torch.cat([i for _, i in routed])
         rows = x.to(_BF16).float()
-        if self.fp8:
-            rows = _round_fp8(rows)
+        swiglu = self.activation == "swiglu"
+        expert_rows = _round_fp8(rows) if self.fp8 else rows
         w1, w2 = _round_bf16(self.w1), _round_bf16(self.w2)
         out = torch.zeros(x.shape[0], self.hidden, dtype=torch.float32, device=x.device)
         for e in range(self.num_experts):
             token, k = (idx == e).nonzero(as_tuple=True)
             if token.numel() == 0:
                 continue
-            y = expert_ffn(rows[token], w1[e], w2[e], self.activation).float()
+            y = _dense_ffn(expert_rows[token], w1[e], w2[e], swiglu)
             out = out.index_add(0, token, weights[token, k].unsqueeze(1) * y)
         out = out.to(_BF16)
         if self.shared_ffn is not None:
-            out = add_shared(out, shared_expert_ffn(x.to(_BF16), self.shared_w1, self.shared_w2, self.activation))
+            shared = _dense_ffn(rows, _round_bf16(self.shared_w1), _round_bf16(self.shared_w2), swiglu)
+            out = (out.float() + shared).to(_BF16)
         return out.to(x.dtype)
 
 
@@ -152,6 +247,9 @@ def warm_up_local(moe, token_counts, backward=True):
     CPU backend."""
     if moe.device.type != "cuda":
         return
+    # Not an oracle: it must run the layer's own computations, whose kernels it loads.
+    from .nn import grouped_ffn, route, shared_expert_ffn
+
     params = moe.replicated_parameters()
     saved = [p.grad for p in params]
     with torch.enable_grad():

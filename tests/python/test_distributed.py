@@ -21,6 +21,7 @@ Reproduce: PYTHONPATH=python:build/python /usr/bin/python3 -m pytest -q tests/py
 """
 
 import json
+import math
 import os
 
 import pytest
@@ -83,8 +84,9 @@ def test_balance_guarantee(world, case):
     assert sum(loads) == total
     if case["cf"] == 1.0:  # exact mode: floor/ceil of N/R, lower ranks take the remainder
         assert loads == [total // R + (1 if q < total % R else 0) for q in range(R)]
-    else:
-        assert max(loads) <= r["capacity"]
+    else:  # slack mode: C = ceil(f*S*K) (design §1), written out here rather than read from the Buffer
+        capacity = math.ceil(case["cf"] * mp_cases.S * mp_cases.K)
+        assert r["capacity"] == capacity and max(loads) <= capacity
     assert abs(r["maxvio"] - case["maxvio"]) <= max(0.5, 0.2 * case["maxvio"]) or case["maxvio"] < 1.5
 
 

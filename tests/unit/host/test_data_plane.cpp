@@ -1,5 +1,7 @@
 // The CPU data plane (plan, dispatch, combine over R rank threads) against a naive single-threaded reference that
-// derives every rank's receive rows, weights and combine outputs from the plan and the inputs directly (no chains).
+// derives every entry's rank and row (testing::reference_plan: the split rule and group layout of the contract,
+// written without FlatEP code), then every rank's receive rows, weights and combine outputs from them and the inputs
+// directly (no chains).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -16,6 +18,7 @@
 #include "routing/routing.hpp"
 #include "transport/local_host.hpp"
 #include "unit/host/rank_threads.hpp"
+#include "unit/host/reference_plan.hpp"
 
 namespace flatep {
 namespace {
@@ -151,28 +154,31 @@ StepOutputs run_threaded(const Case& c, const Layout& l, const std::vector<std::
     return outputs;
 }
 
-// Checks one step of the threaded run against the naive reference.
+// Checks one step of the threaded run against the naive reference. The allocation is the planner's choice: it is
+// checked against design §4's constraints and against the planner run on the same counts (the Buffer plans what the
+// planner plans); everything else (which rank computes each entry, its row, slots, group ends, padding) comes from
+// testing::reference_plan, written from the contract without FlatEP code.
 void check_step(const Case& c, const Layout& l, const std::vector<RankInput>& in, const std::vector<RankOutput>& out) {
-    const int R = c.R, E = l.num_experts, K = c.K, H = c.H, nvs = l.num_recv_rows, epn = c.epn;
-    // Plan: counts, planner, routing of every source.
-    planner::HostPlan ref(l);
+    const int R = c.R, E = l.num_experts, K = c.K, H = c.H, nvs = l.num_recv_rows;
+    std::vector<int32_t> tpe(size_t(R) * E, 0);
+    std::vector<std::vector<int32_t>> topk(R);
     for (int r = 0; r < R; ++r) {
-        const std::vector<int32_t> h = routing::histogram(in[r].topk_idx.data(), int64_t(in[r].topk_idx.size()), E);
-        std::copy(h.begin(), h.end(), ref.view.tpe_all + int64_t(r) * E);
+        for (int32_t e : in[r].topk_idx) ++tpe[size_t(r) * E + e];
+        topk[r] = in[r].topk_idx;
     }
-    planner::plan_counts(l, c.planner, ref.view);
-    ASSERT_EQ(planner::check_plan(l, ref.view), "");
-    std::vector<std::vector<int32_t>> ref_rank(R), ref_row(R);
+    const std::vector<int32_t>& alloc = out[0].alloc;
+    ASSERT_EQ(testing::alloc_violation(R, E, l.exact, l.capacity, tpe, alloc), "");
+    planner::HostPlan planned(l);  // wiring: the Buffer's allocation is the planner's on the gathered counts
+    std::copy(tpe.begin(), tpe.end(), planned.view.tpe_all);
+    planner::plan_counts(l, c.planner, planned.view);
+    ASSERT_EQ(alloc, std::vector<int32_t>(planned.view.alloc, planned.view.alloc + int64_t(R) * E));
+    const testing::ReferencePlan ref = testing::reference_plan(R, E, c.align, alloc, topk);
+    const std::vector<std::vector<int32_t>>& ref_rank = ref.entry_rank;
+    const std::vector<std::vector<int32_t>>& ref_row = ref.entry_row;
     for (int r = 0; r < R; ++r) {
-        planner::route_entries(l, ref.view, r, in[r].topk_idx.data(), 4, in[r].num_tokens);
-        const size_t n = size_t(in[r].num_tokens) * K;
-        ref_rank[r].assign(ref.view.entry_rank, ref.view.entry_rank + n);
-        ref_row[r].assign(ref.view.entry_row, ref.view.entry_row + n);
-    }
-    for (int r = 0; r < R; ++r) {
-        ASSERT_EQ(out[r].alloc, std::vector<int32_t>(ref.view.alloc, ref.view.alloc + int64_t(R) * E)) << "rank " << r;
-        ASSERT_EQ(out[r].slot_expert, std::vector<int32_t>(ref.view.slot_expert, ref.view.slot_expert + R * epn));
-        ASSERT_EQ(out[r].cu_seqlens, std::vector<int32_t>(ref.view.cu_seqlens, ref.view.cu_seqlens + R * 2 * epn));
+        ASSERT_EQ(out[r].alloc, alloc) << "rank " << r;
+        ASSERT_EQ(out[r].slot_expert, ref.slot_expert) << "rank " << r;
+        ASSERT_EQ(out[r].cu_seqlens, ref.cu_seqlens) << "rank " << r;
         ASSERT_EQ(out[r].entry_rank, ref_rank[r]) << "rank " << r;
         ASSERT_EQ(out[r].entry_row, ref_row[r]) << "rank " << r;
     }
@@ -183,13 +189,14 @@ void check_step(const Case& c, const Layout& l, const std::vector<RankInput>& in
     std::vector<std::vector<int>> writes(R, std::vector<int>(nvs, 0));
     std::vector<std::vector<char>> real(R, std::vector<char>(nvs, 0));
     for (int d = 0; d < R; ++d) {
-        for (int g = 0; g < 2 * epn; ++g) {
-            const int32_t* cu = ref.view.cu_seqlens + d * 2 * epn;
-            const int start = g == 0 ? 0 : cu[g - 1];
-            const int expert = group_expert(l, ref.view, d, g);
-            const int size = expert < 0 ? 0 : ref.view.alloc[d * E + expert];
+        for (int e = 0; e < E; ++e) {
+            const int start = ref.group_start[size_t(d) * E + e];
+            if (start < 0) continue;
+            const int size = alloc[size_t(d) * E + e];
+            const int padded = (size + c.align - 1) / c.align * c.align;
+            ASSERT_LE(start + padded, nvs) << "rank " << d << " expert " << e;
             for (int r = start; r < start + size; ++r) real[d][r] = 1;
-            for (int r = start + size; r < cu[g]; ++r) {
+            for (int r = start + size; r < start + padded; ++r) {
                 std::fill_n(exp_x[d].begin() + int64_t(kCanaryRows + r) * H, H, uint16_t(0));
                 exp_w[d][kCanaryRows + r] = 0.0f;
             }

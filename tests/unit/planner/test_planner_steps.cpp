@@ -229,6 +229,60 @@ TEST(PlannerSteps, PathCandidatesWithHomeAheadTableAsWithout) {
     EXPECT_GT(multi, 20);  // flows of several experts taken from the table
 }
 
+// An executor that, like the GPU planner, has put the home allocation, T_e, the group loads and the fixed targets in
+// place before a candidate runs (home_ready, targets_ready): every candidate and the greedy must come out as when
+// they compute these themselves.
+struct PrecomputedExec : SerialExec {
+    int64_t n = 0;
+    FLATEP_HD bool home_ready(const int32_t*, int64_t* ready) const {
+        *ready = n;
+        return true;
+    }
+    FLATEP_HD bool targets_ready() const { return true; }
+};
+
+TEST(PlannerSteps, PrecomputedHomeAndTargetsAsComputed) {
+    int compared = 0;
+    for (int R : {2, 5, 8}) {
+        for (int epn : {1, 4}) {
+            for (double sigma : {0.0, 1.5, 3.0}) {
+                for (double factor : {1.0, 1.25}) {
+                    Config c;
+                    c.num_ranks = R, c.num_experts = R * epn, c.topk = std::min(4, R * epn);
+                    c.num_tokens = 64, c.capacity_factor = factor;
+                    const Layout l = make_layout(c);
+                    const int64_t re = int64_t(R) * c.num_experts;
+                    const std::vector<int32_t> tpe = routing::generate_counts(R, c.num_experts, 64, c.topk, sigma, 5);
+                    // The precomputed state: init_home and fixed_targets once.
+                    std::vector<int32_t> ready(planner::planner_workspace_words(l), -9), home(re);
+                    const planner::Workspace w0 = planner::make_workspace(l, ready.data());
+                    PrecomputedExec x;
+                    x.n = planner::init_home(SerialExec{}, l, tpe.data(), home.data(), w0);
+                    planner::fixed_targets(l, x.n, w0);
+                    auto run = [&](auto exec, int index, std::vector<int32_t>& alloc) {
+                        std::vector<int32_t> ws = ready;  // a fresh copy of the precomputed workspace each time
+                        const planner::Workspace w = planner::make_workspace(l, ws.data());
+                        alloc = home;
+                        if (index < 0) {
+                            planner::greedy_alloc(exec, l, tpe.data(), alloc.data(), w);
+                            return true;
+                        }
+                        return planner::build_candidate(exec, l, tpe.data(), alloc.data(), w, index);
+                    };
+                    for (int i = -1; i < planner::num_candidates(3); ++i) {
+                        std::vector<int32_t> a, b;
+                        const bool ok_a = run(x, i, a), ok_b = run(SerialExec{}, i, b);
+                        ASSERT_EQ(ok_a, ok_b) << "candidate " << i << " R " << R << " epn " << epn;
+                        if (ok_a) ASSERT_EQ(a, b) << "candidate " << i << " R " << R << " epn " << epn;
+                        ++compared;
+                    }
+                }
+            }
+        }
+    }
+    EXPECT_EQ(compared, 36 * (planner::num_candidates(3) + 1));
+}
+
 uint64_t mix(uint64_t h, uint64_t v) { return h ^ (v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2)); }
 
 TEST(PlannerSteps, EveryCandidateAsRecorded) {
