@@ -54,6 +54,8 @@ class CMakeBuild(build_ext):
 
 
 setup(
+    license="MIT",  # as pyproject.toml: LICENSE, copyright the FlatEP authors
+    license_files=["LICENSE"],
     package_dir={"": "python"},
     packages=["flatep", "flatep.integrations"],
     ext_modules=[CMakeExtension("flatep._C")],

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """flatep.nn.MoE forward + backward at MoonEP's per-rank sizes: time and device memory per layer and per process, and
 how many expert-weight-sized copies and clones a step makes (torch profiler). Run it once with this tree's
-python/flatep and once with an older one (--label) to get the before/after table of the README.
+python/flatep and once with an older one (--label) to get the before/after table of docs/performance.md.
 
     python3 benchmarks/moe_params.py --layers 2 --csv $OUT/moe_params.csv --label after
     FLATEP_PYTHON=<old tree>/python python3 benchmarks/moe_params.py --label before --csv ...

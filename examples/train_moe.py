@@ -21,7 +21,6 @@ mode) beside the rows each rank would have computed without replicas.
 import argparse
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -145,17 +144,6 @@ def run(rank, R, args):
     return 0 if ok else 1
 
 
-def _spawned(rank, R, init_file, args, codes):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=R)
-    try:
-        codes[rank] = run(rank, R, args)
-        dist.barrier()
-    finally:
-        flatep.testing.release_all()  # FlatEP's memory goes while CUDA is up, not at interpreter exit
-        dist.destroy_process_group()
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.device == "auto":
@@ -163,19 +151,7 @@ def main(argv=None):
     if args.device == "cuda" and not (torch.cuda.is_available() and flatep._C.has_cuda):
         why = "FlatEP was built without CUDA" if not flatep._C.has_cuda else "torch sees no CUDA device"
         sys.exit(f"train_moe: --device cuda is not available here ({why}); use --device cpu")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        dist.init_process_group("gloo")
-        code = run(dist.get_rank(), dist.get_world_size(), args)
-        dist.barrier()
-        flatep.testing.release_all()
-        dist.destroy_process_group()
-        return code
-    import torch.multiprocessing as mp
-
-    codes = mp.get_context("spawn").Array("i", [0] * args.ranks)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_spawned, args=(args.ranks, os.path.join(tmp, "rendezvous"), args, codes), nprocs=args.ranks)
-    return max(codes[:])
+    return flatep.testing.launch(run, args.ranks, args)  # torchrun's ranks, or args.ranks spawned processes
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's MoE-layer figures in one command, on the device machine (2 H200s; nvcc, CMake, Ninja, python3 with a
-# CUDA torch and NCCL):
+# The MoE-layer figures (docs/performance.md) in one command, on the device machine (2 H200s; nvcc, CMake, Ninja,
+# python3 with a CUDA torch and NCCL):
 #
 #   scripts/device_bench_layer.sh          # CSVs and PNGs into ${OUT:-benchmarks/results}, logs beside them
 #

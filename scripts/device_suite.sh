@@ -24,7 +24,7 @@
 #                unset): 3000 steps on 4 virtual ranks driven by one thread, 1000 steps of 2 processes sharing the
 #                GPU; fresh skew per step, replays bitwise, S*K rows every step, status, flat memory ($OUT/soak.csv)
 #   pytest_cpu   python3 -m pytest tests/python -m "not cuda": the CPU tests under this torch (last: the least news)
-#   step_graph_repeat  (only when named) the in-processes whole-step test, once flaky (README, Testing: a race of
+#   step_graph_repeat  (only when named) the in-processes whole-step test, once flaky (docs/performance.md: a race of
 #                the test's own, fixed 2026-12-03) STEP_GRAPH_REPEAT times (default 3) under
 #                CUDA_DEVICE_MAX_CONNECTIONS=32 (what tests/python/conftest.py sets) and as many under 8, each time from
 #                pytest and then from a plain python3 parent (tests/python/step_graph_cases.py run as a script), one

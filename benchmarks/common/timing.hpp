@@ -1,5 +1,5 @@
 // Timing statistics shared by the benchmark drivers: the median (the upper one of an even count, as every figure
-// of the README is) and the minimum of a series, and host wall time of a callable.
+// of docs/performance.md is) and the minimum of a series, and host wall time of a callable.
 #pragma once
 
 #include <algorithm>

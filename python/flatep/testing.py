@@ -361,3 +361,30 @@ def spawn(fn, world_size, *args):
                 )
             if context.join(timeout=None if left is None else min(left, 5.0)):
                 return
+
+
+def _store_code(rank, world_size, fn, codes, *args):
+    codes[rank] = fn(rank, world_size, *args)
+
+
+def launch(fn, num_ranks, *args):
+    """Runs fn(rank, world_size, *args) -> int (an exit code) on every rank of a gloo process group and returns the
+    largest code, the examples' launcher: under torchrun (RANK and WORLD_SIZE set) this process is one rank; otherwise
+    `num_ranks` fresh processes are spawned as spawn() does (fn at module level). Every rank releases FlatEP's memory
+    (release_all) before it leaves the group."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        try:
+            code = fn(dist.get_rank(), dist.get_world_size(), *args)
+            dist.barrier()
+        finally:
+            release_all()
+            dist.destroy_process_group()
+        return code
+    import torch.multiprocessing as mp
+
+    codes = mp.get_context("spawn").Array("i", [0] * num_ranks)
+    spawn(_store_code, num_ranks, fn, codes, *args)
+    return max(codes[:])

@@ -1,6 +1,7 @@
 """The README's install route, run as its install section writes it, on a copy of this tree in a clean virtual
 environment: Debian's packages, `python3 -m venv --system-site-packages`, `pip install --no-build-isolation .`, then
-`import flatep` from the venv and examples/train_moe.py's two-rank training on the CPU backend.
+`import flatep` from the venv, examples/train_moe.py's two-rank training and the quick start
+(examples/quickstart.py) on the CPU backend.
 
 pip runs with PIP_NO_INDEX=1, so the route is shown to need no package index (Debian's registry is the only one
 FlatEP relies on), and FLATEP_CMAKE_ARGS=-DFLATEP_CUDA=OFF (the CUDA kernels are the main build's business; here
@@ -22,6 +23,7 @@ README_COMMANDS = [
     "/usr/bin/python3 -m venv --system-site-packages .venv",
     ".venv/bin/pip install --no-build-isolation .",
     ".venv/bin/python examples/train_moe.py --ranks 2 --steps 20",
+    ".venv/bin/python examples/quickstart.py",  # the README's quick start, in the venv
 ]
 
 
@@ -66,7 +68,7 @@ def test_readme_install_route_in_a_clean_venv(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PIP_", "VIRTUAL_ENV"))}
     env.update(PYTHONNOUSERSITE="1", PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_CACHE_DIR="1",
                FLATEP_CMAKE_ARGS="-DFLATEP_CUDA=OFF")
-    setup, venv, install, example = README_COMMANDS
+    setup, venv, install, example, quickstart = README_COMMANDS
     run(setup, src, env)
     run(venv, src, env)
     run(install, src, env)
@@ -81,3 +83,6 @@ def test_readme_install_route_in_a_clean_venv(tmp_path):
     # Exact mode: S=64 tokens * K=2 rows on each of the two ranks, every step.
     assert sum(l.startswith("step ") and "rank loads [128, 128]" in l for l in out) == 20, "\n".join(out)
     assert out[-1].endswith(": OK"), "\n".join(out)
+
+    out = run(quickstart, src, env).splitlines()
+    assert out[-1].startswith("quickstart: OK"), "\n".join(out)

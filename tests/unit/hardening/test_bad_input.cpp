@@ -1,5 +1,5 @@
 // The bad-input table: every invalid argument of the C++ API, fed to the real entry point, with the exact error
-// category and message it must produce. The README's bad-input table is this list; print it as Markdown with
+// category and message it must produce. docs/errors.md's table is this list; print it as Markdown with
 //   FLATEP_PRINT_BAD_INPUT_TABLE=1 flatep_hardening_tests --gtest_filter='BadInput.*'
 // Everything runs in one process through the local host transport (R = 1, or 2 rank threads where a second rank is
 // needed); every row is rejected before any collective starts, except the expert-id rows (skipped, recorded and
