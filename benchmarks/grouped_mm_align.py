@@ -263,7 +263,7 @@ class Tensors:
     def __init__(self, args, F, max_rows, max_groups, device):
         H = args.hidden
         g = torch.Generator(device=device).manual_seed(7)
-        rnd = lambda *s: (torch.randn(*s, device=device, generator=g) * 0.05).to(BF16)  # noqa: E731
+        rnd = lambda *s: torch.randn(*s, device=device, generator=g, dtype=BF16).mul_(0.05)  # noqa: E731
         self.x, self.dy = rnd(max_rows, H), rnd(max_rows, H)
         self.a, self.dh = rnd(max_rows, F), rnd(max_rows, F)
         self.w1, self.w2 = rnd(max_groups, H, F), rnd(max_groups, F, H)

@@ -473,6 +473,8 @@ class FlatEP:
                     (torch.randn(w.epn, w.F, w.H, device=dev, generator=g) / w.F**0.5).to(BF16))
         self.plans = None
         self.static_bytes = 0  # set by run(): the Buffer's and pools' device memory per rank
+        self.local_uncapped = a.flatep_local_ops == "uncapped"
+        self.rows_in_region = a.flatep_combine_bwd == "region"
 
     def own_weights(self):
         return [(L.own_weights(0), L.own_weights(1)) for L in self.layers]
@@ -483,12 +485,20 @@ class FlatEP:
     def _combine_grad(self, r, plan, rows, y, recv_w):
         # as flatep.autograd's combine backward (Buffer._combine_backward_raw: rows in the receive region), on the
         # whole GPU: a local op
-        with uncapped([self.buffers[r]]):
+        with uncapped([self.buffers[r]]) if self.local_uncapped else contextlib.nullcontext():
             return self.buffers[r]._combine_grad_raw(plan, rows, y, recv_w)
 
     def _write_grads(self, r, plan, grads, accumulate):
+        num_sms = 0 if self.local_uncapped else None
         for p in range(2):  # own experts and the slots used this step, as flatep.nn does (accumulate: main_grad)
-            self.pools[r].write_grads(plan, self.layers[r], p, grads[p], accumulate=accumulate, num_sms=0)
+            self.pools[r].write_grads(plan, self.layers[r], p, grads[p], accumulate=accumulate, num_sms=num_sms)
+
+    def _combine_bwd_rows(self, r, plan, grad_out):
+        """The output gradient dispatched back to the rows: into the receive region (flatep.autograd's path) or,
+        --flatep-combine-bwd copy, into a tensor of its own (the path before issue 48)."""
+        if self.rows_in_region:
+            return self.buffers[r]._dispatch_region_raw(plan, grad_out)
+        return self.buffers[r]._dispatch_raw(plan, grad_out, None, want_weights=False, zero_fill=False)[0]
 
     def step(self, topk_idx, timed, memory=False, accumulate=True):
         w, R = self.w, self.w.R
@@ -515,8 +525,7 @@ class FlatEP:
         outs = c.together("combine_fwd", lambda r: B[r]._combine_raw(plans[r], graphs[r][0].detach(), recv[r][1]))
 
         # ---- backward ----
-        # the output gradient's rows stay in each rank's receive region (zero copy) for combine_grad
-        rows = c.together("combine_bwd", lambda r: B[r]._dispatch_region_raw(plans[r], w.grad_out[r]))
+        rows = c.together("combine_bwd", lambda r: self._combine_bwd_rows(r, plans[r], w.grad_out[r]))
         grads_y = c.local("combine_bwd", lambda r: self._combine_grad(r, plans[r], rows[r], graphs[r][0].detach(),
                                                                       recv[r][1]))
         del rows
@@ -696,11 +705,18 @@ def main(argv=None):
                      help="capture one baseline step with torch.profiler at --profile-maxvio into DIR")
     own.add_argument("--profile-maxvio", type=float, default=None,
                      help="the maxvio (one of --maxvio) of --profile-baseline; default the largest")
+    own.add_argument("--flatep-local-ops", choices=["uncapped", "capped"], default="uncapped",
+                     help="FlatEP's local ops (combine_grad, write_grads) on the whole GPU or under the comm phases' "
+                          "SM budget (capped: as before issue 48)")
+    own.add_argument("--flatep-combine-bwd", choices=["region", "copy"], default="region",
+                     help="FlatEP's combine backward rows: left in the receive region (flatep.autograd) or copied out "
+                          "into a tensor of their own (as before issue 48)")
     extra, rest = own.parse_known_args(argv)
     args = ml.parse_args(rest)
     args.command = " ".join(["benchmarks/moe_layer_virtual.py"] + argv)
     args.timeout, args.gpus = extra.timeout, extra.gpus
     args.profile_baseline, args.profile_maxvio = extra.profile_baseline, extra.profile_maxvio
+    args.flatep_local_ops, args.flatep_combine_bwd = extra.flatep_local_ops, extra.flatep_combine_bwd
     if args.profile_maxvio is not None and not any(math.isclose(args.profile_maxvio, m) for m in args.maxvio):
         sys.exit(f"moe_layer_virtual: --profile-maxvio {args.profile_maxvio:g} is not one of --maxvio "
                  f"{' '.join(format(m, 'g') for m in args.maxvio)}")

@@ -13,10 +13,14 @@
 #                                                                      grouped_mm_align_*.csv, gemm_align.log
 #   layer_f512   benchmarks/moe_layer_virtual.py --gpus 1 --config moonep --ffn 512 --maxvio 0.2 1 10 20: R=8
 #                virtual ranks, every phase, memory per rank, allocator counters per phase, and one profiled baseline
-#                step at maxvio 20 ($OUT/profile/baseline_lean_maxvio20_*)    moe_layer_moonep_..._F512_*.csv, .log
-#   anomaly      the same at maxvio 20 with the baseline's weighted-sum backward as autograd runs it (four [S*K, H]
-#                fp32 tensors: the code of the 10.6 -> 67.7 ms jump), profiled ($OUT/profile/baseline_autograd_*):
-#                its combine_bwd time and allocator retries against layer_f512's               ..._autograd.csv
+#                step at maxvio 20 ($OUT/profile/baseline_lean_maxvio20_*); FlatEP at the align gemm_align chose
+#                                                                       moe_layer_moonep_..._F512_*.csv, .log
+#   before48     the same at maxvio 0.2 and 20 with the choices of the issue's run, each a flag of
+#                moe_layer_virtual.py: the baseline's weighted-sum backward as autograd runs it (four [S*K, H] fp32
+#                tensors per rank: the code of the 10.6 -> 67.7 ms jump), FlatEP's local ops under the comm SM
+#                budget, its combine backward rows copied out, fp32 gradients overwritten; profiled at maxvio 20
+#                ($OUT/profile/baseline_autograd_*): the A/B of every benchmark-side change against layer_f512
+#                (the kernel and nn.py changes are not switchable)                           ..._before48.csv
 #   layer_f2048  F=2048 shrunk to fit one GPU: R=4 virtual ranks with E=192, i.e. every rank's shapes as MoonEP's at
 #                R=8 (epn=48, S=8192, K=8, H=7168, F=2048: ~19 GB of pools and buffer per rank, 8 ranks ~150 GB
 #                do not fit 141 GB) but 4 peers; maxvio 0.2 1 10 20                             ..._F2048_*.csv
@@ -28,8 +32,8 @@
 # virtual ranks its wall time is the local phases of the 8 ranks one after the other (~33 ms x 8 baseline, ~17 ms x 8
 # FlatEP) plus a 40 ms start gate per communication phase (4 baseline, 9 FlatEP): ~0.5 + 0.55 s per iteration pair.
 # layer_f512 runs per maxvio a check pair, one warm-up pair, one memory pair (slower: allocator snapshots) and 6
-# timed pairs, ~12 s, so 4 maxvio ~50 s plus ~20 s of start-up and the profile: ~75 s. anomaly (one maxvio, 2 timed
-# pairs) ~30 s. layer_f2048 (4 ranks, ~4x the GEMM and gradient work) ~1.1 s per pair, 4 timed: ~65 s.
+# timed pairs, ~12 s, so 4 maxvio ~50 s plus ~20 s of start-up and the profile: ~75 s. before48 (two maxvio, 2 timed
+# pairs) ~40 s. layer_f2048 (4 ranks, ~4x the GEMM and gradient work) ~1.1 s per pair, 4 timed: ~65 s.
 # gemm_align ~60 s (host plans of 8 CPU ranks, then 9 layouts x 8 ops x 12 runs per F and maxvio). build ~60-90 s,
 # the tests ~30 s. Total ~6 minutes; BENCH_DEADLINE_S (default 460) stops starting steps past it.
 #
@@ -43,7 +47,7 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
 PY=${PYTHON:-python3}
 DEADLINE_S=${BENCH_DEADLINE_S:-460}
-ALL_STEPS="build gpu_ops pytest_cuda gemm_align layer_f512 anomaly layer_f2048"
+ALL_STEPS="build gpu_ops pytest_cuda gemm_align layer_f512 before48 layer_f2048"
 STEPS=${BENCH_STEPS:-$ALL_STEPS}
 [[ " $STEPS " == *" build "* ]] || STEPS="build $STEPS"
 SUMMARY=$OUT/summary48.txt
@@ -56,7 +60,8 @@ source "$(dirname "$SELF")/bench_steps.sh"
 
 gpu_ops() {
     local c rc=0
-    for c in r4_graph_fwd_bwd r8_graph_fwd_bwd_slack r4_bwd_h264_odd_grads r4_decode_h7168_row_slices; do
+    for c in r4_graph_fwd_bwd r8_graph_fwd_bwd_slack r4_bwd_h264_odd_grads r4_decode_h7168_row_slices \
+        r4_bwd_write_grads_walk_vec r4_bwd_write_grads_walk_scalar; do
         build-cuda/tests/gpu/test_gpu_ops --case "$c" || rc=1
     done
     return $rc
@@ -75,15 +80,21 @@ step gpu_ops 90 "$SELF" __gpu_ops
 step pytest_cuda 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/python/test_gpu_combine_backward.py \
     tests/python/test_grouped.py
 step gemm_align 150 "$PY" benchmarks/grouped_mm_align.py --out "$OUT" --tag h200
+# The layer runs at the align gemm_align chose (what DEFAULT_ALIGN in python/flatep/nn.py is to become), 128 without
+# one; before48 at the issue's 128.
+ALIGN=$(grep -oP '^chosen align \K[0-9]+' "$OUT/gemm_align.log" 2>/dev/null || true)
+ALIGN=${ALIGN:-128}
+say "layer_f512 and layer_f2048 run FlatEP at align $ALIGN"
 LAYER=(benchmarks/moe_layer_virtual.py --gpus 1 --config moonep --out "$OUT" --no-plot)
-step layer_f512 170 "$PY" "${LAYER[@]}" --ffn 512 --maxvio 0.2 1 10 20 --iters 6 --warmup 2 \
+step layer_f512 170 "$PY" "${LAYER[@]}" --ffn 512 --maxvio 0.2 1 10 20 --iters 6 --warmup 2 --align "$ALIGN" \
     --profile-baseline "$OUT/profile" --profile-maxvio 20 --tag h200-virtual
-step anomaly 80 "$PY" "${LAYER[@]}" --ffn 512 --maxvio 20 --iters 2 --warmup 2 --baseline-unpermute autograd \
-    --profile-baseline "$OUT/profile" --tag h200-virtual-autograd
+step before48 100 "$PY" "${LAYER[@]}" --ffn 512 --maxvio 0.2 20 --iters 2 --warmup 2 --baseline-unpermute autograd \
+    --flatep-local-ops capped --flatep-combine-bwd copy --wgrad-mode overwrite --align 128 \
+    --profile-baseline "$OUT/profile" --tag h200-virtual-before48
 step layer_f2048 150 "$PY" "${LAYER[@]}" --ffn 2048 --ranks 4 --experts 192 --maxvio 0.2 1 10 20 --iters 4 \
-    --warmup 2 --tag h200-virtual-r4
+    --warmup 2 --align "$ALIGN" --tag h200-virtual-r4
 
-for log in layer_f512 anomaly layer_f2048; do
+for log in layer_f512 before48 layer_f2048; do
     [[ -f $OUT/$log.log ]] || continue
     {
         echo "== $log"
