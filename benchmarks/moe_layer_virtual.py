@@ -68,6 +68,14 @@ from flatep import testing, virtual  # noqa: E402
 from flatep.nn import grouped_ffn, route  # noqa: E402
 
 BF16 = ml.BF16
+# FlatEP's A/B switches of this benchmark: (flag, choices with the default first, help); the second choices are the
+# issue-48 run's (benchmarks/moe_layer.py has the baseline's, --baseline-unpermute and --wgrad-mode)
+AB_SWITCHES = (
+    ("--flatep-local-ops", ["uncapped", "capped"],
+     "FlatEP's local ops (combine_grad, write_grads) on the whole GPU or under the comm phases' SM budget"),
+    ("--flatep-combine-bwd", ["region", "copy"],
+     "FlatEP's combine backward rows: left in the receive region (flatep.autograd) or copied into a tensor"),
+)
 GATE_S = 0.04  # seconds every rank's stream waits before a communication phase (covers the host's enqueueing)
 
 
@@ -705,12 +713,8 @@ def main(argv=None):
                      help="capture one baseline step with torch.profiler at --profile-maxvio into DIR")
     own.add_argument("--profile-maxvio", type=float, default=None,
                      help="the maxvio (one of --maxvio) of --profile-baseline; default the largest")
-    own.add_argument("--flatep-local-ops", choices=["uncapped", "capped"], default="uncapped",
-                     help="FlatEP's local ops (combine_grad, write_grads) on the whole GPU or under the comm phases' "
-                          "SM budget (capped: as before issue 48)")
-    own.add_argument("--flatep-combine-bwd", choices=["region", "copy"], default="region",
-                     help="FlatEP's combine backward rows: left in the receive region (flatep.autograd) or copied out "
-                          "into a tensor of their own (as before issue 48)")
+    for flag, choices, what in AB_SWITCHES:  # the first choice is the default
+        own.add_argument(flag, choices=choices, default=choices[0], help=what)
     extra, rest = own.parse_known_args(argv)
     args = ml.parse_args(rest)
     args.command = " ".join(["benchmarks/moe_layer_virtual.py"] + argv)

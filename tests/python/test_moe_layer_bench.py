@@ -97,6 +97,20 @@ def test_moe_layer_virtual_tiny_cpu(tmp_path):
             assert by[(m, impl, "layer")] >= max(by[(m, impl, p)] for p in got if p not in ("layer", "sum_phases"))
 
 
+def test_moe_layer_virtual_before48_switches_cpu(tmp_path):
+    """The A/B switches that replay the issue-48 run's choices (the baseline's weighted-sum backward by autograd,
+    FlatEP's local ops under the SM budget and its combine backward rows copied out, gradients overwritten) compute
+    the same layer: the equality check passes at both skews."""
+    paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "moe_layer_virtual.py"), *TINY, "--out", str(tmp_path),
+           "--no-plot", "--maxvio", "0.2", "20", "--baseline-unpermute", "autograd", "--flatep-local-ops", "capped",
+           "--flatep-combine-bwd", "copy", "--wgrad-mode", "overwrite"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "equality check passed" in proc.stdout, proc.stdout
+
+
 def test_moe_layer_virtual_check_catches_a_mismatch(tmp_path):
     paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
