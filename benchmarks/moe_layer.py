@@ -45,7 +45,10 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))  # source checkout: pytho
 
 import flatep  # noqa: E402
 from flatep import testing  # noqa: E402
-from flatep.nn import grouped_ffn, route  # noqa: E402
+from flatep.nn import DEFAULT_ALIGN, grouped_ffn, route  # noqa: E402
+
+sys.path.insert(0, HERE)
+import layer_probe  # noqa: E402
 
 BF16 = torch.bfloat16
 PRESETS = {
@@ -60,6 +63,9 @@ PHASES = [
     "combine_bwd", "prefetch_bwd", "gemm_bwd", "wgrad_fp32", "reduce_grad", "dispatch_bwd", "router_bwd",
 ]
 IMPLS = ["baseline", "flatep"]
+# Entries per chunk of the baseline's weighted-sum backward (weighted_unpermute_backward): its fp32 temporaries are
+# [chunk, H] (470 MB at H=7168), whatever S*K.
+UNPERMUTE_CHUNK_ROWS = 16384
 
 
 def parse_args(argv=None):
@@ -74,7 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--maxvio", type=float, nargs="+", help="router imbalance targets (0: uniform); default 0.2 1 10 20")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per mode (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (the first one is checked)")
-    p.add_argument("--align", type=int, default=128, help="FlatEP row-group padding")
+    p.add_argument("--align", type=int, default=DEFAULT_ALIGN, help="FlatEP row-group padding (default: nn.MoE's)")
     p.add_argument("--capacity-factor", type=float, default=1.0, help="FlatEP capacity factor (1: exact mode)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
@@ -82,6 +88,12 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.path.join(HERE, "results"), help="directory of the CSV and PNGs")
     p.add_argument("--tag", default=None, help="device tag in the file names (default: from the device name)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--wgrad-mode", choices=["accumulate", "overwrite"], default="accumulate",
+                   help="fp32 expert gradients, both implementations: added into main_grad (nn.MoE, Megatron) or "
+                        "overwritten (a first micro-batch); the equality check always overwrites")
+    p.add_argument("--baseline-unpermute", choices=["lean", "autograd"], default="lean",
+                   help="the baseline's weighted-sum backward: 'lean' (chunked, no [S*K, H] fp32 temporaries) or "
+                        "'autograd' (autograd of the forward expression: four [S*K, H] fp32 tensors)")
     p.add_argument("--inject-mismatch", action="store_true", help=argparse.SUPPRESS)  # tests: the check must fail
     args = p.parse_args(argv)
     defaults = dict(ranks=2, tokens=64, hidden=64, ffn=32, experts=8, topk=2, maxvio=[0.2, 1, 10, 20])
@@ -104,9 +116,12 @@ class Timer:
 
     def __init__(self, device, ctrl):
         self.cuda = device.type == "cuda"
+        self.device = device
         self.ctrl = ctrl
         self.enabled = False
         self.marks = []
+        self.counters = layer_probe.PhaseCounters()
+        self._opened = {}
 
     def _stamp(self):
         if self.cuda:
@@ -123,15 +138,19 @@ class Timer:
     def begin(self, name):
         if self.enabled:
             self.sync()
+            self._opened[name] = layer_probe.alloc_counters([self.device])
             self.marks.append([name, self._stamp(), None])
 
     def end(self, name):
         if self.enabled:
             assert self.marks and self.marks[-1][0] == name and self.marks[-1][2] is None, (name, self.marks[-1:])
             self.marks[-1][2] = self._stamp()
+            # the allocator works when ops are enqueued: the host's counters at the end cover the phase
+            self.counters.add(name, self._opened.pop(name), layer_probe.alloc_counters([self.device]))
 
     def start(self, enabled):
         self.enabled, self.marks = enabled, []
+        self.counters = layer_probe.PhaseCounters()
 
     def collect(self):
         """{phase: ms} of this iteration (a phase met twice is summed)."""
@@ -166,6 +185,47 @@ class Mark(torch.autograd.Function):
 
 
 # ---- the baseline ----
+
+
+def weighted_unpermute_backward(grad_out, token_of, back, w_sorted, chunk_rows=UNPERMUTE_CHUNK_ROWS):
+    """Backward of the baseline's weighted sum out[t] = bf16(sum over t's entries e of back[e] * w_sorted[e]) (fp32
+    sum), entries e in the by-expert order, t = token_of[e]: grad_back[e] = bf16(grad_out[t] * w_sorted[e]) (one fp32
+    multiply, one rounding) and grad_w_sorted[e] = <grad_out[t], back[e]> in fp32 (exact bf16 products, torch's fp32
+    sum). The arithmetic autograd runs for the forward expression (its bits on the CPU; on a GPU torch's row sums may
+    group differently), in chunks of `chunk_rows` entries: the fp32 temporaries are [chunk_rows, H], where autograd
+    materialises four [S*K, H] fp32 tensors (1.9 GB each at S=8192, K=8, H=7168). Returns (grad_back [S*K, H] bf16,
+    grad_w_sorted [S*K] fp32)."""
+    n = back.shape[0]
+    grad_back = torch.empty_like(back)
+    grad_w = torch.empty(n, dtype=torch.float32, device=back.device)
+    for lo in range(0, n, chunk_rows):
+        hi = min(lo + chunk_rows, n)
+        g = grad_out.index_select(0, token_of[lo:hi])  # bf16 rows of the entries' tokens
+        torch.mul(g, w_sorted[lo:hi].unsqueeze(1), out=grad_back[lo:hi])  # fp32 math, bf16 store
+        grad_w[lo:hi] = back[lo:hi].float().mul_(g).sum(1)
+    return grad_back, grad_w
+
+
+def weighted_sum(back, w_sorted, token_of, num_tokens):
+    """The baseline's combine: out [S, H] bf16, the fp32 sum of each token's K rows back [S*K, H] bf16 (by-expert
+    order) times their weights w_sorted [S*K] fp32 (Megatron's unpermute with probabilities)."""
+    out = torch.zeros(num_tokens, back.shape[1], dtype=torch.float32, device=back.device)
+    return out.index_add_(0, token_of, back.float() * w_sorted.unsqueeze(1)).to(BF16)
+
+
+class _WeightedSum(torch.autograd.Function):
+    """weighted_sum with the backward of weighted_unpermute_backward."""
+
+    @staticmethod
+    def forward(ctx, back, w_sorted, token_of, num_tokens):
+        ctx.save_for_backward(back, w_sorted, token_of)
+        return weighted_sum(back, w_sorted, token_of, num_tokens)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        back, w_sorted, token_of = ctx.saved_tensors
+        grad_back, grad_w = weighted_unpermute_backward(grad_out.to(BF16).contiguous(), token_of, back, w_sorted)
+        return grad_back, grad_w, None, None
 
 
 def _a2a(output, inp, out_splits, in_splits, group):
@@ -241,7 +301,10 @@ class Baseline:
         T.begin("wgrad_fp32")
         with torch.no_grad():
             for main, w in zip(self.main_grads, (self.w1, self.w2)):
-                main.add_(w.grad)
+                if self.st.wgrad_accumulate():
+                    main.add_(w.grad)
+                else:
+                    main.copy_(w.grad)
         T.end("wgrad_fp32")
 
     def zero_grad(self):
@@ -283,8 +346,11 @@ class Baseline:
         inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device)
         back = all_to_all_rows(y.index_select(0, inverse), send_splits, recv_splits, group)  # my entries, by expert
         w_sorted = weights.reshape(-1).index_select(0, order)
-        out = torch.zeros(x.shape[0], st.H, dtype=torch.float32, device=x.device)
-        out = out.index_add(0, token_of, back.float() * w_sorted.unsqueeze(1)).to(BF16)
+        if st.lean_unpermute:
+            out = _WeightedSum.apply(back, w_sorted, token_of, x.shape[0])
+        else:  # autograd of the expression (its backward materialises [S*K, H] fp32 tensors)
+            out = torch.zeros(x.shape[0], st.H, dtype=torch.float32, device=x.device)
+            out = out.index_add(0, token_of, back.float() * w_sorted.unsqueeze(1)).to(BF16)
         T.end("combine_fwd")
         return Mark.apply(T, None, "combine_bwd", out)
 
@@ -328,8 +394,9 @@ class _FlatExperts(torch.autograd.Function):
         g1, g2, gx = torch.autograd.grad(y, [w1, w2, x_leaf], grad_y.to(y.dtype))
         T.end("gemm_bwd")
         T.begin("wgrad_fp32")  # the GEMM's bf16 gradients into the fp32 grads views (own experts, used slots)
-        pools.write_grads(plan, layer, 0, g1)
-        pools.write_grads(plan, layer, 1, g2)
+        accumulate = impl.st.wgrad_accumulate()
+        pools.write_grads(plan, layer, 0, g1, accumulate=accumulate)
+        pools.write_grads(plan, layer, 1, g2, accumulate=accumulate)
         T.end("wgrad_fp32")
         T.begin("reduce_grad")
         pools.reduce_grad(plan, layer)
@@ -407,6 +474,9 @@ def run_rank(rank, R, args, result_path):
     st.a2a_group = dist.group.WORLD
     st.timer = Timer(device, st.ctrl)
     st.inject_mismatch = args.inject_mismatch
+    st.lean_unpermute = args.baseline_unpermute == "lean"
+    st.checking = False  # the equality check's step: the fp32 expert gradients are overwritten, not accumulated
+    st.wgrad_accumulate = lambda: args.wgrad_mode == "accumulate" and not st.checking
     g = torch.Generator(device=device).manual_seed(args.seed * 7919 + rank + 1)
     st.w1 = (torch.randn(st.epn, st.H, st.F, device=device, generator=g) / st.H**0.5).to(BF16)
     st.w2 = (torch.randn(st.epn, st.F, st.H, device=device, generator=g) / st.F**0.5).to(BF16)
@@ -414,17 +484,36 @@ def run_rank(rank, R, args, result_path):
     st.router = torch.randn(st.E, st.H, device=device, generator=gr) / st.H**0.5
     x_leaf = torch.randn(st.S, st.H, device=device, generator=g).to(BF16)
     grad_out = torch.randn(st.S, st.H, device=device, generator=g).to(BF16)
-    impls = {"baseline": Baseline(st), "flatep": FlatEP(st)}
+    baseline = Baseline(st)
+    before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    impls = {"baseline": baseline, "flatep": FlatEP(st)}
+    # Persistent memory per rank: FlatEP's Buffer and pools (device memory outside torch's allocator: the free
+    # memory it took, less torch's own growth meanwhile; approximate where ranks share a GPU); the baseline's expert
+    # weights and their fp32 main gradients (torch tensors).
+    static = {"baseline": layer_probe.tensor_bytes(baseline.w1, baseline.w2, *baseline.main_grads), "flatep": 0}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        grown = torch.cuda.memory_reserved(device) - reserved
+        static["flatep"] = max(0, before - torch.cuda.mem_get_info(device)[0] - grown)
     records, checks = [], []
 
     def step(impl, topk_idx, timed):
+        """One forward + backward: (out, x.grad, phase times or {}, the step's peak torch bytes above its start)."""
         x = x_leaf.detach().requires_grad_()
         impl.zero_grad()
+        base = 0
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         st.timer.start(timed)
         out = impl.forward(x, topk_idx)
         out.backward(grad_out)
         impl.after_backward()
-        return out, x.grad, (st.timer.collect() if timed else {})
+        times = st.timer.collect() if timed else {}
+        peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0
+        return out, x.grad, times, peak
 
     for target in args.maxvio:
         reachable = 0.9 * (st.E / st.K - 1)  # maxvio <= E/K - 1 (every token on the K hottest experts)
@@ -438,9 +527,11 @@ def run_rank(rank, R, args, result_path):
         topk_idx = testing.sample_topk(st.E, st.S, st.K, rank, sigma=sigma, seed=args.seed).to(device).long()
         # Equality check on the first iteration (same x, routing, weights and output gradient for both).
         results = {}
+        st.checking = True
         for name in IMPLS:
-            out, gx, _ = step(impls[name], topk_idx, False)
+            out, gx, _, _ = step(impls[name], topk_idx, False)
             results[name] = (out.detach(), gx.detach()) + tuple(t.detach().float() for t in impls[name].grads())
+        st.checking = False
         errors = {
             field: rel_l2(results["flatep"][i], results["baseline"][i])
             for i, field in enumerate(["out", "grad_x", "grad_router", "grad_w1", "grad_w2"])
@@ -459,11 +550,13 @@ def run_rank(rank, R, args, result_path):
         for name in IMPLS:
             for _ in range(max(args.warmup - 1, 0)):
                 step(impls[name], topk_idx, False)
-        samples = {name: {"phases": [], "layer": []} for name in IMPLS}
+        samples = {name: {"phases": [], "layer": [], "alloc": [], "peak": 0} for name in IMPLS}
         for it in range(args.iters):
             for name in IMPLS:  # interleaved, so drifts hit both alike
-                _, _, phases = step(impls[name], topk_idx, True)
+                _, _, phases, peak = step(impls[name], topk_idx, True)
                 samples[name]["phases"].append(phases)
+                samples[name]["alloc"].append(st.timer.counters.by_phase)
+                samples[name]["peak"] = max(samples[name]["peak"], peak)
                 st.timer.sync()
                 t0 = st.timer._stamp()
                 step(impls[name], topk_idx, False)
@@ -475,6 +568,8 @@ def run_rank(rank, R, args, result_path):
         dist.all_gather_object(gathered, samples, group=st.ctrl)
         if rank == 0:
             for name in IMPLS:
+                memory = {} if device.type != "cuda" else layer_probe.memory_columns(
+                    static[name], max(g_[name]["peak"] for g_ in gathered))
                 per_iter = {}  # phase -> list over iterations of [ms per rank]
                 for it in range(args.iters):
                     for phase in PHASES:
@@ -486,17 +581,28 @@ def run_rank(rank, R, args, result_path):
                     )
                     per_iter.setdefault("layer", []).append([g_[name]["layer"][it] for g_ in gathered])
                 for phase, its in per_iter.items():
+                    counts = [_summed(g_[name]["alloc"][it].get(phase, {}) for g_ in gathered)
+                              for it in range(args.iters)]
                     records.append(dict(
                         maxvio_target=target, maxvio=round(realised, 4), sigma=round(sigma, 5), impl=name,
                         phase=phase, median_ms=statistics.median(max(v) for v in its),
                         mean_rank_ms=statistics.median(sum(v) / len(v) for v in its),
                         min_rank_ms=statistics.median(min(v) for v in its), rows_max=rows[name],
+                        **layer_probe.alloc_columns(counts), **memory,
                     ))
     if rank == 0:
         with open(result_path, "w") as f:
             import json
 
             json.dump({"records": records, "checks": checks}, f)
+
+
+def _summed(dicts):
+    out = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 # ---- process management and output ----
@@ -531,6 +637,27 @@ def _worker(rank, R, init_file, args, result_path):
         dist.destroy_process_group()
 
 
+def print_memory(by, targets):
+    """The memory table (GiB per rank: static + the step's peak, the largest rank) and the phases in which the
+    caching allocator had to free its cache and retry (alloc_retries) or map / unmap memory (device_allocs)."""
+    if not any(by.get((t, "baseline", "layer"), {}).get("peak_gb") is not None for t in targets):
+        return
+    print("\nmemory per rank (GiB; static + step peak = peak, the largest rank): baseline / flatep")
+    print(f"{'':>13} " + " ".join(f"{'maxvio ' + format(t, 'g'):>19}" for t in targets))
+    for col in layer_probe.MEMORY_COLUMNS:
+        cells = [f"{by[(t, 'baseline', 'layer')][col]:8.2f} / {by[(t, 'flatep', 'layer')][col]:8.2f}" for t in targets]
+        print(f"{col:>13} " + " ".join(f"{c:>19}" for c in cells))
+    busy = [(t, i, p, r["alloc_retries"], r["device_allocs"]) for (t, i, p), r in by.items()
+             if p not in ("layer", "sum_phases") and (r.get("alloc_retries") or r.get("device_allocs"))]
+    if busy:
+        print("allocator per timed iteration (summed over ranks): maxvio impl phase: retries (cache freed), "
+              "device allocs / maps")
+        for t, i, p, retries, allocs in busy:
+            print(f"  {t:g} {i} {p}: {retries:g} retries, {allocs:g} allocs")
+    else:
+        print("allocator: no cache-flushing retry and no device allocation in any timed phase")
+
+
 def write_outputs(args, R, data, backend):
 
     device = device_name(args)
@@ -542,6 +669,7 @@ def write_outputs(args, R, data, backend):
     csv_path = os.path.join(args.out, name + ".csv")
     fields = ["config", "ranks", "tokens", "hidden", "ffn", "experts", "topk", "maxvio_target", "maxvio", "sigma",
               "impl", "phase", "median_ms", "mean_rank_ms", "min_rank_ms", "rows_max"]
+    fields += layer_probe.ALLOC_COLUMNS + layer_probe.MEMORY_COLUMNS
     with open(csv_path, "w", newline="") as f:
         f.write(f"# command: {args.command}\n# device: {device}; backend: {backend}; iters {args.iters}, "
                 f"warmup {args.warmup}; median over iterations of the slowest rank per phase (ms)\n")
@@ -579,6 +707,7 @@ def write_outputs(args, R, data, backend):
         for impl in IMPLS:
             r = by[(hi, impl, "layer")]["median_ms"] / by[(lo, impl, "layer")]["median_ms"]
             print(f"{impl} flatness: layer at maxvio {hi:g} / maxvio {lo:g} = {r:.3f}")
+    print_memory(by, targets)
     worst = {}
     for _, errs in data["checks"]:
         for k, v in errs.items():

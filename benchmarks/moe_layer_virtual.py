@@ -28,6 +28,19 @@ Phase time of a rank = the sum of its parts in that phase; the CSV reports per p
 --iters) and 'layer' = the sum over phases of the slowest rank (there is no end-to-end time on virtual ranks).
 Before timing, each maxvio's first iteration checks that FlatEP and the baseline agree (output, input gradient,
 router gradient, expert-weight gradients, within bf16 tolerance) on every rank.
+
+FlatEP's local ops (combine_grad, write_grads) run like the local torch ops, on the whole GPU: the SM budget of
+SMs / R blocks that the communication phases need (the Buffers' and pools' num_sms, set here unless FLATEP_SM_BUDGET /
+FLATEP_NUM_SMS is) is lifted around them. FlatEP's combine backward is flatep.autograd's: the output gradient is
+dispatched into the receive region (zero copy) and combine_grad reads it there. The baseline's weighted-sum backward
+is chunked (--baseline-unpermute lean; 'autograd' is the expression autograd runs, four [S*K, H] fp32 tensors per
+rank, cached per stream: with 8 ranks on one GPU the suspected cause of the caching allocator freeing and mapping
+memory again inside combine_bwd at maxvio 20, which the allocator columns show).
+Both implementations add their bf16 expert gradients into fp32 main gradients (--wgrad-mode). Besides time,
+per (maxvio, implementation): memory per rank (benchmarks/layer_probe.py: static, the step's peak, from one extra
+untimed step) and per phase the caching allocator's cache-flushing retries and device allocations (the timed
+iterations). --profile-baseline DIR captures one baseline step at --profile-maxvio with torch.profiler (tables of
+the top ops and kernels, the phases' ranges, a chrome trace).
 """
 
 import argparse
@@ -49,11 +62,20 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
 import flatep  # noqa: E402
+import layer_probe  # noqa: E402
 import moe_layer as ml  # noqa: E402
 from flatep import testing, virtual  # noqa: E402
 from flatep.nn import grouped_ffn, route  # noqa: E402
 
 BF16 = ml.BF16
+# FlatEP's A/B switches of this benchmark: (flag, choices with the default first, help); the second choices are the
+# issue-48 run's (benchmarks/moe_layer.py has the baseline's, --baseline-unpermute and --wgrad-mode)
+AB_SWITCHES = (
+    ("--flatep-local-ops", ["uncapped", "capped"],
+     "FlatEP's local ops (combine_grad, write_grads) on the whole GPU or under the comm phases' SM budget"),
+    ("--flatep-combine-bwd", ["region", "copy"],
+     "FlatEP's combine backward rows: left in the receive region (flatep.autograd) or copied into a tensor"),
+)
 GATE_S = 0.04  # seconds every rank's stream waits before a communication phase (covers the host's enqueueing)
 
 
@@ -69,6 +91,10 @@ class Clock:
             self.gate_cycles = int(GATE_S * clock_khz * 1e3)
         self.enabled = False
         self.times = {}
+        self.counters = layer_probe.PhaseCounters()
+        self.memory = None  # a layer_probe.RankMemory during a memory step
+        self._rank_memory = layer_probe.RankMemory(self.streams, devices) if self.cuda else None
+        self.profiling = False  # record_function ranges "phase/<phase>/r<rank>" (under --profile-baseline)
 
     def sync(self):
         if self.cuda:
@@ -79,8 +105,21 @@ class Clock:
         """Context: rank r's device and stream current."""
         return _RankStream(self.devices[r], self.streams[r]) if self.cuda else contextlib.nullcontext()
 
-    def start(self, enabled):
+    def start(self, enabled, memory=False):
+        """A new step: timed when `enabled`; with `memory` (CUDA) every rank's peak memory is followed (slow: an
+        untimed step)."""
         self.enabled, self.times = enabled, {}
+        self.counters = layer_probe.PhaseCounters()
+        self.memory = self._rank_memory if memory and self.cuda else None
+        if self.memory is not None:
+            self.sync()
+            self.memory.start()
+
+    def _alloc_counters(self):
+        return layer_probe.alloc_counters(self.devices) if self.cuda else {}
+
+    def _range(self, phase, r):
+        return torch.profiler.record_function(f"phase/{phase}/r{r}") if self.profiling else contextlib.nullcontext()
 
     def _add(self, phase, r, ms):
         if self.enabled:
@@ -100,16 +139,20 @@ class Clock:
                 if self.cuda:
                     s = self.streams[r]
                     self.sync()
+                    before = self._alloc_counters()
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     a.record(s)
-                    with self.rank_stream(r):
-                        res = fn(r) if i == 0 else fn(r, res)
+                    call = (lambda: fn(r)) if i == 0 else (lambda res=res: fn(r, res))
+                    with self.rank_stream(r), self._range(phase, r):
+                        res = call() if self.memory is None else self.memory.local(r, call)
                     b.record(s)
                     b.synchronize()
                     self._add(phase, r, a.elapsed_time(b))
+                    self.counters.add(phase, before, self._alloc_counters())
                 else:
                     t0 = time.perf_counter()
-                    res = fn(r) if i == 0 else fn(r, res)
+                    with self._range(phase, r):
+                        res = fn(r) if i == 0 else fn(r, res)
                     self._add(phase, r, (time.perf_counter() - t0) * 1e3)
             out[r] = res
         return out
@@ -137,7 +180,13 @@ class Clock:
             for r in range(self.R):
                 self._add(phase, r, times[r])
             return out
+        if self.memory is not None:
+            return self.memory.collective(lambda: self._together_cuda(phase, fn, finish))
+        return self._together_cuda(phase, fn, finish)
+
+    def _together_cuda(self, phase, fn, finish):
         self.sync()
+        before = self._alloc_counters()
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.R)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.R)]
         # A gate: every stream first spins for GATE_S, longer than the host takes to enqueue every rank's part, so the
@@ -148,7 +197,7 @@ class Clock:
             starts[r].record(self.streams[r])
         out = [None] * self.R
         for r in range(self.R):
-            with self.rank_stream(r):
+            with self.rank_stream(r), self._range(phase, r):
                 out[r] = fn(r)
         if finish is not None:
             for r in range(self.R):
@@ -159,16 +208,19 @@ class Clock:
         self.sync()
         for r in range(self.R):
             self._add(phase, r, starts[r].elapsed_time(ends[r]))
+        self.counters.add(phase, before, self._alloc_counters())
         return out
 
     def host(self, phase, fn):
         """fn() once (it involves every rank and a host sync); its host time counts for every rank."""
         self.sync()
+        before = self._alloc_counters()
         t0 = time.perf_counter()
         res = fn()
         ms = (time.perf_counter() - t0) * 1e3
         for r in range(self.R):
             self._add(phase, r, ms)
+        self.counters.add(phase, before, self._alloc_counters())
         return res
 
 
@@ -212,6 +264,13 @@ class World:
             weights, idx = route(x, router, self.K, topk_idx)
         return x, weights, idx, x.detach().to(BF16)
 
+    def router_bwd(self, r, x_leaf, weights, grad_weights, grad_xb):
+        """Rank r's router backward (autograd through route from the routing weights' gradient) and its input
+        gradient from both paths, x.grad + the rows' gradient grad_xb [S, H] bf16, summed in fp32 (one pass over
+        grad_xb): the same code for both implementations."""
+        torch.autograd.backward(weights, grad_weights)
+        return x_leaf.grad.float().add_(grad_xb)
+
 
 class Baseline:
     """Count exchange with a host sync, permute, exact-size all-to-all, grouped FFN, the reverse path."""
@@ -228,13 +287,19 @@ class Baseline:
         self.w2 = [own_weights[r][1] for r in range(R)]
         self.main = own_grads  # fp32 main gradients (shared memory with FlatEP's own grads; timing only)
         self.keep_grads = False  # the equality check sets it: keep fp32 copies of the weight gradients
+        self.lean = w.args.baseline_unpermute == "lean"
+        # persistent bytes per rank of a real baseline: its bf16 expert weights and their fp32 main gradients
+        self.static_bytes = layer_probe.tensor_bytes(self.w1[0], self.w2[0], *self.main[0])
 
     def a2a(self, phase, send, send_splits, recv_splits):
         """send[r]: rows of rank r ordered by destination, send_splits[r][d] rows for d. Returns recv[d], rows by
         source. Every rank copies its blocks into the destinations' buffers at once; a rank is done when every
         block it receives has arrived."""
         w, R = self.w, self.w.R
-        recv = [torch.empty(sum(recv_splits[d]), w.H, dtype=BF16, device=w.devices[d]) for d in range(R)]
+        recv = []
+        for d in range(R):  # on the destination's stream: its memory is the destination rank's
+            with w.clock.rank_stream(d):
+                recv.append(torch.empty(sum(recv_splits[d]), w.H, dtype=BF16, device=w.devices[d]))
         sent_ev = [None] * R
         in_off = [[sum(recv_splits[d][:s]) for s in range(R)] for d in range(R)]
 
@@ -257,10 +322,10 @@ class Baseline:
         w.clock.together(phase, copy, wait_peers)
         return recv
 
-    def step(self, topk_idx, timed):
+    def step(self, topk_idx, timed, memory=False, accumulate=True):
         w, R, K, epn, E = self.w, self.w.R, self.w.K, self.w.epn, self.w.E
         c = w.clock
-        c.start(timed)
+        c.start(timed, memory)
         for r in range(R):
             self.routers[r].grad = None
         fwd = c.local("router_fwd", lambda r: w.route_fwd(r, topk_idx[r], self.routers[r]))
@@ -305,19 +370,22 @@ class Baseline:
         back_send = c.local("combine_fwd", unpermute)
         back = self.a2a("combine_fwd", back_send, recv_splits, send_splits)
         del back_send
-        w_sorted = [weights[r].detach().reshape(-1).index_select(0, orders[r]) for r in range(R)]
 
         def weighted_sum(r):
-            out = torch.zeros(w.S, w.H, dtype=torch.float32, device=w.devices[r])
-            return out.index_add_(0, token_ofs[r], back[r].float() * w_sorted[r].unsqueeze(1)).to(BF16)
+            w_sorted = weights[r].detach().reshape(-1).index_select(0, orders[r])
+            return ml.weighted_sum(back[r], w_sorted, token_ofs[r], w.S), w_sorted
 
-        outs = c.local("combine_fwd", weighted_sum)
+        outs, w_sorted = zip(*c.local("combine_fwd", weighted_sum))
 
         # ---- backward ----
         def combine_bwd_local(r):
-            g = w.grad_out[r].float().index_select(0, token_ofs[r])
-            grad_w_sorted = (g * back[r].float()).sum(1)
-            grad_back = (g * w_sorted[r].unsqueeze(1)).to(BF16)
+            if self.lean:  # chunked: no [S*K, H] fp32 temporaries
+                grad_back, grad_w_sorted = ml.weighted_unpermute_backward(w.grad_out[r], token_ofs[r], back[r],
+                                                                          w_sorted[r])
+            else:  # what autograd runs for the forward expression: four [S*K, H] fp32 tensors
+                g = w.grad_out[r].float().index_select(0, token_ofs[r])
+                grad_w_sorted = (g * back[r].float()).sum(1)
+                grad_back = (g * w_sorted[r].unsqueeze(1)).to(BF16)
             grad_w = torch.empty_like(grad_w_sorted)
             grad_w[orders[r]] = grad_w_sorted
             return grad_back, grad_w.view(w.S, K)
@@ -340,8 +408,11 @@ class Baseline:
 
         def wgrad(d, g):
             with torch.no_grad():
-                self.main[d][0].add_(g[0])
-                self.main[d][1].add_(g[1])
+                for main, grad in zip(self.main[d], g[:2]):
+                    if accumulate:  # Megatron's main_grad
+                        main.add_(grad)
+                    else:
+                        main.copy_(grad)
             if self.keep_grads:
                 gw_check[d] = (g[0], g[1])  # bf16, as computed
             return g[2]
@@ -356,18 +427,14 @@ class Baseline:
         grad_sent = self.a2a("dispatch_bwd", grad_recv_perm, recv_splits, send_splits)
         del grad_recv_perm
 
-        def scatter_tokens(r):
+        def scatter_tokens(r):  # fp32 sums of a token's K row gradients, one rounding: the gradient of bf16 rows
             g = torch.zeros(w.S, w.H, dtype=torch.float32, device=w.devices[r])
-            return g.index_add_(0, token_ofs[r], grad_sent[r].float())
+            return g.index_add_(0, token_ofs[r], grad_sent[r].float()).to(BF16)
 
         grad_xb = c.local("dispatch_bwd", scatter_tokens)
         del grad_sent
 
-        def router_bwd(r):
-            torch.autograd.backward(weights[r], grad_weights[r])
-            return xs[r].grad.float() + grad_xb[r]
-
-        grad_x = c.local("router_bwd", router_bwd)
+        grad_x = c.local("router_bwd", lambda r: w.router_bwd(r, xs[r], weights[r], grad_weights[r], grad_xb[r]))
         loads = [sum(recv_splits[d]) for d in range(R)]
         result = dict(out=outs, grad_x=grad_x, grad_router=[t.grad for t in self.routers],
                       grad_w1=[g[0] for g in gw_check] if self.keep_grads else None,
@@ -375,18 +442,34 @@ class Baseline:
         return result, c.times
 
 
+@contextlib.contextmanager
+def uncapped(objs):
+    """FlatEP objects (Buffer, ExpertPools) with no SM budget inside (num_sms 0), their budgets restored after: their
+    local ops then run on the whole GPU, as the local torch ops do."""
+    saved = [o.num_sms for o in objs]
+    for o in objs:
+        o.num_sms = 0
+    try:
+        yield
+    finally:
+        for o, n in zip(objs, saved):
+            o.num_sms = n
+
+
 class FlatEP:
     name = "flatep"
 
-    def __init__(self, w, ranks):
+    def __init__(self, w, ranks, num_sms=None):
         self.w = w
         R, a = w.R, w.args
         devs = w.devices
         self.routers = [t.clone().requires_grad_() for t in w.routers]
         self.buffers = virtual.run_threads(
-            R, lambda r: flatep.Buffer(ranks[r], w.S, w.H, w.E, w.K, a.align, a.capacity_factor, device=devs[r]))
+            R, lambda r: flatep.Buffer(ranks[r], w.S, w.H, w.E, w.K, a.align, a.capacity_factor, device=devs[r],
+                                       num_sms=num_sms))
         self.pools = virtual.run_threads(
-            R, lambda r: flatep.ExpertPools(ranks[r], w.epn, [(w.H, w.F), (w.F, w.H)], device=devs[r]))
+            R, lambda r: flatep.ExpertPools(ranks[r], w.epn, [(w.H, w.F), (w.F, w.H)], device=devs[r],
+                                            num_sms=num_sms))
         self.layers = [p.register_layer() for p in self.pools]
         for r in range(R):
             dev = devs[r]
@@ -397,6 +480,9 @@ class FlatEP:
                 self.layers[r].own_weights(1).copy_(
                     (torch.randn(w.epn, w.F, w.H, device=dev, generator=g) / w.F**0.5).to(BF16))
         self.plans = None
+        self.static_bytes = 0  # set by run(): the Buffer's and pools' device memory per rank
+        self.local_uncapped = a.flatep_local_ops == "uncapped"
+        self.rows_in_region = a.flatep_combine_bwd == "region"
 
     def own_weights(self):
         return [(L.own_weights(0), L.own_weights(1)) for L in self.layers]
@@ -405,16 +491,27 @@ class FlatEP:
         return [(L.own_grads(0), L.own_grads(1)) for L in self.layers]
 
     def _combine_grad(self, r, plan, rows, y, recv_w):
-        return self.buffers[r]._combine_grad_raw(plan, rows, y, recv_w)  # as flatep.autograd's combine backward
+        # as flatep.autograd's combine backward (Buffer._combine_backward_raw: rows in the receive region), on the
+        # whole GPU: a local op
+        with uncapped([self.buffers[r]]) if self.local_uncapped else contextlib.nullcontext():
+            return self.buffers[r]._combine_grad_raw(plan, rows, y, recv_w)
 
-    def _write_grads(self, r, plan, grads):
-        for p in range(2):  # own experts and the slots used this step, as flatep.nn does
-            self.pools[r].write_grads(plan, self.layers[r], p, grads[p])
+    def _write_grads(self, r, plan, grads, accumulate):
+        num_sms = 0 if self.local_uncapped else None
+        for p in range(2):  # own experts and the slots used this step, as flatep.nn does (accumulate: main_grad)
+            self.pools[r].write_grads(plan, self.layers[r], p, grads[p], accumulate=accumulate, num_sms=num_sms)
 
-    def step(self, topk_idx, timed):
+    def _combine_bwd_rows(self, r, plan, grad_out):
+        """The output gradient dispatched back to the rows: into the receive region (flatep.autograd's path) or,
+        --flatep-combine-bwd copy, into a tensor of its own (the path before issue 48)."""
+        if self.rows_in_region:
+            return self.buffers[r]._dispatch_region_raw(plan, grad_out)
+        return self.buffers[r]._dispatch_raw(plan, grad_out, None, want_weights=False, zero_fill=False)[0]
+
+    def step(self, topk_idx, timed, memory=False, accumulate=True):
         w, R = self.w, self.w.R
         c, B, P, L = w.clock, self.buffers, self.pools, self.layers
-        c.start(timed)
+        c.start(timed, memory)
         for r in range(R):
             self.routers[r].grad = None
         fwd = c.local("router_fwd", lambda r: w.route_fwd(r, topk_idx[r], self.routers[r]))
@@ -436,8 +533,7 @@ class FlatEP:
         outs = c.together("combine_fwd", lambda r: B[r]._combine_raw(plans[r], graphs[r][0].detach(), recv[r][1]))
 
         # ---- backward ----
-        rows = c.together("combine_bwd", lambda r: B[r]._dispatch_raw(plans[r], w.grad_out[r], None,
-                                                                      want_weights=False, zero_fill=False)[0])
+        rows = c.together("combine_bwd", lambda r: self._combine_bwd_rows(r, plans[r], w.grad_out[r]))
         grads_y = c.local("combine_bwd", lambda r: self._combine_grad(r, plans[r], rows[r], graphs[r][0].detach(),
                                                                       recv[r][1]))
         del rows
@@ -451,7 +547,7 @@ class FlatEP:
             return torch.autograd.grad(y, [w1, w2, leaf], grads_y[r][0])
 
         def wgrad(r, g):
-            self._write_grads(r, plans[r], g)
+            self._write_grads(r, plans[r], g, accumulate)
             return g[2].to(BF16).contiguous()
 
         grad_recv = c.local_steps([("gemm_bwd", gemm_bwd), ("wgrad_fp32", wgrad)])
@@ -460,32 +556,105 @@ class FlatEP:
         del grad_recv
         grad_w = c.together("dispatch_bwd", lambda r: B[r]._entry_values_raw(plans[r], grads_y[r][1]))
 
-        def router_bwd(r):
-            torch.autograd.backward(weights[r], grad_w[r])
-            return xs[r].grad.float() + grad_xb[r].float()
-
-        grad_x = c.local("router_bwd", router_bwd)
+        grad_x = c.local("router_bwd", lambda r: w.router_bwd(r, xs[r], weights[r], grad_w[r], grad_xb[r]))
         result = dict(out=outs, grad_x=grad_x, grad_router=[t.grad for t in self.routers],
                       grad_w1=[L[r].own_grads(0) for r in range(R)], grad_w2=[L[r].own_grads(1) for r in range(R)],
                       rows_max=max(plans[0].stats["loads"]))
         return result, c.times
 
 
+def sm_budget(args, gpus):
+    """Blocks per launch of every rank's FlatEP kernels, so that the R ranks' kernels of a collective phase are
+    co-resident: the SMs of a GPU over the ranks it holds (None on the CPU, or where the environment sets the
+    library's budget: FLATEP_SM_BUDGET / FLATEP_NUM_SMS)."""
+    if args.device != "cuda" or os.environ.get("FLATEP_SM_BUDGET") or os.environ.get("FLATEP_NUM_SMS"):
+        return None
+    sms = torch.cuda.get_device_properties(gpus[0]).multi_processor_count
+    return max(1, sms // (args.ranks // args.gpus))
+
+
+def static_flatep_bytes(make, devices, R):
+    """make() builds FlatEP's objects; returns (its result, device memory per rank they took outside torch's
+    allocator: the free memory they took, less torch's own growth meanwhile)."""
+    cuda = sorted({d.index for d in devices if d.type == "cuda"})
+    for i in cuda:
+        torch.cuda.synchronize(i)
+    free = sum(torch.cuda.mem_get_info(i)[0] for i in cuda)
+    reserved = sum(torch.cuda.memory_reserved(i) for i in cuda)
+    made = make()
+    for i in cuda:
+        torch.cuda.synchronize(i)
+    took = free - sum(torch.cuda.mem_get_info(i)[0] for i in cuda)
+    grown = sum(torch.cuda.memory_reserved(i) for i in cuda) - reserved
+    return made, max(0, took - grown) // R if cuda else 0
+
+
+def records_of(samples, target, realised, sigma, rows, memory):
+    """CSV records of one maxvio: per implementation and phase the slowest rank (median over iterations), the
+    allocator's counts, the implementation's memory; then sum_phases and layer."""
+    records = []
+    for name, its in samples.items():
+        per_phase = {}
+        for times, _ in its:
+            for phase, per_rank in times.items():
+                per_phase.setdefault(phase, []).append(per_rank)
+        crit = [sum(max(v) for v in times.values()) for times, _ in its]
+        common = dict(maxvio_target=target, maxvio=round(realised, 4), sigma=round(sigma, 5), impl=name,
+                      rows_max=rows[name], **memory.get(name, {}))
+        for phase in ml.PHASES:
+            if phase not in per_phase:
+                continue
+            vals = per_phase[phase]
+            counts = layer_probe.alloc_columns([c.get(phase, {}) for _, c in its])
+            records.append(dict(common, phase=phase, median_ms=statistics.median(max(v) for v in vals),
+                                mean_rank_ms=statistics.median(sum(v) / len(v) for v in vals),
+                                min_rank_ms=statistics.median(min(v) for v in vals), **counts))
+        for phase in ("sum_phases", "layer"):
+            records.append(dict(common, phase=phase, median_ms=statistics.median(crit),
+                                mean_rank_ms=statistics.median(crit), min_rank_ms=statistics.median(crit)))
+    return records
+
+
+def profile_baseline(args, w, base, topk_idx, target):
+    """One baseline step at this maxvio under torch.profiler into args.profile_baseline (layer_probe.profile_step),
+    plus <tag>_clock.txt: the same step's phase times per rank and allocator counters."""
+    tag = f"baseline_{args.baseline_unpermute}_maxvio{target:g}"
+    w.clock.profiling = True
+    try:
+        accumulate = args.wgrad_mode == "accumulate"
+        (_, times), paths = layer_probe.profile_step(lambda: base.step(topk_idx, True, accumulate=accumulate),
+                                                     args.profile_baseline, tag, w.devices)
+    finally:
+        w.clock.profiling = False
+    clock = os.path.join(args.profile_baseline, f"{tag}_clock.txt")
+    with open(clock, "w") as f:
+        f.write(f"# {tag}: the profiled step's phase times per rank (ms; local parts alone on the GPU) and the "
+                f"caching allocator's counters per phase (summed over ranks)\n")
+        for phase, per_rank in times.items():
+            counts = w.clock.counters.by_phase.get(phase, {})
+            f.write(f"{phase:>13} max {max(per_rank):9.3f}  ranks " + " ".join(f"{v:8.3f}" for v in per_rank)
+                    + "  " + " ".join(f"{k}={v}" for k, v in sorted(counts.items())) + "\n")
+    for path in paths + [clock]:
+        print(f"wrote {path}", flush=True)
+
+
 def run(args):
     R = args.ranks
     if args.device == "cuda":
         gpus = [torch.device("cuda", i) for i in range(args.gpus)]
-        sms = torch.cuda.get_device_properties(gpus[0]).multi_processor_count
-        per_gpu = R // args.gpus
-        os.environ.setdefault("FLATEP_SM_BUDGET", str(max(1, sms // per_gpu)))  # read when the Buffers are built
     else:
         gpus = [torch.device("cpu")]
         torch.set_num_threads(1)
     ranks = virtual.virtual_ranks(R, gpus, timeout_s=args.timeout)
     w = World(args, [v.device for v in ranks])
-    flat = FlatEP(w, ranks)
+    flat, flat_static = static_flatep_bytes(lambda: FlatEP(w, ranks, sm_budget(args, gpus)), w.devices, R)
+    flat.static_bytes = flat_static
     base = Baseline(w, flat.own_weights(), flat.own_grads())
     impls = [base, flat]
+    accumulate = args.wgrad_mode == "accumulate"
+    profile_at = None
+    if args.profile_baseline:
+        profile_at = args.profile_maxvio if args.profile_maxvio is not None else max(args.maxvio)
     records, checks = [], []
     for target in args.maxvio:
         reachable = 0.9 * (w.E / w.K - 1)
@@ -497,12 +666,12 @@ def run(args):
         topk_idx = [testing.sample_topk(w.E, w.S, w.K, r, sigma=sigma, seed=args.seed).to(w.devices[r]).long()
                     for r in range(R)]
         # The check: same inputs, routing and weights for both; the baseline's results are kept (its weight gradients
-        # in bf16, as computed) while FlatEP's are compared where they live (its fp32 own grads are overwritten by
-        # the baseline's timing steps later, which share that memory).
+        # in bf16, as computed) while FlatEP's are compared where they live (its fp32 own grads, overwritten in this
+        # step, are also the baseline's main gradients in the timing steps later, which share that memory).
         base.keep_grads = True
-        ref, _ = base.step(topk_idx, False)
+        ref, _ = base.step(topk_idx, False, accumulate=False)
         base.keep_grads = False
-        res, _ = flat.step(topk_idx, False)
+        res, _ = flat.step(topk_idx, False, accumulate=False)
         worst = {}
         for field in ["out", "grad_x", "grad_router", "grad_w1", "grad_w2"]:
             worst[field] = max(ml.rel_l2(res[field][r], ref[field][r]) for r in range(R))
@@ -514,31 +683,21 @@ def run(args):
                                f"{ {k: f'{v:.2e}' for k, v in worst.items()} } exceed tolerance {args.tolerance:g}")
         for impl in impls:
             for _ in range(max(args.warmup - 1, 0)):
-                impl.step(topk_idx, False)
+                impl.step(topk_idx, False, accumulate=accumulate)
+        memory = {}
+        if w.clock.cuda:  # one untimed step each, every rank's memory followed
+            for impl in impls:
+                impl.step(topk_idx, False, memory=True, accumulate=accumulate)
+                peak = max(w.clock.memory.step_peak)
+                memory[impl.name] = layer_probe.memory_columns(impl.static_bytes, peak)
         samples = {impl.name: [] for impl in impls}
         for _ in range(args.iters):
             for impl in impls:  # interleaved
-                _, times = impl.step(topk_idx, True)
-                samples[impl.name].append(times)
-        for name, its in samples.items():
-            per_phase = {}
-            for times in its:
-                for phase, per_rank in times.items():
-                    per_phase.setdefault(phase, []).append(per_rank)
-            crit = [sum(max(v) for v in times.values()) for times in its]
-            for phase in ml.PHASES:
-                if phase not in per_phase:
-                    continue
-                vals = per_phase[phase]
-                records.append(dict(maxvio_target=target, maxvio=round(realised, 4), sigma=round(sigma, 5),
-                                    impl=name, phase=phase, median_ms=statistics.median(max(v) for v in vals),
-                                    mean_rank_ms=statistics.median(sum(v) / len(v) for v in vals),
-                                    min_rank_ms=statistics.median(min(v) for v in vals), rows_max=rows[name]))
-            for phase in ("sum_phases", "layer"):
-                records.append(dict(maxvio_target=target, maxvio=round(realised, 4), sigma=round(sigma, 5),
-                                    impl=name, phase=phase, median_ms=statistics.median(crit),
-                                    mean_rank_ms=statistics.median(crit), min_rank_ms=statistics.median(crit),
-                                    rows_max=rows[name]))
+                _, times = impl.step(topk_idx, True, accumulate=accumulate)
+                samples[impl.name].append((times, w.clock.counters.by_phase))
+        records += records_of(samples, target, realised, sigma, rows, memory)
+        if profile_at is not None and math.isclose(target, profile_at):
+            profile_baseline(args, w, base, topk_idx, target)
         print(f"maxvio {target:g} done", flush=True)
     for impl in impls:
         impl.__dict__.clear()
@@ -550,10 +709,21 @@ def main(argv=None):
     own = argparse.ArgumentParser(add_help=False)  # this script's flags; the rest are moe_layer.py's
     own.add_argument("--gpus", type=int, default=1, help="GPUs the R ranks are spread over (equal blocks)")
     own.add_argument("--timeout", type=float, default=60.0, help="seconds any cross-rank wait may take")
+    own.add_argument("--profile-baseline", metavar="DIR", default=None,
+                     help="capture one baseline step with torch.profiler at --profile-maxvio into DIR")
+    own.add_argument("--profile-maxvio", type=float, default=None,
+                     help="the maxvio (one of --maxvio) of --profile-baseline; default the largest")
+    for flag, choices, what in AB_SWITCHES:  # the first choice is the default
+        own.add_argument(flag, choices=choices, default=choices[0], help=what)
     extra, rest = own.parse_known_args(argv)
     args = ml.parse_args(rest)
     args.command = " ".join(["benchmarks/moe_layer_virtual.py"] + argv)
     args.timeout, args.gpus = extra.timeout, extra.gpus
+    args.profile_baseline, args.profile_maxvio = extra.profile_baseline, extra.profile_maxvio
+    args.flatep_local_ops, args.flatep_combine_bwd = extra.flatep_local_ops, extra.flatep_combine_bwd
+    if args.profile_maxvio is not None and not any(math.isclose(args.profile_maxvio, m) for m in args.maxvio):
+        sys.exit(f"moe_layer_virtual: --profile-maxvio {args.profile_maxvio:g} is not one of --maxvio "
+                 f"{' '.join(format(m, 'g') for m in args.maxvio)}")
     if args.device == "cuda" and (args.gpus < 1 or args.ranks % args.gpus or args.gpus > torch.cuda.device_count()):
         sys.exit(f"moe_layer_virtual: --gpus {args.gpus} must divide --ranks {args.ranks} and be at most the "
                  f"{torch.cuda.device_count()} GPUs here")

@@ -57,36 +57,9 @@ START=$SECONDS
 FAILED=0
 : >"$SUMMARY"
 
-say() { echo "$*" | tee -a "$SUMMARY"; }
-
-# step NAME TIMEOUT_S COMMAND...: runs it with a timeout (capped by what is left of the deadline), logs, records.
-step() {
-    local name=$1 limit=$2
-    shift 2
-    [[ " $STEPS " == *" $name "* ]] || return 0
-    local left=$((DEADLINE_S - (SECONDS - START)))
-    if ((left < 10)); then
-        say "NOT RUN $name: the deadline (BENCH_DEADLINE_S=$DEADLINE_S) is reached"
-        FAILED=1
-        return
-    fi
-    ((limit > left)) && limit=$left
-    local log=$OUT/$name.log t0=$SECONDS rc
-    echo "==> $name (timeout $limit s): $*"
-    echo "# $*" >"$log"
-    timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
-    rc=$?
-    if ((rc == 0)) && grep -q '^SKIP' "$log"; then
-        say "SKIP $name ($((SECONDS - t0)) s): no CUDA device; log $log"
-        FAILED=1
-    elif ((rc == 0)); then
-        say "PASS $name ($((SECONDS - t0)) s) log $log"
-    else
-        say "FAIL $name (exit $rc after $((SECONDS - t0)) s) log $log"
-        tail -n 20 "$log" | sed 's/^/    /'
-        FAILED=1
-    fi
-}
+# say, step (shared with the other device benchmark drivers)
+# shellcheck source=scripts/bench_steps.sh
+source "$(dirname "$SELF")/bench_steps.sh"
 
 build() {
     if [[ ! -f $BUILD/build.ninja ]]; then
@@ -104,12 +77,7 @@ if [[ ${1:-} == __build ]]; then
     exit $?
 fi
 
-{
-    echo "# device_bench_moonep.sh $(date -u +%FT%TZ); steps: $STEPS"
-    git log -1 --format='# commit %H %s' 2>/dev/null
-    git status --short 2>/dev/null | head -n 20
-    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv 2>&1
-} >"$OUT/env_moonep.log"
+env_log "$OUT/env_moonep.log" device_bench_moonep.sh
 [[ -f $SIGMAS ]] || cp benchmarks/results/sigma_cache.csv "$SIGMAS"
 
 step build 240 "$SELF" __build

@@ -5,7 +5,8 @@ dispatch(plan, x, w) -> recv_x, recv_w    grad_x = combine(plan, grad_recv_x)   
                                           grad_w = entry_values(plan, grad_recv_w)       (each entry reads its row)
 combine(plan, y, weights) -> out          rows = dispatch(plan, grad_out)                (rows go where they came from)
                                           grad_y, grad_weights = combine_grad(plan, rows, y, weights)
-                                          (local: rows * weights and <rows, y> on real rows, zero elsewhere)
+                                          (local: rows * weights and <rows, y> on real rows, zero elsewhere;
+                                          weighted: the rows stay in the receive region, zero copy)
 
 Every backward op but combine_grad (local) is collective: autograd runs the same graph on every rank, so the ranks meet
 in the same order.
@@ -84,15 +85,17 @@ class CombineFunction(torch.autograd.Function):
         grad_y = grad_weights = None
         writes = []
         with _backward_launch(buffer, ctx.launch, (grad_out, y, weights, plan._storage), writes):
-            # Weighted: rows only feed combine_grad, which never reads rows past the last group end, so they need no
-            # fill. Unweighted: the rows are grad_y itself, which must be defined (zero) on every row.
-            rows, _ = buffer._dispatch_raw(plan, grad_out, None, want_weights=False, zero_fill=not ctx.has_weights)
-            writes.append(rows)
-            if not ctx.has_weights:
-                grad_y = rows
+            want_y, want_weights = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+            if ctx.has_weights and (want_y or want_weights):
+                # The rows only feed combine_grad (rows holding no entry get zeros, y never read there): they stay in
+                # the receive region, read by combine_grad right after (Buffer._combine_backward_raw).
+                grad_y, grad_weights = buffer._combine_backward_raw(plan, grad_out, y, weights, want_y, want_weights)
+                writes += [grad_y, grad_weights]
             else:
-                want_y, want_weights = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
-                if want_y or want_weights:  # one fused local op; rows holding no entry get zeros (y never read)
-                    grad_y, grad_weights = buffer._combine_grad_raw(plan, rows, y, weights, want_y, want_weights)
-                    writes += [grad_y, grad_weights]
+                # Unweighted: the rows are grad_y itself, which must be defined (zero) on every row. (Weighted with
+                # neither gradient wanted: the collective still runs, as on every rank.)
+                rows, _ = buffer._dispatch_raw(plan, grad_out, None, want_weights=False, zero_fill=not ctx.has_weights)
+                writes.append(rows)
+                if not ctx.has_weights:
+                    grad_y = rows
         return None, None, grad_y, grad_weights, None

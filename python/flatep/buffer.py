@@ -448,17 +448,21 @@ class Buffer:
             if t is not None and torch.is_grad_enabled() and t.requires_grad:
                 raise ValueError(f"dispatch: zero_copy=True is forward-only (its rows are rewritten by the next "
                                  f"dispatch), but {name} requires grad; detach it or run under torch.no_grad()")
+        recv_x, recv_w = self._region_views()
+        with device_guard(self.device):
+            self._live("dispatch").dispatch(plan._plan, address(x), address(topk_weights), address(recv_x),
+                                            address(recv_w))
+        return recv_x, recv_w, plan.cu_seqlens
+
+    def _region_views(self):
+        """(recv_x [NvS, H] bf16, recv_w [NvS] fp32): views of this Buffer's symmetric receive region (made once)."""
         if self._symmetric_views is None:
             x_at, w_at = self._live("dispatch").symmetric_recv
             self._symmetric_views = (
                 tensor_at(x_at, (self.num_recv_rows, self.hidden), torch.bfloat16, self.device, self),
                 tensor_at(w_at, (self.num_recv_rows,), torch.float32, self.device, self),
             )
-        recv_x, recv_w = self._symmetric_views
-        with device_guard(self.device):
-            self._live("dispatch").dispatch(plan._plan, address(x), address(topk_weights), address(recv_x),
-                                            address(recv_w))
-        return recv_x, recv_w, plan.cu_seqlens
+        return self._symmetric_views
 
     def _dispatch_fp8(self, plan, x, topk_weights, ue8m0):
         """dispatch(..., fp8=True): the checks, then _dispatch_fp8_raw."""
@@ -642,6 +646,26 @@ class Buffer:
                 plan._plan, address(rows), address(y), address(weights), address(grad_y), address(grad_weights)
             )
         return grad_y, grad_weights
+
+    def _combine_backward_raw(self, plan, grad_out, y, weights, want_grad_y=True, want_grad_weights=True):
+        """A weighted combine's backward (collective, no autograd): grad_out [s, H] bf16 dispatched back to the rows,
+        then combine_grad on them (see _combine_grad_raw) -> (grad_y, grad_weights), the same bits as a dispatch into
+        a tensor of its own followed by combine_grad. The rows land in the symmetric receive region (zero copy) and
+        combine_grad reads them there, enqueued right after on the same stream, before any later op of this Buffer
+        can rewrite the region (every op of a Buffer is ordered after the previous one, design §3). Against a
+        dispatch into a tensor of its own, the fan-out copies only the duplicate rows (a token's rows after the first
+        on a rank) instead of every row, no [NvS, H] tensor is allocated, and combine_grad reads the rows the push
+        wrote."""
+        rows = self._dispatch_region_raw(plan, grad_out)
+        return self._combine_grad_raw(plan, rows, y, weights, want_grad_y, want_grad_weights)
+
+    def _dispatch_region_raw(self, plan, x):
+        """Dispatch of x [s, H] bf16 (no weights) into the symmetric receive region; returns the region's [NvS, H]
+        view, valid until the next op of this Buffer rewrites it (rows past the last group end not written)."""
+        rows, _ = self._region_views()
+        with device_guard(self.device):
+            self._live("dispatch").dispatch(plan._plan, address(x), address(None), address(rows), address(None))
+        return rows
 
     def _entry_values_raw(self, plan, row_values):
         out = torch.empty(plan.num_tokens, self.topk, dtype=torch.float32, device=self.device)

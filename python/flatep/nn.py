@@ -77,6 +77,11 @@ _BF16 = torch.bfloat16
 #: The expert activations nn.MoE and flatep.testing.DenseMoE accept (the first is their default).
 ACTIVATIONS = ("swiglu", "silu")
 
+#: nn.MoE's default row padding of every expert group (Buffer's `align`), chosen by measurement: the grouped GEMMs'
+#: time over FlatEP's groups at align 16/32/64/128 (benchmarks/grouped_mm_align.py). torch._grouped_mm itself needs
+#: no group alignment for the operand layouts this module passes (16-byte aligned bases and strides only).
+DEFAULT_ALIGN = 128
+
 
 def check_activation(op, activation):
     if activation not in ACTIVATIONS:
@@ -131,6 +136,18 @@ def _has_grouped_mm(x):
     return x.is_cuda and hasattr(torch, "_grouped_mm")
 
 
+def _past_end(num_rows, offs):
+    """[num_rows, 1] bool on offs' device: rows at or past the last group end offs[-1] (read on the device)."""
+    return torch.arange(num_rows, device=offs.device).unsqueeze(1) >= offs[-1]
+
+
+def _zero_past_end(y, offs):
+    """y's rows past the last group end (which torch._grouped_mm leaves unwritten) set to zero in place: one pass
+    over y (a torch.where against zeros_like(y) reads and writes y and a zero tensor, and writes the zeros first).
+    Under autograd the same gradient as the where's: grad_y with those rows zero."""
+    return y.masked_fill_(_past_end(y.shape[0], offs), 0)
+
+
 def grouped_ffn(x, w1, w2, cu_seqlens, activation=None):
     """Grouped expert FFN over receive rows: x [NvS, H] bf16, w1 [G, H, 2F] (swiglu) or [G, H, F] (silu),
     w2 [G, F, H], cu_seqlens [G] int32 (inclusive group ends) -> [NvS, H] bf16; rows past the last group end are
@@ -141,8 +158,7 @@ def grouped_ffn(x, w1, w2, cu_seqlens, activation=None):
         h = torch._grouped_mm(x, w1, offs=offs)
         a = activate(h, activation)
         y = torch._grouped_mm(a, w2, offs=offs)
-        end = torch.arange(x.shape[0], device=x.device).unsqueeze(1) < offs[-1]
-        return torch.where(end, y, torch.zeros_like(y))
+        return _zero_past_end(y, offs)
     ends = [int(e) for e in cu_seqlens.tolist()]
     pieces, start = [], 0
     for g, end in enumerate(ends):
@@ -175,9 +191,7 @@ def ffn_forward(x, w1, w2, cu_seqlens, activation, save):
         offs = cu_seqlens.to(device=x.device, dtype=torch.int32)
         h = torch._grouped_mm(x, w1, offs=offs)
         a = activate(h, activation)
-        y = torch._grouped_mm(a, w2, offs=offs)
-        end = torch.arange(n, device=x.device).unsqueeze(1) < offs[-1]
-        y = torch.where(end, y, torch.zeros_like(y))
+        y = _zero_past_end(torch._grouped_mm(a, w2, offs=offs), offs)
     else:  # the loop of grouped_ffn over fp32 copies of each group's weights (what the eager path's copies hold)
         y = torch.zeros(n, w2.shape[-1], dtype=_BF16, device=x.device)
         h = torch.zeros(n if save else 0, cols, dtype=_BF16, device=x.device)
@@ -217,8 +231,8 @@ def ffn_backward(grad_y, x, h, a, w1, w2, cu_seqlens, activation, want_x, want_w
     grad_x = grad_w1 = grad_w2 = None
     if _has_grouped_mm(x) and w1.dtype == _BF16:
         offs = cu_seqlens.to(device=x.device, dtype=torch.int32)
-        end = torch.arange(x.shape[0], device=x.device).unsqueeze(1) < offs[-1]
-        grad_y = torch.where(end, grad_y, torch.zeros_like(grad_y))
+        past_end = _past_end(x.shape[0], offs)
+        grad_y = grad_y.masked_fill(past_end, 0)
         if want_w2:
             grad_w2 = torch._grouped_mm(a.transpose(-2, -1), grad_y, offs=offs)
         if want_w1 or want_x:
@@ -226,7 +240,7 @@ def ffn_backward(grad_y, x, h, a, w1, w2, cu_seqlens, activation, want_x, want_w
             if want_w1:
                 grad_w1 = torch._grouped_mm(x.transpose(-2, -1), grad_h, offs=offs)
             if want_x:
-                grad_x = torch._grouped_mm(grad_h, w1.transpose(-2, -1), offs=offs).masked_fill(~end, 0)
+                grad_x = torch._grouped_mm(grad_h, w1.transpose(-2, -1), offs=offs).masked_fill_(past_end, 0)
         return grad_x, grad_w1, grad_w2
     fp32 = dict(dtype=torch.float32, device=x.device)
     grad_w1 = torch.zeros(w1.shape, **fp32) if want_w1 else None
@@ -441,9 +455,8 @@ def _experts_backward(ctx, grad_y, want_w):
         pools.reduce_grad(plan, layer)
     grad_x = grads.pop(0) if x_leaf.requires_grad else None
     if grad_x is not None and ctx.on_views:  # rows past the last group end are unspecified: make them zero
-        end = plan.cu_seqlens[-1].to(device=grad_x.device, dtype=torch.int64)
-        past_end = torch.arange(grad_x.shape[0], device=grad_x.device) >= end
-        grad_x = grad_x.masked_fill(past_end.unsqueeze(1), 0)
+        # in place (autograd.grad returned a tensor of its own): one pass over grad_x, no second [NvS, H] tensor
+        grad_x = grad_x.masked_fill_(_past_end(grad_x.shape[0], plan.cu_seqlens.to(grad_x.device)), 0)
     return grad_x
 
 
@@ -536,7 +549,7 @@ class MoE(torch.nn.Module):
         topk (int): K.
         group: torch.distributed process group (None: the default group, or a one-rank world).
         num_tokens (int or None): S, the most tokens per rank per call; None: the first call's s.
-        align, capacity_factor, planner: see flatep.Buffer.
+        align, capacity_factor, planner: see flatep.Buffer (align's default: DEFAULT_ALIGN).
         seed (int): init seed; every rank must pass the same (see init_expert_weights).
         pools (ExpertPools or None): share one across layers; None: the process's shared pools for this shape.
             The layer's Buffer is likewise the process's shared Buffer for its shape (flatep.buffer.shared_buffer):
@@ -576,7 +589,7 @@ class MoE(torch.nn.Module):
         group=None,
         *,
         num_tokens=None,
-        align=128,
+        align=DEFAULT_ALIGN,
         capacity_factor=1.0,
         planner="balanced",
         seed=0,

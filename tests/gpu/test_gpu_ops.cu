@@ -404,6 +404,19 @@ int main(int argc, char** argv) {
         s.sigma = 2.0;
         s.grads_elems = 1003;
         add(s);
+        // write_grads' grid-stride walk over all groups as one index space: more elements than the capped grid has
+        // threads, so a thread carries its position from group to group (entering skipped and zeroed groups too),
+        // with 8-element steps and element by element
+        s = CaseSpec{};
+        s.name = "r4_bwd_write_grads_walk_vec";
+        s.config = make_config(4, 32, 256, 4, 128, 16);
+        s.backward = true;
+        s.sigma = 3.0;
+        s.grads_elems = 65544;  // 8193 steps of 8 per group: 16 groups over 66 blocks x 512 threads, ~3.9 items each
+        add(s);
+        s.name = "r4_bwd_write_grads_walk_scalar";
+        s.grads_elems = 20011;  // ~9.5 elements per thread
+        add(s);
         s = CaseSpec{};
         s.name = "r4_decode_h7168_row_slices";  // 64 of S=1024 tokens: dispatch's push and combine's pull split rows
         s.config = make_config(4, 32, 1024, 8, 7168, 128);

@@ -82,7 +82,7 @@ def calls(world, monkeypatch):
                 return fn(*args, **kwargs)
             return spy
 
-        for name in ("combine", "entry_values", "combine_grad", "dispatch"):
+        for name in ("combine", "entry_values", "combine_grad", "dispatch", "dispatch_region"):
             attr = f"_{name}_raw"
             monkeypatch.setattr(buf, attr, wrap(name, getattr(buf, attr)))
     return record
@@ -199,11 +199,12 @@ def test_combine_gradients(world, calls, y_grad, weights):
         check_grad(f"rank {r} y", y[r].grad, yd[r].grad if y_grad else None)
         check_grad(f"rank {r} weights", None if w[r] is None else w[r].grad,
                    wd[r].grad if weights == "grad" else None)
-        # Weighted: one dispatch of the output gradient and one combine_grad asked for exactly the wanted outputs.
-        # Unweighted: the dispatched rows are y's gradient.
+        # Weighted: one dispatch of the output gradient into the receive region (zero copy) and one combine_grad
+        # asked for exactly the wanted outputs. Unweighted: the dispatched rows (a tensor of their own) are y's
+        # gradient.
         expected = [("dispatch",)]
         if weights != "none":
-            expected.append(("combine_grad", (y_grad, weights == "grad")))
+            expected = [("dispatch_region",), ("combine_grad", (y_grad, weights == "grad"))]
         assert calls[r] == expected, f"rank {r}"
 
 
@@ -277,3 +278,36 @@ def test_moe_gradients(moe_world, x_grad, router_grad, w1_grad, w2_grad):
     if router_grad:  # replicated: the layer's gradient is the sum over the ranks (what an all-reduce gives)
         router_sum = sum(m.router.weight.grad for m in moes)
         check("router", router_sum, dense.router_weight.grad, FP32_TOL)
+
+
+def test_combine_backward_in_the_region_is_the_copy_path(world):
+    """A weighted combine's backward leaves the dispatched output gradient in the receive region
+    (Buffer._combine_backward_raw): the same bits as a dispatch into a tensor of its own followed by combine_grad,
+    whatever the region held before (NaN everywhere: padding rows and rows past the end are never read), for each
+    subset of the outputs."""
+    _, bufs, _, plans = world
+    nvs = bufs[0].num_recv_rows
+    g = torch.Generator().manual_seed(11)
+    grad_out = [torch.randn(S, H, generator=g).to(BF16) for _ in range(R)]
+    y = [torch.randn(nvs, H, generator=g).to(BF16) for _ in range(R)]
+    w = [torch.rand(nvs, generator=g) for _ in range(R)]
+
+    def copy_path(r, want_y, want_w):
+        rows, _ = bufs[r]._dispatch_raw(plans[r], grad_out[r], None, want_weights=False)
+        return bufs[r]._combine_grad_raw(plans[r], rows, y[r], w[r], want_y, want_w)
+
+    def region_path(r, want_y, want_w):
+        bufs[r]._region_views()[0].fill_(float("nan"))
+        return bufs[r]._combine_backward_raw(plans[r], grad_out[r], y[r], w[r], want_y, want_w)
+
+    for want_y, want_w in ((True, True), (True, False), (False, True)):
+        want = virtual.run_threads(R, lambda r: copy_path(r, want_y, want_w))
+        got = virtual.run_threads(R, lambda r: region_path(r, want_y, want_w))
+        for r in range(R):
+            for name, a, b in zip(("grad_y", "grad_weights"), got[r], want[r]):
+                assert (a is None) == (b is None), (name, want_y, want_w)
+                if a is not None:
+                    assert not a.isnan().any(), f"rank {r} {name}: NaN from the region's old contents"
+                    assert torch.equal(a.view(torch.int16) if a.dtype == BF16 else a.view(torch.int32),
+                                       b.view(torch.int16) if b.dtype == BF16 else b.view(torch.int32)), \
+                        f"rank {r} {name} ({want_y}, {want_w}): not the copy path's bits"

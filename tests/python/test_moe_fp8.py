@@ -107,7 +107,7 @@ def test_fp8_forward_moves_fp8_rows_and_backward_is_bf16(monkeypatch):
     moes = build("swiglu", fp8=True)
     record = [[] for _ in range(R)]
     for r, m in enumerate(moes):
-        for name in ("dispatch", "dispatch_fp8", "combine", "entry_values", "combine_grad"):
+        for name in ("dispatch", "dispatch_region", "dispatch_fp8", "combine", "entry_values", "combine_grad"):
             attr = f"_{name}_raw"
             fn = getattr(m.buffer, attr)
             monkeypatch.setattr(m.buffer, attr, lambda *a, _fn=fn, _n=name, _r=r, **k: (record[_r].append(_n),
@@ -118,9 +118,9 @@ def test_fp8_forward_moves_fp8_rows_and_backward_is_bf16(monkeypatch):
     for rec in record:
         rec.clear()
     virtual.run_threads(R, lambda r: (outs[r].float() * gout[r * S:(r + 1) * S]).sum().backward())
-    # combine's backward (bf16 dispatch of grad_out, combine_grad), then the fp8 node's: row grads through an
-    # unweighted bf16 combine, the weights' through entry_values.
-    assert all(rec == ["dispatch", "combine_grad", "combine", "entry_values"] for rec in record), record
+    # combine's backward (bf16 dispatch of grad_out into the receive region, combine_grad), then the fp8 node's: row
+    # grads through an unweighted bf16 combine, the weights' through entry_values.
+    assert all(rec == ["dispatch_region", "combine_grad", "combine", "entry_values"] for rec in record), record
     testing.release_all()
 
 

@@ -21,40 +21,57 @@ FLATEP_DEVICE void load8(float (&v)[8], const float* src) {
 FLATEP_DEVICE float load1(const uint16_t* src) { return bf16_to_float(*src); }
 FLATEP_DEVICE float load1(const float* src) { return *src; }
 
+// One work item: `step` (8 elements with kVec, else 1) of group g, converted / added / zeroed by `action`.
+template <typename Src, bool kVec>
+FLATEP_DEVICE void write_item(GroupGradAction action, const Src* src, float* dst, int64_t step) {
+    if constexpr (kVec) {
+        const int64_t i = step * kVecElems;
+        float v[8] = {};
+        if (action != kGradZero) load8(v, src + i);
+        float4* out = reinterpret_cast<float4*>(dst + i);
+        if (action == kGradAdd) {
+            const float4 a = out[0], b = out[1];
+            v[0] += a.x, v[1] += a.y, v[2] += a.z, v[3] += a.w, v[4] += b.x, v[5] += b.y, v[6] += b.z, v[7] += b.w;
+        }
+        out[0] = make_float4(v[0], v[1], v[2], v[3]);
+        out[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else if (action == kGradAdd) {
+        dst[step] += load1(src + step);
+    } else {
+        dst[step] = action == kGradCopy ? load1(src + step) : 0.0f;
+    }
+}
+
 // kVec: expert_elems % 8 == 0 and 16-byte aligned bases, so every group starts 16-byte aligned in both arrays.
+// The 2*epn groups' steps form one index space (group g's steps at [g*steps, (g+1)*steps)) that the grid walks
+// grid-stride: every thread gets the same share of the whole projection whatever the groups' sizes against the grid
+// (a walk per group left the threads past a group's last full stride idle once per group). A thread carries its
+// position (group, step) from item to item without a division, and leaves a skipped group (no rows, unused slot)
+// in one jump.
 template <typename Src, bool kVec>
 __global__ void __launch_bounds__(kThreads)
-    write_grads_kernel(int epn, int64_t n, const int32_t* slot_expert, const int32_t* cu_seqlens, const Src* grad,
-                       float* grads, bool accumulate) {
-    const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    write_grads_kernel(int epn, int64_t n, const int32_t* slot_expert, const int32_t* cu_seqlens,
+                       const Src* __restrict__ grad, float* __restrict__ grads, bool accumulate) {
+    const int64_t steps = kVec ? n / kVecElems : n;  // per group
     const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-    for (int g = 0; g < 2 * epn; ++g) {
-        const GroupGradAction action = group_grad_action(epn, slot_expert, cu_seqlens, g, accumulate);
-        if (action == kGradSkip) continue;
-        float* dst = grads + int64_t(g) * n;
-        const Src* src = grad + int64_t(g) * n;
-        if constexpr (kVec) {
-            for (int64_t i = tid * kVecElems; i < n; i += stride * kVecElems) {
-                float v[8] = {};
-                if (action != kGradZero) load8(v, src + i);
-                float4* out = reinterpret_cast<float4*>(dst + i);
-                if (action == kGradAdd) {
-                    const float4 a = out[0], b = out[1];
-                    v[0] += a.x, v[1] += a.y, v[2] += a.z, v[3] += a.w, v[4] += b.x, v[5] += b.y, v[6] += b.z,
-                        v[7] += b.w;
-                }
-                out[0] = make_float4(v[0], v[1], v[2], v[3]);
-                out[1] = make_float4(v[4], v[5], v[6], v[7]);
-            }
-        } else {
-            for (int64_t i = tid; i < n; i += stride) {
-                if (action == kGradAdd) {
-                    dst[i] += load1(src + i);
-                } else {
-                    dst[i] = action == kGradCopy ? load1(src + i) : 0.0f;
-                }
-            }
+    const int num_groups = 2 * epn;
+    int64_t step = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // within group g
+    int g = 0;
+    GroupGradAction action = kGradSkip;
+    int action_of = -1;  // the group `action` belongs to
+    while (true) {
+        while (g < num_groups && step >= steps) step -= steps, ++g;
+        if (g >= num_groups) break;
+        if (action_of != g) {
+            action = group_grad_action(epn, slot_expert, cu_seqlens, g, accumulate);
+            action_of = g;
         }
+        if (action == kGradSkip) {  // to this thread's first item past the group
+            step += ceil_div<int64_t>(steps - step, stride) * stride;
+            continue;
+        }
+        write_item<Src, kVec>(action, grad + int64_t(g) * n, grads + int64_t(g) * n, step);
+        step += stride;
     }
 }
 
@@ -62,7 +79,7 @@ template <typename Src>
 void launch_typed(const WriteGradsArgs& a, cudaStream_t stream) {
     const bool vec = a.expert_elems % kVecElems == 0 && reinterpret_cast<uintptr_t>(a.grad) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(a.grads) % 16 == 0;
-    const int64_t steps = vec ? a.expert_elems / kVecElems : a.expert_elems;  // per group
+    const int64_t steps = (vec ? a.expert_elems / kVecElems : a.expert_elems) * 2 * a.experts_per_rank;  // all groups
     const int blocks = grid_blocks(a.max_blocks, ceil_div<int64_t>(steps, kThreads), 4);
     const auto* grad = static_cast<const Src*>(a.grad);
     if (vec) {

@@ -8,9 +8,10 @@
 
 namespace flatep::kernels {
 
-// Local (no barrier). One kernel: every block walks the 2*epn groups, decides each group's action from the plan
-// arrays in device memory (no host synchronisation) and converts / zeroes it grid-stride, 8 elements per step
-// (16-byte bf16 loads, 32-byte fp32 stores) when the sizes and pointers allow, element by element otherwise.
+// Local (no barrier). One kernel: the grid walks the 2*epn groups' elements as one grid-stride index space, each
+// thread deciding a group's action from the plan arrays in device memory (no host synchronisation) when it enters it
+// and jumping over a skipped group; 8 elements per step (16-byte bf16 loads, 32-byte fp32 stores) when the sizes and
+// pointers allow, element by element otherwise.
 void launch(const WriteGradsArgs& args, cudaStream_t stream);
 
 }  // namespace flatep::kernels
