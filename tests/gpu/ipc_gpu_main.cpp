@@ -112,6 +112,8 @@ int check_views(int rank, int num_ranks, int cycle, Transport& transport, const 
         for (size_t i = num_ranks; i < num_words; ++i)
             EXPECT_OR_FAIL(host[i] == pattern(owner, i + cycle), "view of rank ", owner, "'s region: word ", i);
     }
+    // Every rank has read its views before any rank writes through one (the write lands in a word read above).
+    boot->all_gather("views read");
     // A write through the view lands in the next rank's region.
     CU(cuMemsetD32(base + next_region.offset + 4 * (num_words - 1), 0xbeef0000u + rank, 1));
     CU(cuCtxSynchronize());
