@@ -79,8 +79,11 @@ ACTIVATIONS = ("swiglu", "silu")
 
 #: nn.MoE's default row padding of every expert group (Buffer's `align`), chosen by measurement: the grouped GEMMs'
 #: time over FlatEP's groups at align 16/32/64/128 (benchmarks/grouped_mm_align.py). torch._grouped_mm itself needs
-#: no group alignment for the operand layouts this module passes (16-byte aligned bases and strides only).
-DEFAULT_ALIGN = 128
+#: no group alignment for the operand layouts this module passes (16-byte aligned bases and strides only). On the H200
+#: (MoonEP's shape, F 512 / 2048, maxvio 0.2 / 20; benchmarks/results/grouped_mm_align_R8_S8192_E384_H7168_K8_h200.csv)
+#: the expert FFN's forward + backward summed 66.7 / 67.0 / 68.2 / 70.5 ms at align 16 / 32 / 64 / 128: the GEMMs' time
+#: barely moves with align, the receive rows (and every pass over them) shrink with it.
+DEFAULT_ALIGN = 16
 
 
 def check_activation(op, activation):
