@@ -580,7 +580,7 @@ RankSummary RankBench::run(const Case& c, std::vector<std::vector<float>>& times
     failures_ = 0;
     const Config cfg = make_config(c, R_, rank_);
     Buffer buffer(cfg, transport_);
-    buffer.set_stream(stream_);
+    const Launch on{stream_};  // every op of the rank on its stream
     const Layout& l = buffer.layout();
     const int S = l.num_tokens, K = l.topk, H = l.hidden;
 
@@ -611,7 +611,7 @@ RankSummary RankBench::run(const Case& c, std::vector<std::vector<float>>& times
     FLATEP_CUDA_CHECK_LAUNCH();
 
     // FlatEP: the plan against the host planner's.
-    Plan plan = buffer.plan(topk.get(), 4, S);
+    Plan plan = buffer.plan(topk.get(), 4, S, nullptr, on);
     {
         const planner::HostPlan& got = plan.host_plan();  // synchronising copy
         const PlanSizes sizes = make_plan_sizes(l);
@@ -642,8 +642,8 @@ RankSummary RankBench::run(const Case& c, std::vector<std::vector<float>>& times
     FLATEP_CUDA_CHECK(cudaMemsetAsync(recv_w, 0xff, size_t(l.num_recv_rows) * sizeof(float), stream_));
     FLATEP_CUDA_CHECK(cudaStreamSynchronize(stream_));
     boot_->all_gather("poisoned");  // no peer writes into this rank's rows before the poison landed
-    buffer.dispatch(plan, x.get(), w.get(), recv_x, recv_w);
-    buffer.check_status();
+    buffer.dispatch(plan, x.get(), w.get(), recv_x, recv_w, on);
+    buffer.check_status(on);
     const DeviceArray<int32_t> expected_d = upload(expected, stream_);
     auto describe_flat_row = [&](int64_t row) {
         uint16_t got[4];
@@ -725,8 +725,8 @@ RankSummary RankBench::run(const Case& c, std::vector<std::vector<float>>& times
     FLATEP_CUDA_CHECK(cudaMemcpyAsync(y.get(), recv_x, y.bytes(), cudaMemcpyDeviceToDevice, stream_));
     FLATEP_CUDA_CHECK(cudaMemcpyAsync(y_w.get(), recv_w, y_w.bytes(), cudaMemcpyDeviceToDevice, stream_));
     FLATEP_CUDA_CHECK(cudaMemsetAsync(out.get(), 0xff, out.bytes(), stream_));
-    buffer.combine(plan, y.get(), y_w.get(), out.get());
-    buffer.check_status();
+    buffer.combine(plan, y.get(), y_w.get(), out.get(), on);
+    buffer.check_status(on);
     expect("flatep weighted combine vs x * sum_k w_k",
            run_check(stream_,
                      [&](unsigned long long* res) {
@@ -742,12 +742,12 @@ RankSummary RankBench::run(const Case& c, std::vector<std::vector<float>>& times
         std::vector<Plan> timed;
         timed.reserve(size_t(options_.warmup + options_.iters));
         times[kPlanFlat] =
-            time_op([&] { timed.push_back(buffer.plan(topk.get(), 4, S)); }, summary.host_bound[kPlanFlat]);
+            time_op([&] { timed.push_back(buffer.plan(topk.get(), 4, S, nullptr, on)); }, summary.host_bound[kPlanFlat]);
     }
     times[kDispatchFlat] =
-        time_op([&] { buffer.dispatch(plan, x.get(), w.get(), recv_x, recv_w); }, summary.host_bound[kDispatchFlat]);
+        time_op([&] { buffer.dispatch(plan, x.get(), w.get(), recv_x, recv_w, on); }, summary.host_bound[kDispatchFlat]);
     times[kCombineFlat] =
-        time_op([&] { buffer.combine(plan, y.get(), y_w.get(), out.get()); }, summary.host_bound[kCombineFlat]);
+        time_op([&] { buffer.combine(plan, y.get(), y_w.get(), out.get(), on); }, summary.host_bound[kCombineFlat]);
     times[kDispatchDedup] =
         time_op([&] { nccl_exchange(dedup, H, false, comm_, stream_); }, summary.host_bound[kDispatchDedup]);
     times[kCombineDedup] =
@@ -756,7 +756,7 @@ RankSummary RankBench::run(const Case& c, std::vector<std::vector<float>>& times
         time_op([&] { nccl_exchange(entries, H, false, comm_, stream_); }, summary.host_bound[kDispatchEntries]);
     times[kCombineEntries] =
         time_op([&] { nccl_exchange(entries, H, true, comm_, stream_); }, summary.host_bound[kCombineEntries]);
-    buffer.check_status();
+    buffer.check_status(on);
     FLATEP_CUDA_CHECK(cudaStreamSynchronize(stream_));
     summary.failures = failures_;
     return summary;

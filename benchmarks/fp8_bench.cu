@@ -142,7 +142,7 @@ void run_case(const bench::Case& c, double sigma, int iters, int warmup, bench::
         a.plan = make_plan_view(l, dev.ranks[r].plan);
         a.sync = sync(r);
         a.workspace = dev.ranks[r].workspace;
-        device::launch_plan(a, group.stream(r));
+        runtime::launch_plan(a, group.stream(r), group.num_sms());
     }
     group.synchronize();
     auto bf16_args = [&](int r) {
@@ -176,13 +176,13 @@ void run_case(const bench::Case& c, double sigma, int iters, int warmup, bench::
         return a;
     };
     auto bf16_all = [&] {
-        for (int r = 0; r < R; ++r) kernels::launch(bf16_args(r), group.stream(r));
+        for (int r = 0; r < R; ++r) kernels::launch(bf16_args(r), group.stream(r), group.num_sms());
     };
     auto fp8_all = [&] {
-        for (int r = 0; r < R; ++r) kernels::launch(fp8_args(r, false), group.stream(r));
+        for (int r = 0; r < R; ++r) kernels::launch(fp8_args(r, false), group.stream(r), group.num_sms());
     };
     auto pre_all = [&] {
-        for (int r = 0; r < R; ++r) kernels::launch(fp8_args(r, true), group.stream(r));
+        for (int r = 0; r < R; ++r) kernels::launch(fp8_args(r, true), group.stream(r), group.num_sms());
     };
     const bench::Timing t_bf16 = bench::time_ranks(group, iters, warmup, bf16_all);
     const bench::Timing t_fp8 = bench::time_ranks(group, iters, warmup, fp8_all);

@@ -14,15 +14,14 @@
 // pool kernels timed alone. CSV out.
 //
 //   ops_bench [--preset moonep,deepep] [shape and skew flags] [--tokens-per-call s,..] [--iters 20] [--warmup 3]
-//             [--ffn 1024] [--sm-budget 0] [--csv ops_bench.csv]
+//             [--ffn 1024] [--num-sms 0] [--csv ops_bench.csv]
 //   ops_bench --planner-only [--planner-profile] [--seeds 3] [--preset ..] [shape and skew flags] [--csv ..]
 //
 // Shape and skew flags, presets (moonep, deepep, moonep-sweep, k3): benchmarks/common/flags.hpp, e.g.
 // `--preset k3 --ffn 512` (Kimi K3's shape on 8 virtual ranks) or `--preset moonep --maxvio 1` (one MoonEP case).
 // --ffn: H', the expert width; prefetch and reduce_grad move H*H' elements per expert. --tokens-per-call: s <= S
-// tokens each rank passes (default S; one case per value). --sm-budget: multiprocessors per rank, each rank's launches
-// then use at most twice that many blocks (LocalDeviceGroup; 0: SMs / R, so 32 blocks for 8 ranks on an H200's 132
-// SMs). Routing sigmas of --maxvio targets are bisected on min(R, 8) ranks (--sigma-cache keeps them between runs).
+// tokens each rank passes (default S; one case per value). --num-sms: every rank's SM budget, the most thread blocks
+// one of its launches uses (LocalDeviceGroup; 0: twice SMs / R, so 32 blocks for 8 ranks on an H200's 132 SMs). Routing sigmas of --maxvio targets are bisected on min(R, 8) ranks (--sigma-cache keeps them between runs).
 // --planner-only: only the planner kernels on host-generated counts of every case (no data plane, no cross-rank
 // barrier, so it also runs under a kernel profiler; --seeds routings per case, seeds 42..), graph-timed, with the
 // plan's P and replicas, the greedy's, the host planner's time, and whether the GPU plan equals the host planner's
@@ -491,7 +490,7 @@ struct Options {
     std::vector<bench::Case> cases;
     std::vector<int> tokens_per_call;  // empty: S
     int iters = 20, warmup = 3, seeds = 3;
-    int sm_budget = 0;  // multiprocessors a rank's launches may use (LocalDeviceGroup's sm_budget); 0: SMs / R
+    int num_sms = 0;  // every rank's SM budget, blocks per launch (LocalDeviceGroup's num_sms); 0: twice SMs / R
     bool planner_only = false, planner_profile = false;
     std::string csv = "ops_bench.csv", sigma_cache;
 };
@@ -614,11 +613,11 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     spec.expert_elems = int64_t(l.hidden) * c.shape.ffn;
     spec.sigma = sigma;
     spec.seed = 42;
-    LocalDeviceGroup group(l.num_ranks, false, 30.0, o.sm_budget);
+    LocalDeviceGroup group(l.num_ranks, false, 30.0, o.num_sms);
     DeviceCase dev(spec, l, group);
     const double rank_gbps =
-        rank_copy_gbps(group.max_blocks() > 0 ? group.max_blocks() : 2 * kernels::device_sm_count(), group.stream(0));
-    std::printf("  one rank's copy under its SM budget (%d blocks): %.0f GB/s\n", group.max_blocks(), rank_gbps);
+        rank_copy_gbps(group.num_sms() > 0 ? group.num_sms() : 2 * kernels::device_sm_count(), group.stream(0));
+    std::printf("  one rank's copy under its SM budget (%d blocks): %.0f GB/s\n", group.num_sms(), rank_gbps);
     // Inputs: routing from the generator; data random on the device (never zeros).
     const auto topk = make_routing(spec, spec.seed);
     std::vector<int32_t> all_counts(size_t(l.num_ranks) * l.num_experts, 0);
@@ -702,7 +701,7 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
         return a;
     };
     const Timing t_plan = bench::time_ranks(group, o.iters, o.warmup, [&] {
-        for (int r = 0; r < R; ++r) device::launch_plan(plan_args(r), group.stream(r));
+        for (int r = 0; r < R; ++r) runtime::launch_plan(plan_args(r), group.stream(r), group.num_sms());
     });
     // Planner kernels alone (rank 0's counts; every rank runs the same planner on the same input), device time
     // from a graph of 10 back-to-back planners (as in a captured step; no host launch latency).
@@ -719,19 +718,19 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
                             planner::PlannerEngine::kParallel, group.stream(0));
     group.synchronize();
     auto plan_all = [&] {
-        for (int r = 0; r < R; ++r) device::launch_plan(plan_args(r), group.stream(r));
+        for (int r = 0; r < R; ++r) runtime::launch_plan(plan_args(r), group.stream(r), group.num_sms());
     };
     auto dispatch_all = [&] {
-        for (int r = 0; r < R; ++r) kernels::launch(dispatch_args(r), group.stream(r));
+        for (int r = 0; r < R; ++r) kernels::launch(dispatch_args(r), group.stream(r), group.num_sms());
     };
     auto combine_all = [&] {
-        for (int r = 0; r < R; ++r) kernels::launch(combine_args(r), group.stream(r));
+        for (int r = 0; r < R; ++r) kernels::launch(combine_args(r), group.stream(r), group.num_sms());
     };
     auto prefetch_all = [&] {
-        for (int r = 0; r < R; ++r) kernels::launch(prefetch_args(r), group.stream(r));
+        for (int r = 0; r < R; ++r) kernels::launch(prefetch_args(r), group.stream(r), group.num_sms());
     };
     auto reduce_all = [&] {
-        for (int r = 0; r < R; ++r) kernels::launch(reduce_args(r), group.stream(r));
+        for (int r = 0; r < R; ++r) kernels::launch(reduce_args(r), group.stream(r), group.num_sms());
     };
     const Timing t_dispatch = bench::time_ranks(group, o.iters, o.warmup, dispatch_all);
     const Timing t_combine = bench::time_ranks(group, o.iters, o.warmup, combine_all);
@@ -752,10 +751,10 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
         return a;
     };
     const Timing g_prefetch_kernels = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [&] {
-        for (int r = 0; r < R; ++r) kernels::launch(without_barriers(prefetch_args(r)), group.stream(r));
+        for (int r = 0; r < R; ++r) kernels::launch(without_barriers(prefetch_args(r)), group.stream(r), group.num_sms());
     });
     const Timing g_reduce_kernels = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [&] {
-        for (int r = 0; r < R; ++r) kernels::launch(without_barriers(reduce_args(r)), group.stream(r));
+        for (int r = 0; r < R; ++r) kernels::launch(without_barriers(reduce_args(r)), group.stream(r), group.num_sms());
     });
     const Timing g_barriers = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [&] {
         for (int r = 0; r < R; ++r) {
@@ -774,10 +773,10 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     std::string alone_line[2];
     for (int r = 0; r < R; ++r) {
         const Timing pre = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [&] {
-            kernels::launch(without_barriers(prefetch_args(r)), group.stream(r));
+            kernels::launch(without_barriers(prefetch_args(r)), group.stream(r), group.num_sms());
         });
         const Timing red = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [&] {
-            kernels::launch(without_barriers(reduce_args(r)), group.stream(r));
+            kernels::launch(without_barriers(reduce_args(r)), group.stream(r), group.num_sms());
         });
         alone_line[0] += " " + bench::fixed(pre.median_us, 1);
         alone_line[1] += " " + bench::fixed(red.median_us, 1);
@@ -848,7 +847,7 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
                 st.makespan, R, l.num_tokens, s, l.num_experts, l.hidden, l.topk, c.shape.ffn, l.align, sigma,
                 bench::fixed(row.graph.median_us, 2), bench::fixed(row.graph.min_us, 2),
                 bench::fixed(graph_gbps / copy_gbps, 4), bench::fixed(ceiling, 4), bench::fixed(rank_gbps, 1),
-                bench::fixed(with_barriers, 4), group.max_blocks());
+                bench::fixed(with_barriers, 4), group.num_sms());
     }
     std::fflush(stdout);
 }
@@ -867,8 +866,7 @@ int main(int argc, char** argv) {
     flags.add_switch("--planner-only", &o.planner_only, "only the planner kernels, graph-timed, vs the host planner");
     flags.add_switch("--planner-profile", &o.planner_profile, "with --planner-only: where the planner's time goes");
     flags.add("--seeds", &o.seeds, "--planner-only: routings per case (seeds 42..)", 1, 1000);
-    flags.add("--sm-budget", &o.sm_budget,
-              "multiprocessors per rank for its launches' block cap (twice this many blocks; 0: SMs / R)", 0, 1024);
+    flags.add("--num-sms", &o.num_sms, "every rank's SM budget: blocks per launch at most (0: twice SMs / R)", 0, 2048);
     flags.add("--sigma-cache", &o.sigma_cache, "CSV of routing sigmas found before: read, and appended to");
     flags.parse(argc, argv);
     o.cases = flags.cases();

@@ -21,7 +21,7 @@
 #                   R=8 virtual ranks, S=8192, E=896, H=7168, K 8/16, maxvio 1/5/20, each against the copy bandwidth
 #                   of the same run (ratio_to_copy)                                                  ops_k3.csv
 #   data_plane_k3_sm33
-#                   the same with --sm-budget 33: each rank's launches up to 66 blocks (a quarter of the GPU) where
+#                   the same with --num-sms 66: each rank's launches up to 66 blocks (a quarter of the GPU) where
 #                   the default gives 32; the pool ops' owners then run their share faster      ops_k3_sm33.csv
 #   s1024_k3        the same at K=8, maxvio 1 for s=1024 and s=8192 tokens per call (of S=8192)   ops_k3_s1024.csv
 #   host_check      flatep-plan-quality --preset moonep-sweep: every host plan of the sweep valid and the balanced
@@ -90,7 +90,7 @@ step planner_reference 60 "$OPS" --planner-only --preset moonep,deepep --seeds 1
     --sigma-cache "$SIGMAS" --csv "$OUT/planner_reference.csv"
 step data_plane_k3 150 "$OPS" --preset k3 --ffn 512 --iters 20 --warmup 3 --sigma-cache "$SIGMAS" \
     --csv "$OUT/ops_k3.csv"
-step data_plane_k3_sm33 150 "$OPS" --preset k3 --ffn 512 --iters 20 --warmup 3 --sm-budget 33 \
+step data_plane_k3_sm33 150 "$OPS" --preset k3 --ffn 512 --iters 20 --warmup 3 --num-sms 66 \
     --sigma-cache "$SIGMAS" --csv "$OUT/ops_k3_sm33.csv"
 step s1024_k3 60 "$OPS" --preset k3 --topk 8 --maxvio 1 --ffn 512 --tokens-per-call 1024,8192 --iters 20 \
     --warmup 3 --sigma-cache "$SIGMAS" --csv "$OUT/ops_k3_s1024.csv"

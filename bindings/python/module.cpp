@@ -238,6 +238,10 @@ void bind_plan(py::module_& m) {
             py::arg("rank"));
 }
 
+// The Launch of one call: the caller's stream (an int cudaStream_t; 0 = the legacy default stream) and SM budget
+// (-1: the object's num_sms).
+Launch launch_of(uintptr_t stream, int num_sms) { return Launch{reinterpret_cast<void*>(stream), num_sms}; }
+
 void bind_buffer(py::module_& m) {
     using Release = py::call_guard<py::gil_scoped_release>;
     py::class_<Buffer, std::shared_ptr<Buffer>>(m, "Buffer", "C++ flatep::Buffer over pointers; see flatep.Buffer.")
@@ -263,10 +267,13 @@ void bind_buffer(py::module_& m) {
              py::arg("num_plan_slots") = Buffer::kDefaultPlanSlots)
         .def(
             "plan",
-            [](Buffer& b, uintptr_t topk_idx, int index_bytes, int num_tokens, uintptr_t plan_storage) {
-                return b.plan(as_ptr<const void>(topk_idx), index_bytes, num_tokens, as_ptr<int32_t>(plan_storage));
+            [](Buffer& b, uintptr_t topk_idx, int index_bytes, int num_tokens, uintptr_t plan_storage, uintptr_t stream,
+               int num_sms) {
+                return b.plan(as_ptr<const void>(topk_idx), index_bytes, num_tokens, as_ptr<int32_t>(plan_storage),
+                              launch_of(stream, num_sms));
             },
-            py::arg("topk_idx"), py::arg("index_bytes"), py::arg("num_tokens"), py::arg("plan_storage") = 0, Release())
+            py::arg("topk_idx"), py::arg("index_bytes"), py::arg("num_tokens"), py::arg("plan_storage") = 0,
+            py::kw_only(), py::arg("stream") = 0, py::arg("num_sms") = -1, Release())
         .def_property_readonly("plan_words", &Buffer::plan_words)
         .def_property_readonly(
             "symmetric_recv",
@@ -286,54 +293,63 @@ void bind_buffer(py::module_& m) {
                                                          s.cu_seqlens + rank * b.layout().num_groups());
                                })
         .def_property(
-            "max_blocks", &Buffer::max_blocks,
-            [](Buffer& b, long long blocks) { b.set_max_blocks(env::check_sm_budget("Buffer", blocks)); },
-            "SM budget: the most thread blocks one launch of an op uses (0: no cap; starts at FLATEP_SM_BUDGET)")
+            "num_sms", &Buffer::num_sms,
+            [](Buffer& b, long long num_sms) { b.set_num_sms(env::check_num_sms("Buffer", num_sms)); },
+            "SM budget of calls that pass num_sms=-1: the most thread blocks one launch of an op uses (0: no cap; "
+            "starts at FLATEP_NUM_SMS)")
         .def_property_readonly("poisoned", &Buffer::poisoned)
         .def(
             "dispatch",
-            [](Buffer& b, const Plan& plan, uintptr_t x, uintptr_t topk_weights, uintptr_t recv_x, uintptr_t recv_w) {
+            [](Buffer& b, const Plan& plan, uintptr_t x, uintptr_t topk_weights, uintptr_t recv_x, uintptr_t recv_w,
+               uintptr_t stream, int num_sms) {
                 b.dispatch(plan, as_ptr<const uint16_t>(x), as_ptr<const float>(topk_weights), as_ptr<uint16_t>(recv_x),
-                           as_ptr<float>(recv_w));
+                           as_ptr<float>(recv_w), launch_of(stream, num_sms));
             },
-            py::arg("plan"), py::arg("x"), py::arg("topk_weights"), py::arg("recv_x"), py::arg("recv_w"), Release())
+            py::arg("plan"), py::arg("x"), py::arg("topk_weights"), py::arg("recv_x"), py::arg("recv_w"), py::kw_only(),
+            py::arg("stream") = 0, py::arg("num_sms") = -1, Release())
         .def(
             "dispatch_fp8",
             [](Buffer& b, const Plan& plan, uintptr_t x_bf16, uintptr_t x_fp8, uintptr_t x_scales,
-               uintptr_t topk_weights, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_w, bool ue8m0) {
+               uintptr_t topk_weights, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_w, bool ue8m0,
+               uintptr_t stream, int num_sms) {
                 b.dispatch_fp8(plan, as_ptr<const uint16_t>(x_bf16), as_ptr<const uint8_t>(x_fp8),
                                as_ptr<const float>(x_scales), as_ptr<const float>(topk_weights),
                                as_ptr<uint8_t>(recv_x), as_ptr<float>(recv_scales), as_ptr<float>(recv_w),
-                               ue8m0 ? Fp8Scale::kUe8m0 : Fp8Scale::kFloat);
+                               ue8m0 ? Fp8Scale::kUe8m0 : Fp8Scale::kFloat, launch_of(stream, num_sms));
             },
             py::arg("plan"), py::arg("x_bf16"), py::arg("x_fp8"), py::arg("x_scales"), py::arg("topk_weights"),
-            py::arg("recv_x"), py::arg("recv_scales"), py::arg("recv_w"), py::arg("ue8m0"), Release())
+            py::arg("recv_x"), py::arg("recv_scales"), py::arg("recv_w"), py::arg("ue8m0"), py::kw_only(),
+            py::arg("stream") = 0, py::arg("num_sms") = -1, Release())
         .def(
             "combine",
-            [](Buffer& b, const Plan& plan, uintptr_t y, uintptr_t weights, uintptr_t out) {
-                b.combine(plan, as_ptr<const uint16_t>(y), as_ptr<const float>(weights), as_ptr<uint16_t>(out));
+            [](Buffer& b, const Plan& plan, uintptr_t y, uintptr_t weights, uintptr_t out, uintptr_t stream,
+               int num_sms) {
+                b.combine(plan, as_ptr<const uint16_t>(y), as_ptr<const float>(weights), as_ptr<uint16_t>(out),
+                          launch_of(stream, num_sms));
             },
-            py::arg("plan"), py::arg("y"), py::arg("weights"), py::arg("out"), Release())
+            py::arg("plan"), py::arg("y"), py::arg("weights"), py::arg("out"), py::kw_only(), py::arg("stream") = 0,
+            py::arg("num_sms") = -1, Release())
         .def(
             "entry_values",
-            [](Buffer& b, const Plan& plan, uintptr_t row_values, uintptr_t out) {
-                b.entry_values(plan, as_ptr<const float>(row_values), as_ptr<float>(out));
+            [](Buffer& b, const Plan& plan, uintptr_t row_values, uintptr_t out, uintptr_t stream, int num_sms) {
+                b.entry_values(plan, as_ptr<const float>(row_values), as_ptr<float>(out), launch_of(stream, num_sms));
             },
-            py::arg("plan"), py::arg("row_values"), py::arg("out"), Release())
+            py::arg("plan"), py::arg("row_values"), py::arg("out"), py::kw_only(), py::arg("stream") = 0,
+            py::arg("num_sms") = -1, Release())
         .def(
             "combine_grad",
             [](Buffer& b, const Plan& plan, uintptr_t rows, uintptr_t y, uintptr_t weights, uintptr_t grad_y,
-               uintptr_t grad_weights) {
+               uintptr_t grad_weights, uintptr_t stream, int num_sms) {
                 b.combine_grad(plan, as_ptr<const uint16_t>(rows), as_ptr<const uint16_t>(y),
-                               as_ptr<const float>(weights), as_ptr<uint16_t>(grad_y), as_ptr<float>(grad_weights));
+                               as_ptr<const float>(weights), as_ptr<uint16_t>(grad_y), as_ptr<float>(grad_weights),
+                               launch_of(stream, num_sms));
             },
             py::arg("plan"), py::arg("rows"), py::arg("y"), py::arg("weights"), py::arg("grad_y"),
-            py::arg("grad_weights"), Release())
-        .def("check_status", &Buffer::check_status, Release())
-        .def_property_readonly("on_device", &Buffer::on_device)
+            py::arg("grad_weights"), py::kw_only(), py::arg("stream") = 0, py::arg("num_sms") = -1, Release())
         .def(
-            "set_stream", [](Buffer& b, uintptr_t stream) { b.set_stream(reinterpret_cast<void*>(stream)); },
-            py::arg("stream"))
+            "check_status", [](Buffer& b, uintptr_t stream) { b.check_status(launch_of(stream, -1)); }, py::kw_only(),
+            py::arg("stream") = 0, Release())
+        .def_property_readonly("on_device", &Buffer::on_device)
         .def_property_readonly("id", &Buffer::id)
         .def_property_readonly("generation", &Buffer::generation)
         .def_property_readonly("num_ranks", [](const Buffer& b) { return b.layout().num_ranks; })
@@ -375,25 +391,33 @@ void bind_pools(py::module_& m) {
              }),
              py::arg("transport"), py::arg("experts_per_rank"), py::arg("projections"))
         .def("register_layer", &ExpertPools::register_layer)
-        .def("prefetch", &ExpertPools::prefetch, py::arg("plan"), py::arg("layer"), Release())
-        .def("reduce_grad", &ExpertPools::reduce_grad, py::arg("plan"), py::arg("layer"), Release())
+        .def(
+            "prefetch",
+            [](ExpertPools& p, const Plan& plan, const ExpertLayer& layer, uintptr_t stream, int num_sms) {
+                p.prefetch(plan, layer, launch_of(stream, num_sms));
+            },
+            py::arg("plan"), py::arg("layer"), py::kw_only(), py::arg("stream") = 0, py::arg("num_sms") = -1, Release())
+        .def(
+            "reduce_grad",
+            [](ExpertPools& p, const Plan& plan, const ExpertLayer& layer, uintptr_t stream, int num_sms) {
+                p.reduce_grad(plan, layer, launch_of(stream, num_sms));
+            },
+            py::arg("plan"), py::arg("layer"), py::kw_only(), py::arg("stream") = 0, py::arg("num_sms") = -1, Release())
         .def_property_readonly("poisoned", &ExpertPools::poisoned)
         .def(
             "write_grads",
             [](ExpertPools& p, const Plan& plan, const ExpertLayer& layer, int projection, uintptr_t grad,
-               int grad_bytes, bool accumulate) {
-                p.write_grads(plan, layer, projection, as_ptr<const void>(grad), grad_bytes, accumulate);
+               int grad_bytes, bool accumulate, uintptr_t stream, int num_sms) {
+                p.write_grads(plan, layer, projection, as_ptr<const void>(grad), grad_bytes, accumulate,
+                              launch_of(stream, num_sms));
             },
             py::arg("plan"), py::arg("layer"), py::arg("projection"), py::arg("grad"), py::arg("grad_bytes"),
-            py::arg("accumulate") = false, Release())
+            py::arg("accumulate") = false, py::kw_only(), py::arg("stream") = 0, py::arg("num_sms") = -1, Release())
         .def_property_readonly("on_device", &ExpertPools::on_device)
         .def_property(
-            "max_blocks", &ExpertPools::max_blocks,
-            [](ExpertPools& p, long long blocks) { p.set_max_blocks(env::check_sm_budget("ExpertPools", blocks)); },
-            "SM budget: the most thread blocks one launch of a pools op uses (0: no cap; starts at FLATEP_SM_BUDGET)")
-        .def(
-            "set_stream", [](ExpertPools& p, uintptr_t stream) { p.set_stream(reinterpret_cast<void*>(stream)); },
-            py::arg("stream"))
+            "num_sms", &ExpertPools::num_sms,
+            [](ExpertPools& p, long long num_sms) { p.set_num_sms(env::check_num_sms("ExpertPools", num_sms)); },
+            "SM budget of calls that pass num_sms=-1 (0: no cap; starts at FLATEP_NUM_SMS)")
         .def_property_readonly("id", &ExpertPools::id)
         .def_property_readonly("experts_per_rank", &ExpertPools::experts_per_rank)
         .def_property_readonly("num_projections", &ExpertPools::num_projections)

@@ -36,6 +36,7 @@
 
 #include "flatep/config.hpp"
 #include "flatep/fp8.hpp"
+#include "flatep/launch.hpp"
 #include "flatep/transport.hpp"
 #include "flatep/types.hpp"
 
@@ -49,9 +50,9 @@ struct HostPlan;  // planner/planner.hpp: the plan arrays in host memory
 namespace host {
 struct OpStats;  // host/op_stats.hpp: counters of the CPU backend's ops
 }  // namespace host
-namespace device {
-class Context;  // runtime/device_ops.hpp: the CUDA side of a Buffer
-}  // namespace device
+namespace runtime {
+class BufferBackend;  // runtime/backend.hpp: host twins or CUDA kernels, chosen at construction
+}  // namespace runtime
 
 class Plan {
   public:
@@ -83,9 +84,11 @@ class Plan {
     // The plan arrays (internal API: planner/planner.hpp gives the type).
     const planner::HostPlan& host_plan() const;
 
+    struct Data;  // the plan's state (runtime/plan_data.hpp; internal)
+
   private:
     friend class Buffer;
-    struct Data;
+    friend class ExpertPools;
     explicit Plan(std::shared_ptr<const Data> data) : data_(std::move(data)) {}
     const Data& data() const;
     std::shared_ptr<const Data> data_;
@@ -95,7 +98,8 @@ class Buffer {
   public:
     // Validates the config (before allocating anything), checks it against the transport, all-gathers it
     // (any difference -> kMismatch "config mismatch with rank p: field: mine vs theirs" on every rank) and
-    // allocates the symmetric buffer. Collective. Host transports only for now (the CPU backend).
+    // allocates the symmetric buffer. Collective. The backend follows the transport's memory kind: host memory runs
+    // the CPU backend (every op synchronously on the calling thread), device memory the CUDA kernels.
     // num_plan_slots: device plans the Buffer keeps itself (0: every device plan() call must pass storage).
     static constexpr int kDefaultPlanSlots = 4;
     Buffer(const Config& config, std::shared_ptr<Transport> transport, PlannerKind planner = PlannerKind::kBalanced,
@@ -107,7 +111,9 @@ class Buffer {
     // topk_idx: [num_tokens][K] int32 (index_bytes 4) or int64 (8), num_tokens in [0, S]. Expert ids outside
     // [0, E) are skipped and recorded (check_status reports them). plan_storage: device Buffers only, null (the next
     // of the Buffer's plan slots) or plan_words() int32 words of device memory that the Plan then lives in.
-    Plan plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t* plan_storage = nullptr);
+    // Every op takes a Launch last (stream and SM budget of this call; see flatep/launch.hpp).
+    Plan plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t* plan_storage = nullptr,
+              const Launch& launch = {});
     // int32 words of one device plan (the storage plan() takes).
     int64_t plan_words() const;
     int num_plan_slots() const { return num_plan_slots_; }
@@ -115,7 +121,9 @@ class Buffer {
     // x: [s][H] bf16; topk_weights: [s][K] fp32 or null (weight 1); recv_x: [NvS][H] bf16 out (may be
     // symmetric_recv_x()); recv_w: [NvS] fp32 out or null. Real rows get their token row and weight, padding rows
     // inside a group's padded range are zero with weight 0, rows past the last group end are not written.
-    void dispatch(const Plan& plan, const uint16_t* x, const float* topk_weights, uint16_t* recv_x, float* recv_w);
+    // A rank that passes no tokens (num_tokens 0) may pass null x (and null out / combine, entry_values).
+    void dispatch(const Plan& plan, const uint16_t* x, const float* topk_weights, uint16_t* recv_x, float* recv_w,
+                  const Launch& launch = {});
 
     // dispatch of FP8 rows (design §6, "FP8 rows"): the same plan, receive layout and weights, with each row moved as
     // H e4m3 bytes plus H/128 fp32 scales (x ~= e4m3(q) * scale per block of 128 channels). H must be a multiple of
@@ -129,11 +137,11 @@ class Buffer {
     // 0; rows past the last group end are not written. Both backends give the same bits.
     void dispatch_fp8(const Plan& plan, const uint16_t* x_bf16, const uint8_t* x_fp8, const float* x_scales,
                       const float* topk_weights, uint8_t* recv_x, float* recv_scales, float* recv_w,
-                      Fp8Scale scale_mode = Fp8Scale::kFloat);
+                      Fp8Scale scale_mode = Fp8Scale::kFloat, const Launch& launch = {});
 
     // y: [NvS][H] bf16 expert outputs; weights: [NvS] fp32 per-row weights (weighted combine) or null;
     // out: [s][H] bf16, the sum of each token's K rows (design §6 numerics).
-    void combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out);
+    void combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out, const Launch& launch = {});
 
     // Local (not collective) rest of a weighted combine's backward, after the output gradient was dispatched back to
     // the rows (dispatch(plan, grad_out, nullptr, rows, nullptr)). For every receive row i in [0, NvS) of this rank:
@@ -145,17 +153,17 @@ class Buffer {
     // their rows / y / weights are never read. Either output may be null (not computed), not both; y may be null
     // without grad_weights, weights without grad_y. Device buffers: enqueued on stream(), no host synchronisation.
     void combine_grad(const Plan& plan, const uint16_t* rows, const uint16_t* y, const float* weights, uint16_t* grad_y,
-                      float* grad_weights);
+                      float* grad_weights, const Launch& launch = {});
 
     // The reverse path of one fp32 value per receive row: row_values [NvS] fp32 on every rank (e.g. dL/d(routing
     // weight) computed next to each expert output row); out [s][K] fp32 gets, for each entry (t, k) of this rank,
     // the value at its row on its destination rank (0 for an entry whose expert id was invalid).
-    void entry_values(const Plan& plan, const float* row_values, float* out);
+    void entry_values(const Plan& plan, const float* row_values, float* out, const Launch& launch = {});
 
     // Throws the first error recorded by an op since the last check (bad expert id: kInvalidArgument naming the id
     // and its flat index; a wait that timed out: kTimeout; ranks in different ops or steps: kMismatch) and clears
     // it; on a poisoned Buffer, the poisoning failure. FLATEP_DEBUG=1 runs it after every op.
-    void check_status();
+    void check_status(const Launch& launch = {});
     // True after a failed cross-rank wait (every later op throws); reason() says which.
     bool poisoned() const;
 
@@ -166,18 +174,14 @@ class Buffer {
     uint64_t generation() const { return generation_; }
     Transport& transport() { return *transport_; }
 
-    // Device backend (a transport with MemoryKind::kDevice): every op is enqueued on this CUDA stream (a
-    // cudaStream_t; null = the legacy default stream) and never synchronises with the host; all pointers passed to
-    // the ops are device pointers. check_status() is a synchronising point there.
-    bool on_device() const { return device_ != nullptr; }
-    void set_stream(void* cuda_stream) { stream_ = cuda_stream; }
-    void* stream() const { return stream_; }
-    // SM budget of this Buffer's kernels: the most thread blocks one launch of an op uses (0: no cap). Starts at
-    // FLATEP_SM_BUDGET (device Buffers; 0 on the host) and applies to the ops enqueued after the call (a captured CUDA
-    // graph keeps the budget it was captured with). Outside [0, 1048576]: kInvalidArgument. No effect on the CPU
-    // backend.
-    void set_max_blocks(int blocks);
-    int max_blocks() const;
+    // Device backend (a transport with MemoryKind::kDevice): every op is enqueued on its Launch's CUDA stream and never
+    // synchronises with the host; all pointers passed to the ops are device pointers. check_status() is a
+    // synchronising point there.
+    bool on_device() const;
+    // The SM budget of calls whose Launch says -1: the most thread blocks one launch of an op uses (0: no cap). Starts
+    // at FLATEP_NUM_SMS (0 on the CPU backend, which ignores it). Outside [0, kMaxNumSms]: kInvalidArgument.
+    int num_sms() const { return num_sms_; }
+    void set_num_sms(int num_sms);
 
     // This rank's symmetric receive regions ([NvS][H] bf16, [NvS] fp32): pass them to dispatch to skip the
     // copy-out of chain-head rows. Rewritten by the next dispatch on any rank.
@@ -192,9 +196,11 @@ class Buffer {
 
   private:
     void check_plan(const Plan& plan, const char* op) const;
-    void enter(const char* op);
+    Launch enter(const char* op, const Launch& launch);  // the call's launch with its budget resolved
     [[noreturn]] void throw_status(const int32_t words[4]) const;  // the error the status words hold
-    void after_op();
+    void after_op(const Launch& launch);
+    template <typename Args>
+    Args op_args(const Plan& plan);  // the fields every data-plane op's Args share
 
     Config config_;
     std::unique_ptr<Layout> layout_;
@@ -204,17 +210,13 @@ class Buffer {
     uint64_t generation_ = 0;
     SymmetricRegion region_;
     uint64_t epoch_ = 0;
-    bool recv_marks_valid_ = false;  // a device dispatch has marked the receive region's rows (DispatchArgs)
     bool debug_ = false;
     host::OpStats* op_stats_ = nullptr;
-    std::unique_ptr<device::Context> device_;
-    void* stream_ = nullptr;
-    int max_blocks_ = 0;  // host Buffers: the value set_max_blocks stored (device Buffers keep it in device_)
+    int num_sms_ = 0;
     std::unique_ptr<CollectiveGuard> guard_;
     double timeout_s_ = 0;  // the transport's timeout when this Buffer was built: every op's waits
     int num_plan_slots_ = 0;
-    std::shared_ptr<int32_t> plan_slots_;                      // device: num_plan_slots_ * plan_words() int32
-    std::shared_ptr<std::vector<uint64_t>> slot_generations_;  // generation each slot holds now
+    std::unique_ptr<runtime::BufferBackend> backend_;
 };
 
 }  // namespace flatep

@@ -38,9 +38,9 @@ struct ProjectionShape {
 
 class ExpertPools;
 class CollectiveGuard;  // runtime/collective_guard.hpp: poisoning after a failed cross-rank wait
-namespace device {
-class PoolsContext;  // runtime/device_pools.hpp: the CUDA side of ExpertPools
-}  // namespace device
+namespace runtime {
+class PoolsBackend;  // runtime/backend.hpp: host twins or CUDA kernels, chosen at construction
+}  // namespace runtime
 
 // One layer's expert memory (per projection: own weights and own grads, each the transport's local memory) and its
 // compute views. Move-only; unmaps everything on destruction (never throws).
@@ -92,10 +92,10 @@ class ExpertPools {
     ExpertLayer register_layer();
 
     // Collective: owners push this step's replicas (plan.slot_expert) of every projection into the slot pools.
-    void prefetch(const Plan& plan, const ExpertLayer& layer);
+    void prefetch(const Plan& plan, const ExpertLayer& layer, const Launch& launch = {});
     // Collective: owners add the replicas' fp32 grads (reduce pools) into the layer's own grads in ascending
     // (rank, slot) order; then every rank zeroes its consumed slots.
-    void reduce_grad(const Plan& plan, const ExpertLayer& layer);
+    void reduce_grad(const Plan& plan, const ExpertLayer& layer, const Launch& launch = {});
     // Local (not collective), before reduce_grad: writes one projection's weight gradients as a grouped GEMM over the
     // compute view computes them, grad [2*epn][rows][cols] (bf16: grad_bytes 2, or fp32: 4; group g < epn own expert
     // g, group epn + j slot j), into layer.grads(projection) in the state reduce_grad expects: own groups always
@@ -104,9 +104,9 @@ class ExpertPools {
     // touched (their reduce pool stays zero, as reduce_grad left it). accumulate: own groups with rows are added
     // into the own grads (fp32, one add per element) and own groups without rows are not touched, so the own grads
     // accumulate over micro-batches until the caller zeroes them (Megatron's main_grad); slot groups as above.
-    // Device pools: enqueued on stream().
+    // Device pools: enqueued on the launch's stream.
     void write_grads(const Plan& plan, const ExpertLayer& layer, int projection, const void* grad, int grad_bytes,
-                     bool accumulate = false);
+                     bool accumulate = false, const Launch& launch = {});
 
     int experts_per_rank() const { return experts_per_rank_; }
     int num_projections() const { return int(projections_.size()); }
@@ -116,24 +116,20 @@ class ExpertPools {
     float* reduce_pool(int projection) const;
     uint64_t id() const { return id_; }
 
-    // Device pools (a transport with MemoryKind::kDevice): prefetch / reduce_grad are enqueued on this CUDA stream
-    // (a cudaStream_t; null = the legacy default stream) and never synchronise with the host. The plan must be a
-    // device plan whose producing ops were ordered before on this stream (e.g. the Buffer's stream), and the
-    // layer's views are read / written by the kernels in stream order.
-    void set_stream(void* cuda_stream) { stream_ = cuda_stream; }
-    void* stream() const { return stream_; }
-    // SM budget of prefetch / reduce_grad / write_grads: the most thread blocks one launch uses (0: no cap); starts
-    // at FLATEP_SM_BUDGET on device pools (see Buffer::set_max_blocks). No effect on the CPU backend.
-    void set_max_blocks(int blocks);
-    int max_blocks() const;
-    bool on_device() const { return device_ != nullptr; }
+    // Device pools (a transport with MemoryKind::kDevice): every op is enqueued on its Launch's CUDA stream (see
+    // flatep/launch.hpp) and never synchronises with the host. The plan must be a device plan whose producing ops were
+    // ordered before on that stream, and the layer's views are read / written by the kernels in stream order.
+    bool on_device() const;
+    // The SM budget of calls whose Launch says -1 (see Buffer::num_sms); starts at FLATEP_NUM_SMS.
+    int num_sms() const { return num_sms_; }
+    void set_num_sms(int num_sms);
 
     // True after a failed cross-rank wait of a pools op (timeout, ranks in different ops or steps, a peer that gave
     // up): every later op throws kRuntime until the pools are rebuilt on every rank (see flatep/buffer.hpp).
     bool poisoned() const;
 
   private:
-    void check_args(const Plan& plan, const ExpertLayer& layer, const char* op) const;
+    Launch enter(const Plan& plan, const ExpertLayer& layer, const char* op, const Launch& launch) const;
 
     std::shared_ptr<Transport> transport_;
     int experts_per_rank_;
@@ -142,12 +138,10 @@ class ExpertPools {
     SymmetricRegion sync_region_;  // barrier flags + status words of the pool ops
     uint64_t epoch_ = 0;
     uint64_t id_;
-    std::unique_ptr<device::PoolsContext> device_;  // device pools only
     std::unique_ptr<CollectiveGuard> guard_;
     double timeout_s_ = 0;  // the transport's timeout when the pools were built: every op's waits
-    void* stream_ = nullptr;
-    int max_blocks_ = 0;  // host pools: the value set_max_blocks stored
-    bool debug_ = false;  // FLATEP_DEBUG: device ops also check the plan's layout (a synchronising read)
+    int num_sms_ = 0;
+    std::unique_ptr<runtime::PoolsBackend> backend_;
 };
 
 }  // namespace flatep

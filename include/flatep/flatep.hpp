@@ -5,5 +5,6 @@
 #include "flatep/config.hpp"
 #include "flatep/error.hpp"
 #include "flatep/expert_pools.hpp"
+#include "flatep/launch.hpp"
 #include "flatep/transport.hpp"
 #include "flatep/types.hpp"

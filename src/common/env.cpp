@@ -35,20 +35,20 @@ double resolve_timeout(const std::string& what, double seconds) {
     return seconds == 0 ? timeout_seconds() : check_timeout(what, "timeout_s", seconds);
 }
 
-int sm_budget() {
-    const std::string text = get("FLATEP_SM_BUDGET", "0");
+int num_sms() {
+    const std::string text = get("FLATEP_NUM_SMS", "0");
     char* end = nullptr;
     const long value = std::strtol(text.c_str(), &end, 10);
-    FLATEP_CHECK(end != text.c_str() && *end == '\0' && value >= 0 && value <= kMaxSmBudget,
-                 "FLATEP_SM_BUDGET must be a non-negative integer, got '", text, "'");
+    FLATEP_CHECK(end != text.c_str() && *end == '\0' && value >= 0 && value <= kMaxNumSms,
+                 "FLATEP_NUM_SMS must be an integer in [0, ", kMaxNumSms, "], got '", text, "'");
     return int(value);
 }
 
-int check_sm_budget(const char* what, long long blocks) {
-    FLATEP_CHECK(blocks >= 0 && blocks <= kMaxSmBudget, what,
-                 ": max_blocks (SM budget: thread blocks per launch, 0 = no cap) must be in [0, ", kMaxSmBudget,
-                 "], got ", blocks);
-    return int(blocks);
+int check_num_sms(const char* what, long long num_sms) {
+    FLATEP_CHECK(num_sms >= 0 && num_sms <= kMaxNumSms, what,
+                 ": num_sms (the most thread blocks one launch uses, 0 = no cap) must be in [0, ", kMaxNumSms,
+                 "], got ", num_sms);
+    return int(num_sms);
 }
 
 bool debug() { return get("FLATEP_DEBUG", "0") != "0"; }

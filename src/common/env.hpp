@@ -20,14 +20,14 @@ double check_timeout(const std::string& what, const char* name, double seconds);
 double resolve_timeout(const std::string& what, double seconds);
 // FLATEP_DEBUG: 1 = check the device status word after every op (reports bad expert ids at once).
 bool debug();
-// FLATEP_SM_BUDGET: most thread blocks one GPU launch of a rank may use (0 = no cap; default 0). Set it when
-// several ranks' kernels share one GPU without MPS-style partitioning.
-int sm_budget();
-// The largest SM budget (FLATEP_SM_BUDGET, or a Buffer's / ExpertPools' max_blocks) accepted.
-inline constexpr int kMaxSmBudget = 1 << 20;
-// Returns `blocks` when it is in [0, kMaxSmBudget]; otherwise throws kInvalidArgument
-// "<what>: max_blocks (SM budget: thread blocks per launch, 0 = no cap) must be in [0, 1048576], got <blocks>".
-int check_sm_budget(const char* what, long long blocks);
+// FLATEP_NUM_SMS: the SM budget objects start with (Buffer::num_sms, ExpertPools::num_sms): the most thread blocks
+// one GPU launch of an op uses (0 = no cap; default 0). Set it when several ranks' kernels share one GPU.
+int num_sms();
+// The largest SM budget accepted (flatep::kMaxNumSms, include/flatep/launch.hpp).
+inline constexpr int kMaxNumSms = 1 << 20;
+// Returns `num_sms` when it is in [0, kMaxNumSms]; otherwise throws kInvalidArgument
+// "<what>: num_sms (the most thread blocks one launch uses, 0 = no cap) must be in [0, 1048576], got <num_sms>".
+int check_num_sms(const char* what, long long num_sms);
 // FLATEP_LOG_LEVEL: 0 quiet, 1 warnings (default), 2 info, 3 debug.
 int log_level();
 // Socket rendezvous of separately launched ranks (flatep::make_socket_bootstrap_from_env, include/flatep/ipc.hpp):

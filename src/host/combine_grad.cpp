@@ -34,7 +34,6 @@ float lane_order_dot(const uint16_t* a, const uint16_t* b, int64_t hidden) {
 }  // namespace
 
 void combine_grad(const CombineGradArgs& a) {
-    check_combine_grad_args(a);
     const Layout& l = a.layout;
     const int64_t H = l.hidden;
     auto zero_rows = [&](int32_t begin, int32_t end) {

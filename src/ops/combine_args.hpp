@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "layout/layout.hpp"
+#include "ops/check.hpp"
 #include "layout/plan.hpp"
 #include "sync/sync.hpp"
 
@@ -21,5 +22,15 @@ struct CombineArgs {
     uint16_t* out;  // [s][H] bf16 out, one row per token of this rank
     sync::SyncArgs sync;
 };
+
+// combine's contract, checked once per call for both backends. num_tokens: the plan's token count (s; out may be null
+// when it is 0: a rank with no tokens still computes the rows other ranks sent it, so y is always needed).
+inline void check_combine_args(const CombineArgs& a, int num_tokens) {
+    check_op_rank("combine", a.rank, a.layout.num_ranks);
+    check_given("combine", "y", a.y);
+    check_given("combine", "out", a.out, num_tokens);
+    check_aligned16("combine", "y", a.y);
+    check_aligned16("combine", "out", a.out);
+}
 
 }  // namespace flatep

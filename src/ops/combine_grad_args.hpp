@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "common/check.hpp"
+#include "ops/check.hpp"
 #include "layout/layout.hpp"
 #include "layout/plan.hpp"
 
@@ -31,7 +32,6 @@ struct CombineGradArgs {
     const float* weights;  // [NvS] fp32: the forward combine's weights; may be null when grad_y is null
     uint16_t* grad_y;      // [NvS][H] bf16 out, or null (not computed)
     float* grad_weights;   // [NvS] fp32 out, or null (not computed)
-    int max_blocks;        // CUDA: blocks of the launch at most (SM budget; 0: no cap); the CPU backend ignores it
 };
 
 // The pointer checks both backends (and Buffer::combine_grad) make: kInvalidArgument naming the argument.
@@ -43,6 +43,9 @@ inline void check_combine_grad_args(const CombineGradArgs& a) {
                  "combine_grad: grad_y and grad_weights are both null (nothing to compute)");
     FLATEP_CHECK(a.grad_y == nullptr || a.weights != nullptr, "combine_grad: weights is null (grad_y needs it)");
     FLATEP_CHECK(a.grad_weights == nullptr || a.y != nullptr, "combine_grad: y is null (grad_weights needs it)");
+    check_aligned16("combine_grad", "rows", a.rows);
+    check_aligned16("combine_grad", "y", a.y);
+    check_aligned16("combine_grad", "grad_y", a.grad_y);
 }
 
 }  // namespace flatep

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "layout/layout.hpp"
+#include "ops/check.hpp"
 #include "layout/plan.hpp"
 #include "sync/sync.hpp"
 
@@ -26,5 +27,15 @@ struct DispatchArgs {
     bool marks_valid;
     sync::SyncArgs sync;
 };
+
+// dispatch's contract, checked once per call for both backends. num_tokens: the plan's token count (x may be null
+// when it is 0; recv_x never: other ranks' rows land there).
+inline void check_dispatch_args(const DispatchArgs& a, int num_tokens) {
+    check_op_rank("dispatch", a.rank, a.layout.num_ranks);
+    check_given("dispatch", "x", a.x, num_tokens);
+    check_given("dispatch", "recv_x", a.recv_x);
+    check_aligned16("dispatch", "x", a.x);
+    check_aligned16("dispatch", "recv_x", a.recv_x);
+}
 
 }  // namespace flatep

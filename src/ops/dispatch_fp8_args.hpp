@@ -10,6 +10,7 @@
 #include "flatep/fp8.hpp"
 #include "layout/layout.hpp"
 #include "layout/plan.hpp"
+#include "ops/check.hpp"
 #include "sync/sync.hpp"
 
 namespace flatep {
@@ -39,10 +40,9 @@ FLATEP_HD int64_t fp8_recv_scales_offset(const Layout& l, const SymmetricLayout&
 }
 FLATEP_HD int fp8_num_blocks(const Layout& l) { return l.hidden / kFp8BlockSize; }
 
-// The checks of dispatch_fp8's arguments, made by the Buffer and by both backends: kInvalidArgument naming the
-// argument. Whether x is needed depends on the plan's token count, which the CUDA launcher cannot read (it is in
-// device memory): the Buffer and the host twin add check_dispatch_fp8_x.
-inline void check_dispatch_fp8_args(const DispatchFp8Args& a) {
+// dispatch_fp8's contract, checked once per call for both backends: kInvalidArgument naming the argument.
+// num_tokens: the plan's token count (the rows may be null when it is 0).
+inline void check_dispatch_fp8_args(const DispatchFp8Args& a, int num_tokens) {
     FLATEP_CHECK(a.layout.hidden % kFp8BlockSize == 0, "dispatch_fp8: hidden (H) must be a multiple of ", kFp8BlockSize,
                  " for FP8 rows (one scale per ", kFp8BlockSize, " channels), got H=", a.layout.hidden);
     FLATEP_CHECK(a.x_bf16 == nullptr || a.x_fp8 == nullptr,
@@ -51,18 +51,18 @@ inline void check_dispatch_fp8_args(const DispatchFp8Args& a) {
                  "dispatch_fp8: x_scales is null; x_fp8 needs its [s][H/128] fp32 scales");
     FLATEP_CHECK(a.x_scales == nullptr || a.x_fp8 != nullptr,
                  "dispatch_fp8: x_scales is set without x_fp8; bf16 rows (x_bf16) get their scales in the op");
-    FLATEP_CHECK(a.scale_mode == Fp8Scale::kFloat || a.scale_mode == Fp8Scale::kUe8m0,
-                 "dispatch_fp8: scale_mode must be Fp8Scale::kFloat (0) or kUe8m0 (1), got ", int(a.scale_mode));
-    FLATEP_CHECK(a.recv_x != nullptr, "dispatch_fp8: recv_x is null");
-    FLATEP_CHECK(a.recv_scales != nullptr, "dispatch_fp8: recv_scales is null");
-    FLATEP_CHECK(a.rank >= 0 && a.rank < a.layout.num_ranks, "dispatch_fp8: rank must be in [0, ", a.layout.num_ranks,
-                 "), got ", a.rank);
-}
-
-// The rows are given when the plan has tokens (num_tokens: its token count).
-inline void check_dispatch_fp8_x(const DispatchFp8Args& a, int num_tokens) {
     FLATEP_CHECK(num_tokens == 0 || a.x_bf16 != nullptr || a.x_fp8 != nullptr,
                  "dispatch_fp8: x_bf16 and x_fp8 are both null; pass one of them");
+    FLATEP_CHECK(a.scale_mode == Fp8Scale::kFloat || a.scale_mode == Fp8Scale::kUe8m0,
+                 "dispatch_fp8: scale_mode must be Fp8Scale::kFloat (0) or kUe8m0 (1), got ", int(a.scale_mode));
+    check_given("dispatch_fp8", "recv_x", a.recv_x);
+    check_given("dispatch_fp8", "recv_scales", a.recv_scales);
+    check_op_rank("dispatch_fp8", a.rank, a.layout.num_ranks);
+    check_aligned16("dispatch_fp8", "x_bf16", a.x_bf16);
+    check_aligned16("dispatch_fp8", "x_fp8", a.x_fp8);
+    check_aligned16("dispatch_fp8", "recv_x", a.recv_x);
+    FLATEP_CHECK(is_aligned(a.x_scales, 4) && is_aligned(a.recv_scales, 4),
+                 "dispatch_fp8: x_scales and recv_scales must be 4-byte aligned");
 }
 
 }  // namespace flatep

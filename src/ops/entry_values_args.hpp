@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "layout/layout.hpp"
+#include "ops/check.hpp"
 #include "layout/plan.hpp"
 #include "sync/sync.hpp"
 
@@ -20,5 +21,13 @@ struct EntryValuesArgs {
     float* out;                 // [s][K] fp32 out: value of each entry's row; 0 for invalid entries
     sync::SyncArgs sync;
 };
+
+// entry_values' contract, checked once per call for both backends. num_tokens: the plan's token count (out may be
+// null when it is 0; row_values never: other ranks read this rank's rows).
+inline void check_entry_values_args(const EntryValuesArgs& a, int num_tokens) {
+    check_op_rank("entry_values", a.rank, a.layout.num_ranks);
+    check_given("entry_values", "row_values", a.row_values);
+    check_given("entry_values", "out", a.out, num_tokens);
+}
 
 }  // namespace flatep

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "common/macros.hpp"
+#include "ops/check.hpp"
 #include "sync/sync.hpp"
 
 namespace flatep {
@@ -20,5 +21,21 @@ struct GradReduceArgs {
     float* reduce_pools[kMaxRanks];  // every rank's fp32 reduce pool [epn][expert_elems], as mapped here
     sync::SyncArgs sync;
 };
+
+// reduce_grad's contract, checked once per call for both backends.
+inline void check_grad_reduce_args(const GradReduceArgs& a) {
+    FLATEP_CHECK(a.num_ranks >= 1 && a.num_ranks <= kMaxRanks, "reduce_grad: num_ranks must be in [1, ", kMaxRanks,
+                 "], got ", a.num_ranks);
+    check_op_rank("reduce_grad", a.rank, a.num_ranks);
+    FLATEP_CHECK(a.expert_elems > 0 && a.expert_elems % 4 == 0,
+                 "reduce_grad: expert_elems must be a positive multiple of 4, got ", a.expert_elems);
+    check_given("reduce_grad", "slot_expert", a.slot_expert);
+    check_given("reduce_grad", "grads", a.grads);
+    check_aligned16("reduce_grad", "grads", a.grads);
+    for (int r = 0; r < a.num_ranks; ++r) {
+        check_given("reduce_grad", "a reduce pool", a.reduce_pools[r]);
+        check_aligned16("reduce_grad", "a reduce pool", a.reduce_pools[r]);
+    }
+}
 
 }  // namespace flatep

@@ -26,7 +26,6 @@ struct WriteGradsArgs {
     int grad_bytes;
     float* grads;     // [2*epn][expert_elems] fp32 out: the layer's grads view of this projection
     bool accumulate;  // own groups: add into grads instead of overwriting (slot groups are always overwritten)
-    int max_blocks;   // CUDA: blocks of the launch at most (SM budget; 0: no cap); the CPU backend ignores it
 };
 
 // The checks both backends make: kInvalidArgument naming the argument.

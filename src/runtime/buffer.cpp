@@ -9,16 +9,10 @@
 #include "common/check.hpp"
 #include "common/env.hpp"
 #include "common/log.hpp"
-#include "host/combine.hpp"
-#include "host/combine_grad.hpp"
-#include "host/dispatch.hpp"
-#include "host/dispatch_fp8.hpp"
-#include "host/entry_values.hpp"
 #include "layout/layout.hpp"
 #include "ops/plan_args.hpp"
+#include "runtime/backend.hpp"
 #include "runtime/collective_guard.hpp"
-#include "runtime/device_ops.hpp"
-#include "runtime/host_plan.hpp"
 #include "runtime/plan_data.hpp"
 #include "sync/barrier_host.hpp"
 #include "sync/sync.hpp"
@@ -45,21 +39,6 @@ sync::SyncArgs make_sync(const SymmetricRegion& region, const SymmetricLayout& s
     s.num_ranks = num_ranks;
     s.timeout_s = timeout_s;
     return s;
-}
-
-// Fills the fields every data-plane op's Args share: layout, rank, plan, peer bases and barrier state (tagged with
-// the plan's step).
-template <typename Args>
-Args common_args(const Layout& l, int rank, const Plan& plan, const PlanView& view, const SymmetricRegion& region,
-                 uint64_t* epoch, double timeout_s) {
-    Args args{};
-    args.layout = l;
-    args.rank = rank;
-    args.plan = view;
-    for (int p = 0; p < l.num_ranks; ++p) args.peers[p] = region.peers[p];
-    args.sync = make_sync(region, make_symmetric_layout(l), epoch, rank, l.num_ranks, timeout_s);
-    args.sync.step = plan.generation();
-    return args;
 }
 
 }  // namespace
@@ -150,14 +129,11 @@ Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, Plann
                  num_plan_slots);
     FLATEP_CHECK(transport_ != nullptr, "Buffer: transport is null");
     timeout_s_ = transport_->timeout_s();  // this Buffer's bound, whatever later objects set on the shared transport
-    FLATEP_CHECK(planner == PlannerKind::kGreedy || planner == PlannerKind::kBalanced, "Buffer: unknown planner kind ",
-                 int(planner));
+    FLATEP_CHECK(planner_name(planner) != std::string("unknown"), "Buffer: unknown planner kind ", int(planner));
     FLATEP_CHECK(transport_->num_ranks() == config_.num_ranks, "Buffer: config.num_ranks (", config_.num_ranks,
                  ") differs from the transport's (", transport_->num_ranks(), ")");
     FLATEP_CHECK(transport_->rank() == config_.rank, "Buffer: config.rank (", config_.rank,
                  ") differs from the transport's rank (", transport_->rank(), ")");
-    FLATEP_CHECK(transport_->memory_kind() == MemoryKind::kHost || device::built_with_cuda(), "Buffer: transport '",
-                 transport_->name(), "' has device memory but this build has no CUDA support");
 
     // Every rank must agree on the config: compare against every peer so that every rank throws.
     ConfigBlob mine;
@@ -183,34 +159,27 @@ Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, Plann
         }
     }
 
-    if (transport_->memory_kind() == MemoryKind::kDevice) {
-        const std::unique_ptr<DeviceBinding> bound = transport_->bind_device();  // the state lands on its GPU
-        device_ = std::make_unique<device::Context>(*layout_);
-        if (num_plan_slots_ > 0)
-            plan_slots_ = device::allocate_words(size_t(num_plan_slots_) * size_t(plan_words()), transport_);
-        slot_generations_ = std::make_shared<std::vector<uint64_t>>(size_t(num_plan_slots_), 0);
-    }
+    runtime::BufferSite site{layout_.get(), transport_, guard_.get(), &op_stats_, num_plan_slots_, plan_words()};
+    backend_ = runtime::make_buffer_backend(site);
+    num_sms_ = backend_->default_num_sms();
     region_ = transport_->allocate(size_t(make_symmetric_layout(*layout_).total_bytes));
-    if (device_ == nullptr) {
-        const int64_t at = make_symmetric_layout(*layout_).barrier_offset;
-        guard_->set_site({transport_.get(), reinterpret_cast<const uint64_t*>(region_.local + at), &epoch_});
-    }
-    if (device_ != nullptr) {
-        // The region's zero fill must be complete on every rank before any rank's kernels write into it.
-        device::synchronize_device(*transport_);
-        transport_->bootstrap().all_gather(std::string());
-    }
+    const int64_t at = make_symmetric_layout(*layout_).barrier_offset;
+    backend_->watch_site({transport_.get(), reinterpret_cast<const uint64_t*>(region_.local + at), &epoch_});
+    // Every rank's zero fill of the region (on the device: the legacy stream, which the ops' streams do not wait for)
+    // is complete before any rank's op writes into it.
+    backend_->synchronize();
+    transport_->bootstrap().all_gather(std::string());
     debug_ = env::debug();
 }
 
 Buffer::~Buffer() {
     guard_->set_site({});  // before the flags go
-    // The device state is freed on the transport's GPU, from whatever thread drops the object.
-    if (device_ != nullptr) device::reset_on_device(*transport_, device_, "Buffer");
+    backend_.reset();      // frees its device state on the transport's GPU (runtime/device_backend.cpp)
     if (transport_ != nullptr) transport_->release(region_);
 }
 
 const Layout& Buffer::layout() const { return *layout_; }
+bool Buffer::on_device() const { return backend_->on_device(); }
 
 uint16_t* Buffer::symmetric_recv_x() {
     return region_at<uint16_t>(region_.local, make_symmetric_layout(*layout_).recv_x_offset);
@@ -228,26 +197,16 @@ int64_t Buffer::plan_words() const { return make_plan_sizes(*layout_).total_word
 
 bool Buffer::poisoned() const { return guard_->poisoned(); }
 
-void Buffer::set_max_blocks(int blocks) {
-    blocks = env::check_sm_budget("Buffer", blocks);
-    if (device_ != nullptr) {
-        device_->set_max_blocks(blocks);
-    } else {
-        max_blocks_ = blocks;
-    }
-}
+void Buffer::set_num_sms(int num_sms) { num_sms_ = env::check_num_sms("Buffer", num_sms); }
 
-int Buffer::max_blocks() const { return device_ != nullptr ? device_->max_blocks() : max_blocks_; }
-
-void Buffer::enter(const char* op) {
-    if (device_ == nullptr) return guard_->enter(op, "", 0);
-    guard_->enter(op, device_->failure_message(), device_->failure_code());
+Launch Buffer::enter(const char* op, const Launch& launch) {
+    Launch resolved = launch;
+    resolved.num_sms = launch.num_sms == -1 ? num_sms_ : env::check_num_sms(op, launch.num_sms);
+    guard_->enter(op, backend_->failure_message(), backend_->failure_code());
     int32_t words[4];
-    if (device_->take_status(words)) {  // an error an earlier op recorded on the GPU (e.g. a bad expert id)
-        int32_t* status = region_at<int32_t>(region_.local, make_symmetric_layout(*layout_).status_offset);
-        device_->zero(status, sizeof(words), stream_);  // stream-ordered: the device copy is reported here too
-        throw_status(words);
-    }
+    int32_t* status = region_at<int32_t>(region_.local, make_symmetric_layout(*layout_).status_offset);
+    if (backend_->take_status(words, status, resolved)) throw_status(words);  // an earlier op's error (a bad id)
+    return resolved;
 }
 
 void Buffer::check_plan(const Plan& plan, const char* op) const {
@@ -259,19 +218,23 @@ void Buffer::check_plan(const Plan& plan, const char* op) const {
     plan.data().check_fresh(op);
 }
 
-Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t* plan_storage) {
-    enter("plan");
+template <typename Args>
+Args Buffer::op_args(const Plan& plan) {
     const Layout& l = *layout_;
-    check_plan_inputs(l, num_tokens, topk_idx, index_bytes);  // before anything is allocated
+    Args args{};
+    args.layout = l;
+    args.rank = config_.rank;
+    args.plan = plan.data().op_view();
+    for (int p = 0; p < l.num_ranks; ++p) args.peers[p] = region_.peers[p];
+    args.sync = make_sync(region_, make_symmetric_layout(l), &epoch_, config_.rank, l.num_ranks, timeout_s_);
+    args.sync.step = plan.generation();
+    backend_->fill_sync(args.sync);
+    return args;
+}
 
-    auto data = std::make_shared<Plan::Data>(l);
-    data->generation = ++generation_;
-    data->buffer_id = id_;
-    data->rank = config_.rank;
-    data->num_tokens = num_tokens;
-    data->planner = planner_;
-    const SymmetricLayout sym = make_symmetric_layout(l);
-
+Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t* plan_storage, const Launch& launch) {
+    const Launch run = enter("plan", launch);
+    const Layout& l = *layout_;
     PlanArgs args{};
     args.layout = l;
     args.rank = config_.rank;
@@ -280,72 +243,41 @@ Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t
     args.index_bytes = index_bytes;
     args.planner = planner_;
     for (int p = 0; p < l.num_ranks; ++p) args.peers[p] = region_.peers[p];
-    args.sync = make_sync(region_, sym, &epoch_, config_.rank, l.num_ranks, timeout_s_);
+    check_plan_args(args);  // before anything is allocated
+
+    auto data = std::make_shared<Plan::Data>(l);
+    data->generation = ++generation_;
+    data->buffer_id = id_;
+    data->rank = config_.rank;
+    data->num_tokens = num_tokens;
+    data->planner = planner_;
+    args.sync = make_sync(region_, make_symmetric_layout(l), &epoch_, config_.rank, l.num_ranks, timeout_s_);
     args.sync.step = data->generation;
-    if (device_ != nullptr) {
-        const int64_t words = plan_words();
-        if (plan_storage != nullptr) {
-            data->device_words = std::shared_ptr<int32_t>(plan_storage, [](int32_t*) {});  // the caller's memory
-        } else {
-            FLATEP_CHECK(num_plan_slots_ > 0,
-                         "plan: this Buffer has no plan slots (num_plan_slots=0): pass "
-                         "plan_storage of plan_words()=",
-                         words, " int32");
-            data->slot = int((data->generation - 1) % uint64_t(num_plan_slots_));
-            (*slot_generations_)[size_t(data->slot)] = data->generation;
-            data->slot_generations = slot_generations_;
-            data->device_words = std::shared_ptr<int32_t>(plan_slots_, plan_slots_.get() + data->slot * words);
-        }
-        data->device_view = make_plan_view(l, data->device_words.get());
-        data->refresh_host = [words, source = data->device_words, transport = transport_](planner::HostPlan& host) {
-            device::copy_to_host(host.view.tpe_all, source.get(), size_t(words) * sizeof(int32_t), *transport);
-        };
-        device_->zero(data->device_words.get(), size_t(words) * sizeof(int32_t), stream_);  // ordered on the stream
-        args.plan = data->device_view;
-        args.workspace = device_->workspace();
-        device_->fill_sync(args.sync);
-        device_->plan(args, stream_);
-    } else {
-        FLATEP_CHECK(plan_storage == nullptr, "plan: plan_storage is for device Buffers; this one is on the host");
-        args.plan = data->host.view;
-        guard_->run(args.sync.status, [&] { run_host_plan(args); });
-        data->host.view.header[kHeaderGenerationLo] = int32_t(uint32_t(data->generation));
-        data->host.view.header[kHeaderGenerationHi] = int32_t(uint32_t(data->generation >> 32));
-    }
-    after_op();
+    backend_->plan(args, *data, plan_storage, run);
+    after_op(run);
     return Plan(std::move(data));
 }
 
-void Buffer::dispatch(const Plan& plan, const uint16_t* x, const float* topk_weights, uint16_t* recv_x, float* recv_w) {
-    enter("dispatch");
+void Buffer::dispatch(const Plan& plan, const uint16_t* x, const float* topk_weights, uint16_t* recv_x, float* recv_w,
+                      const Launch& launch) {
+    const Launch run = enter("dispatch", launch);
     check_plan(plan, "dispatch");
-    FLATEP_CHECK(plan.num_tokens() == 0 || x != nullptr, "dispatch: x is null");
-    FLATEP_CHECK(recv_x != nullptr, "dispatch: recv_x is null");
-    auto args =
-        common_args<DispatchArgs>(*layout_, config_.rank, plan, plan.data().op_view(), region_, &epoch_, timeout_s_);
+    auto args = op_args<DispatchArgs>(plan);
     args.x = x;
     args.topk_weights = topk_weights;
     args.recv_x = recv_x;
     args.recv_w = recv_w;
-    if (device_ != nullptr) {
-        args.marks_valid = recv_marks_valid_;
-        device_->fill_sync(args.sync);
-        device_->dispatch(args, stream_);
-        recv_marks_valid_ = true;  // this launch marks every row (stream order: the next dispatch sees them)
-    } else {
-        guard_->run(args.sync.status, [&] { host::dispatch(args, op_stats_); });
-    }
-    after_op();
+    check_dispatch_args(args, plan.num_tokens());
+    backend_->dispatch(args, run);
+    after_op(run);
 }
 
 void Buffer::dispatch_fp8(const Plan& plan, const uint16_t* x_bf16, const uint8_t* x_fp8, const float* x_scales,
                           const float* topk_weights, uint8_t* recv_x, float* recv_scales, float* recv_w,
-                          Fp8Scale scale_mode) {
-    enter("dispatch_fp8");
+                          Fp8Scale scale_mode, const Launch& launch) {
+    const Launch run = enter("dispatch_fp8", launch);
     check_plan(plan, "dispatch_fp8");
-    const Layout& l = *layout_;
-    auto args =
-        common_args<DispatchFp8Args>(l, config_.rank, plan, plan.data().op_view(), region_, &epoch_, timeout_s_);
+    auto args = op_args<DispatchFp8Args>(plan);
     args.x_bf16 = x_bf16;
     args.x_fp8 = x_fp8;
     args.x_scales = x_scales;
@@ -354,57 +286,37 @@ void Buffer::dispatch_fp8(const Plan& plan, const uint16_t* x_bf16, const uint8_
     args.recv_x = recv_x;
     args.recv_scales = recv_scales;
     args.recv_w = recv_w;
-    check_dispatch_fp8_args(args);
-    check_dispatch_fp8_x(args, plan.num_tokens());
-    if (device_ != nullptr) {
-        device_->fill_sync(args.sync);
-        device_->dispatch_fp8(args, stream_);
-    } else {
-        guard_->run(args.sync.status, [&] { host::dispatch_fp8(args, op_stats_); });
-    }
-    after_op();
+    check_dispatch_fp8_args(args, plan.num_tokens());
+    backend_->dispatch_fp8(args, run);
+    after_op(run);
 }
 
-void Buffer::combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out) {
-    enter("combine");
+void Buffer::combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out, const Launch& launch) {
+    const Launch run = enter("combine", launch);
     check_plan(plan, "combine");
-    FLATEP_CHECK(y != nullptr, "combine: y is null");
-    FLATEP_CHECK(plan.num_tokens() == 0 || out != nullptr, "combine: out is null");
-    auto args =
-        common_args<CombineArgs>(*layout_, config_.rank, plan, plan.data().op_view(), region_, &epoch_, timeout_s_);
+    auto args = op_args<CombineArgs>(plan);
     args.y = y;
     args.weights = weights;
     args.out = out;
-    if (device_ != nullptr) {
-        device_->fill_sync(args.sync);
-        device_->combine(args, stream_);
-    } else {
-        guard_->run(args.sync.status, [&] { host::combine(args, op_stats_); });
-    }
-    after_op();
+    check_combine_args(args, plan.num_tokens());
+    backend_->combine(args, run);
+    after_op(run);
 }
 
-void Buffer::entry_values(const Plan& plan, const float* row_values, float* out) {
-    enter("entry_values");
+void Buffer::entry_values(const Plan& plan, const float* row_values, float* out, const Launch& launch) {
+    const Launch run = enter("entry_values", launch);
     check_plan(plan, "entry_values");
-    FLATEP_CHECK(row_values != nullptr, "entry_values: row_values is null");
-    FLATEP_CHECK(plan.num_tokens() == 0 || out != nullptr, "entry_values: out is null");
-    auto args =
-        common_args<EntryValuesArgs>(*layout_, config_.rank, plan, plan.data().op_view(), region_, &epoch_, timeout_s_);
+    auto args = op_args<EntryValuesArgs>(plan);
     args.row_values = row_values;
     args.out = out;
-    if (device_ != nullptr) {
-        device_->fill_sync(args.sync);
-        device_->entry_values(args, stream_);
-    } else {
-        guard_->run(args.sync.status, [&] { host::entry_values(args); });
-    }
-    after_op();
+    check_entry_values_args(args, plan.num_tokens());
+    backend_->entry_values(args, run);
+    after_op(run);
 }
 
 void Buffer::combine_grad(const Plan& plan, const uint16_t* rows, const uint16_t* y, const float* weights,
-                          uint16_t* grad_y, float* grad_weights) {
-    enter("combine_grad");
+                          uint16_t* grad_y, float* grad_weights, const Launch& launch) {
+    const Launch run = enter("combine_grad", launch);
     check_plan(plan, "combine_grad");
     CombineGradArgs args{};
     args.layout = *layout_;
@@ -416,35 +328,20 @@ void Buffer::combine_grad(const Plan& plan, const uint16_t* rows, const uint16_t
     args.grad_y = grad_y;
     args.grad_weights = grad_weights;
     check_combine_grad_args(args);
-    if (device_ != nullptr) {
-        args.max_blocks = device_->max_blocks();
-        device_->combine_grad(args, stream_);
-    } else {
-        host::combine_grad(args);
-    }
-    after_op();
+    backend_->combine_grad(args, run);
+    after_op(run);
 }
 
-void Buffer::check_status() {
+void Buffer::check_status(const Launch& launch) {
     int32_t* status = region_at<int32_t>(region_.local, make_symmetric_layout(*layout_).status_offset);
     int32_t words[4];
-    if (device_ != nullptr) {
-        device_->read(words, status, sizeof(words), stream_);  // a synchronising point: the record is complete now
-        const std::string failure = device_->failure_message();
-        if (!failure.empty()) {
-            FLATEP_THROW(sync::host::wait_failure_category(device_->failure_code()), "rank ", config_.rank, ": ",
-                         failure);
-        }
-    } else {
-        for (int i = 0; i < 4; ++i) words[i] = status[i];
+    backend_->read_status(words, status, launch);  // device: a synchronising point, the record is complete now
+    const std::string failure = backend_->failure_message();
+    if (!failure.empty()) {
+        FLATEP_THROW(sync::host::wait_failure_category(backend_->failure_code()), "rank ", config_.rank, ": ", failure);
     }
     if (words[sync::kStatusCode] == sync::kStatusOk) return;
-    if (device_ != nullptr) {
-        device_->zero(status, sizeof(words), stream_);
-        device_->take_status(words);  // the host-mapped twin holds the same error: it is reported now
-    } else {
-        for (int i = 0; i < 4; ++i) status[i] = 0;
-    }
+    backend_->clear_status(status, launch);
     throw_status(words);
 }
 
@@ -473,8 +370,8 @@ void Buffer::throw_status(const int32_t words[4]) const {
     }
 }
 
-void Buffer::after_op() {
-    if (debug_) check_status();
+void Buffer::after_op(const Launch& launch) {
+    if (debug_) check_status(launch);
 }
 
 }  // namespace flatep

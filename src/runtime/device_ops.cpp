@@ -9,13 +9,8 @@
 #if defined(FLATEP_WITH_CUDA)
 #include <cuda_runtime.h>
 
-#include "kernels/combine/combine.cuh"
-#include "kernels/combine_grad/combine_grad.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/preload.hpp"
-#include "kernels/dispatch/dispatch.cuh"
-#include "kernels/dispatch/dispatch_fp8.cuh"
-#include "kernels/entry_values/entry_values.cuh"
 #include "kernels/plan/plan.cuh"
 #include "planner/gpu_planner.cuh"
 #include "sync/barrier_host.hpp"
@@ -24,7 +19,7 @@
 
 #endif
 
-namespace flatep::device {
+namespace flatep::runtime {
 
 #if defined(FLATEP_WITH_CUDA)
 
@@ -37,7 +32,7 @@ cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream);
 size_t plan_kernels_part(const Layout& l) { return (kernels::plan_kernels_workspace_bytes(l) + 255) / 256 * 256; }
 
 // Loads the planner's kernels on the current device before its first plan op there (once per device). The runtime's
-// Context preloads them with the kernels' own; this covers the callers that only preload the kernels library (tests
+// device backend preloads them with the kernels' own; this covers the callers that only preload the kernels library (tests
 // and benchmarks on LocalDeviceGroup): its first plan op runs before any kernel of a peer spins.
 void preload_planner_once() {
     static std::atomic<uint64_t> loaded{0};  // bit d: device d
@@ -52,14 +47,14 @@ void preload_planner_once() {
 
 size_t plan_workspace_bytes(const Layout& l) { return plan_kernels_part(l) + planner::planner_workspace_bytes(l); }
 
-void launch_plan(const PlanArgs& a, void* stream) {
+void launch_plan(const PlanArgs& a, void* stream, int num_sms) {
     const cudaStream_t s = as_stream(stream);
     const Layout& l = a.layout;
     uint8_t* const ws = static_cast<uint8_t*>(kernels::prepare_plan(a, plan_workspace_bytes(l), s));
     preload_planner_once();
-    kernels::launch_plan_counts(a, ws, s);
+    kernels::launch_plan_counts(a, ws, s, num_sms);
     planner::launch_planner(l, a.planner, a.plan, ws + plan_kernels_part(l), planner::planner_engine(), s);
-    kernels::launch_plan_routes(a, ws, s);
+    kernels::launch_plan_routes(a, ws, s, num_sms);
 }
 
 WaitRecordHost::WaitRecordHost() {
@@ -98,49 +93,6 @@ std::string WaitRecordHost::failure_message() const {
     return sync::host::wait_failure_message(code, sync::OpId(r->op), r->rank, r->peer, r->expected, r->observed, r->step, 0.0);
 }
 
-Context::Context(const Layout& layout) {
-    kernels::preload_all_kernels();  // no lazy module load while a peer's kernel spins (see kernels/common/preload.hpp)
-    planner::preload_planner_kernels();
-    FLATEP_CUDA_CHECK(cudaMalloc(&epoch_, sync::kEpochWords * sizeof(uint64_t)));
-    FLATEP_CUDA_CHECK(cudaMemset(epoch_, 0, sync::kEpochWords * sizeof(uint64_t)));
-    FLATEP_CUDA_CHECK(cudaMalloc(&workspace_, plan_workspace_bytes(layout)));
-    max_blocks_ = env::sm_budget();
-}
-
-Context::~Context() {
-    if (epoch_ != nullptr && cudaFree(epoch_) != cudaSuccess) FLATEP_LOG_WARN("Buffer: cudaFree(epoch) failed");
-    if (workspace_ != nullptr && cudaFree(workspace_) != cudaSuccess) FLATEP_LOG_WARN("Buffer: cudaFree failed");
-}
-
-void Context::fill_sync(sync::SyncArgs& sync) const {
-    sync.epoch = epoch_;
-    sync.wait_record = wait_.device_pointer();
-    sync.host_status = wait_.status_device_pointer();
-    sync.max_blocks = max_blocks_;
-}
-
-void Context::plan(const PlanArgs& args, void* stream) const { launch_plan(args, stream); }
-void Context::dispatch(const DispatchArgs& args, void* stream) const { kernels::launch(args, as_stream(stream)); }
-void Context::dispatch_fp8(const DispatchFp8Args& args, void* stream) const {
-    kernels::launch(args, as_stream(stream));
-}
-void Context::combine(const CombineArgs& args, void* stream) const { kernels::launch(args, as_stream(stream)); }
-void Context::entry_values(const EntryValuesArgs& args, void* stream) const {
-    kernels::launch(args, as_stream(stream));
-}
-void Context::combine_grad(const CombineGradArgs& args, void* stream) const {
-    kernels::launch(args, as_stream(stream));
-}
-
-void Context::read(void* host_dst, const void* device_src, size_t bytes, void* stream) const {
-    FLATEP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
-    FLATEP_CUDA_CHECK(cudaMemcpy(host_dst, device_src, bytes, cudaMemcpyDeviceToHost));
-}
-
-void Context::zero(void* device_dst, size_t bytes, void* stream) const {
-    FLATEP_CUDA_CHECK(cudaMemsetAsync(device_dst, 0, bytes, as_stream(stream)));
-}
-
 void synchronize_device(Transport& transport) {
     const std::unique_ptr<DeviceBinding> bound = transport.bind_device();
     FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
@@ -176,19 +128,8 @@ namespace {
 }
 }  // namespace
 
-Context::Context(const Layout&) { no_cuda(); }
-Context::~Context() = default;
-void Context::fill_sync(sync::SyncArgs&) const { no_cuda(); }
-void Context::plan(const PlanArgs&, void*) const { no_cuda(); }
-void launch_plan(const PlanArgs&, void*) { no_cuda(); }
+void launch_plan(const PlanArgs&, void*, int) { no_cuda(); }
 size_t plan_workspace_bytes(const Layout&) { no_cuda(); }
-void Context::dispatch(const DispatchArgs&, void*) const { no_cuda(); }
-void Context::dispatch_fp8(const DispatchFp8Args&, void*) const { no_cuda(); }
-void Context::combine(const CombineArgs&, void*) const { no_cuda(); }
-void Context::entry_values(const EntryValuesArgs&, void*) const { no_cuda(); }
-void Context::combine_grad(const CombineGradArgs&, void*) const { no_cuda(); }
-void Context::read(void*, const void*, size_t, void*) const { no_cuda(); }
-void Context::zero(void*, size_t, void*) const { no_cuda(); }
 WaitRecordHost::WaitRecordHost() = default;
 WaitRecordHost::~WaitRecordHost() = default;
 std::string WaitRecordHost::failure_message() const { return ""; }
@@ -200,4 +141,4 @@ std::shared_ptr<int32_t> allocate_words(size_t, std::shared_ptr<Transport>) { no
 
 #endif
 
-}  // namespace flatep::device
+}  // namespace flatep::runtime

@@ -7,14 +7,11 @@
 
 #include "common/check.hpp"
 #include "common/env.hpp"
-#include "host/grad_reduce.hpp"
-#include "host/prefetch.hpp"
-#include "host/write_grads.hpp"
 #include "layout/layout.hpp"
 #include "planner/planner.hpp"
+#include "runtime/backend.hpp"
 #include "runtime/collective_guard.hpp"
-#include "runtime/device_ops.hpp"
-#include "runtime/device_pools.hpp"
+#include "runtime/plan_data.hpp"
 #include "sync/sync.hpp"
 
 namespace flatep {
@@ -103,9 +100,6 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
       guard_(std::make_unique<CollectiveGuard>("ExpertPools")) {
     FLATEP_CHECK(transport_ != nullptr, "ExpertPools: transport is null");
     timeout_s_ = transport_->timeout_s();  // these pools' bound, whatever later objects set on the shared transport
-    const bool on_device = transport_->memory_kind() == MemoryKind::kDevice;
-    FLATEP_CHECK(!on_device || device::built_with_cuda(), "ExpertPools: transport '", transport_->name(),
-                 "' has device memory but this build has no CUDA support");
     FLATEP_CHECK(experts_per_rank_ >= 1, "ExpertPools: experts_per_rank must be positive, got ", experts_per_rank_);
     FLATEP_CHECK(!projections_.empty(), "ExpertPools: at least one projection is needed");
     for (size_t p = 0; p < projections_.size(); ++p) {
@@ -123,11 +117,8 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
                      "][", projections_[p].cols, "] has ", elems * 2, " bytes per expert (bf16), not a multiple of ",
                      kExpertByteMultiple, "; rows * cols must be a multiple of ", kExpertByteMultiple / 2);
     }
-    debug_ = env::debug();
-    if (on_device) {
-        const std::unique_ptr<DeviceBinding> bound = transport_->bind_device();  // the epoch lands on its GPU
-        device_ = std::make_unique<device::PoolsContext>();
-    }
+    backend_ = runtime::make_pools_backend(transport_, guard_.get());  // its device state on the transport's GPU
+    num_sms_ = backend_->default_num_sms();
     auto release_all = [this] {
         for (SymmetricRegion& r : slot_regions_) transport_->release(r);
         for (SymmetricRegion& r : reduce_regions_) transport_->release(r);
@@ -139,30 +130,20 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
             slot_regions_.push_back(transport_->allocate(size_t(experts_per_rank_ * shape.elems() * 2)));
             reduce_regions_.push_back(transport_->allocate(size_t(experts_per_rank_ * shape.elems() * 4)));
         }
+        backend_->watch_site(
+            {transport_.get(), reinterpret_cast<const uint64_t*>(sync_region_.local + kFlagsOffset), &epoch_});
+        // Every rank's zero fill of the new regions is complete before any rank's kernels write into them.
+        backend_->synchronize();
+        transport_->bootstrap().all_gather(std::string());
     } catch (...) {
         release_all();
         throw;
-    }
-    if (transport_->memory_kind() == MemoryKind::kHost) {
-        guard_->set_site(
-            {transport_.get(), reinterpret_cast<const uint64_t*>(sync_region_.local + kFlagsOffset), &epoch_});
-    }
-    if (on_device) {
-        // Every rank's zero fill of the new regions is complete before any rank's kernels write into them.
-        try {
-            device::synchronize_device(*transport_);
-            transport_->bootstrap().all_gather(std::string());
-        } catch (...) {
-            release_all();
-            throw;
-        }
     }
 }
 
 ExpertPools::~ExpertPools() {
     guard_->set_site({});  // before the flags go
-    // The device state is freed on the transport's GPU, from whatever thread drops the object.
-    if (device_ != nullptr) device::reset_on_device(*transport_, device_, "ExpertPools");
+    backend_.reset();      // frees its device state on the transport's GPU (runtime/device_backend.cpp)
     for (SymmetricRegion& r : slot_regions_) transport_->release(r);
     for (SymmetricRegion& r : reduce_regions_) transport_->release(r);
     transport_->release(sync_region_);
@@ -184,7 +165,7 @@ float* ExpertPools::reduce_pool(int p) const {
 ExpertLayer ExpertPools::register_layer() {
     ExpertLayer layer;  // frees what was made when a later step throws
     layer.pools_id_ = id_;
-    layer.on_device_ = device_ != nullptr;
+    layer.on_device_ = backend_->on_device();
     layer.transport_ = transport_;
     for (int p = 0; p < num_projections(); ++p) {
         layer.projections_.emplace_back();
@@ -211,32 +192,30 @@ ExpertLayer ExpertPools::register_layer() {
 }
 
 bool ExpertPools::poisoned() const { return guard_->poisoned(); }
+bool ExpertPools::on_device() const { return backend_->on_device(); }
 
-void ExpertPools::check_args(const Plan& plan, const ExpertLayer& layer, const char* op) const {
-    if (device_ != nullptr) {
-        guard_->enter(op, device_->failure_message(), device_->failure_code());
-    } else {
-        guard_->enter(op, "", 0);
-    }
+void ExpertPools::set_num_sms(int num_sms) { num_sms_ = env::check_num_sms("ExpertPools", num_sms); }
+
+Launch ExpertPools::enter(const Plan& plan, const ExpertLayer& layer, const char* op, const Launch& launch) const {
+    Launch resolved = launch;
+    resolved.num_sms = launch.num_sms == -1 ? num_sms_ : env::check_num_sms(op, launch.num_sms);
+    guard_->enter(op, backend_->failure_message(), backend_->failure_code());
     FLATEP_CHECK(!plan.empty(), op, ": plan is empty (default-constructed); get one from Buffer::plan()");
-    if (device_ != nullptr) {
-        FLATEP_CHECK(plan.on_device(), op,
-                     ": the pools are in device memory but the plan is in host memory (a "
-                     "CPU-backend Buffer's); use a plan from a Buffer over the same device transport");
-    }
-    // A device plan's host copy is a synchronising read: on the device hot path only under FLATEP_DEBUG.
-    if (device_ == nullptr || debug_) {
-        const Layout& l = plan.host_plan().layout;
-        FLATEP_CHECK(l.num_ranks == transport_->num_ranks() && l.experts_per_rank == experts_per_rank_, op,
-                     ": plan has R=", l.num_ranks, " epn=", l.experts_per_rank,
-                     " but the pools have R=", transport_->num_ranks(), " epn=", experts_per_rank_);
-    }
+    FLATEP_CHECK(plan.on_device() == backend_->on_device(), op, ": the pools are in ",
+                 backend_->on_device() ? "device" : "host", " memory but the plan is in ",
+                 plan.on_device() ? "device" : "host", " memory; use a plan from a Buffer over the same transport");
+    plan.data().check_fresh(op);
+    const Layout& l = plan.data().host.layout;  // the plan's shape: known on the host for device plans too
+    FLATEP_CHECK(l.num_ranks == transport_->num_ranks() && l.experts_per_rank == experts_per_rank_, op,
+                 ": plan has R=", l.num_ranks, " epn=", l.experts_per_rank, " but the pools have R=",
+                 transport_->num_ranks(), " epn=", experts_per_rank_);
     FLATEP_CHECK(plan.rank() == transport_->rank(), op, ": plan belongs to rank ", plan.rank(), ", pools to rank ",
                  transport_->rank());
     if (layer.pools_id() != id_) {
         FLATEP_THROW(ErrorCategory::kMismatch, op, ": layer was registered with pools ", layer.pools_id(),
                      ", not with these pools (", id_, ")");
     }
+    return resolved;
 }
 
 namespace {
@@ -252,19 +231,8 @@ sync::SyncArgs pool_sync(const SymmetricRegion& region, uint64_t* epoch, int ran
 }
 }  // namespace
 
-void ExpertPools::set_max_blocks(int blocks) {
-    blocks = env::check_sm_budget("ExpertPools", blocks);
-    if (device_ != nullptr) {
-        device_->set_max_blocks(blocks);
-    } else {
-        max_blocks_ = blocks;
-    }
-}
-
-int ExpertPools::max_blocks() const { return device_ != nullptr ? device_->max_blocks() : max_blocks_; }
-
-void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer) {
-    check_args(plan, layer, "prefetch");
+void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer, const Launch& launch) {
+    const Launch run = enter(plan, layer, "prefetch", launch);
     const int R = transport_->num_ranks();
     for (int p = 0; p < num_projections(); ++p) {
         PrefetchArgs args{};
@@ -272,23 +240,19 @@ void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer) {
         args.num_ranks = R;
         args.experts_per_rank = experts_per_rank_;
         args.expert_bytes = projections_[p].elems() * 2;
+        args.slot_expert = plan.data().op_view().slot_expert;  // [R][epn]
         args.weights = reinterpret_cast<const uint8_t*>(layer.weights(p));
         for (int d = 0; d < R; ++d) args.slot_pools[d] = slot_regions_[p].peers[d];
         args.sync = pool_sync(sync_region_, &epoch_, args.rank, R, timeout_s_);
         args.sync.step = plan.generation();
-        if (device_ != nullptr) {
-            args.slot_expert = plan.device_slot_expert(0);  // [R][epn] in device memory
-            device_->fill_sync(args.sync);
-            device_->prefetch(args, stream_);
-        } else {
-            args.slot_expert = plan.host_plan().view.slot_expert;
-            guard_->run(args.sync.status, [&] { host::prefetch(args); });
-        }
+        backend_->fill_sync(args.sync);
+        check_prefetch_args(args);
+        backend_->prefetch(args, run);
     }
 }
 
-void ExpertPools::reduce_grad(const Plan& plan, const ExpertLayer& layer) {
-    check_args(plan, layer, "reduce_grad");
+void ExpertPools::reduce_grad(const Plan& plan, const ExpertLayer& layer, const Launch& launch) {
+    const Launch run = enter(plan, layer, "reduce_grad", launch);
     const int R = transport_->num_ranks();
     for (int p = 0; p < num_projections(); ++p) {
         GradReduceArgs args{};
@@ -296,48 +260,35 @@ void ExpertPools::reduce_grad(const Plan& plan, const ExpertLayer& layer) {
         args.num_ranks = R;
         args.experts_per_rank = experts_per_rank_;
         args.expert_elems = projections_[p].elems();
+        args.slot_expert = plan.data().op_view().slot_expert;  // [R][epn]
         args.grads = layer.grads(p);
         for (int d = 0; d < R; ++d) args.reduce_pools[d] = reinterpret_cast<float*>(reduce_regions_[p].peers[d]);
         args.sync = pool_sync(sync_region_, &epoch_, args.rank, R, timeout_s_);
         args.sync.step = plan.generation();
-        if (device_ != nullptr) {
-            args.slot_expert = plan.device_slot_expert(0);  // [R][epn] in device memory
-            device_->fill_sync(args.sync);
-            device_->grad_reduce(args, stream_);
-        } else {
-            args.slot_expert = plan.host_plan().view.slot_expert;
-            guard_->run(args.sync.status, [&] { host::grad_reduce(args); });
-        }
+        backend_->fill_sync(args.sync);
+        check_grad_reduce_args(args);
+        backend_->grad_reduce(args, run);
     }
 }
 
 void ExpertPools::write_grads(const Plan& plan, const ExpertLayer& layer, int projection, const void* grad,
-                              int grad_bytes, bool accumulate) {
-    check_args(plan, layer, "write_grads");
+                              int grad_bytes, bool accumulate, const Launch& launch) {
+    const Launch run = enter(plan, layer, "write_grads", launch);
     FLATEP_CHECK(projection >= 0 && projection < num_projections(), "write_grads: projection must be in [0, ",
                  num_projections(), "), got ", projection);
-    FLATEP_CHECK(grad_bytes == 2 || grad_bytes == 4, "write_grads: grad_bytes must be 2 (bf16) or 4 (fp32), got ",
-                 grad_bytes);
-    FLATEP_CHECK(grad != nullptr, "write_grads: grad is null");
     const int rank = transport_->rank();
+    const PlanView& view = plan.data().op_view();
     WriteGradsArgs args{};
     args.experts_per_rank = experts_per_rank_;
     args.expert_elems = projections_[projection].elems();
+    args.slot_expert = view.slot_expert + int64_t(rank) * experts_per_rank_;
+    args.cu_seqlens = view.cu_seqlens + int64_t(rank) * plan.data().host.layout.num_groups();
     args.grad = grad;
     args.grad_bytes = grad_bytes;
     args.grads = layer.grads(projection);
     args.accumulate = accumulate;
-    if (device_ != nullptr) {
-        args.slot_expert = plan.device_slot_expert(rank);
-        args.cu_seqlens = plan.device_cu_seqlens(rank);
-        args.max_blocks = device_->max_blocks();
-        device_->write_grads(args, stream_);
-    } else {
-        const PlanView& view = plan.host_plan().view;
-        args.slot_expert = view.slot_expert + int64_t(rank) * experts_per_rank_;
-        args.cu_seqlens = view.cu_seqlens + int64_t(rank) * 2 * experts_per_rank_;
-        host::write_grads(args);
-    }
+    check_write_grads_args(args);
+    backend_->write_grads(args, run);
 }
 
 }  // namespace flatep

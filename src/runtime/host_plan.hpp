@@ -5,9 +5,9 @@
 
 #include "ops/plan_args.hpp"
 
-namespace flatep {
+namespace flatep::runtime {
 
 // Rank args.rank's plan op on the host; collective (every rank calls it with the same layout and planner).
 void run_host_plan(const PlanArgs& args);
 
-}  // namespace flatep
+}  // namespace flatep::runtime

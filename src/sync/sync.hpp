@@ -61,7 +61,6 @@ struct SyncArgs {
     double timeout_s;   // every wait fails after this many seconds
     uint64_t step = 0;  // the op's step (its plan's generation; 0: none) tagged into every flag word it stores
     // CUDA launchers only (the host twins ignore these):
-    int max_blocks = 0;                 // most thread blocks one launch of this rank may use (SM budget); 0: no cap
     WaitRecord* wait_record = nullptr;  // host-readable record of the first failed wait; may be null
     int32_t* host_status = nullptr;     // host-mapped twin of `status` (StatusWord), read at op entry; may be null
 };

@@ -29,7 +29,7 @@ class DeviceGuard {
 };
 }  // namespace
 
-LocalDeviceGroup::LocalDeviceGroup(int num_ranks, bool device_per_rank, double timeout_s, int sm_budget)
+LocalDeviceGroup::LocalDeviceGroup(int num_ranks, bool device_per_rank, double timeout_s, int num_sms)
     : num_ranks_(num_ranks),
       device_per_rank_(device_per_rank),
       timeout_s_(env::check_timeout("LocalDeviceGroup", "timeout_s", timeout_s)) {
@@ -64,8 +64,8 @@ LocalDeviceGroup::LocalDeviceGroup(int num_ranks, bool device_per_rank, double t
     } else {
         int sms = 0;
         FLATEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, current));
-        const int per_rank = sm_budget > 0 ? sm_budget : (sms / num_ranks > 0 ? sms / num_ranks : 1);
-        max_blocks_ = num_ranks > 1 ? per_rank * 2 : 0;
+        const int per_rank = sms / num_ranks > 0 ? sms / num_ranks : 1;  // two blocks on each of its share of SMs
+        num_sms_ = num_sms > 0 ? num_sms : (num_ranks > 1 ? per_rank * 2 : 0);
     }
     for (int r = 0; r < num_ranks; ++r) {
         DeviceGuard guard(devices_[r]);
@@ -157,7 +157,6 @@ sync::SyncArgs LocalDeviceGroup::sync_args(int rank, const std::vector<Symmetric
     s.rank = rank;
     s.num_ranks = num_ranks_;
     s.timeout_s = timeout_s_;
-    s.max_blocks = max_blocks_;
     s.wait_record = device_records_ + rank;
     return s;
 }

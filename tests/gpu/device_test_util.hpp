@@ -40,7 +40,7 @@ T* to_device(const std::vector<T>& v, size_t min_elems = 1) {
 template <typename T>
 std::vector<T> from_device(const T* p, int64_t n) {
     std::vector<T> v(static_cast<size_t>(n));
-    CUDA_OK(cudaMemcpy(v.data(), p, size_t(n) * sizeof(T), cudaMemcpyDeviceToHost));
+    if (n > 0) CUDA_OK(cudaMemcpy(v.data(), p, size_t(n) * sizeof(T), cudaMemcpyDeviceToHost));
     return v;
 }
 

@@ -60,7 +60,7 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                 for (int p = 0; p < R; ++p) pa.peers[p] = reg.peers[p];
                 pa.plan = plan.view;
                 pa.sync = sync;
-                run_host_plan(pa);
+                runtime::run_host_plan(pa);
 
                 if (c.backward) {  // write_grads (local) of a bf16 and an fp32 gradient into canary-filled views
                     const int64_t ge = 2 * int64_t(epn) * c.grads_elems;
@@ -212,7 +212,7 @@ DeviceCase::DeviceCase(const CaseSpec& c, const Layout& l, LocalDeviceGroup& g)
         PerRank& p = ranks[r];
         FLATEP_CUDA_CHECK(cudaMalloc(&p.plan, plan_bytes));
         FLATEP_CUDA_CHECK(cudaMemset(p.plan, 0, plan_bytes));
-        FLATEP_CUDA_CHECK(cudaMalloc(&p.workspace, device::plan_workspace_bytes(l)));
+        FLATEP_CUDA_CHECK(cudaMalloc(&p.workspace, runtime::plan_workspace_bytes(l)));
         FLATEP_CUDA_CHECK(cudaMalloc(&p.topk, size_t(S) * l.topk * 8 + 16));
         FLATEP_CUDA_CHECK(cudaMalloc(&p.x, size_t(S * H) * 2 + 16));
         FLATEP_CUDA_CHECK(cudaMalloc(&p.weights, size_t(S) * l.topk * 4 + 16));
@@ -336,7 +336,7 @@ void DeviceCase::enqueue_step() {
         a.plan = plan_view(r);
         a.sync = sync(r);
         a.workspace = ranks[r].workspace;
-        device::launch_plan(a, group.stream(r));
+        runtime::launch_plan(a, group.stream(r), group.num_sms());
     }
     if (spec.backward) {  // write_grads: local, right after the plan (same inputs as run_host's)
         for (int r = 0; r < R; ++r) {
@@ -349,13 +349,12 @@ void DeviceCase::enqueue_step() {
                 a.grad = bytes == 2 ? static_cast<const void*>(ranks[r].wgrad16) : ranks[r].wgrad32;
                 a.grad_bytes = bytes;
                 a.grads = bytes == 2 ? ranks[r].wgrads16 : ranks[r].wgrads32;
-                a.max_blocks = group.max_blocks();
-                kernels::launch(a, group.stream(r));
+                kernels::launch(a, group.stream(r), group.num_sms());
                 if (bytes == 4) {  // as run_host: accumulate the bf16 gradient on top
                     a.grad = ranks[r].wgrad16;
                     a.grad_bytes = 2;
                     a.accumulate = true;
-                    kernels::launch(a, group.stream(r));
+                    kernels::launch(a, group.stream(r), group.num_sms());
                 }
             }
         }
@@ -373,7 +372,7 @@ void DeviceCase::enqueue_step() {
         a.sync = sync(r);
         return a;
     };
-    for (int r = 0; r < R; ++r) kernels::launch(dispatch_args(r), group.stream(r));
+    for (int r = 0; r < R; ++r) kernels::launch(dispatch_args(r), group.stream(r), group.num_sms());
     for (int r = 0; r < R; ++r) {
         PrefetchArgs a{};
         a.rank = r;
@@ -384,7 +383,7 @@ void DeviceCase::enqueue_step() {
         a.weights = reinterpret_cast<const uint8_t*>(ranks[r].expert_w);
         for (int p = 0; p < R; ++p) a.slot_pools[p] = slot_regions[r].peers[p];
         a.sync = sync(r);
-        kernels::launch(a, group.stream(r));
+        kernels::launch(a, group.stream(r), group.num_sms());
     }
     auto combine_args = [&](int r) {
         CombineArgs a{};
@@ -398,7 +397,7 @@ void DeviceCase::enqueue_step() {
         a.sync = sync(r);
         return a;
     };
-    for (int r = 0; r < R; ++r) kernels::launch(combine_args(r), group.stream(r));
+    for (int r = 0; r < R; ++r) kernels::launch(combine_args(r), group.stream(r), group.num_sms());
     if (spec.backward) {
         for (int r = 0; r < R; ++r) {
             DispatchArgs a = dispatch_args(r);
@@ -406,7 +405,7 @@ void DeviceCase::enqueue_step() {
             a.topk_weights = nullptr;
             a.recv_x = ranks[r].recv_gx;
             a.recv_w = nullptr;
-            kernels::launch(a, group.stream(r));
+            kernels::launch(a, group.stream(r), group.num_sms());
         }
         for (int r = 0; r < R; ++r) {  // local: same inputs as run_host's combine_grad
             CombineGradArgs a{};
@@ -418,15 +417,14 @@ void DeviceCase::enqueue_step() {
             a.weights = ranks[r].recv_w;
             a.grad_y = ranks[r].grad_y_alloc + kCanaryRows * l.hidden;
             a.grad_weights = ranks[r].grad_w_alloc + kCanaryRows;
-            a.max_blocks = group.max_blocks();
-            kernels::launch(a, group.stream(r));
+            kernels::launch(a, group.stream(r), group.num_sms());
         }
         for (int r = 0; r < R; ++r) {
             CombineArgs a = combine_args(r);
             a.y = ranks[r].gy;
             a.weights = nullptr;
             a.out = ranks[r].gx_alloc;
-            kernels::launch(a, group.stream(r));
+            kernels::launch(a, group.stream(r), group.num_sms());
         }
     }
     for (int r = 0; r < R; ++r) {
@@ -439,7 +437,7 @@ void DeviceCase::enqueue_step() {
         a.grads = ranks[r].grads;
         for (int p = 0; p < R; ++p) a.reduce_pools[p] = reinterpret_cast<float*>(red_regions[r].peers[p]);
         a.sync = sync(r);
-        kernels::launch(a, group.stream(r));
+        kernels::launch(a, group.stream(r), group.num_sms());
     }
 }
 

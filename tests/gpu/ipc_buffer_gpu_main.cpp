@@ -54,7 +54,15 @@ Config config_for(int R, int rank) {
     return c;
 }
 
-int num_tokens_of(int rank) { return 96 - 7 * (rank % 3); }  // ragged: ranks pass different s <= S
+// Ragged: ranks pass different s <= S; rank 3 (of R >= 4) passes none, with null token pointers on both backends (a
+// decode batch often leaves a rank empty).
+int num_tokens_of(int rank) { return rank == 3 ? 0 : 96 - 7 * (rank % 3); }
+
+// The token-side pointer of a rank's inputs or outputs: null when it has no tokens (empty() data is null too).
+template <typename T>
+T* or_null(T* p, int s) {
+    return s == 0 ? nullptr : p;
+}
 
 void make_inputs(int R, std::vector<RankData>& data) {
     const Config c = config_for(R, 0);
@@ -74,14 +82,14 @@ void make_inputs(int R, std::vector<RankData>& data) {
 
 // Runs every op of one rank through `buffer` (host or device pointers come from the caller's `io`).
 template <typename Io>
-void run_ops(Buffer& buffer, Io& io, RankData& out) {
+void run_ops(Buffer& buffer, Io& io, RankData& out, const Launch& on = {}) {
     const Layout& l = buffer.layout();
-    Plan plan = buffer.plan(io.idx, 4, io.s);
-    buffer.dispatch(plan, io.x, io.w, io.recv_x, io.recv_w);
-    buffer.combine(plan, io.recv_x, io.recv_w, io.out_w);
-    buffer.combine(plan, io.recv_x, nullptr, io.out_u);
-    buffer.entry_values(plan, io.recv_w, io.values);
-    buffer.check_status();
+    Plan plan = buffer.plan(io.idx, 4, io.s, nullptr, on);
+    buffer.dispatch(plan, io.x, io.w, io.recv_x, io.recv_w, on);
+    buffer.combine(plan, io.recv_x, io.recv_w, io.out_w, on);
+    buffer.combine(plan, io.recv_x, nullptr, io.out_u, on);
+    buffer.entry_values(plan, io.recv_w, io.values, on);
+    buffer.check_status(on);
     io.copy_back(l, out);
     const planner::HostPlan& h = plan.host_plan();
     out.plan_words.assign(h.view.tpe_all, h.view.tpe_all + make_plan_sizes(l).total_words);  // from the view base
@@ -170,20 +178,19 @@ int child(int R, int rank, std::shared_ptr<Bootstrap> boot, const RankData& ref,
     const int s = num_tokens_of(rank);
     cudaStream_t stream;
     CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    buffer.set_stream(stream);
     const size_t rows = size_t(l.num_recv_rows);
-    DeviceIo io{to_device(ref.idx),
+    DeviceIo io{or_null(to_device(ref.idx), s),
                 s,
-                to_device(ref.x),
-                to_device(ref.w),
+                or_null(to_device(ref.x), s),
+                or_null(to_device(ref.w), s),
                 to_device(std::vector<uint16_t>(rows * l.hidden, 0xffff)),
                 to_device(std::vector<float>(rows, -1.0f)),
-                to_device(std::vector<uint16_t>(size_t(s) * l.hidden, 0xffff)),
-                to_device(std::vector<uint16_t>(size_t(s) * l.hidden, 0xffff)),
-                to_device(std::vector<float>(size_t(s) * l.topk, -1.0f))};
+                or_null(to_device(std::vector<uint16_t>(size_t(s) * l.hidden, 0xffff)), s),
+                or_null(to_device(std::vector<uint16_t>(size_t(s) * l.hidden, 0xffff)), s),
+                or_null(to_device(std::vector<float>(size_t(s) * l.topk, -1.0f)), s)};
     CUDA_OK(cudaDeviceSynchronize());  // the inputs' copies ran on the legacy stream, which `stream` does not wait for
     RankData got;
-    run_ops(buffer, io, got);
+    run_ops(buffer, io, got, Launch{stream});
     int failures = 0;
     auto report = [&](const char* what, bool ok, const std::string& detail) {
         if (!ok) {

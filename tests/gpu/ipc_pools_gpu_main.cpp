@@ -158,8 +158,7 @@ int child(int R, int rank, std::shared_ptr<Bootstrap> boot, const RankData& ref,
     ExpertPools pools(transport, kEpn, {kShapes[0], kShapes[1]});
     cudaStream_t stream;
     CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    buffer.set_stream(stream);
-    pools.set_stream(stream);
+    const Launch on{stream};
     int failures = 0;
     auto report = [&](const std::string& what, int64_t bad) {
         if (bad >= 0) {
@@ -182,8 +181,8 @@ int child(int R, int rank, std::shared_ptr<Bootstrap> boot, const RankData& ref,
     }
     CUDA_OK(cudaDeviceSynchronize());  // the copies ran on the legacy stream, which `stream` does not wait for
 
-    Plan plan = buffer.plan(idx, 4, num_tokens_of(rank));
-    pools.prefetch(plan, layer1);
+    Plan plan = buffer.plan(idx, 4, num_tokens_of(rank), nullptr, on);
+    pools.prefetch(plan, layer1, on);
     CUDA_OK(cudaStreamSynchronize(stream));
     for (int p = 0; p < kProjections; ++p) {
         const ProjectionData& pd = ref.proj[p];
@@ -204,7 +203,7 @@ int child(int R, int rank, std::shared_ptr<Bootstrap> boot, const RankData& ref,
         CUDA_OK(cudaMemcpy(layer1.grads(p), pd.grads_in.data(), pd.grads_in.size() * 4, cudaMemcpyHostToDevice));
     }
     CUDA_OK(cudaDeviceSynchronize());
-    pools.reduce_grad(plan, layer1);
+    pools.reduce_grad(plan, layer1, on);
     CUDA_OK(cudaStreamSynchronize(stream));
     for (int p = 0; p < kProjections; ++p) {
         const ProjectionData& pd = ref.proj[p];

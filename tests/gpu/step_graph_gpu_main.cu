@@ -90,19 +90,20 @@ struct Step {
     Plan plan;
 
     void run() {
-        plan = buffer->plan(idx, 4, kS, storage);
+        const Launch on{stream};
+        plan = buffer->plan(idx, 4, kS, storage, on);
         const int32_t* cu = plan.device_cu_seqlens(rank);
-        buffer->dispatch(plan, x, w, recv_x, recv_w);
-        pools->prefetch(plan, *layer);
+        buffer->dispatch(plan, x, w, recv_x, recv_w, on);
+        pools->prefetch(plan, *layer, on);
         expert_forward<<<264, 256, 0, stream>>>(cu, groups, rows, recv_x, layer->weights(0), y);
-        buffer->combine(plan, y, recv_w, out);
-        buffer->dispatch(plan, out, nullptr, grad_rows, nullptr);  // grad_out = out
-        buffer->combine_grad(plan, grad_rows, y, recv_w, grad_y, grad_rw);
+        buffer->combine(plan, y, recv_w, out, on);
+        buffer->dispatch(plan, out, nullptr, grad_rows, nullptr, on);  // grad_out = out
+        buffer->combine_grad(plan, grad_rows, y, recv_w, grad_y, grad_rw, on);
         expert_backward<<<264, 256, 0, stream>>>(cu, groups, rows, recv_x, layer->weights(0), grad_y, grad_rx, gw);
-        pools->write_grads(plan, *layer, 0, gw, 4, /*accumulate=*/true);
-        pools->reduce_grad(plan, *layer);
-        buffer->combine(plan, grad_rx, nullptr, grad_x);
-        buffer->entry_values(plan, grad_rw, grad_w);
+        pools->write_grads(plan, *layer, 0, gw, 4, /*accumulate=*/true, on);
+        pools->reduce_grad(plan, *layer, on);
+        buffer->combine(plan, grad_rx, nullptr, grad_x, on);
+        buffer->entry_values(plan, grad_rw, grad_w, on);
     }
 
     // Bitwise snapshot of every checked output, cu_seqlens from `p` (the device is idle).
@@ -166,8 +167,6 @@ int child(int R, int rank, std::shared_ptr<Bootstrap> boot) {
     ExpertLayer layer = pools.register_layer();
     cudaStream_t stream;
     CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    buffer.set_stream(stream);
-    pools.set_stream(stream);
     {  // own weights: expert e's row h = bf16(1 + ((e * 7 + h) % 13) / 16)
         std::vector<uint16_t> own(size_t(kExpertsPerRank) * kH);
         for (int g = 0; g < kExpertsPerRank; ++g)
@@ -222,12 +221,12 @@ int child(int R, int rank, std::shared_ptr<Bootstrap> boot) {
         write_inputs(st, R, trial);
         CUDA_OK(cudaGraphLaunch(exec, stream));
         CUDA_OK(cudaStreamSynchronize(stream));
-        buffer.check_status();
+        buffer.check_status(Launch{stream});
         const std::vector<uint8_t> replayed = st.results(captured);
         zero_main_grad(st);
         st.run();
         CUDA_OK(cudaStreamSynchronize(stream));
-        buffer.check_status();
+        buffer.check_status(Launch{stream});
         const std::vector<uint8_t> eager = st.results(st.plan);
         size_t bad = eager.size();
         for (size_t i = 0; i < eager.size() && bad == eager.size(); ++i) {

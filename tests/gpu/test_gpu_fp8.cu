@@ -310,7 +310,7 @@ std::vector<RankResult> run_host_fp8(const CaseSpec& c, const Layout& l, const I
                 for (int p = 0; p < R; ++p) pa.peers[p] = reg.peers[p];
                 pa.plan = plan.view;
                 pa.sync = sync;
-                run_host_plan(pa);
+                runtime::run_host_plan(pa);
                 DispatchFp8Args a{};
                 a.layout = l;
                 a.rank = r;
@@ -397,7 +397,7 @@ std::vector<RankResult> run_device_fp8(const CaseSpec& c, const Layout& l, const
         std::vector<float> xs(size_t(s) * nb);
         quantize_fp8_rows(in.x[r].data(), s, H, mode, xq.data(), xs.data());
         d.plan = to_device(std::vector<int32_t>(plan_words, 0));
-        FLATEP_CUDA_CHECK(cudaMalloc(&d.workspace, device::plan_workspace_bytes(l)));
+        FLATEP_CUDA_CHECK(cudaMalloc(&d.workspace, runtime::plan_workspace_bytes(l)));
         d.topk = to_device(in.topk[r], 1);
         d.x = to_device(in.x[r], 8);
         d.weights = to_device(in.weights[r], 1);
@@ -424,7 +424,7 @@ std::vector<RankResult> run_device_fp8(const CaseSpec& c, const Layout& l, const
         a.plan = make_plan_view(l, dev[r].plan);
         a.sync = sync(r);
         a.workspace = dev[r].workspace;
-        device::launch_plan(a, group.stream(r));
+        runtime::launch_plan(a, group.stream(r), group.num_sms());
     }
     auto fp8_args = [&](int r, int v) {
         DispatchFp8Args a{};
@@ -458,7 +458,7 @@ std::vector<RankResult> run_device_fp8(const CaseSpec& c, const Layout& l, const
             o.w = from_device(dev[r].w[v], rows);
         }
     };
-    for (int r = 0; r < R; ++r) kernels::launch(fp8_args(r, 0), group.stream(r));
+    for (int r = 0; r < R; ++r) kernels::launch(fp8_args(r, 0), group.stream(r), group.num_sms());
     download(0);                   // (zero copy: the next ops rewrite the region)
     for (int r = 0; r < R; ++r) {  // a bf16 dispatch rewrites the staging region in between
         DispatchArgs a{};
@@ -469,9 +469,9 @@ std::vector<RankResult> run_device_fp8(const CaseSpec& c, const Layout& l, const
         for (int p = 0; p < R; ++p) a.peers[p] = regions[r].peers[p];
         a.recv_x = dev[r].recv16;
         a.sync = sync(r);
-        kernels::launch(a, group.stream(r));
+        kernels::launch(a, group.stream(r), group.num_sms());
     }
-    for (int r = 0; r < R; ++r) kernels::launch(fp8_args(r, 1), group.stream(r));
+    for (int r = 0; r < R; ++r) kernels::launch(fp8_args(r, 1), group.stream(r), group.num_sms());
     download(1);
     for (int r = 0; r < R; ++r) out[r].plan = from_device(dev[r].plan, int64_t(plan_words));
     for (Dev& d : dev) {

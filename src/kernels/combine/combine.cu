@@ -181,18 +181,13 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void launch(const CombineArgs& a, cudaStream_t stream) {
+void launch(const CombineArgs& a, cudaStream_t stream, int num_sms) {
     const Layout& l = a.layout;
-    FLATEP_CHECK(a.y != nullptr, "combine: y is null");
-    FLATEP_CHECK(a.out != nullptr, "combine: out is null");
-    FLATEP_CHECK(a.rank >= 0 && a.rank < l.num_ranks, "combine: rank must be in [0, ", l.num_ranks, "), got ", a.rank);
-    FLATEP_CHECK(reinterpret_cast<uintptr_t>(a.y) % 16 == 0 && reinterpret_cast<uintptr_t>(a.out) % 16 == 0,
-                 "combine: y and out must be 16-byte aligned");
     const SymmetricLayout sym = make_symmetric_layout(l);
     const PeerPointers peers = per_rank("combine", a.peers, l.num_ranks);
     auto* partial = region_at<uint16_t>(a.peers[a.rank], sym.partial_offset);
     launch_barrier(a.sync, sync::kOpCombine, stream);  // sources are done pulling the previous partials
-    const int part_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kWarps), 4);
+    const int part_blocks = grid_blocks(num_sms, ceil_div(l.num_recv_rows, kWarps), 4);
     if (a.weights != nullptr) {
         combine_partial_kernel<true><<<part_blocks, kThreads, 0, stream>>>(l, a.rank, a.plan, a.y, a.weights, partial);
     } else {
@@ -200,7 +195,7 @@ void launch(const CombineArgs& a, cudaStream_t stream) {
     }
     FLATEP_CUDA_CHECK_LAUNCH();
     launch_barrier(a.sync, sync::kOpCombine, stream);  // every partial is written
-    const int pull_blocks = grid_blocks(a.sync, ceil_div(l.num_tokens, kWarps), 4);
+    const int pull_blocks = grid_blocks(num_sms, ceil_div(l.num_tokens, kWarps), 4);
     combine_pull_kernel<<<pull_blocks, kThreads, 0, stream>>>(l, a.plan, sym, peers, a.out);
     FLATEP_CUDA_CHECK_LAUNCH();
 }

@@ -95,13 +95,8 @@ void launch_kernel(const CombineGradArgs& a, int blocks, cudaStream_t stream) {
 
 }  // namespace
 
-void launch(const CombineGradArgs& a, cudaStream_t stream) {
-    check_combine_grad_args(a);
-    auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };  // 16-byte chunks
-    FLATEP_CHECK(aligned(a.rows), "combine_grad: rows must be 16-byte aligned");
-    FLATEP_CHECK(aligned(a.y), "combine_grad: y must be 16-byte aligned");
-    FLATEP_CHECK(aligned(a.grad_y), "combine_grad: grad_y must be 16-byte aligned");
-    const int blocks = grid_blocks(a.max_blocks, ceil_div(a.layout.num_recv_rows, kWarps), 4);
+void launch(const CombineGradArgs& a, cudaStream_t stream, int num_sms) {
+    const int blocks = grid_blocks(num_sms, ceil_div(a.layout.num_recv_rows, kWarps), 4);
     if (a.grad_y != nullptr && a.grad_weights != nullptr) {
         launch_kernel<true, true>(a, blocks, stream);
     } else if (a.grad_y != nullptr) {

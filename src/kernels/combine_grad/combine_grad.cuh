@@ -10,6 +10,6 @@ namespace flatep::kernels {
 
 // Local (no barrier). One kernel: a warp per receive row; real rows read rows (and y / weights) once with 16-byte
 // loads and write grad_y and the warp-reduced dot; other rows are written zero without reading any input.
-void launch(const CombineGradArgs& args, cudaStream_t stream);
+void launch(const CombineGradArgs& args, cudaStream_t stream, int num_sms);
 
 }  // namespace flatep::kernels

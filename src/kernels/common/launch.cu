@@ -46,12 +46,8 @@ int device_sm_count() {
     return counts[device];
 }
 
-int grid_blocks(const sync::SyncArgs& sync, int64_t work_blocks, int blocks_per_sm) {
-    return grid_blocks(sync.max_blocks, work_blocks, blocks_per_sm);
-}
-
-int grid_blocks(int max_blocks, int64_t work_blocks, int blocks_per_sm) {
-    const int64_t cap = max_blocks > 0 ? max_blocks : int64_t(device_sm_count()) * blocks_per_sm;
+int grid_blocks(int num_sms, int64_t work_blocks, int blocks_per_sm) {
+    const int64_t cap = num_sms > 0 ? num_sms : int64_t(device_sm_count()) * blocks_per_sm;
     const int64_t n = work_blocks < cap ? work_blocks : cap;
     return n < 1 ? 1 : int(n);
 }

@@ -59,11 +59,10 @@ void launch_barrier(const sync::SyncArgs& sync, int op, cudaStream_t stream);
 // Host: multiprocessors of the current device (cached per device).
 int device_sm_count();
 
-// Host: blocks for a launch of `work_blocks` blocks of work under this rank's SM budget (sync.max_blocks, or
-// blocks_per_sm blocks on every multiprocessor when there is no budget); at least 1.
-int grid_blocks(const sync::SyncArgs& sync, int64_t work_blocks, int blocks_per_sm);
-// The same for a local op (no sync::SyncArgs): max_blocks is the SM budget (0: none).
-int grid_blocks(int max_blocks, int64_t work_blocks, int blocks_per_sm);
+// Host: blocks for a launch of `work_blocks` blocks of work under the op's SM budget `num_sms` (the most thread blocks
+// one launch uses; 0: blocks_per_sm blocks on every multiprocessor); at least 1. Every launcher takes num_sms as an
+// argument of its launch (never from its Args): the one way the budget travels.
+int grid_blocks(int num_sms, int64_t work_blocks, int blocks_per_sm);
 
 // Host: a device scratch buffer of at least `bytes`, owned by the kernels library, one per (key, device); grows
 // on demand. Must first be called outside stream capture (allocation is not capturable); throws if it would need

@@ -104,20 +104,16 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void launch(const DispatchArgs& a, cudaStream_t stream) {
+void launch(const DispatchArgs& a, cudaStream_t stream, int num_sms) {
     const Layout& l = a.layout;
-    FLATEP_CHECK(a.recv_x != nullptr, "dispatch: recv_x is null");
-    FLATEP_CHECK(a.rank >= 0 && a.rank < l.num_ranks, "dispatch: rank must be in [0, ", l.num_ranks, "), got ", a.rank);
-    FLATEP_CHECK(reinterpret_cast<uintptr_t>(a.recv_x) % 16 == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0,
-                 "dispatch: x and recv_x must be 16-byte aligned");
     const SymmetricLayout sym = make_symmetric_layout(l);
     const PeerPointers peers = per_rank("dispatch", a.peers, l.num_ranks);
     launch_barrier(a.sync, sync::kOpDispatch, stream);  // destinations are done with the previous contents
-    const int push_blocks = grid_blocks(a.sync, ceil_div(l.num_tokens, kWarps), 4);
+    const int push_blocks = grid_blocks(num_sms, ceil_div(l.num_tokens, kWarps), 4);
     dispatch_push_kernel<<<push_blocks, kThreads, 0, stream>>>(l, a.x, a.topk_weights, a.plan, sym, peers);
     FLATEP_CUDA_CHECK_LAUNCH();
     launch_barrier(a.sync, sync::kOpDispatch, stream);  // every source's rows and weights have landed
-    const int fan_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kWarps), 4);
+    const int fan_blocks = grid_blocks(num_sms, ceil_div(l.num_recv_rows, kWarps), 4);
     dispatch_fanout_kernel<<<fan_blocks, kThreads, 0, stream>>>(
         l, a.rank, a.plan, region_at<const uint16_t>(a.peers[a.rank], sym.recv_x_offset),
         region_at<const float>(a.peers[a.rank], sym.recv_w_offset), a.recv_x, a.recv_w,

@@ -10,6 +10,6 @@ namespace flatep::kernels {
 // Collective. Kernels: entry barrier -> push (one 16-byte-vectorised store stream per (token, destination rank),
 // one weight per entry) -> barrier -> fan-out on the destination (duplicates copied from their chain head, the
 // copy-out when recv_x is not the symmetric region, weights, zeroed padding).
-void launch(const DispatchArgs& args, cudaStream_t stream);
+void launch(const DispatchArgs& args, cudaStream_t stream, int num_sms);
 
 }  // namespace flatep::kernels

@@ -192,22 +192,15 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
-bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
-
 }  // namespace
 
-void launch(const DispatchFp8Args& a, cudaStream_t stream) {
+void launch(const DispatchFp8Args& a, cudaStream_t stream, int num_sms) {
     const Layout& l = a.layout;
-    check_dispatch_fp8_args(a);
-    FLATEP_CHECK(aligned(a.x_bf16, 16) && aligned(a.x_fp8, 16) && aligned(a.recv_x, 16),
-                 "dispatch_fp8: x_bf16, x_fp8 and recv_x must be 16-byte aligned");
-    FLATEP_CHECK(aligned(a.x_scales, 4) && aligned(a.recv_scales, 4),
-                 "dispatch_fp8: x_scales and recv_scales must be 4-byte aligned");
     const SymmetricLayout sym = make_symmetric_layout(l);
     const int64_t scales_offset = fp8_recv_scales_offset(l, sym);
     const PeerPointers peers = per_rank("dispatch_fp8", a.peers, l.num_ranks);
     launch_barrier(a.sync, sync::kOpDispatchFp8, stream);  // destinations are done with the previous contents
-    const int push_blocks = grid_blocks(a.sync, ceil_div(l.num_tokens, kWarps), 4);
+    const int push_blocks = grid_blocks(num_sms, ceil_div(l.num_tokens, kWarps), 4);
     // An empty call (s = 0, no rows given) pushes nothing; the pre-quantised kernel then reads no row.
     auto push = a.x_bf16 != nullptr ? dispatch_fp8_push_kernel<true> : dispatch_fp8_push_kernel<false>;
     push<<<push_blocks, kThreads, 0, stream>>>(l, a.x_bf16, a.x_fp8, a.x_scales, a.topk_weights, a.scale_mode, a.plan,
@@ -215,7 +208,7 @@ void launch(const DispatchFp8Args& a, cudaStream_t stream) {
     FLATEP_CUDA_CHECK_LAUNCH();
     launch_barrier(a.sync, sync::kOpDispatchFp8, stream);  // every source's rows, scales and weights have landed
     const uint8_t* base = a.peers[a.rank];
-    const int fan_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kWarps), 4);
+    const int fan_blocks = grid_blocks(num_sms, ceil_div(l.num_recv_rows, kWarps), 4);
     dispatch_fp8_fanout_kernel<<<fan_blocks, kThreads, 0, stream>>>(
         l, a.rank, a.plan, base + fp8_recv_x_offset(sym), region_at<const float>(base, scales_offset),
         region_at<const float>(base, sym.recv_w_offset), a.recv_x, a.recv_scales, a.recv_w,

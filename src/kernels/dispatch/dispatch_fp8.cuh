@@ -11,7 +11,7 @@ namespace flatep::kernels {
 // e4m3 bytes and scales are stored to every destination rank's chain-head row; pre-quantised rows are copied as
 // they are; one weight per entry) -> barrier -> fan-out on the destination (duplicates copied from their chain head,
 // the copy-out when recv_x / recv_scales are not the symmetric region, weights, zeroed padding rows and scales).
-void launch(const DispatchFp8Args& args, cudaStream_t stream);
+void launch(const DispatchFp8Args& args, cudaStream_t stream, int num_sms);
 
 // Loads the kernels of this file now (see preload_all_kernels in kernels/common/preload.hpp).
 void preload_dispatch_fp8_kernels();

@@ -32,21 +32,17 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void launch(const EntryValuesArgs& a, cudaStream_t stream) {
+void launch(const EntryValuesArgs& a, cudaStream_t stream, int num_sms) {
     const Layout& l = a.layout;
-    FLATEP_CHECK(a.row_values != nullptr, "entry_values: row_values is null");
-    FLATEP_CHECK(a.out != nullptr, "entry_values: out is null");
-    FLATEP_CHECK(a.rank >= 0 && a.rank < l.num_ranks, "entry_values: rank must be in [0, ", l.num_ranks, "), got ",
-                 a.rank);
     const SymmetricLayout sym = make_symmetric_layout(l);
     const PeerPointers peers = per_rank("entry_values", a.peers, l.num_ranks);
     launch_barrier(a.sync, sync::kOpEntryValues, stream);  // sources of the previous op are done with recv_w
-    const int publish_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, kThreads), 4);
+    const int publish_blocks = grid_blocks(num_sms, ceil_div(l.num_recv_rows, kThreads), 4);
     entry_values_publish_kernel<<<publish_blocks, kThreads, 0, stream>>>(
         l, a.rank, a.plan, a.row_values, region_at<float>(a.peers[a.rank], sym.recv_w_offset));
     FLATEP_CUDA_CHECK_LAUNCH();
     launch_barrier(a.sync, sync::kOpEntryValues, stream);  // every destination's values are published
-    const int pull_blocks = grid_blocks(a.sync, ceil_div(l.num_entries(), kThreads), 4);
+    const int pull_blocks = grid_blocks(num_sms, ceil_div(l.num_entries(), kThreads), 4);
     entry_values_pull_kernel<<<pull_blocks, kThreads, 0, stream>>>(l, a.plan, sym, peers, a.out);
     FLATEP_CUDA_CHECK_LAUNCH();
 }

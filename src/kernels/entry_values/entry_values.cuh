@@ -9,6 +9,6 @@ namespace flatep::kernels {
 
 // Collective. Kernels: entry barrier -> publish this rank's real-row values into its symmetric recv_w region ->
 // barrier -> every entry of this rank reads the value at its row on its destination rank.
-void launch(const EntryValuesArgs& args, cudaStream_t stream);
+void launch(const EntryValuesArgs& args, cudaStream_t stream, int num_sms);
 
 }  // namespace flatep::kernels

@@ -157,12 +157,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
-void launch(const GradReduceArgs& a, cudaStream_t stream) {
-    FLATEP_CHECK(a.grads != nullptr, "reduce_grad: grads is null");
+void launch(const GradReduceArgs& a, cudaStream_t stream, int num_sms) {
     const ReducePools pools = per_rank("reduce_grad", a.reduce_pools, a.num_ranks);
-    FLATEP_CHECK(a.expert_elems % 4 == 0, "reduce_grad: expert_elems must be a multiple of 4, got ", a.expert_elems);
     launch_barrier(a.sync, sync::kOpGradReduce, stream);
-    const int blocks = grid_blocks(a.sync, ceil_div<int64_t>(a.expert_elems / 4, kChunk4) * 4, 2);
+    const int blocks = grid_blocks(num_sms, ceil_div<int64_t>(a.expert_elems / 4, kChunk4) * 4, 2);
     grad_reduce_kernel<<<blocks, kThreads, 0, stream>>>(a.rank, a.num_ranks, a.experts_per_rank, a.expert_elems,
                                                         a.slot_expert, a.grads, pools);
     FLATEP_CUDA_CHECK_LAUNCH();

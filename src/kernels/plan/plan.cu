@@ -228,11 +228,10 @@ __global__ void unpack_kernel(Layout l, int rank, SymmetricLayout sym, PeerPoint
 size_t plan_kernels_workspace_bytes(const Layout& l) { return size_t(workspace_sizes(l).total) * sizeof(int32_t); }
 
 void* prepare_plan(const PlanArgs& a, size_t workspace_bytes, cudaStream_t stream) {
-    check_plan_args(a);
     return a.workspace != nullptr ? a.workspace : scratch_buffer(1000 + a.rank, workspace_bytes, stream);
 }
 
-void launch_plan_counts(const PlanArgs& a, void* workspace, cudaStream_t stream) {
+void launch_plan_counts(const PlanArgs& a, void* workspace, cudaStream_t stream, int num_sms) {
     const Layout& l = a.layout;
     const auto [ws, sym, peers, seg_tokens] = plan_launch(a, workspace);
     const int nseg = num_segments(l);
@@ -240,7 +239,7 @@ void launch_plan_counts(const PlanArgs& a, void* workspace, cudaStream_t stream)
 
     FLATEP_CUDA_CHECK(cudaMemsetAsync(ws.tpe_local, 0, sizeof(int32_t) * E, stream));
     FLATEP_CUDA_CHECK(cudaMemsetAsync(ws.first_bad, 0xff, sizeof(unsigned long long), stream));
-    const int hist_blocks = grid_blocks(a.sync, nseg, 4);
+    const int hist_blocks = grid_blocks(num_sms, nseg, 4);
     histogram_kernel<<<hist_blocks, 256, sizeof(int32_t) * E, stream>>>(l, a.topk_idx, a.index_bytes, a.num_tokens,
                                                                         seg_tokens, ws);
     FLATEP_CUDA_CHECK_LAUNCH();
@@ -249,20 +248,20 @@ void launch_plan_counts(const PlanArgs& a, void* workspace, cudaStream_t stream)
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 
-void launch_plan_routes(const PlanArgs& a, void* workspace, cudaStream_t stream) {
+void launch_plan_routes(const PlanArgs& a, void* workspace, cudaStream_t stream, int num_sms) {
     const Layout& l = a.layout;
     const auto [ws, sym, peers, seg_tokens] = plan_launch(a, workspace);
     const int E = l.num_experts;
     if (a.num_tokens > 0) {
         const size_t smem = sizeof(int32_t) * size_t(kRouteWarps) * E;
         allow_smem(reinterpret_cast<const void*>(route_kernel), smem);
-        const int route_blocks = grid_blocks(a.sync, ceil_div(a.num_tokens, seg_tokens), 2);
+        const int route_blocks = grid_blocks(num_sms, ceil_div(a.num_tokens, seg_tokens), 2);
         route_kernel<<<route_blocks, kRouteThreads, smem, stream>>>(l, a.rank, a.topk_idx, a.index_bytes, a.num_tokens,
                                                                     seg_tokens, sym, peers, a.plan, ws);
         FLATEP_CUDA_CHECK_LAUNCH();
     }
     launch_barrier(a.sync, sync::kOpPlan, stream);
-    const int unpack_blocks = grid_blocks(a.sync, ceil_div(l.num_recv_rows, 256), 8);
+    const int unpack_blocks = grid_blocks(num_sms, ceil_div(l.num_recv_rows, 256), 8);
     unpack_kernel<<<unpack_blocks, 256, 0, stream>>>(l, a.rank, sym, peers, a.plan, ws, a.sync.status,
                                                      a.sync.host_status);
     FLATEP_CUDA_CHECK_LAUNCH();

@@ -28,10 +28,10 @@ void* prepare_plan(const PlanArgs& args, size_t workspace_bytes, cudaStream_t st
 // Before the planner: the histogram of args.topk_idx and the all-gather of every rank's counts into
 // args.plan.tpe_all (and the plan's header). Collective: every rank launches it on its own stream. `workspace`:
 // plan_kernels_workspace_bytes(layout) bytes, kept for launch_plan_routes.
-void launch_plan_counts(const PlanArgs& args, void* workspace, cudaStream_t stream);
+void launch_plan_counts(const PlanArgs& args, void* workspace, cudaStream_t stream, int num_sms);
 
 // After the planner wrote the plan's global part: routing and chain push, barrier, chain unpack and the status word
 // of the first bad expert id. `workspace`: launch_plan_counts'.
-void launch_plan_routes(const PlanArgs& args, void* workspace, cudaStream_t stream);
+void launch_plan_routes(const PlanArgs& args, void* workspace, cudaStream_t stream, int num_sms);
 
 }  // namespace flatep::kernels

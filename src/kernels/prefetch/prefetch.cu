@@ -67,21 +67,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
-void launch(const PrefetchArgs& a, cudaStream_t stream) {
-    FLATEP_CHECK(a.weights != nullptr, "prefetch: weights is null");
-    FLATEP_CHECK(a.expert_bytes >= 0, "prefetch: expert_bytes must be >= 0, got ", a.expert_bytes);
+void launch(const PrefetchArgs& a, cudaStream_t stream, int num_sms) {
     const SlotPools pools = per_rank("prefetch", a.slot_pools, a.num_ranks);
-    for (int r = 0; r < a.num_ranks; ++r) {
-        FLATEP_CHECK(reinterpret_cast<uintptr_t>(pools.ptr[r]) % 16 == 0, "prefetch: slot pool of rank ", r,
-                     " must be 16-byte aligned");
-    }
-    FLATEP_CHECK(reinterpret_cast<uintptr_t>(a.weights) % 16 == 0 && a.expert_bytes % 16 == 0,
-                 "prefetch: weights must be 16-byte aligned and expert_bytes a multiple of 16, got ", a.expert_bytes);
     launch_barrier(a.sync, sync::kOpPrefetch, stream);
     // Work items: replicas * chunks, unknown here (the plan is on the device): as many blocks as the budget allows,
     // and an expert's share of one block as the chunk, in whole 512-byte lines (32 words).
     const int64_t n16 = a.expert_bytes / 16;
-    const int blocks = grid_blocks(a.sync, ceil_div<int64_t>(n16, kThreads * kUnroll) * a.num_ranks, 1);
+    const int blocks = grid_blocks(num_sms, ceil_div<int64_t>(n16, kThreads * kUnroll) * a.num_ranks, 1);
     const int64_t chunk16 = max_of<int64_t>(32, round_up<int64_t>(ceil_div<int64_t>(n16, blocks), 32));
     prefetch_push_kernel<<<blocks, kThreads, 0, stream>>>(a.rank, a.num_ranks, a.experts_per_rank, a.expert_bytes,
                                                           chunk16, a.slot_expert, a.weights, pools);

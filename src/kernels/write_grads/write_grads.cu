@@ -76,11 +76,11 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename Src>
-void launch_typed(const WriteGradsArgs& a, cudaStream_t stream) {
+void launch_typed(const WriteGradsArgs& a, cudaStream_t stream, int num_sms) {
     const bool vec = a.expert_elems % kVecElems == 0 && reinterpret_cast<uintptr_t>(a.grad) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(a.grads) % 16 == 0;
     const int64_t steps = (vec ? a.expert_elems / kVecElems : a.expert_elems) * 2 * a.experts_per_rank;  // all groups
-    const int blocks = grid_blocks(a.max_blocks, ceil_div<int64_t>(steps, kThreads), 4);
+    const int blocks = grid_blocks(num_sms, ceil_div<int64_t>(steps, kThreads), 4);
     const auto* grad = static_cast<const Src*>(a.grad);
     if (vec) {
         write_grads_kernel<Src, true><<<blocks, kThreads, 0, stream>>>(
@@ -93,12 +93,11 @@ void launch_typed(const WriteGradsArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
-void launch(const WriteGradsArgs& a, cudaStream_t stream) {
-    check_write_grads_args(a);
+void launch(const WriteGradsArgs& a, cudaStream_t stream, int num_sms) {
     if (a.grad_bytes == 2) {
-        launch_typed<uint16_t>(a, stream);
+        launch_typed<uint16_t>(a, stream, num_sms);
     } else {
-        launch_typed<float>(a, stream);
+        launch_typed<float>(a, stream, num_sms);
     }
     FLATEP_CUDA_CHECK_LAUNCH();
 }

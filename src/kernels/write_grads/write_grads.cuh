@@ -12,6 +12,6 @@ namespace flatep::kernels {
 // thread deciding a group's action from the plan arrays in device memory (no host synchronisation) when it enters it
 // and jumping over a skipped group; 8 elements per step (16-byte bf16 loads, 32-byte fp32 stores) when the sizes and
 // pointers allow, element by element otherwise.
-void launch(const WriteGradsArgs& args, cudaStream_t stream);
+void launch(const WriteGradsArgs& args, cudaStream_t stream, int num_sms);
 
 }  // namespace flatep::kernels

@@ -1,0 +1,104 @@
+// The CPU backend of Buffer and ExpertPools (runtime/backend.hpp): every op runs its host twin (src/host) on the
+// calling thread, inside the object's CollectiveGuard, and has finished when it returns. It ignores streams and SM
+// budgets.
+#include <memory>
+
+#include "host/combine.hpp"
+#include "host/combine_grad.hpp"
+#include "host/dispatch.hpp"
+#include "host/dispatch_fp8.hpp"
+#include "host/entry_values.hpp"
+#include "host/grad_reduce.hpp"
+#include "host/prefetch.hpp"
+#include "host/write_grads.hpp"
+#include "runtime/backend.hpp"
+#include "runtime/host_plan.hpp"
+#include "runtime/plan_data.hpp"
+
+namespace flatep::runtime {
+
+namespace {
+
+// What both host backends share: no device record; the status words are plain host memory.
+template <class Base>
+class HostOps : public Base {
+  public:
+    explicit HostOps(CollectiveGuard* guard) : guard_(guard) {}
+    bool on_device() const override { return false; }
+    int default_num_sms() const override { return 0; }
+    std::string failure_message() const override { return ""; }
+    int32_t failure_code() const override { return 0; }
+    bool take_status(int32_t*, int32_t*, const Launch&) override { return false; }
+    void read_status(int32_t words[4], const int32_t* status, const Launch&) override {
+        for (int i = 0; i < 4; ++i) words[i] = status[i];
+    }
+    void clear_status(int32_t* status, const Launch&) override {
+        for (int i = 0; i < 4; ++i) status[i] = 0;
+    }
+    void fill_sync(sync::SyncArgs&) const override {}
+    void synchronize() override {}
+    void watch_site(const CollectiveSite& site) override { guard_->set_site(site); }
+
+  protected:
+    // Runs a collective host op: a wait that fails inside it poisons the object (CollectiveGuard::run).
+    template <typename Body>
+    void collective(const sync::SyncArgs& sync, Body&& body) {
+        guard_->run(sync.status, body);
+    }
+
+  private:
+    CollectiveGuard* guard_;
+};
+
+class HostBufferBackend final : public HostOps<BufferBackend> {
+  public:
+    explicit HostBufferBackend(const BufferSite& site) : HostOps(site.guard), stats_(site.stats) {}
+
+    void plan(PlanArgs& args, Plan::Data& data, int32_t* storage, const Launch&) override {
+        FLATEP_CHECK(storage == nullptr, "plan: plan_storage is for device Buffers; this one is on the host");
+        args.plan = data.host.view;
+        collective(args.sync, [&] { run_host_plan(args); });
+        data.host.view.header[kHeaderGenerationLo] = int32_t(uint32_t(data.generation));
+        data.host.view.header[kHeaderGenerationHi] = int32_t(uint32_t(data.generation >> 32));
+    }
+    void dispatch(DispatchArgs& args, const Launch&) override {
+        collective(args.sync, [&] { host::dispatch(args, *stats_); });
+    }
+    void dispatch_fp8(DispatchFp8Args& args, const Launch&) override {
+        collective(args.sync, [&] { host::dispatch_fp8(args, *stats_); });
+    }
+    void combine(CombineArgs& args, const Launch&) override {
+        collective(args.sync, [&] { host::combine(args, *stats_); });
+    }
+    void entry_values(EntryValuesArgs& args, const Launch&) override {
+        collective(args.sync, [&] { host::entry_values(args); });
+    }
+    void combine_grad(const CombineGradArgs& args, const Launch&) override { host::combine_grad(args); }
+
+  private:
+    host::OpStats* const* stats_;
+};
+
+class HostPoolsBackend final : public HostOps<PoolsBackend> {
+  public:
+    using HostOps::HostOps;
+    void prefetch(PrefetchArgs& args, const Launch&) override {
+        collective(args.sync, [&] { host::prefetch(args); });
+    }
+    void grad_reduce(GradReduceArgs& args, const Launch&) override {
+        collective(args.sync, [&] { host::grad_reduce(args); });
+    }
+    void write_grads(const WriteGradsArgs& args, const Launch&) override { host::write_grads(args); }
+};
+
+}  // namespace
+
+std::unique_ptr<BufferBackend> make_host_buffer_backend(const BufferSite& site) {
+    return std::make_unique<HostBufferBackend>(site);
+}
+
+std::unique_ptr<PoolsBackend> make_host_pools_backend(CollectiveGuard* guard) {
+    return std::make_unique<HostPoolsBackend>(guard);
+}
+
+}  // namespace flatep::runtime
