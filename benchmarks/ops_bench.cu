@@ -614,7 +614,7 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     spec.expert_elems = int64_t(l.hidden) * c.shape.ffn;
     spec.sigma = sigma;
     spec.seed = 42;
-    LocalDeviceGroup group(l.num_ranks, false, 30.0, o.sm_budget);
+    testing::LocalDeviceGroup group(l.num_ranks, false, 30.0, o.sm_budget);
     DeviceCase dev(spec, l, group);
     const double rank_gbps =
         rank_copy_gbps(group.max_blocks() > 0 ? group.max_blocks() : 2 * kernels::device_sm_count(), group.stream(0));
