@@ -91,7 +91,7 @@ void run_case(const bench::Case& c, double sigma, int iters, int warmup, bench::
     spec.separate_recv = false;  // into the symmetric region
     spec.sigma = sigma;
     spec.seed = 42;
-    LocalDeviceGroup group(R, false, 30.0);
+    testing::LocalDeviceGroup group(R, false, 30.0);
     DeviceCase dev(spec, l, group);
     const auto topk = make_routing(spec, spec.seed);
     std::vector<int32_t> all_counts(size_t(R) * l.num_experts, 0);

@@ -308,7 +308,7 @@ Row run_sweep_point(const Options& o, double target) {
     // FlatEP: R ranks as threads over the local host transport.
     std::vector<RankResult> res(R);
     {
-        LocalHostWorld world(R, 30.0);
+        transport::LocalHostWorld world(R, 30.0);
         std::vector<std::thread> threads;
         for (int r = 0; r < R; ++r) {
             threads.emplace_back([&, r] {

@@ -11,7 +11,7 @@
 #include "kernels/common/launch.cuh"
 #include "layout/layout.hpp"
 
-namespace flatep {
+namespace flatep::testing {
 
 namespace {
 constexpr size_t kRegionAlign = 2u << 20;  // 2 MiB: every rank's region starts on its own large page
@@ -148,8 +148,8 @@ void LocalDeviceGroup::release(std::vector<SymmetricRegion>& regions) noexcept {
     regions.clear();
 }
 
-sync::SyncArgs LocalDeviceGroup::sync_args(int rank, const std::vector<SymmetricRegion>& regions, int64_t barrier_offset,
-                                     int64_t status_offset) const {
+sync::SyncArgs LocalDeviceGroup::sync_args(int rank, const std::vector<SymmetricRegion>& regions,
+                                           int64_t barrier_offset, int64_t status_offset) const {
     sync::SyncArgs s{};
     for (int p = 0; p < num_ranks_; ++p) s.flags[p] = region_at<uint64_t>(regions[rank].peers[p], barrier_offset);
     s.epoch = epochs_[rank];
@@ -170,4 +170,4 @@ void LocalDeviceGroup::synchronize() {
     }
 }
 
-}  // namespace flatep
+}  // namespace flatep::testing

@@ -1,8 +1,13 @@
 // `local` transport on GPUs (design §7): R ranks in one process, either R virtual ranks on one GPU (one device
 // allocation holds every rank's symmetric region; peer pointers point into it) or one rank per GPU with peer
 // access. Each rank gets its own stream, its barrier epoch in device memory, a host-mapped sync::WaitRecord and an SM
+<<<<<<< HEAD
 // budget (num_sms(): pass it to every launch) so that all ranks' kernels are co-resident on a shared GPU: a kernel spinning on a
 // peer's flag never starves that peer.
+=======
+// budget (sync::SyncArgs::max_blocks) so that all ranks' kernels are co-resident on a shared GPU: a kernel spinning on
+// a peer's flag never starves that peer.
+>>>>>>> layers45
 //
 //   LocalDeviceGroup group(8);                       // 8 virtual ranks on the current GPU
 //   auto regions = group.allocate(bytes);            // regions[r].peers[p] = rank p's region
@@ -24,7 +29,7 @@
 #include "flatep/transport.hpp"
 #include "sync/sync.hpp"
 
-namespace flatep {
+namespace flatep::testing {
 
 class LocalDeviceGroup {
   public:
@@ -49,7 +54,7 @@ class LocalDeviceGroup {
 
     // sync::SyncArgs of `rank` for a buffer whose flag array and status words sit at these offsets of every region.
     sync::SyncArgs sync_args(int rank, const std::vector<SymmetricRegion>& regions, int64_t barrier_offset,
-                       int64_t status_offset) const;
+                             int64_t status_offset) const;
 
     // Host view of rank's sync::WaitRecord (host-mapped; readable while kernels run).
     const sync::WaitRecord& wait_record(int rank) const { return host_records_[rank]; }
@@ -75,4 +80,4 @@ class LocalDeviceGroup {
     std::vector<Allocation> allocations_;
 };
 
-}  // namespace flatep
+}  // namespace flatep::testing

@@ -16,7 +16,7 @@
 #include "flatep/ipc.hpp"
 #include "transport/bootstrap_mesh.hpp"
 
-namespace flatep {
+namespace flatep::transport {
 
 namespace {
 
@@ -61,6 +61,10 @@ int exit_code(int status) {
 
 }  // namespace
 
+}  // namespace flatep::transport
+
+namespace flatep {
+
 std::vector<int> run_forked(int num_ranks, const std::function<int(int rank, std::shared_ptr<Bootstrap>)>& fn,
                             const ForkOptions& options) {
     FLATEP_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "run_forked: num_ranks must be in [1, ", kMaxRanks,
@@ -74,8 +78,8 @@ std::vector<int> run_forked(int num_ranks, const std::function<int(int rank, std
     std::vector<std::array<int, 2>> pairs(num_ranks * num_ranks, std::array<int, 2>{-1, -1});
     auto close_pairs = [&] {
         for (std::array<int, 2>& pair : pairs) {
-            ipc::close_quietly(pair[0]);
-            ipc::close_quietly(pair[1]);
+            transport::ipc::close_quietly(pair[0]);
+            transport::ipc::close_quietly(pair[1]);
             pair = {-1, -1};
         }
     };
@@ -95,7 +99,7 @@ std::vector<int> run_forked(int num_ranks, const std::function<int(int rank, std
     std::vector<pid_t> pids(num_ranks, -1);
     for (int r = 0; r < num_ranks; ++r) {
         const pid_t pid = ::fork();
-        if (pid == 0) run_child(r, num_ranks, pairs, timeout_s, fn);
+        if (pid == 0) transport::run_child(r, num_ranks, pairs, timeout_s, fn);
         if (pid < 0) {
             const std::string text = detail::errno_text();
             for (int q = 0; q < r; ++q) ::kill(pids[q], SIGKILL);
@@ -109,13 +113,13 @@ std::vector<int> run_forked(int num_ranks, const std::function<int(int rank, std
 
     std::vector<int> codes(num_ranks, -1);
     int num_running = num_ranks;
-    const auto deadline = ipc::deadline_after(deadline_s);
-    while (num_running > 0 && ipc::Clock::now() < deadline) {
+    const auto deadline = transport::ipc::deadline_after(deadline_s);
+    while (num_running > 0 && transport::ipc::Clock::now() < deadline) {
         for (int r = 0; r < num_ranks; ++r) {
             if (pids[r] < 0) continue;
             int status = 0;
             if (::waitpid(pids[r], &status, WNOHANG) == pids[r]) {
-                codes[r] = exit_code(status);
+                codes[r] = transport::exit_code(status);
                 pids[r] = -1;
                 --num_running;
             }
@@ -128,7 +132,7 @@ std::vector<int> run_forked(int num_ranks, const std::function<int(int rank, std
                         " s: killing it");
         ::kill(pids[r], SIGKILL);
         int status = 0;
-        if (::waitpid(pids[r], &status, 0) == pids[r]) codes[r] = exit_code(status);
+        if (::waitpid(pids[r], &status, 0) == pids[r]) codes[r] = transport::exit_code(status);
     }
     return codes;
 }

@@ -7,7 +7,7 @@
 #include "common/check.hpp"
 #include "common/env.hpp"
 
-namespace flatep {
+namespace flatep::transport {
 
 MeshBootstrap::MeshBootstrap(int rank, int size, std::vector<ipc::Fd> sockets, double timeout_s, std::string what)
     : rank_(rank), size_(size), sockets_(std::move(sockets)), timeout_s_(timeout_s), what_(std::move(what)) {
@@ -54,4 +54,4 @@ std::vector<std::string> MeshBootstrap::all_gather(const std::string& blob) {
     return result;
 }
 
-}  // namespace flatep
+}  // namespace flatep::transport

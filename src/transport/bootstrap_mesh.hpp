@@ -11,7 +11,7 @@
 #include "flatep/transport.hpp"
 #include "transport/ipc_socket.hpp"
 
-namespace flatep {
+namespace flatep::transport {
 
 class MeshBootstrap final : public Bootstrap {
   public:
@@ -39,4 +39,4 @@ class MeshBootstrap final : public Bootstrap {
     uint32_t num_calls_ = 0;
 };
 
-}  // namespace flatep
+}  // namespace flatep::transport

@@ -21,17 +21,17 @@ std::shared_ptr<Bootstrap> make_socket_bootstrap(const std::string& job_id, int 
     FLATEP_CHECK(rank >= 0 && rank < num_ranks, "socket rendezvous: rank ", rank, " outside [0, ", num_ranks, ")");
     timeout_s = env::resolve_timeout("socket rendezvous", timeout_s);
 
-    ipc::MeshSpec spec;
+    transport::ipc::MeshSpec spec;
     spec.name_prefix = "flatep-rdv-" + job_id;
     spec.token = job_id;
     spec.rank = rank;
     spec.size = num_ranks;
     spec.timeout_s = timeout_s;
     spec.what = "socket rendezvous '" + job_id + "'";
-    ipc::Fd listener = ipc::listen_abstract(ipc::mesh_socket_name(spec, rank), 128);
-    std::vector<ipc::Fd> sockets = ipc::build_mesh(spec, listener.get(), nullptr);
+    transport::ipc::Fd listener = transport::ipc::listen_abstract(transport::ipc::mesh_socket_name(spec, rank), 128);
+    std::vector<transport::ipc::Fd> sockets = transport::ipc::build_mesh(spec, listener.get(), nullptr);
     listener.reset();
-    return std::make_shared<MeshBootstrap>(rank, num_ranks, std::move(sockets), timeout_s, spec.what);
+    return std::make_shared<transport::MeshBootstrap>(rank, num_ranks, std::move(sockets), timeout_s, spec.what);
 }
 
 std::shared_ptr<Bootstrap> make_socket_bootstrap_from_env(double timeout_s) {

@@ -6,7 +6,7 @@
 #include "transport/host_memory.hpp"
 #include "transport/ipc_memory.hpp"
 
-namespace flatep {
+namespace flatep::transport {
 
 namespace {
 
@@ -72,4 +72,4 @@ class HostIpcMemory final : public IpcMemory {
 
 std::unique_ptr<IpcMemory> make_host_ipc_memory() { return std::make_unique<HostIpcMemory>(); }
 
-}  // namespace flatep
+}  // namespace flatep::transport

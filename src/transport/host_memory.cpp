@@ -10,7 +10,7 @@
 #include "common/log.hpp"
 #include "common/math.hpp"
 
-namespace flatep::host_memory {
+namespace flatep::transport::host_memory {
 
 size_t page_size() {
     static const size_t size = size_t(sysconf(_SC_PAGESIZE));
@@ -82,4 +82,4 @@ int dup_fd(int fd) {
     return copy;
 }
 
-}  // namespace flatep::host_memory
+}  // namespace flatep::transport::host_memory

@@ -10,7 +10,7 @@
 
 #include <cstddef>
 
-namespace flatep::host_memory {
+namespace flatep::transport::host_memory {
 
 size_t page_size();
 size_t round_up_pages(size_t bytes);
@@ -37,4 +37,4 @@ void close_fd(int fd) noexcept;
 // A new descriptor (close-on-exec) of the same file as fd: keeps the file mappable after its owner closes fd.
 int dup_fd(int fd);
 
-}  // namespace flatep::host_memory
+}  // namespace flatep::transport::host_memory

@@ -11,7 +11,7 @@
 
 #include "flatep/transport.hpp"
 
-namespace flatep {
+namespace flatep::transport {
 
 // One allocation as mapped in this process, with what maps it again at another address.
 struct IpcMapping {
@@ -55,4 +55,4 @@ class IpcMemory {
 // The host-memory (memfd) IpcMemory.
 std::unique_ptr<IpcMemory> make_host_ipc_memory();
 
-}  // namespace flatep
+}  // namespace flatep::transport

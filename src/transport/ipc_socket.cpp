@@ -16,7 +16,7 @@
 #include "common/check.hpp"
 #include "common/log.hpp"
 
-namespace flatep::ipc {
+namespace flatep::transport::ipc {
 
 namespace {
 
@@ -478,4 +478,4 @@ std::vector<Fd> build_mesh(const MeshSpec& spec, int listener, int* num_refused)
     return sockets;
 }
 
-}  // namespace flatep::ipc
+}  // namespace flatep::transport::ipc

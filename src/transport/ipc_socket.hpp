@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-namespace flatep::ipc {
+namespace flatep::transport::ipc {
 
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
@@ -97,4 +97,4 @@ std::string mesh_socket_name(const MeshSpec& spec, int rank);
 // kTimeout naming the ranks that did not connect within spec.timeout_s.
 std::vector<Fd> build_mesh(const MeshSpec& spec, int listener, int* num_refused);
 
-}  // namespace flatep::ipc
+}  // namespace flatep::transport::ipc

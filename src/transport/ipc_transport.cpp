@@ -12,7 +12,7 @@
 #include "transport/cuda/ipc_cuda_memory.hpp"
 #endif
 
-namespace flatep {
+namespace flatep::transport {
 
 namespace {
 
@@ -194,24 +194,28 @@ void IpcTransport::release(SymmetricRegion& region) noexcept {
     region = SymmetricRegion{};
 }
 
+}  // namespace flatep::transport
+
+namespace flatep {
+
 std::unique_ptr<Transport> make_ipc_transport(std::shared_ptr<Bootstrap> bootstrap, MemoryKind kind, double timeout_s,
                                               bool same_process, int device) {
-    IpcOptions options;
+    transport::IpcOptions options;
     options.timeout_s = timeout_s;
     options.same_process = same_process;
-    std::unique_ptr<IpcMemory> memory;
+    std::unique_ptr<transport::IpcMemory> memory;
     FLATEP_CHECK(device >= -1, "ipc transport: device must be a CUDA device ordinal or -1, got ", device);
     if (kind == MemoryKind::kHost) {
-        memory = make_host_ipc_memory();
+        memory = transport::make_host_ipc_memory();
     } else {
 #if defined(FLATEP_IPC_CUDA)
-        memory = make_cuda_ipc_memory(device);
+        memory = transport::make_cuda_ipc_memory(device);
 #else
         FLATEP_THROW(ErrorCategory::kInvalidArgument,
                      "ipc transport: MemoryKind::kDevice needs a FlatEP build with CUDA (this one has none)");
 #endif
     }
-    return std::make_unique<IpcTransport>(std::move(bootstrap), std::move(memory), options);
+    return std::make_unique<transport::IpcTransport>(std::move(bootstrap), std::move(memory), options);
 }
 
 }  // namespace flatep

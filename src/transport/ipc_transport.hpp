@@ -22,7 +22,7 @@
 #include "transport/ipc_socket.hpp"
 #include "transport/memory_views.hpp"
 
-namespace flatep {
+namespace flatep::transport {
 
 struct IpcOptions {
     double timeout_s = 0;       // <= 0: FLATEP_TIMEOUT_S
@@ -82,4 +82,4 @@ class IpcTransport final : public Transport {
     int num_refused_ = 0;
 };
 
-}  // namespace flatep
+}  // namespace flatep::transport

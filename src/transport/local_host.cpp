@@ -15,7 +15,7 @@
 #include "transport/ipc_memory.hpp"
 #include "transport/memory_views.hpp"
 
-namespace flatep {
+namespace flatep::transport {
 
 struct LocalHostWorld::State {
     struct Round {
@@ -234,4 +234,4 @@ std::shared_ptr<Transport> LocalHostWorld::transport(int rank) {
     return t;
 }
 
-}  // namespace flatep
+}  // namespace flatep::transport

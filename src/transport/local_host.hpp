@@ -14,7 +14,7 @@
 
 #include "flatep/transport.hpp"
 
-namespace flatep {
+namespace flatep::transport {
 
 class LocalHostWorld {
   public:
@@ -36,4 +36,4 @@ class LocalHostWorld {
     std::shared_ptr<State> state_;
 };
 
-}  // namespace flatep
+}  // namespace flatep::transport

@@ -6,7 +6,7 @@
 #include "common/check.hpp"
 #include "common/log.hpp"
 
-namespace flatep {
+namespace flatep::transport {
 
 MemoryViews::~MemoryViews() {
     for (auto& [id, view] : views_) memory_.free_range(view.base, view.bytes, view.mapped);
@@ -126,4 +126,4 @@ void MemoryViews::unmap_view(MappedView& view) noexcept {
     view = MappedView{};
 }
 
-}  // namespace flatep
+}  // namespace flatep::transport

@@ -14,7 +14,7 @@
 #include "flatep/transport.hpp"
 #include "transport/ipc_memory.hpp"
 
-namespace flatep {
+namespace flatep::transport {
 
 class MemoryViews {
   public:
@@ -52,4 +52,4 @@ class MemoryViews {
     int next_view_id_ = 0;
 };
 
-}  // namespace flatep
+}  // namespace flatep::transport

@@ -28,7 +28,7 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
     const int R = l.num_ranks, s = tokens_of(c, l), epn = l.experts_per_rank;
     const int64_t H = l.hidden, nvs = l.num_recv_rows, pe = int64_t(epn) * c.expert_elems;
     const SymmetricLayout sym = make_symmetric_layout(l);
-    LocalHostWorld world(R, 120.0);
+    transport::LocalHostWorld world(R, 120.0);
     std::vector<RankOutputs> outs(R);
     std::vector<std::string> errors(R);
     std::vector<std::thread> threads;
@@ -198,7 +198,7 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
     return outs;
 }
 
-DeviceCase::DeviceCase(const CaseSpec& c, const Layout& l, LocalDeviceGroup& g)
+DeviceCase::DeviceCase(const CaseSpec& c, const Layout& l, testing::LocalDeviceGroup& g)
     : spec(c), layout(l), sym(make_symmetric_layout(l)), group(g), num_tokens(tokens_of(c, l)) {
     const int R = l.num_ranks, epn = l.experts_per_rank;
     const int64_t H = l.hidden, nvs = l.num_recv_rows, pe = int64_t(epn) * c.expert_elems;

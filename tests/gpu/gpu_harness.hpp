@@ -188,7 +188,7 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
 
 // Device state of a case: buffers sized once, reused by steps and graph replays.
 struct DeviceCase {
-    DeviceCase(const CaseSpec& c, const Layout& l, LocalDeviceGroup& group);
+    DeviceCase(const CaseSpec& c, const Layout& l, testing::LocalDeviceGroup& group);
     ~DeviceCase();
     void upload(const StepInputs& in);  // inputs into the device buffers (synchronous)
     void enqueue_step();                // every op of every rank on the rank streams (no host sync)
@@ -197,7 +197,7 @@ struct DeviceCase {
     CaseSpec spec;
     Layout layout;
     SymmetricLayout sym;
-    LocalDeviceGroup& group;
+    testing::LocalDeviceGroup& group;
     int num_tokens;
     std::vector<SymmetricRegion> regions, slot_regions, red_regions;
     struct PerRank {

@@ -130,7 +130,7 @@ struct DeviceIo {
 };
 
 void host_reference(int R, std::vector<RankData>& data) {
-    LocalHostWorld world(R, 60.0);
+    transport::LocalHostWorld world(R, 60.0);
     std::vector<std::string> errors(R);
     std::vector<std::thread> threads;
     for (int r = 0; r < R; ++r) {

@@ -31,7 +31,7 @@ using flatep::Transport;
 constexpr int kNoGpu = 77;
 
 // The driver is loaded at run time (transport/cuda/cu_driver.hpp), so this binary starts without one and skips.
-const flatep::CuDriver* drv = nullptr;
+const flatep::transport::CuDriver* drv = nullptr;
 #define CU(expr) FLATEP_CU_DRIVER_CHECK(*drv, expr)
 
 #define EXPECT_OR_FAIL(cond, ...)                                         \
@@ -50,11 +50,11 @@ uint32_t pattern(int owner, size_t word_idx) {
 // Runs in a child: the GPU is only touched after fork. Checks device 0, or every device with gpu_per_rank.
 int probe_gpu(bool gpu_per_rank) {
     std::string why;
-    if (flatep::cu_driver(&why) == nullptr) {
+    if (flatep::transport::cu_driver(&why) == nullptr) {
         std::printf("no CUDA driver: %s\n", why.c_str());
         return kNoGpu;
     }
-    drv = flatep::cu_driver();
+    drv = flatep::transport::cu_driver();
     if (drv->cuInit(0) != CUDA_SUCCESS) return kNoGpu;
     int count = 0;
     if (drv->cuDeviceGetCount(&count) != CUDA_SUCCESS || count == 0) return kNoGpu;
@@ -136,7 +136,7 @@ int check_views(int rank, int num_ranks, int cycle, Transport& transport, const 
 
 int run_rank(int rank, std::shared_ptr<Bootstrap> boot, double timeout_s, bool gpu_per_rank) {
     const int num_ranks = boot->size();
-    drv = flatep::cu_driver();
+    drv = flatep::transport::cu_driver();
     FLATEP_CHECK_RUNTIME(drv != nullptr, "no CUDA driver");
     CU(cuInit(0));
     int num_devices = 0;

@@ -95,7 +95,7 @@ void make_inputs(int R, std::vector<RankData>& data) {
 }
 
 void host_reference(int R, std::vector<RankData>& data) {
-    LocalHostWorld world(R, 60.0);
+    transport::LocalHostWorld world(R, 60.0);
     std::vector<std::string> errors(R);
     std::vector<std::thread> threads;
     for (int r = 0; r < R; ++r) {

@@ -281,7 +281,7 @@ std::vector<RankResult> run_host_fp8(const CaseSpec& c, const Layout& l, const I
     const int R = l.num_ranks, s = c.num_tokens < 0 ? l.num_tokens : c.num_tokens, H = l.hidden;
     const int nvs = l.num_recv_rows, nb = H / kFp8BlockSize;
     const SymmetricLayout sym = make_symmetric_layout(l);
-    LocalHostWorld world(R, 120.0);
+    transport::LocalHostWorld world(R, 120.0);
     std::vector<RankResult> out(R);
     std::vector<uint64_t> epochs(R, 0);
     std::vector<std::string> errors(R);
@@ -375,7 +375,7 @@ std::vector<RankResult> run_host_fp8(const CaseSpec& c, const Layout& l, const I
 
 // The same sequence on the GPU (virtual ranks of one LocalDeviceGroup).
 std::vector<RankResult> run_device_fp8(const CaseSpec& c, const Layout& l, const Inputs& in, Fp8Scale mode,
-                                       LocalDeviceGroup& group) {
+                                       testing::LocalDeviceGroup& group) {
     const int R = l.num_ranks, s = c.num_tokens < 0 ? l.num_tokens : c.num_tokens, H = l.hidden;
     const int nvs = l.num_recv_rows, nb = H / kFp8BlockSize;
     const SymmetricLayout sym = make_symmetric_layout(l);
@@ -549,7 +549,7 @@ bool compare(const CaseSpec& c, const Layout& l, Fp8Scale mode, const std::vecto
 bool run_case(const CaseSpec& c) {
     const Layout l = make_layout(c.config);
     const char* timeout_env = std::getenv("FLATEP_GPU_TEST_TIMEOUT");
-    LocalDeviceGroup group(l.num_ranks, false, timeout_env != nullptr ? std::atof(timeout_env) : 20.0);
+    testing::LocalDeviceGroup group(l.num_ranks, false, timeout_env != nullptr ? std::atof(timeout_env) : 20.0);
     const Inputs in = make_fp8_inputs(c, l);
     for (Fp8Scale mode : {Fp8Scale::kFloat, Fp8Scale::kUe8m0}) {
         const std::vector<RankResult> cpu = run_host_fp8(c, l, in, mode);

@@ -137,7 +137,7 @@ bool compare_outputs(const CaseSpec& c, const Layout& l, const std::vector<RankO
     return true;
 }
 
-bool check_wait_records(LocalDeviceGroup& group) {
+bool check_wait_records(testing::LocalDeviceGroup& group) {
     for (int r = 0; r < group.num_ranks(); ++r) {
         const sync::WaitRecord& w = group.wait_record(r);
         if (w.code != 0) {
@@ -155,7 +155,8 @@ bool check_wait_records(LocalDeviceGroup& group) {
 bool run_case(const CaseSpec& c, bool graph, bool device_per_rank) {
     const Layout l = make_layout(c.config);
     const char* timeout_env = std::getenv("FLATEP_GPU_TEST_TIMEOUT");
-    LocalDeviceGroup group(l.num_ranks, device_per_rank, timeout_env != nullptr ? std::atof(timeout_env) : 20.0);
+    testing::LocalDeviceGroup group(l.num_ranks, device_per_rank,
+                                    timeout_env != nullptr ? std::atof(timeout_env) : 20.0);
     DeviceCase dev(c, l, group);
     const int replays = graph ? 2 : 1;
     cudaGraphExec_t exec = nullptr;

@@ -6,7 +6,7 @@
 
 #include "common/check.hpp"
 
-namespace flatep {
+namespace flatep::transport {
 
 namespace {
 
@@ -55,4 +55,4 @@ std::string cu_error_text(const CuDriver& driver, CUresult result, const char* w
                           name ? "" : std::to_string(int(result)));
 }
 
-}  // namespace flatep
+}  // namespace flatep::transport

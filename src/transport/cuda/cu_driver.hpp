@@ -39,7 +39,7 @@
     X(cuMemGetInfo)
 // clang-format on
 
-namespace flatep {
+namespace flatep::transport {
 
 struct CuDriver {
 #define FLATEP_CU_DRIVER_MEMBER(name) decltype(&::name) name = nullptr;
@@ -54,13 +54,14 @@ const CuDriver* cu_driver(std::string* why = nullptr);
 // "cuMemCreate(...) failed: CUDA_ERROR_OUT_OF_MEMORY".
 std::string cu_error_text(const CuDriver& driver, CUresult result, const char* what);
 
-}  // namespace flatep
+}  // namespace flatep::transport
 
 // FLATEP_CU_DRIVER_CHECK(driver, cuMemCreate(&h, bytes, &prop, 0)): calls driver.<expr> and throws
 // flatep::Error(kRuntime) naming the call and the CUresult.
-#define FLATEP_CU_DRIVER_CHECK(driver, expr)                                                                      \
-    do {                                                                                                          \
-        const CUresult flatep_res_ = (driver).expr;                                                               \
-        if (flatep_res_ != CUDA_SUCCESS)                                                                          \
-            FLATEP_THROW(::flatep::ErrorCategory::kRuntime, ::flatep::cu_error_text(driver, flatep_res_, #expr)); \
+#define FLATEP_CU_DRIVER_CHECK(driver, expr)                                              \
+    do {                                                                                  \
+        const CUresult flatep_res_ = (driver).expr;                                       \
+        if (flatep_res_ != CUDA_SUCCESS)                                                  \
+            FLATEP_THROW(::flatep::ErrorCategory::kRuntime,                               \
+                         ::flatep::transport::cu_error_text(driver, flatep_res_, #expr)); \
     } while (0)

@@ -9,7 +9,7 @@
 #include "common/log.hpp"
 #include "transport/cuda/cu_driver.hpp"
 
-namespace flatep {
+namespace flatep::transport {
 
 namespace {
 
@@ -253,4 +253,4 @@ class CudaIpcMemory final : public IpcMemory {
 
 std::unique_ptr<IpcMemory> make_cuda_ipc_memory(int device) { return std::make_unique<CudaIpcMemory>(device); }
 
-}  // namespace flatep
+}  // namespace flatep::transport

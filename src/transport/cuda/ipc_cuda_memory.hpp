@@ -7,7 +7,7 @@
 
 #include "transport/ipc_memory.hpp"
 
-namespace flatep {
+namespace flatep::transport {
 
 // Memory on CUDA device `device` (-1: the device of the calling thread's current context, device 0 when none is
 // current). Retains that device's primary context (torch's) for its lifetime and binds it around every driver call,
@@ -15,4 +15,4 @@ namespace flatep {
 // VMM handles.
 std::unique_ptr<IpcMemory> make_cuda_ipc_memory(int device);
 
-}  // namespace flatep
+}  // namespace flatep::transport

@@ -27,6 +27,8 @@
 namespace flatep {
 namespace {
 
+using transport::LocalHostWorld;
+
 struct Row {
     std::string input;  // what the caller did wrong (first column of the table)
     ErrorCategory category;

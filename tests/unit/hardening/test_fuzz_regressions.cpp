@@ -19,6 +19,8 @@
 namespace flatep {
 namespace {
 
+using transport::LocalHostWorld;
+
 // config_fuzz, crash-9dd1f83f: validate() accepted R=64, E=2147483584 (S=K=H/8=align=1), whose R*E overflows the
 // int32 index d*E + e of plan.hpp / planner_core.hpp (and whose tpe_all alone would be 512 GiB). Likewise R=1 with
 // E > 2^30 overflows R*2*epn (cu_seqlens index). Fix (src/layout/config.cpp, Config::validate): reject

@@ -18,6 +18,8 @@
 namespace flatep {
 namespace {
 
+using transport::LocalHostWorld;
+
 using testing::failures;
 using testing::run_ranks;
 

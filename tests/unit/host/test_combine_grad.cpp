@@ -20,6 +20,8 @@
 namespace flatep {
 namespace {
 
+using transport::LocalHostWorld;
+
 using testing::bits_of;
 using testing::error_message;
 using testing::failures;

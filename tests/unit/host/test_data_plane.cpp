@@ -23,6 +23,8 @@
 namespace flatep {
 namespace {
 
+using transport::LocalHostWorld;
+
 using testing::bits_of;
 using testing::random_bf16;
 using testing::random_floats;

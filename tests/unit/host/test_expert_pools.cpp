@@ -20,6 +20,8 @@
 namespace flatep {
 namespace {
 
+using transport::LocalHostWorld;
+
 using testing::error_message;
 using testing::failures;
 using testing::run_ranks;

@@ -21,6 +21,8 @@
 namespace flatep {
 namespace {
 
+using transport::LocalHostWorld;
+
 using fp8::block_scale;
 using fp8::e4m3_to_float;
 using fp8::float_to_e4m3;

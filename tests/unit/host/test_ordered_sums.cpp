@@ -19,6 +19,8 @@
 namespace flatep {
 namespace {
 
+using transport::LocalHostWorld;
+
 using testing::bits_of;
 using testing::failures;
 using testing::run_ranks;

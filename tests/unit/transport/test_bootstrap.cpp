@@ -16,6 +16,8 @@
 namespace flatep {
 namespace {
 
+namespace ipc = transport::ipc;
+
 using test::expect_timeout_naming;
 using test::Failure;
 using test::seconds_since;

@@ -22,6 +22,11 @@
 namespace flatep {
 namespace {
 
+using transport::IpcOptions;
+using transport::IpcTransport;
+using transport::make_host_ipc_memory;
+namespace host_memory = transport::host_memory;
+
 using test::count_mappings;
 using test::count_open_fds;
 using test::expect_timeout_naming;

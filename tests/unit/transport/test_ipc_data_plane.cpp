@@ -26,6 +26,8 @@
 namespace flatep {
 namespace {
 
+using transport::LocalHostWorld;
+
 struct Case {
     int R, epn, S, K, H, align;
     double sigma;

@@ -15,6 +15,9 @@
 namespace flatep {
 namespace {
 
+using transport::LocalHostWorld;
+namespace host_memory = transport::host_memory;
+
 using testing::failures;
 using testing::run_ranks;
 

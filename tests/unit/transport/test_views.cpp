@@ -25,6 +25,10 @@
 namespace flatep {
 namespace {
 
+using transport::IpcTransport;
+using transport::LocalHostWorld;
+namespace host_memory = transport::host_memory;
+
 using test::count_mappings;
 using test::count_open_fds;
 using testing::error_message;
