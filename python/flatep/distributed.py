@@ -15,14 +15,10 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from ._bootstrap import OwnTransportGroup, PeerTimeout
 from ._tensors import check_timeout, number_text
 
 _ARRIVAL_TAG = 0x464C  # "FL": the tag of TorchBootstrap's arrival messages
-
-
-class PeerTimeout(TimeoutError, RuntimeError):
-    """A bootstrap's peer did not arrive in time or left the job. flatep._C passes a TimeoutError's message on as the
-    library's one-line timeout error (RuntimeError); a direct caller of all_gather can catch either base."""
 
 
 def _first_line(error):
@@ -174,9 +170,8 @@ _transports = {}
 
 
 def _is_virtual(group):
-    from .virtual import VirtualRank
-
-    return isinstance(group, VirtualRank)
+    """True for a group that brings its own transport (a flatep.virtual.VirtualRank)."""
+    return isinstance(group, OwnTransportGroup)
 
 
 def transport_for(group=None, device=None, timeout_s=None):

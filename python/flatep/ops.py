@@ -24,7 +24,7 @@ ExpertPools) and in C++ plans. So:
 * nn.MoE's experts: ``experts`` (functional: the grouped expert FFN over the compute views, y with h and a, the bf16
   activations its registered autograd saves) and ``experts_backward`` (mutating the gradient views: prefetch again,
   the FFN's backward by hand, write_grads with accumulate into main_grad, reduce_grad; returns the rows' gradient).
-  The arithmetic lives in flatep.nn (ffn_forward, ffn_backward, experts_backward_step); design §3 says why by hand.
+  The arithmetic lives in flatep.ffn (ffn_forward, ffn_backward, experts_backward_step); design §3 says why by hand.
 * stream: 0 = the current stream, 1 = the Buffer's / pools' own ``comm_stream`` (ordered after the current stream,
   which then waits for it: the call is complete in the current stream's order). num_sms: -1 = the object's setting.
   previous_event / async_finish (an EventHandle is a Python object) are eager-only.
@@ -40,6 +40,8 @@ from typing import List, Optional, Tuple
 
 import numpy
 import torch
+
+from . import ffn as _ffn
 
 AVAILABLE = all(hasattr(torch.library, name) for name in ("custom_op", "register_fake", "register_autograd"))
 
@@ -350,7 +352,7 @@ if AVAILABLE:
     ) -> Tuple[Tensor, Tensor, Tensor]:
         # w1, w2 (the parameters) and grads1, grads2 (the gradient views) are read by autograd only: the parameters
         # make the backward run when they need gradients, the views are what the backward writes
-        return _nn().ffn_forward(_dense(recv_x), weights1, weights2, cu_seqlens, activation, save)
+        return _ffn.ffn_forward(_dense(recv_x), weights1, weights2, cu_seqlens, activation, save)
 
     @experts_op.register_fake
     def _(pools_id, layer, handle, storage, cu_seqlens, recv_x, w1, w2, weights1, weights2, grads1, grads2,
@@ -371,7 +373,7 @@ if AVAILABLE:
         # again (the slot pool, which no tensor of the graph reads after the forward's experts).
         p = _object(pools_id, "ExpertPools")
         ex = p.layers[layer]
-        grad_x = _nn().experts_backward_step(
+        grad_x = _ffn.experts_backward_step(
             p, ex, _OpPlan(handle, storage), _dense(grad_y.to(torch.bfloat16)), _dense(recv_x), h, a, cu_seqlens,
             activation, want_x, want_w1, want_w2,
         )
@@ -410,13 +412,6 @@ if AVAILABLE:
 else:  # torch < 2.4: no custom ops; every method takes the direct path
     plan_op = dispatch_op = combine_op = entry_values_op = combine_grad_op = None
     prefetch_op = reduce_grad_op = write_grads_op = experts_op = experts_backward_op = None
-
-
-def _nn():
-    """flatep.nn (the experts' arithmetic; imported at call time: nn imports this module)."""
-    from . import nn
-
-    return nn
 
 
 def stream_code(op, obj, stream, previous_event, async_finish):
