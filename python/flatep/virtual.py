@@ -25,7 +25,7 @@ importing this module before CUDA starts sets both unless they are set:
 
 When CUDA started before this import (lazily), virtual_ranks(device='cuda') says so once, in one line with the fix
 (a RuntimeWarning), before anything can hang: import flatep.virtual first, set CUDA_MODULE_LOADING=EAGER in the
-environment, or run each of your kernels once before the first step. FLATEP_SM_BUDGET (thread blocks per launch,
+environment, or run each of your kernels once before the first step. FLATEP_NUM_SMS (thread blocks per launch,
 e.g. SMs / R) lets the ranks' kernels run side by side.
 """
 

@@ -99,9 +99,9 @@ def test_routing_weights_rows_sum_to_one_on_random_inputs():
 def library_functions():
     """(module, name) of every function the modules on nn.MoE's path define or import from one another (so that a
 function moved to another module is still found under the name its users call)."""
-    from flatep import _bootstrap, _tensors, autograd, buffer, distributed, ffn, nn, ops, pools
+    from flatep import _bootstrap, _tensors, autograd, buffer, distributed, ffn, launch, nn, ops, pools
 
-    modules = (nn, ffn, fp8, buffer, pools, ops, autograd, distributed, _bootstrap, _tensors)
+    modules = (nn, ffn, fp8, buffer, pools, ops, autograd, distributed, launch, _bootstrap, _tensors)
     names = {module.__name__ for module in modules}
     found = []
     for module in modules:

@@ -115,11 +115,12 @@ def test_flatep_imports_form_a_dag():
 
 def test_the_layering_issue_45_asks_for():
     graph = import_graph(PACKAGE_DIR)
-    # the expert FFN's arithmetic is below both of its users
+    # the expert FFN's arithmetic is below both of its users; nothing of the launch plumbing reaches up
     assert "flatep.ffn" in graph["flatep.ops"] and "flatep.ffn" in graph["flatep.nn"]
     assert "flatep.nn" not in graph["flatep.ops"]
     assert "flatep.virtual" not in graph["flatep.distributed"]
     assert "flatep.distributed" not in graph["flatep.virtual"]
+    assert graph["flatep.launch"] <= {"flatep._tensors"}
     assert graph["flatep.ffn"] == set() and graph["flatep._bootstrap"] == set()
 
 
