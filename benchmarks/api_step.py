@@ -5,7 +5,7 @@ the same ops' kernels alone (ops_bench, same config, run beside it; pass its med
     python3 benchmarks/api_step.py --ranks 8 --tokens 4096 --hidden 7168 --experts 256 --topk 8 --small 128 \\
         --kernel-us 1234.5 --csv api_step.csv
 
-One host thread enqueues every rank's ops, each rank on its own stream (FLATEP_SM_BUDGET = SMs / R unless set). A
+One host thread enqueues every rank's ops, each rank on its own stream (FLATEP_NUM_SMS = SMs / R unless set). A
 step's time is the wall time of one iteration over all ranks, enqueue included, from a synchronised start to the
 last rank's end; the median of --iters after --warmup. Uniform routing (DeepEP's config) unless --sigma.
 """
@@ -107,7 +107,7 @@ def main():
     a = parse_args()
     device = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    os.environ.setdefault("FLATEP_SM_BUDGET", str(max(1, sms // a.ranks)))
+    os.environ.setdefault("FLATEP_NUM_SMS", str(max(1, sms // a.ranks)))
     group = virtual.virtual_ranks(a.ranks, device, timeout_s=60)
     R = a.ranks
     bufs = virtual.run_threads(R, lambda r: flatep.Buffer(group[r], a.tokens, a.hidden, a.experts, a.topk,

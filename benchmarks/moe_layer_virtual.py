@@ -30,8 +30,8 @@ Before timing, each maxvio's first iteration checks that FlatEP and the baseline
 router gradient, expert-weight gradients, within bf16 tolerance) on every rank.
 
 FlatEP's local ops (combine_grad, write_grads) run like the local torch ops, on the whole GPU: the SM budget of
-SMs / R blocks that the communication phases need (the Buffers' and pools' num_sms, set here unless FLATEP_SM_BUDGET /
-FLATEP_NUM_SMS is) is lifted around them. FlatEP's combine backward is flatep.autograd's: the output gradient is
+SMs / R blocks that the communication phases need (the Buffers' and pools' num_sms, set here unless FLATEP_NUM_SMS
+is) is lifted for them. FlatEP's combine backward is flatep.autograd's: the output gradient is
 dispatched into the receive region (zero copy) and combine_grad reads it there. The baseline's weighted-sum backward
 is chunked (--baseline-unpermute lean; 'autograd' is the expression autograd runs, four [S*K, H] fp32 tensors per
 rank, cached per stream: with 8 ranks on one GPU the suspected cause of the caching allocator freeing and mapping
@@ -442,20 +442,6 @@ class Baseline:
         return result, c.times
 
 
-@contextlib.contextmanager
-def uncapped(objs):
-    """FlatEP objects (Buffer, ExpertPools) with no SM budget inside (num_sms 0), their budgets restored after: their
-    local ops then run on the whole GPU, as the local torch ops do."""
-    saved = [o.num_sms for o in objs]
-    for o in objs:
-        o.num_sms = 0
-    try:
-        yield
-    finally:
-        for o, n in zip(objs, saved):
-            o.num_sms = n
-
-
 class FlatEP:
     name = "flatep"
 
@@ -492,9 +478,9 @@ class FlatEP:
 
     def _combine_grad(self, r, plan, rows, y, recv_w):
         # as flatep.autograd's combine backward (Buffer._combine_backward_raw: rows in the receive region), on the
-        # whole GPU: a local op
-        with uncapped([self.buffers[r]]) if self.local_uncapped else contextlib.nullcontext():
-            return self.buffers[r]._combine_grad_raw(plan, rows, y, recv_w)
+        # whole GPU (num_sms 0 for this call: no cap) unless --flatep-local-ops capped: a local op
+        num_sms = 0 if self.local_uncapped else -1
+        return self.buffers[r]._combine_grad_raw(plan, rows, y, recv_w, num_sms=num_sms)
 
     def _write_grads(self, r, plan, grads, accumulate):
         num_sms = 0 if self.local_uncapped else None
@@ -563,11 +549,11 @@ class FlatEP:
         return result, c.times
 
 
-def sm_budget(args, gpus):
+def ranks_num_sms(args, gpus):
     """Blocks per launch of every rank's FlatEP kernels, so that the R ranks' kernels of a collective phase are
     co-resident: the SMs of a GPU over the ranks it holds (None on the CPU, or where the environment sets the
-    library's budget: FLATEP_SM_BUDGET / FLATEP_NUM_SMS)."""
-    if args.device != "cuda" or os.environ.get("FLATEP_SM_BUDGET") or os.environ.get("FLATEP_NUM_SMS"):
+    library's budget: FLATEP_NUM_SMS)."""
+    if args.device != "cuda" or os.environ.get("FLATEP_NUM_SMS"):
         return None
     sms = torch.cuda.get_device_properties(gpus[0]).multi_processor_count
     return max(1, sms // (args.ranks // args.gpus))
@@ -647,7 +633,7 @@ def run(args):
         torch.set_num_threads(1)
     ranks = virtual.virtual_ranks(R, gpus, timeout_s=args.timeout)
     w = World(args, [v.device for v in ranks])
-    flat, flat_static = static_flatep_bytes(lambda: FlatEP(w, ranks, sm_budget(args, gpus)), w.devices, R)
+    flat, flat_static = static_flatep_bytes(lambda: FlatEP(w, ranks, ranks_num_sms(args, gpus)), w.devices, R)
     flat.static_bytes = flat_static
     base = Baseline(w, flat.own_weights(), flat.own_grads())
     impls = [base, flat]

@@ -39,10 +39,8 @@ from . import fp8 as _fp8
 from . import ops as _ops
 from ._tensors import address, check_int, check_tensor, check_timeout, shape_text, tensor_at
 from .autograd import CombineFunction, DispatchFunction
-from .distributed import (
-    EventHandle, OpLaunch, check_num_sms, current_stream_handle, device_guard, group_rank_size,
-    resolve_device, transport_for,
-)
+from .distributed import group_rank_size, resolve_device, transport_for
+from .launch import EventHandle, OpLaunch, check_num_sms, device_guard, stream_handle
 
 __all__ = ["Buffer", "Plan", "EventHandle", "shared_buffer", "release_shared_buffers"]
 
@@ -200,8 +198,9 @@ class Buffer:
             construction on, whatever later objects of the group set. None: the group's transport's timeout at
             construction (FLATEP_TIMEOUT_S or 100 s, unless virtual_ranks or an earlier object set one).
         num_sms (int or None): SM budget of this Buffer's kernels: the most thread blocks one launch of an op uses, in
-            [0, 1048576] (0: no cap). None: FLATEP_SM_BUDGET (default no cap). Each op also takes num_sms for that
-            call only (its backward uses the same). No effect on the CPU backend.
+            [0, 1048576] (0: no cap). None: FLATEP_NUM_SMS (default no cap). Each op also takes num_sms for that
+            call only (its backward uses the same), passed to the op's launch: the Buffer's own stays as it is. No
+            effect on the CPU backend.
         stream_priority (int): priority of the Buffer's own communication stream ``comm_stream``, created at
             construction on a CUDA device (torch.cuda.Stream's priority: lower is higher, e.g. -1; default 0).
 
@@ -252,7 +251,7 @@ class Buffer:
         timeout_s = check_timeout("Buffer", timeout_s)
         if planner not in _PLANNERS:
             raise ValueError(f"Buffer: planner must be 'balanced' or 'greedy', got {planner!r}")
-        num_sms = check_num_sms("Buffer", num_sms)
+        check_num_sms("Buffer", num_sms)  # its type; the C++ checks its value
         check_int("Buffer", "stream_priority", stream_priority, "an int (torch.cuda.Stream priority)")
         self.group = group
         self.rank, self.num_ranks = group_rank_size(group)
@@ -271,7 +270,7 @@ class Buffer:
         self._symmetric_views = None  # (recv_x, recv_w) over the symmetric receive region: dispatch(zero_copy=True)
         self._plan_offsets = self._buffer.plan_offsets
         if num_sms is not None:
-            self._buffer.max_blocks = num_sms
+            self._buffer.num_sms = num_sms
         self.comm_stream = None
         if self.device.type == "cuda":
             _load_torch_kernels(self.device, self._plan_words)
@@ -280,12 +279,13 @@ class Buffer:
 
     @property
     def num_sms(self):
-        """int: this Buffer's SM budget (thread blocks per launch; 0 = no cap). Settable."""
-        return self._live("num_sms").max_blocks
+        """int: this Buffer's SM budget (thread blocks per launch; 0 = no cap), which every op called without num_sms
+        uses. Settable."""
+        return self._live("num_sms").num_sms
 
     @num_sms.setter
     def num_sms(self, value):
-        self._live("num_sms").max_blocks = check_num_sms("Buffer", value, none_ok=False)
+        self._live("num_sms").num_sms = check_num_sms("Buffer", value, none_ok=False)
 
     # ---- public ops ----
 
@@ -311,24 +311,19 @@ class Buffer:
             raise ValueError(f"plan: topk_idx must have shape {shape}, got {shape_text(idx.shape)}")
         if _ops.compiling():
             code = _ops.stream_code("plan", self, stream, previous_event, async_finish)
-            num_sms = check_num_sms("plan", num_sms)
-            handle, storage = _ops.plan_op(self._op_id, idx, code, -1 if num_sms is None else num_sms)
+            handle, storage = _ops.plan_op(self._op_id, idx, code, check_num_sms("plan", num_sms))
             return Plan(self, None, storage, handle, idx.shape[0])
         if stream is None and previous_event is None and num_sms is None and not async_finish:
             return Plan(self, *self._plan_raw(idx))  # today's path
         with self._launch("plan", stream, previous_event, num_sms) as launch:
-            cplan, storage = self._plan_raw(idx)
+            cplan, storage = self._plan_raw(idx, num_sms=launch.num_sms)
         handle = launch.finish(async_finish, (idx,), (storage,))
         plan = Plan(self, cplan, storage)
         return (plan, handle) if async_finish else plan
 
-    def _plan_raw(self, idx, stream=None, blocks=None):
-        """(C++ plan, storage or None) on the current stream (or `stream`: flatep.ops), no checks of idx."""
-        if stream is not None or blocks is not None:
-            with self._launch("plan", stream, None, blocks) as launch:
-                cplan, storage = self._plan_raw(idx)
-            launch.finish(False, (idx,), (storage,))
-            return cplan, storage
+    def _plan_raw(self, idx, *, num_sms=-1):
+        """(C++ plan, storage or None) on the current stream with SM budget num_sms (-1: the Buffer's), no checks of
+        idx."""
         with device_guard(self.device):
             b = self._live("plan")
             # Device plans live in a tensor of torch's caching allocator (no cudaMalloc in steady state; CUDA-graph
@@ -336,15 +331,15 @@ class Buffer:
             storage = None
             if b.on_device:
                 storage = torch.empty(self._plan_words, dtype=torch.int32, device=self.device)
-            cplan = b.plan(address(idx), idx.element_size(), idx.shape[0], address(storage))
+            cplan = b.plan(address(idx), idx.element_size(), idx.shape[0], address(storage),
+                           stream=stream_handle(self.device), num_sms=num_sms)
             if not b.on_device:
                 b.check_status()  # host backend: reporting now costs no device synchronisation
             return cplan, storage
 
     def _launch(self, op, stream, previous_event, num_sms):
-        """The OpLaunch of one op (stream order, SM budget; see flatep.distributed.OpLaunch)."""
-        blocks = check_num_sms(op, num_sms)
-        return OpLaunch(self.device, self._live(op), stream, previous_event, blocks, op)
+        """The OpLaunch of one op (stream order, SM budget; see flatep.launch.OpLaunch)."""
+        return OpLaunch(self.device, stream, previous_event, check_num_sms(op, num_sms), op)
 
     def dispatch(self, plan, x, topk_weights=None, *, fp8=False, ue8m0=False, stream=None, previous_event=None,
                  async_finish=False, num_sms=None, zero_copy=False):
@@ -394,7 +389,7 @@ class Buffer:
             if stream is None and previous_event is None and num_sms is None and not async_finish:
                 return self._dispatch_fp8(plan, x, topk_weights, ue8m0)
             with self._launch("dispatch", stream, previous_event, num_sms) as launch:
-                (recv_q, recv_s), recv_w, cu = self._dispatch_fp8(plan, x, topk_weights, ue8m0)
+                (recv_q, recv_s), recv_w, cu = self._dispatch_fp8(plan, x, topk_weights, ue8m0, num_sms=launch.num_sms)
             reads = (x if isinstance(x, torch.Tensor) else None, topk_weights, plan._storage)
             reads += tuple(x) if isinstance(x, tuple) else ()
             handle = launch.finish(async_finish, reads, (recv_q, recv_s, recv_w))
@@ -411,10 +406,9 @@ class Buffer:
             )
         if _ops.compiling():
             code = _ops.stream_code("dispatch", self, stream, previous_event, async_finish)
-            num_sms = check_num_sms("dispatch", num_sms)
             recv_x, recv_w = _ops.dispatch_op(
                 self._op_id, plan._handle, plan._storage, x, topk_weights, True, False, code,
-                -1 if num_sms is None else num_sms,
+                check_num_sms("dispatch", num_sms),
             )
             return recv_x, recv_w, plan.cu_seqlens
         default = stream is None and previous_event is None and num_sms is None and not async_finish
@@ -425,7 +419,7 @@ class Buffer:
             recv_x, recv_w = self._dispatch_raw(plan, x, topk_weights)
         else:
             with launch:
-                recv_x, recv_w = self._dispatch_raw(plan, x, topk_weights)
+                recv_x, recv_w = self._dispatch_raw(plan, x, topk_weights, num_sms=launch.num_sms)
         if default:
             return recv_x, recv_w, plan.cu_seqlens
         handle = launch.finish(async_finish, (x, topk_weights, plan._storage), (recv_x, recv_w))
@@ -451,7 +445,7 @@ class Buffer:
         recv_x, recv_w = self._region_views()
         with device_guard(self.device):
             self._live("dispatch").dispatch(plan._plan, address(x), address(topk_weights), address(recv_x),
-                                            address(recv_w))
+                                            address(recv_w), stream=stream_handle(self.device), num_sms=-1)
         return recv_x, recv_w, plan.cu_seqlens
 
     def _region_views(self):
@@ -464,7 +458,7 @@ class Buffer:
             )
         return self._symmetric_views
 
-    def _dispatch_fp8(self, plan, x, topk_weights, ue8m0):
+    def _dispatch_fp8(self, plan, x, topk_weights, ue8m0, *, num_sms=-1):
         """dispatch(..., fp8=True): the checks, then _dispatch_fp8_raw."""
         self._check_plan("dispatch", plan)
         s, H = plan.num_tokens, self.hidden
@@ -493,9 +487,9 @@ class Buffer:
                         f"dispatch: fp8=True is forward-only (no autograd), but {name} requires grad; detach it or "
                         "run under torch.no_grad()"
                     )
-        return self._dispatch_fp8_raw(plan, x_bf16, x_q, x_scales, topk_weights, ue8m0)
+        return self._dispatch_fp8_raw(plan, x_bf16, x_q, x_scales, topk_weights, ue8m0, num_sms=num_sms)
 
-    def _dispatch_fp8_raw(self, plan, x_bf16, x_q, x_scales, topk_weights, ue8m0=False):
+    def _dispatch_fp8_raw(self, plan, x_bf16, x_q, x_scales, topk_weights, ue8m0=False, *, num_sms=-1):
         """FP8 dispatch without checks beyond the plan (no autograd): exactly one of x_bf16 [s, H] bf16 or (x_q [s, H]
         e4m3, x_scales [s, H/128] fp32), contiguous on this Buffer's device. Returns ((recv_q, recv_scales), recv_w,
         cu_seqlens) as dispatch(..., fp8=True)."""
@@ -506,7 +500,7 @@ class Buffer:
         with device_guard(self.device):
             self._live("dispatch").dispatch_fp8(
                 plan._plan, address(x_bf16), address(x_q), address(x_scales), address(topk_weights), address(recv_q),
-                address(recv_scales), address(recv_w), ue8m0,
+                address(recv_scales), address(recv_w), ue8m0, stream=stream_handle(self.device), num_sms=num_sms,
             )
         return (_fp8.as_e4m3(recv_q), recv_scales), recv_w, plan.cu_seqlens
 
@@ -528,10 +522,9 @@ class Buffer:
             weights = check_tensor("combine", "weights", weights, (torch.float32,), (self.num_recv_rows,), self.device)
         if _ops.compiling():
             code = _ops.stream_code("combine", self, stream, previous_event, async_finish)
-            num_sms = check_num_sms("combine", num_sms)
             return _ops.combine_op(
                 self._op_id, plan._handle, plan._storage, plan.num_tokens, y, weights, code,
-                -1 if num_sms is None else num_sms,
+                check_num_sms("combine", num_sms),
             )
         default = stream is None and previous_event is None and num_sms is None and not async_finish
         launch = None if default else self._launch("combine", stream, previous_event, num_sms)
@@ -541,7 +534,7 @@ class Buffer:
             return self._combine_raw(plan, y, weights)
         else:
             with launch:
-                out = self._combine_raw(plan, y, weights)
+                out = self._combine_raw(plan, y, weights, num_sms=launch.num_sms)
         if default:
             return out
         handle = launch.finish(async_finish, (y, weights, plan._storage), (out,))
@@ -562,15 +555,14 @@ class Buffer:
         )
         if _ops.compiling():
             code = _ops.stream_code("entry_values", self, stream, previous_event, async_finish)
-            num_sms = check_num_sms("entry_values", num_sms)
             return _ops.entry_values_op(
                 self._op_id, plan._handle, plan._storage, plan.num_tokens, row_values, code,
-                -1 if num_sms is None else num_sms,
+                check_num_sms("entry_values", num_sms),
             )
         if stream is None and previous_event is None and num_sms is None and not async_finish:
             return self._entry_values_raw(plan, row_values)
         with self._launch("entry_values", stream, previous_event, num_sms) as launch:
-            out = self._entry_values_raw(plan, row_values)
+            out = self._entry_values_raw(plan, row_values, num_sms=launch.num_sms)
         handle = launch.finish(async_finish, (row_values, plan._storage), (out,))
         return (out, handle) if async_finish else out
 
@@ -590,19 +582,17 @@ class Buffer:
     # ---- raw ops (no checks beyond the plan, no autograd): used by the autograd functions ----
 
     def _live(self, op):
-        """The C++ buffer, with the current CUDA stream set on a device buffer (every op is enqueued on it). Call the
-        op inside device_guard(self.device): the kernels launch on the current device."""
+        """The C++ buffer (RuntimeError naming op once destroyed). Call its ops inside device_guard(self.device), with
+        stream=stream_handle(self.device) and the call's num_sms: the kernels launch on the current device."""
         if self._buffer is None:
             raise RuntimeError(f"{op}: this Buffer was destroyed")
-        if self.device.type == "cuda":
-            self._buffer.set_stream(current_stream_handle(self.device))
         return self._buffer
 
     def check_status(self):
         """Raises the first error an op recorded since the last check (an invalid expert id: ValueError naming it; a
         timed-out wait: RuntimeError). On a CUDA device this waits for the current stream (a synchronising point)."""
         with device_guard(self.device):
-            self._live("check_status").check_status()
+            self._live("check_status").check_status(stream=stream_handle(self.device))
 
     def _check_plan(self, op, plan):
         if self._buffer is None:
@@ -612,25 +602,28 @@ class Buffer:
         if plan._buffer is not self:
             raise ValueError(f"{op}: plan was made by another Buffer; use the plan of this Buffer")
 
-    def _dispatch_raw(self, plan, x, topk_weights, want_weights=True, zero_fill=False):
+    def _dispatch_raw(self, plan, x, topk_weights, want_weights=True, zero_fill=False, *, num_sms=-1):
         """Rows past the last group end stay unspecified (dispatch does not write them) unless zero_fill=True (for a
-        gradient, which must be defined on every row)."""
+        gradient, which must be defined on every row). num_sms: the call's SM budget (-1: the Buffer's), as every raw
+        op takes it."""
         alloc = torch.zeros if zero_fill else torch.empty
         recv_x = alloc(self.num_recv_rows, self.hidden, dtype=torch.bfloat16, device=self.device)
         recv_w = alloc(self.num_recv_rows, dtype=torch.float32, device=self.device) if want_weights else None
         with device_guard(self.device):
             self._live("dispatch").dispatch(
-                plan._plan, address(x), address(topk_weights), address(recv_x), address(recv_w)
+                plan._plan, address(x), address(topk_weights), address(recv_x), address(recv_w),
+                stream=stream_handle(self.device), num_sms=num_sms,
             )
         return recv_x, recv_w
 
-    def _combine_raw(self, plan, y, weights):
+    def _combine_raw(self, plan, y, weights, *, num_sms=-1):
         out = torch.empty(plan.num_tokens, self.hidden, dtype=torch.bfloat16, device=self.device)
         with device_guard(self.device):
-            self._live("combine").combine(plan._plan, address(y), address(weights), address(out))
+            self._live("combine").combine(plan._plan, address(y), address(weights), address(out),
+                                          stream=stream_handle(self.device), num_sms=num_sms)
         return out
 
-    def _combine_grad_raw(self, plan, rows, y, weights, want_grad_y=True, want_grad_weights=True):
+    def _combine_grad_raw(self, plan, rows, y, weights, want_grad_y=True, want_grad_weights=True, *, num_sms=-1):
         """The local rest of a weighted combine's backward (no collective, no autograd). rows: [NvS, H] bf16, the
         output gradient dispatched back to the rows; y: [NvS, H] bf16 and weights: [NvS] fp32, the forward combine's
         inputs (all contiguous, on this Buffer's device). Returns (grad_y [NvS, H] bf16 = bf16(rows * weights) per
@@ -643,11 +636,13 @@ class Buffer:
         )
         with device_guard(self.device):
             self._live("combine_grad").combine_grad(
-                plan._plan, address(rows), address(y), address(weights), address(grad_y), address(grad_weights)
+                plan._plan, address(rows), address(y), address(weights), address(grad_y), address(grad_weights),
+                stream=stream_handle(self.device), num_sms=num_sms,
             )
         return grad_y, grad_weights
 
-    def _combine_backward_raw(self, plan, grad_out, y, weights, want_grad_y=True, want_grad_weights=True):
+    def _combine_backward_raw(self, plan, grad_out, y, weights, want_grad_y=True, want_grad_weights=True, *,
+                              num_sms=-1):
         """A weighted combine's backward (collective, no autograd): grad_out [s, H] bf16 dispatched back to the rows,
         then combine_grad on them (see _combine_grad_raw) -> (grad_y, grad_weights), the same bits as a dispatch into
         a tensor of its own followed by combine_grad. The rows land in the symmetric receive region (zero copy) and
@@ -656,21 +651,23 @@ class Buffer:
         dispatch into a tensor of its own, the fan-out copies only the duplicate rows (a token's rows after the first
         on a rank) instead of every row, no [NvS, H] tensor is allocated, and combine_grad reads the rows the push
         wrote."""
-        rows = self._dispatch_region_raw(plan, grad_out)
-        return self._combine_grad_raw(plan, rows, y, weights, want_grad_y, want_grad_weights)
+        rows = self._dispatch_region_raw(plan, grad_out, num_sms=num_sms)
+        return self._combine_grad_raw(plan, rows, y, weights, want_grad_y, want_grad_weights, num_sms=num_sms)
 
-    def _dispatch_region_raw(self, plan, x):
+    def _dispatch_region_raw(self, plan, x, *, num_sms=-1):
         """Dispatch of x [s, H] bf16 (no weights) into the symmetric receive region; returns the region's [NvS, H]
         view, valid until the next op of this Buffer rewrites it (rows past the last group end not written)."""
         rows, _ = self._region_views()
         with device_guard(self.device):
-            self._live("dispatch").dispatch(plan._plan, address(x), address(None), address(rows), address(None))
+            self._live("dispatch").dispatch(plan._plan, address(x), address(None), address(rows), address(None),
+                                            stream=stream_handle(self.device), num_sms=num_sms)
         return rows
 
-    def _entry_values_raw(self, plan, row_values):
+    def _entry_values_raw(self, plan, row_values, *, num_sms=-1):
         out = torch.empty(plan.num_tokens, self.topk, dtype=torch.float32, device=self.device)
         with device_guard(self.device):
-            self._live("entry_values").entry_values(plan._plan, address(row_values), address(out))
+            self._live("entry_values").entry_values(plan._plan, address(row_values), address(out),
+                                                    stream=stream_handle(self.device), num_sms=num_sms)
         return out
 
 

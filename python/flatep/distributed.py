@@ -6,7 +6,6 @@ host memory; CUDA VMM handles for device memory) and needs only a small all-gath
 gloo on CPU). Every process of the group must create its FlatEP objects in the same order (they are collective).
 """
 
-import contextlib
 import datetime
 import threading
 import time
@@ -15,14 +14,15 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from ._bootstrap import OwnTransportGroup, PeerTimeout
 from ._tensors import check_timeout, number_text
 
+# Stream and launch plumbing lives in flatep.launch; its names stay importable from here.
+from .launch import (  # noqa: F401
+    EventHandle, OpLaunch, check_num_sms, check_stream, current_stream_handle, device_guard,
+)
+
 _ARRIVAL_TAG = 0x464C  # "FL": the tag of TorchBootstrap's arrival messages
-
-
-class PeerTimeout(TimeoutError, RuntimeError):
-    """A bootstrap's peer did not arrive in time or left the job. flatep._C passes a TimeoutError's message on as the
-    library's one-line timeout error (RuntimeError); a direct caller of all_gather can catch either base."""
 
 
 def _first_line(error):
@@ -137,29 +137,6 @@ def resolve_device(device):
     return device
 
 
-_NULL_GUARD = contextlib.nullcontext()
-
-
-def device_guard(device):
-    """Context manager making `device` the current CUDA device (a no-op for the CPU, and when it is current already:
-    the common case, kept cheap because every op of a step passes here)."""
-    if device.type != "cuda" or torch.cuda.current_device() == device.index:
-        return _NULL_GUARD
-    return torch.cuda.device(device)
-
-
-if hasattr(torch._C, "_cuda_getCurrentRawStream"):
-
-    def current_stream_handle(device):
-        """The cudaStream_t (an int) of torch's current stream on `device`, without building a torch Stream."""
-        return torch._C._cuda_getCurrentRawStream(device.index)
-
-else:  # older torch: through the Stream object
-
-    def current_stream_handle(device):
-        return torch.cuda.current_stream(device).cuda_stream
-
-
 def group_rank_size(group):
     """(rank, size) of `group`; (0, 1) when group is None and torch.distributed is not initialised."""
     if _is_virtual(group):
@@ -174,9 +151,8 @@ _transports = {}
 
 
 def _is_virtual(group):
-    from .virtual import VirtualRank
-
-    return isinstance(group, VirtualRank)
+    """True for a group that brings its own transport (a flatep.virtual.VirtualRank)."""
+    return isinstance(group, OwnTransportGroup)
 
 
 def transport_for(group=None, device=None, timeout_s=None):
@@ -225,162 +201,3 @@ def release_transports():
     """Drops the cached transports (objects still using one keep it alive). Call before destroy_process_group."""
     with _lock:
         _transports.clear()
-
-
-# ---- streams and events (design §3 "Streams and events") ----
-
-
-class EventHandle:
-    """Completion of one FlatEP op that was enqueued with ``async_finish=True`` (DeepEP's EventOverlap, in spirit).
-
-    Attributes:
-        event (torch.cuda.Event or None): recorded on the op's stream right after the op (inside CUDA-graph capture
-            too: then it is a node of the graph). None on the CPU backend, whose ops have finished when they return.
-        stream (torch.cuda.Stream or None): the stream the op was enqueued on.
-
-    current_stream_wait() makes the caller's current stream wait for the op (no host synchronisation): call it before
-    the compute stream uses the op's outputs, and before a CUDA-graph capture ends (a side stream must rejoin the
-    capturing stream). wait() blocks the host until the op finished: diagnostics only (a host synchronisation; not
-    allowed while capturing). Tensors the op reads or writes on the other stream are kept alive by the caching
-    allocator (Tensor.record_stream), so dropping them, or the handle, before the op finishes is safe.
-    """
-
-    __slots__ = ("event", "stream", "device")
-
-    def __init__(self, event=None, stream=None, device=None):
-        self.event, self.stream, self.device = event, stream, device
-
-    def current_stream_wait(self):
-        """The current stream (of the op's device) waits for the op; a no-op on the CPU backend."""
-        if self.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.event)
-
-    def wait(self):
-        """Blocks the host until the op finished (diagnostics; a host synchronisation). A no-op on the CPU backend."""
-        if self.event is not None:
-            self.event.synchronize()
-
-    def query(self):
-        """True when the op finished (no synchronisation)."""
-        return True if self.event is None else self.event.query()
-
-    def __repr__(self):
-        return f"flatep.EventHandle({'done (CPU backend)' if self.event is None else self.event})"
-
-
-def _event_of(op, previous_event, device):
-    if previous_event is None:
-        return None
-    if isinstance(previous_event, EventHandle):
-        return previous_event.event
-    if device.type == "cuda" and isinstance(previous_event, torch.cuda.Event):
-        return previous_event
-    raise ValueError(
-        f"{op}: previous_event must be None, a flatep EventHandle or a torch.cuda.Event, got "
-        f"{type(previous_event).__name__}"
-    )
-
-
-def check_stream(op, stream, device):
-    """`stream` when it is None or a CUDA stream of `device`; a one-line ValueError otherwise (the CPU backend takes
-    only None: its ops run on the host, synchronously)."""
-    if stream is None:
-        return None
-    if device.type != "cuda":
-        raise ValueError(
-            f"{op}: stream must be None on the CPU backend (its ops run synchronously on the host), got "
-            f"{type(stream).__name__}"
-        )
-    is_stream = isinstance(stream, torch.cuda.Stream) or (hasattr(torch, "Stream") and isinstance(stream, torch.Stream))
-    if not is_stream or getattr(stream, "device", device) != device:
-        where = getattr(stream, "device", None)
-        raise ValueError(f"{op}: stream must be a CUDA stream of {device}, got {type(stream).__name__} on {where}")
-    return stream
-
-
-def check_num_sms(op, num_sms, none_ok=True):
-    """`num_sms` (an SM budget: the most thread blocks one kernel launch uses; 0 = no cap) when valid; None when
-    none_ok. A one-line ValueError otherwise."""
-    if num_sms is None and none_ok:
-        return None
-    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 0 <= num_sms <= _MAX_SM_BUDGET:
-        raise ValueError(
-            f"{op}: num_sms must be an int in [0, {_MAX_SM_BUDGET}] (thread blocks per launch; 0 = no cap)"
-            f"{' or None' if none_ok else ''}, got {num_sms!r}"
-        )
-    return num_sms
-
-
-_MAX_SM_BUDGET = 1 << 20  # flatep::env::kMaxSmBudget
-
-
-class OpLaunch:
-    """Where one op runs and with which SM budget: a context manager around the op's body, then finish().
-
-    stream None (or the current stream): the op runs on the current stream, after previous_event when given. Another
-    stream: that stream first waits for previous_event when given, else for the current stream (so inputs made on it
-    are ready), and the body runs inside ``torch.cuda.stream(stream)`` (its allocations belong to that stream).
-    finish(async_finish, reads, writes): on a side stream, record_stream on the tensors the op read (op stream) and
-    wrote (current stream); then with async_finish an EventHandle (event recorded on the op stream); without it the
-    current stream waits for the side stream (so the call is complete in the current stream's order, as today).
-    blocks: the SM budget set on `target` (a C++ Buffer / ExpertPools) for the body, restored after."""
-
-    __slots__ = ("device", "side", "caller", "target", "blocks", "_saved", "_scope")
-
-    def __init__(self, device, target, stream=None, previous_event=None, blocks=None, op="op"):
-        self.device, self.target, self.blocks = device, target, blocks
-        self.side = self.caller = self._scope = None
-        self._saved = None
-        event = _event_of(op, previous_event, device)
-        stream = check_stream(op, stream, device)
-        if device.type != "cuda":
-            return
-        caller = torch.cuda.current_stream(device)
-        self.caller = caller
-        if stream is None or stream == caller:
-            if event is not None:
-                caller.wait_event(event)
-            return
-        if event is not None:
-            stream.wait_event(event)
-        else:
-            stream.wait_stream(caller)
-        self.side = stream
-
-    def __enter__(self):
-        if self.blocks is not None:
-            self._saved = self.target.max_blocks
-            if self._saved != self.blocks:
-                self.target.max_blocks = self.blocks
-        if self.side is not None:
-            self._scope = torch.cuda.stream(self.side)
-            self._scope.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._scope is not None:
-            self._scope.__exit__(*exc)
-            self._scope = None
-        if self._saved is not None and self._saved != self.blocks:
-            self.target.max_blocks = self._saved
-        return False
-
-    def finish(self, async_finish=False, reads=(), writes=()):
-        side = self.side
-        if side is not None:
-            for t in reads:
-                if t is not None and t.is_cuda:
-                    t.record_stream(side)
-            for t in writes:
-                if t is not None and t.is_cuda:
-                    t.record_stream(self.caller)
-        if async_finish:
-            if self.device.type != "cuda":
-                return EventHandle(None, None, self.device)
-            stream = side if side is not None else self.caller
-            event = torch.cuda.Event()
-            event.record(stream)
-            return EventHandle(event, stream, self.device)
-        if side is not None:
-            self.caller.wait_stream(side)
-        return None

@@ -63,19 +63,19 @@ Parameters:
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from . import fp8 as _fp8
 from . import ops as _ops
 from ._tensors import check_int
 from .buffer import shared_buffer
 from .distributed import group_rank_size, resolve_device
+from .ffn import (  # noqa: F401 - the expert FFN's arithmetic (flatep.ffn), importable from here as before
+    ACTIVATIONS, activate, check_activation, expert_ffn, expert_projections, experts_backward_step, ffn_backward,
+    ffn_forward, grouped_ffn, w1_columns, _has_grouped_mm, _past_end,
+)
 from .pools import shared_pools
 
 _BF16 = torch.bfloat16
-
-#: The expert activations nn.MoE and flatep.testing.DenseMoE accept (the first is their default).
-ACTIVATIONS = ("swiglu", "silu")
 
 #: nn.MoE's default row padding of every expert group (Buffer's `align`), chosen by measurement: the grouped GEMMs'
 #: time over FlatEP's groups at align 16/32/64/128 (benchmarks/grouped_mm_align.py). torch._grouped_mm itself needs
@@ -84,199 +84,6 @@ ACTIVATIONS = ("swiglu", "silu")
 #: the expert FFN's forward + backward summed 66.7 / 67.0 / 68.2 / 70.5 ms at align 16 / 32 / 64 / 128: the GEMMs' time
 #: barely moves with align, the receive rows (and every pass over them) shrink with it.
 DEFAULT_ALIGN = 16
-
-
-def check_activation(op, activation):
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{op}: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
-    return activation
-
-
-def w1_columns(ffn, activation):
-    """Columns of one expert's W1: 2F for swiglu (gate and up fused), F for silu."""
-    return 2 * ffn if check_activation("w1_columns", activation) == "swiglu" else ffn
-
-
-def expert_projections(hidden, ffn, activation):
-    """The ExpertPools projections of an expert FFN: [(H, 2F), (F, H)] for swiglu, [(H, F), (F, H)] for silu."""
-    return [(hidden, w1_columns(ffn, activation)), (ffn, hidden)]
-
-
-def _activation_of(w1, w2, activation):
-    """The activation the weights' shapes say (W1's columns 2F: swiglu, F: silu, F = W2's rows), checked against the
-    one given (None: inferred)."""
-    ffn, cols = w2.shape[-2], w1.shape[-1]
-    inferred = "swiglu" if cols == 2 * ffn else "silu" if cols == ffn else None
-    if inferred is None or (activation is not None and check_activation("expert_ffn", activation) != inferred):
-        want = f"{2 * ffn} (swiglu) or {ffn} (silu)" if activation is None else w1_columns(ffn, activation)
-        raise ValueError(f"expert_ffn: w1 has {cols} columns, but w2 has F={ffn} rows: w1 needs {want} columns")
-    return inferred
-
-
-def activate(h, activation):
-    """The expert activation on h [n, 2F] (swiglu: columns [0, F) gate, [F, 2F) up) or [n, F] (silu), bf16 values:
-    silu(gate) * up or silu(h), computed in fp32 and rounded to bf16 -> [n, F] bf16."""
-    hf = h.float()
-    if activation == "silu":
-        return F.silu(hf).to(_BF16)
-    ffn = h.shape[-1] // 2
-    return (F.silu(hf[..., :ffn]) * hf[..., ffn:]).to(_BF16)
-
-
-def expert_ffn(x, w1, w2, activation=None):
-    """One expert on its rows: x [n, H] (bf16 values), w1 [H, 2F] (swiglu: [gate | up]) or [H, F] (silu), w2 [F, H]
-    (bf16 values, any float dtype) -> [n, H] bf16. activation: 'swiglu', 'silu' or None (from the shapes). Matmuls
-    accumulate in fp32; h, the activation (computed in fp32) and the output are rounded to bf16, as a bf16 grouped
-    GEMM does. flatep.testing.DenseMoE writes the same rounding points out on its own (an oracle shares no code with
-    what it judges)."""
-    activation = _activation_of(w1, w2, activation)
-    h = (x.float() @ w1.float()).to(_BF16)
-    a = activate(h, activation)
-    return (a.float() @ w2.float()).to(_BF16)
-
-
-def _has_grouped_mm(x):
-    return x.is_cuda and hasattr(torch, "_grouped_mm")
-
-
-def _past_end(num_rows, offs):
-    """[num_rows, 1] bool on offs' device: rows at or past the last group end offs[-1] (read on the device)."""
-    return torch.arange(num_rows, device=offs.device).unsqueeze(1) >= offs[-1]
-
-
-def _zero_past_end(y, offs):
-    """y's rows past the last group end (which torch._grouped_mm leaves unwritten) set to zero in place: one pass
-    over y (a torch.where against zeros_like(y) reads and writes y and a zero tensor, and writes the zeros first).
-    Under autograd the same gradient as the where's: grad_y with those rows zero."""
-    return y.masked_fill_(_past_end(y.shape[0], offs), 0)
-
-
-def grouped_ffn(x, w1, w2, cu_seqlens, activation=None):
-    """Grouped expert FFN over receive rows: x [NvS, H] bf16, w1 [G, H, 2F] (swiglu) or [G, H, F] (silu),
-    w2 [G, F, H], cu_seqlens [G] int32 (inclusive group ends) -> [NvS, H] bf16; rows past the last group end are
-    zero. activation: as expert_ffn (None: from the shapes)."""
-    activation = _activation_of(w1, w2, activation)
-    if _has_grouped_mm(x) and w1.dtype == _BF16:
-        offs = cu_seqlens.to(device=x.device, dtype=torch.int32)
-        h = torch._grouped_mm(x, w1, offs=offs)
-        a = activate(h, activation)
-        y = torch._grouped_mm(a, w2, offs=offs)
-        return _zero_past_end(y, offs)
-    ends = [int(e) for e in cu_seqlens.tolist()]
-    pieces, start = [], 0
-    for g, end in enumerate(ends):
-        if end > start:
-            pieces.append(expert_ffn(x[start:end], w1[g], w2[g], activation))
-        start = max(start, end)
-    if start < x.shape[0]:
-        pieces.append(torch.zeros(x.shape[0] - start, x.shape[1], dtype=_BF16, device=x.device))
-    return torch.cat(pieces, dim=0)
-
-
-def _groups(cu_seqlens):
-    """(g, start, end) of every group with rows, from inclusive group ends cu_seqlens (read on the host), as
-    grouped_ffn's loop walks them."""
-    start = 0
-    for g, end in enumerate(int(e) for e in cu_seqlens.tolist()):
-        if end > start:
-            yield g, start, end
-        start = max(start, end)
-
-
-def ffn_forward(x, w1, w2, cu_seqlens, activation, save):
-    """grouped_ffn that also returns what ffn_backward needs: (y, h, a) with y [NvS, H] bf16 (bitwise grouped_ffn's:
-    the same operations on the same layouts), h [NvS, 2F or F] the first GEMM's bf16 output and a [NvS, F] the bf16
-    activation (both [0, .] when save=False). x [NvS, H] bf16; w1, w2 the bf16 compute views. The torch.compile path
-    of nn.MoE (flatep.ops "experts"): saving h and a, the backward recomputes no GEMM."""
-    activation = _activation_of(w1, w2, activation)
-    n, cols, ffn = x.shape[0], w1.shape[-1], w2.shape[-2]
-    if _has_grouped_mm(x) and w1.dtype == _BF16:
-        offs = cu_seqlens.to(device=x.device, dtype=torch.int32)
-        h = torch._grouped_mm(x, w1, offs=offs)
-        a = activate(h, activation)
-        y = _zero_past_end(torch._grouped_mm(a, w2, offs=offs), offs)
-    else:  # the loop of grouped_ffn over fp32 copies of each group's weights (what the eager path's copies hold)
-        y = torch.zeros(n, w2.shape[-1], dtype=_BF16, device=x.device)
-        h = torch.zeros(n if save else 0, cols, dtype=_BF16, device=x.device)
-        a = torch.zeros(n if save else 0, ffn, dtype=_BF16, device=x.device)
-        for g, start, end in _groups(cu_seqlens):
-            hg = (x[start:end].float() @ w1[g].float()).to(_BF16)
-            ag = activate(hg, activation)
-            y[start:end] = (ag.float() @ w2[g].float()).to(_BF16)
-            if save:
-                h[start:end], a[start:end] = hg, ag
-    if not save:
-        h = torch.empty(0, cols, dtype=_BF16, device=x.device)
-        a = torch.empty(0, ffn, dtype=_BF16, device=x.device)
-    return y, h, a
-
-
-def _activation_backward(grad_a, h, activation):
-    """Gradient at h [n, 2F or F] bf16 of activate(h) given grad_a [n, F] bf16: the operations autograd runs for
-    activate (the fp32 values recomputed from h: two elementwise passes, no GEMM), rounded to bf16 as the gradient of
-    h.float() is."""
-    hf, gp = h.float(), grad_a.float()
-    if activation == "silu":
-        return torch.ops.aten.silu_backward(gp, hf).to(_BF16)
-    ffn = h.shape[-1] // 2
-    gate, up = hf[..., :ffn], hf[..., ffn:]
-    grad_gate = torch.ops.aten.silu_backward(gp * up, gate)
-    return torch.cat([grad_gate, gp * F.silu(gate)], dim=-1).to(_BF16)
-
-
-def ffn_backward(grad_y, x, h, a, w1, w2, cu_seqlens, activation, want_x, want_w1, want_w2):
-    """Backward of ffn_forward from its saved (x, h, a) and the compute views w1, w2 (holding the forward's values):
-    (grad_x [NvS, H] bf16 or None, grad_w1, grad_w2 [2*epn, ...] or None), the values autograd gives for
-    grouped_ffn (the eager path of nn.MoE): the GPU path its grouped-GEMM backward formulas (bf16 weight gradients,
-    grad_x zero past the last group end), the loop fp32 GEMMs per group (fp32 weight gradients, zero for groups
-    without rows)."""
-    activation = _activation_of(w1, w2, activation)
-    grad_x = grad_w1 = grad_w2 = None
-    if _has_grouped_mm(x) and w1.dtype == _BF16:
-        offs = cu_seqlens.to(device=x.device, dtype=torch.int32)
-        past_end = _past_end(x.shape[0], offs)
-        grad_y = grad_y.masked_fill(past_end, 0)
-        if want_w2:
-            grad_w2 = torch._grouped_mm(a.transpose(-2, -1), grad_y, offs=offs)
-        if want_w1 or want_x:
-            grad_h = _activation_backward(torch._grouped_mm(grad_y, w2.transpose(-2, -1), offs=offs), h, activation)
-            if want_w1:
-                grad_w1 = torch._grouped_mm(x.transpose(-2, -1), grad_h, offs=offs)
-            if want_x:
-                grad_x = torch._grouped_mm(grad_h, w1.transpose(-2, -1), offs=offs).masked_fill_(past_end, 0)
-        return grad_x, grad_w1, grad_w2
-    fp32 = dict(dtype=torch.float32, device=x.device)
-    grad_w1 = torch.zeros(w1.shape, **fp32) if want_w1 else None
-    grad_w2 = torch.zeros(w2.shape, **fp32) if want_w2 else None
-    grad_x = torch.zeros(x.shape, dtype=_BF16, device=x.device) if want_x else None
-    for g, start, end in _groups(cu_seqlens):
-        grad_yg = grad_y[start:end].float()
-        if want_w2:
-            grad_w2[g] = a[start:end].float().t().mm(grad_yg)
-        if want_w1 or want_x:
-            grad_ag = grad_yg.mm(w2[g].float().t()).to(_BF16)
-            grad_hg = _activation_backward(grad_ag, h[start:end], activation).float()
-            if want_w1:
-                grad_w1[g] = x[start:end].float().t().mm(grad_hg)
-            if want_x:
-                grad_x[start:end] = grad_hg.mm(w1[g].float().t()).to(_BF16)
-    return grad_x, grad_w1, grad_w2
-
-
-def experts_backward_step(pools, layer, plan, grad_y, x, h, a, cu_seqlens, activation, want_x, want_w1, want_w2):
-    """The experts' backward on the torch.compile path (the body of flatep.ops "experts_backward"): prefetch again
-    (collective; another layer may have written the shared slot pool since the forward), ffn_backward over the
-    compute views, the weight gradients into main_grad (write_grads with accumulate, then reduce_grad: collective),
-    as _experts_backward does. Returns grad_x (None when not wanted)."""
-    pools._prefetch_raw(plan, layer)
-    grad_x, grad_w1, grad_w2 = ffn_backward(grad_y, x, h, a, layer.weights(0), layer.weights(1), cu_seqlens,
-                                            activation, want_x, want_w1, want_w2)
-    for p, grad in enumerate((grad_w1, grad_w2)):
-        if grad is not None:
-            pools._write_grads_raw(plan, layer, p, grad.contiguous(), True)
-    if want_w1 or want_w2:
-        pools._reduce_grad_raw(plan, layer)
-    return grad_x
 
 
 def route(x, router_weight, topk, topk_idx=None):

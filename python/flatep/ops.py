@@ -24,7 +24,7 @@ ExpertPools) and in C++ plans. So:
 * nn.MoE's experts: ``experts`` (functional: the grouped expert FFN over the compute views, y with h and a, the bf16
   activations its registered autograd saves) and ``experts_backward`` (mutating the gradient views: prefetch again,
   the FFN's backward by hand, write_grads with accumulate into main_grad, reduce_grad; returns the rows' gradient).
-  The arithmetic lives in flatep.nn (ffn_forward, ffn_backward, experts_backward_step); design §3 says why by hand.
+  The arithmetic lives in flatep.ffn (ffn_forward, ffn_backward, experts_backward_step); design §3 says why by hand.
 * stream: 0 = the current stream, 1 = the Buffer's / pools' own ``comm_stream`` (ordered after the current stream,
   which then waits for it: the call is complete in the current stream's order). num_sms: -1 = the object's setting.
   previous_event / async_finish (an EventHandle is a Python object) are eager-only.
@@ -40,6 +40,8 @@ from typing import List, Optional, Tuple
 
 import numpy
 import torch
+
+from . import ffn as _ffn
 
 AVAILABLE = all(hasattr(torch.library, name) for name in ("custom_op", "register_fake", "register_autograd"))
 
@@ -123,10 +125,6 @@ def _stream(obj, code):
     raise ValueError(f"flatep ops: stream code must be 0 (current) or 1 (the object's comm_stream), got {code}")
 
 
-def _blocks(num_sms):
-    return None if num_sms < 0 else num_sms
-
-
 def _dense(t):
     """`t` contiguous (the raw ops take data pointers); None stays None."""
     return None if t is None else t.contiguous()
@@ -144,7 +142,10 @@ if AVAILABLE:
     @torch.library.custom_op("flatep::plan", mutates_args=())
     def plan_op(buffer_id: int, topk_idx: Tensor, stream: int, num_sms: int) -> Tuple[Tensor, Tensor]:
         b = _object(buffer_id, "Buffer")
-        cplan, storage = b._plan_raw(topk_idx.contiguous(), _stream(b, stream), _blocks(num_sms))
+        topk_idx = topk_idx.contiguous()
+        with b._launch("plan", _stream(b, stream), None, num_sms) as launch:
+            cplan, storage = b._plan_raw(topk_idx, num_sms=launch.num_sms)
+        launch.finish(False, (topk_idx,), (storage,))
         if storage is None:  # the CPU backend: a copy of this rank's slot_expert and cu_seqlens
             storage = torch.cat([
                 torch.from_numpy(cplan.slot_expert(b.rank)), torch.from_numpy(cplan.cu_seqlens(b.rank))
@@ -165,8 +166,9 @@ if AVAILABLE:
     ) -> Tuple[Tensor, Tensor]:
         b = _object(buffer_id, "Buffer")
         x, topk_weights = _dense(x), _dense(topk_weights)
-        with b._launch("dispatch", _stream(b, stream), None, _blocks(num_sms)) as launch:
-            recv_x, recv_w = b._dispatch_raw(_OpPlan(handle, storage), x, topk_weights, want_weights, zero_fill)
+        with b._launch("dispatch", _stream(b, stream), None, num_sms) as launch:
+            recv_x, recv_w = b._dispatch_raw(_OpPlan(handle, storage), x, topk_weights, want_weights, zero_fill,
+                                            num_sms=launch.num_sms)
         launch.finish(False, (x, topk_weights, storage), (recv_x, recv_w))
         return recv_x, recv_w if recv_w is not None else _empty(x, torch.float32)
 
@@ -184,8 +186,8 @@ if AVAILABLE:
     ) -> Tensor:
         b = _object(buffer_id, "Buffer")
         y, weights = _dense(y), _dense(weights)
-        with b._launch("combine", _stream(b, stream), None, _blocks(num_sms)) as launch:
-            out = b._combine_raw(_OpPlan(handle, storage), y, weights)
+        with b._launch("combine", _stream(b, stream), None, num_sms) as launch:
+            out = b._combine_raw(_OpPlan(handle, storage), y, weights, num_sms=launch.num_sms)
         launch.finish(False, (y, weights, storage), (out,))
         return out
 
@@ -201,8 +203,8 @@ if AVAILABLE:
     ) -> Tensor:
         b = _object(buffer_id, "Buffer")
         row_values = _dense(row_values)
-        with b._launch("entry_values", _stream(b, stream), None, _blocks(num_sms)) as launch:
-            out = b._entry_values_raw(_OpPlan(handle, storage), row_values)
+        with b._launch("entry_values", _stream(b, stream), None, num_sms) as launch:
+            out = b._entry_values_raw(_OpPlan(handle, storage), row_values, num_sms=launch.num_sms)
         launch.finish(False, (row_values, storage), (out,))
         return out
 
@@ -218,8 +220,9 @@ if AVAILABLE:
     ) -> Tuple[Tensor, Tensor]:
         b = _object(buffer_id, "Buffer")
         rows, y, weights = _dense(rows), _dense(y), _dense(weights)
-        with b._launch("combine_grad", _stream(b, stream), None, _blocks(num_sms)) as launch:
-            grad_y, grad_w = b._combine_grad_raw(_OpPlan(handle, storage), rows, y, weights, want_y, want_weights)
+        with b._launch("combine_grad", _stream(b, stream), None, num_sms) as launch:
+            grad_y, grad_w = b._combine_grad_raw(_OpPlan(handle, storage), rows, y, weights, want_y, want_weights,
+                                                 num_sms=launch.num_sms)
         launch.finish(False, (rows, y, weights, storage), (grad_y, grad_w))
         return (grad_y if grad_y is not None else _empty(rows, torch.bfloat16),
                 grad_w if grad_w is not None else _empty(rows, torch.float32))
@@ -297,8 +300,8 @@ if AVAILABLE:
     ) -> None:
         p = _object(pools_id, "ExpertPools")
         ex = p.layers[layer]
-        with p._launch("prefetch", _stream(p, stream), None, _blocks(num_sms)) as launch:
-            p._prefetch_raw(_OpPlan(handle, storage), ex)
+        with p._launch("prefetch", _stream(p, stream), None, num_sms) as launch:
+            p._prefetch_raw(_OpPlan(handle, storage), ex, num_sms=launch.num_sms)
             _sync_views(weights, ex._weights)
         launch.finish(False, (storage,), ())
 
@@ -312,9 +315,9 @@ if AVAILABLE:
     ) -> None:
         p = _object(pools_id, "ExpertPools")
         ex = p.layers[layer]
-        with p._launch("reduce_grad", _stream(p, stream), None, _blocks(num_sms)) as launch:
+        with p._launch("reduce_grad", _stream(p, stream), None, num_sms) as launch:
             # a copy the compiler passed holds what write_grads wrote: the real views hold it too (they were synced)
-            p._reduce_grad_raw(_OpPlan(handle, storage), ex)
+            p._reduce_grad_raw(_OpPlan(handle, storage), ex, num_sms=launch.num_sms)
             _sync_views(grads, ex._grads)
         launch.finish(False, (storage,), ())
 
@@ -330,10 +333,10 @@ if AVAILABLE:
         p = _object(pools_id, "ExpertPools")
         ex = p.layers[layer]
         grad = _dense(grad)
-        with p._launch("write_grads", _stream(p, stream), None, _blocks(num_sms)) as launch:
+        with p._launch("write_grads", _stream(p, stream), None, num_sms) as launch:
             if grads.data_ptr() != ex._grads[projection].data_ptr():  # a copy: the real view must hold its state
                 ex._grads[projection].copy_(grads)
-            p._write_grads_raw(_OpPlan(handle, storage), ex, projection, grad, accumulate)
+            p._write_grads_raw(_OpPlan(handle, storage), ex, projection, grad, accumulate, num_sms=launch.num_sms)
             _sync_views([grads], [ex._grads[projection]])
         launch.finish(False, (storage, grad), ())
 
@@ -350,7 +353,7 @@ if AVAILABLE:
     ) -> Tuple[Tensor, Tensor, Tensor]:
         # w1, w2 (the parameters) and grads1, grads2 (the gradient views) are read by autograd only: the parameters
         # make the backward run when they need gradients, the views are what the backward writes
-        return _nn().ffn_forward(_dense(recv_x), weights1, weights2, cu_seqlens, activation, save)
+        return _ffn.ffn_forward(_dense(recv_x), weights1, weights2, cu_seqlens, activation, save)
 
     @experts_op.register_fake
     def _(pools_id, layer, handle, storage, cu_seqlens, recv_x, w1, w2, weights1, weights2, grads1, grads2,
@@ -371,7 +374,7 @@ if AVAILABLE:
         # again (the slot pool, which no tensor of the graph reads after the forward's experts).
         p = _object(pools_id, "ExpertPools")
         ex = p.layers[layer]
-        grad_x = _nn().experts_backward_step(
+        grad_x = _ffn.experts_backward_step(
             p, ex, _OpPlan(handle, storage), _dense(grad_y.to(torch.bfloat16)), _dense(recv_x), h, a, cu_seqlens,
             activation, want_x, want_w1, want_w2,
         )
@@ -410,13 +413,6 @@ if AVAILABLE:
 else:  # torch < 2.4: no custom ops; every method takes the direct path
     plan_op = dispatch_op = combine_op = entry_values_op = combine_grad_op = None
     prefetch_op = reduce_grad_op = write_grads_op = experts_op = experts_backward_op = None
-
-
-def _nn():
-    """flatep.nn (the experts' arithmetic; imported at call time: nn imports this module)."""
-    from . import nn
-
-    return nn
 
 
 def stream_code(op, obj, stream, previous_event, async_finish):

@@ -30,9 +30,8 @@ from . import _C
 from . import ops as _ops
 from ._tensors import INT64_MAX, address, check_int, check_tensor, check_timeout, tensor_at
 from .buffer import Plan
-from .distributed import (
-    OpLaunch, check_num_sms, current_stream_handle, device_guard, group_rank_size, resolve_device, transport_for,
-)
+from .distributed import group_rank_size, resolve_device, transport_for
+from .launch import OpLaunch, check_num_sms, device_guard, stream_handle
 
 
 class ExpertLayer:
@@ -88,7 +87,8 @@ class ExpertPools:
             construction on, whatever later objects of the group set. None: the group's transport's timeout at
             construction (FLATEP_TIMEOUT_S or 100 s, unless virtual_ranks or an earlier object set one).
         num_sms (int or None): SM budget of the pools' kernels (thread blocks per launch, 0 = no cap; None:
-            FLATEP_SM_BUDGET); each op also takes num_sms for that call. No effect on the CPU backend.
+            FLATEP_NUM_SMS); each op also takes num_sms for that call (the pools' own stays as it is). No effect on the
+            CPU backend.
         stream_priority (int): priority of the pools' own ``comm_stream`` (CUDA devices; None on the CPU backend).
 
     prefetch, reduce_grad and write_grads take stream / previous_event / async_finish / num_sms like flatep.Buffer's
@@ -101,7 +101,7 @@ class ExpertPools:
             raise ValueError(f"ExpertPools: experts_per_rank must be a positive int, got {experts_per_rank!r}")
         check_int("ExpertPools", "experts_per_rank", experts_per_rank, "in [1, 2147483647]")
         timeout_s = check_timeout("ExpertPools", timeout_s)
-        num_sms = check_num_sms("ExpertPools", num_sms)
+        check_num_sms("ExpertPools", num_sms)  # its type; the C++ checks its value
         check_int("ExpertPools", "stream_priority", stream_priority, "an int (torch.cuda.Stream priority)")
         shapes = []
         for i, shape in enumerate(projections):
@@ -128,7 +128,7 @@ class ExpertPools:
         with device_guard(self.device):
             self._pools = _C.ExpertPools(transport, experts_per_rank, shapes)
         if num_sms is not None:
-            self._pools.max_blocks = num_sms
+            self._pools.num_sms = num_sms
         self.comm_stream = None
         if self.device.type == "cuda":
             self.comm_stream = torch.cuda.Stream(self.device, priority=stream_priority)
@@ -137,12 +137,13 @@ class ExpertPools:
 
     @property
     def num_sms(self):
-        """int: the pools' SM budget (thread blocks per launch; 0 = no cap). Settable."""
-        return self._pools.max_blocks
+        """int: the pools' SM budget (thread blocks per launch; 0 = no cap), which every op called without num_sms uses.
+        Settable."""
+        return self._pools.num_sms
 
     @num_sms.setter
     def num_sms(self, value):
-        self._pools.max_blocks = check_num_sms("ExpertPools", value, none_ok=False)
+        self._pools.num_sms = check_num_sms("ExpertPools", value, none_ok=False)
 
     def register_layer(self):
         """A new layer's zero-filled weights and grads with their compute views (local, not collective)."""
@@ -150,39 +151,33 @@ class ExpertPools:
         self.layers.append(layer)
         return layer
 
-    def _live(self, op=None):
-        """The C++ pools, with the current CUDA stream set on device pools (prefetch / reduce_grad are enqueued on
-        it). Call the op inside device_guard(self.device)."""
-        if self.device.type == "cuda":
-            self._pools.set_stream(current_stream_handle(self.device))
-        return self._pools
-
     def _launch(self, op, stream, previous_event, num_sms):
-        blocks = check_num_sms(op, num_sms)
-        return OpLaunch(self.device, self._pools, stream, previous_event, blocks, op)
+        return OpLaunch(self.device, stream, previous_event, check_num_sms(op, num_sms), op)
 
     def _run(self, op, body, stream, previous_event, async_finish, num_sms, reads):
-        """Runs body() on the op's stream (the default path: directly); returns the EventHandle or None."""
+        """Runs body(num_sms) on the op's stream (the default path: directly, with -1: the pools' budget); returns the
+        EventHandle or None."""
         if stream is None and previous_event is None and num_sms is None and not async_finish:
-            body()
+            body(-1)
             return None
         with self._launch(op, stream, previous_event, num_sms) as launch:
-            body()
+            body(launch.num_sms)
         return launch.finish(async_finish, reads, ())
 
-    # raw ops (no checks; flatep.ops calls them inside its OpLaunch)
-    def _prefetch_raw(self, plan, layer):
+    # raw ops (no checks; flatep.ops calls them inside its OpLaunch): on the current stream, with SM budget num_sms
+    # (-1: the pools')
+    def _prefetch_raw(self, plan, layer, *, num_sms=-1):
         with device_guard(self.device):
-            self._live().prefetch(plan._plan, layer._layer)
+            self._pools.prefetch(plan._plan, layer._layer, stream=stream_handle(self.device), num_sms=num_sms)
 
-    def _reduce_grad_raw(self, plan, layer):
+    def _reduce_grad_raw(self, plan, layer, *, num_sms=-1):
         with device_guard(self.device):
-            self._live().reduce_grad(plan._plan, layer._layer)
+            self._pools.reduce_grad(plan._plan, layer._layer, stream=stream_handle(self.device), num_sms=num_sms)
 
-    def _write_grads_raw(self, plan, layer, projection, grad, accumulate):
+    def _write_grads_raw(self, plan, layer, projection, grad, accumulate, *, num_sms=-1):
         with device_guard(self.device):
-            self._live().write_grads(plan._plan, layer._layer, projection, address(grad), grad.element_size(),
-                                     bool(accumulate))
+            self._pools.write_grads(plan._plan, layer._layer, projection, address(grad), grad.element_size(),
+                                    bool(accumulate), stream=stream_handle(self.device), num_sms=num_sms)
 
     def _resolve(self, op, plan, layer):
         if not isinstance(plan, Plan):
@@ -200,8 +195,7 @@ class ExpertPools:
 
     def _op_args(self, op, stream, previous_event, async_finish, num_sms):
         code = _ops.stream_code(op, self, stream, previous_event, async_finish)
-        num_sms = check_num_sms(op, num_sms)
-        return code, -1 if num_sms is None else num_sms
+        return code, check_num_sms(op, num_sms)
 
     def prefetch(self, plan, layer=None, *, stream=None, previous_event=None, async_finish=False, num_sms=None):
         """Collective: owners push this step's replicas (plan.slot_expert of every rank) of every projection into the
@@ -209,11 +203,11 @@ class ExpertPools:
         Returns None (with async_finish=True: the EventHandle; the GEMM's stream waits for it)."""
         layer = self._resolve("prefetch", plan, layer)
         if _ops.compiling():
-            code, blocks = self._op_args("prefetch", stream, previous_event, async_finish, num_sms)
-            _ops.prefetch_op(self._op_id, layer._index, plan._handle, plan._storage, layer._weights, code, blocks)
+            code, num_sms = self._op_args("prefetch", stream, previous_event, async_finish, num_sms)
+            _ops.prefetch_op(self._op_id, layer._index, plan._handle, plan._storage, layer._weights, code, num_sms)
             return None
-        return self._run("prefetch", lambda: self._prefetch_raw(plan, layer), stream, previous_event, async_finish,
-                         num_sms, (plan._storage,))
+        return self._run("prefetch", lambda n: self._prefetch_raw(plan, layer, num_sms=n), stream, previous_event,
+                         async_finish, num_sms, (plan._storage,))
 
     def reduce_grad(self, plan, layer=None, *, stream=None, previous_event=None, async_finish=False, num_sms=None):
         """Collective: adds the replicas' gradients (grads(p)[epn:] of every rank) into the owners' own_grads(p) in
@@ -221,10 +215,10 @@ class ExpertPools:
         the EventHandle)."""
         layer = self._resolve("reduce_grad", plan, layer)
         if _ops.compiling():
-            code, blocks = self._op_args("reduce_grad", stream, previous_event, async_finish, num_sms)
-            _ops.reduce_grad_op(self._op_id, layer._index, plan._handle, plan._storage, layer._grads, code, blocks)
+            code, num_sms = self._op_args("reduce_grad", stream, previous_event, async_finish, num_sms)
+            _ops.reduce_grad_op(self._op_id, layer._index, plan._handle, plan._storage, layer._grads, code, num_sms)
             return None
-        return self._run("reduce_grad", lambda: self._reduce_grad_raw(plan, layer), stream, previous_event,
+        return self._run("reduce_grad", lambda n: self._reduce_grad_raw(plan, layer, num_sms=n), stream, previous_event,
                          async_finish, num_sms, (plan._storage,))
 
     def write_grads(self, plan, layer, projection, grad, accumulate=False, *, stream=None, previous_event=None,
@@ -250,11 +244,12 @@ class ExpertPools:
             self.device,
         )
         if _ops.compiling():
-            code, blocks = self._op_args("write_grads", stream, previous_event, async_finish, num_sms)
+            code, num_sms = self._op_args("write_grads", stream, previous_event, async_finish, num_sms)
             _ops.write_grads_op(self._op_id, layer._index, plan._handle, plan._storage, projection, grad,
-                                bool(accumulate), layer._grads[projection], code, blocks)
+                                bool(accumulate), layer._grads[projection], code, num_sms)
             return None
-        return self._run("write_grads", lambda: self._write_grads_raw(plan, layer, projection, grad, accumulate),
+        return self._run("write_grads",
+                         lambda n: self._write_grads_raw(plan, layer, projection, grad, accumulate, num_sms=n),
                          stream, previous_event, async_finish, num_sms, (plan._storage, grad))
 
     def slot_pool(self, p):

@@ -25,7 +25,7 @@ importing this module before CUDA starts sets both unless they are set:
 
 When CUDA started before this import (lazily), virtual_ranks(device='cuda') says so once, in one line with the fix
 (a RuntimeWarning), before anything can hang: import flatep.virtual first, set CUDA_MODULE_LOADING=EAGER in the
-environment, or run each of your kernels once before the first step. FLATEP_SM_BUDGET (thread blocks per launch,
+environment, or run each of your kernels once before the first step. FLATEP_NUM_SMS (thread blocks per launch,
 e.g. SMs / R) lets the ranks' kernels run side by side.
 """
 
@@ -41,8 +41,8 @@ from . import _C
 if not torch.cuda.is_initialized():  # read when CUDA starts; see the module docstring
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+from ._bootstrap import OwnTransportGroup, PeerTimeout
 from ._tensors import check_timeout, number_text
-from .distributed import PeerTimeout
 
 _MAX_RANKS = 64  # flatep::kMaxRanks
 
@@ -85,11 +85,9 @@ class ThreadBootstrap(_C.Bootstrap):
             ) from None
 
 
-class VirtualRank:
-    """Rank `rank` of `size` virtual ranks; pass it as the `group` of Buffer / ExpertPools."""
-
-    def __init__(self, rank, size, transport, device):
-        self.rank, self.size, self.transport, self.device = rank, size, transport, device
+class VirtualRank(OwnTransportGroup):
+    """Rank `rank` of `size` virtual ranks; pass it as the `group` of Buffer / ExpertPools (attributes rank, size,
+    transport, device)."""
 
     def __repr__(self):
         return f"VirtualRank({self.rank}/{self.size}, {self.transport.name}, {self.device})"

@@ -97,13 +97,16 @@ def test_routing_weights_rows_sum_to_one_on_random_inputs():
 
 
 def library_functions():
-    """(module, name) of every function defined in the modules on nn.MoE's path."""
-    from flatep import _tensors, autograd, buffer, distributed, nn, ops, pools
+    """(module, name) of every function the modules on nn.MoE's path define or import from one another (so that a
+function moved to another module is still found under the name its users call)."""
+    from flatep import _bootstrap, _tensors, autograd, buffer, distributed, ffn, launch, nn, ops, pools
 
+    modules = (nn, ffn, fp8, buffer, pools, ops, autograd, distributed, launch, _bootstrap, _tensors)
+    names = {module.__name__ for module in modules}
     found = []
-    for module in (nn, fp8, buffer, pools, ops, autograd, distributed, _tensors):
+    for module in modules:
         for name, value in vars(module).items():
-            if inspect.isfunction(value) and value.__module__ == module.__name__:
+            if inspect.isfunction(value) and value.__module__ in names:
                 found.append((module, name))
     return found
 

@@ -31,8 +31,6 @@ README = os.path.join(ROOT, "README.md")
 CUDA_SKIP = mp_cases.cuda_unavailable_reason()
 # The docs the README links to and that link back into the tree (design.md and adding.md are checked by their owner).
 LINKED_DOCS = ["README.md", "docs/performance.md", "docs/api.md", "docs/errors.md", "docs/testing.md"]
-# An environment variable being renamed: the README lists the new name while the code may still read the old one.
-RENAMED = {"FLATEP_SM_BUDGET": "FLATEP_NUM_SMS"}
 MAX_LINES = 260  # the README is a newcomer's five minutes (about 250 lines); the measurement log is docs/performance.md
 
 
@@ -230,10 +228,9 @@ def test_every_environment_variable_is_listed():
     read_by_code = env_vars_read()
     assert {"FLATEP_TIMEOUT_S", "FLATEP_DEBUG", "FLATEP_SPAWN_TIMEOUT_S", "FLATEP_BUILD_DIR"} <= read_by_code
     listed = set(re.findall(r"`(FLATEP_\w+)`", section("Environment variables")))
-    missing = sorted(v for v in read_by_code if RENAMED.get(v, v) not in listed)
+    missing = sorted(v for v in read_by_code if v not in listed)
     assert not missing, f"variables the code reads that README.md's Environment variables does not list: {missing}"
-    stale = sorted(v for v in listed if v not in read_by_code and v not in
-                   {new for old, new in RENAMED.items() if old in read_by_code})
+    stale = sorted(v for v in listed if v not in read_by_code)
     assert not stale, f"README.md lists variables no code reads: {stale}"
 
 

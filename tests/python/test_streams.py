@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import flatep
-from flatep import testing
+from flatep import ops, testing
 from flatep.buffer import EventHandle
 
 import mp_cases
@@ -96,29 +96,138 @@ def test_cpu_stream_and_event_arguments_are_checked():
 
 
 def test_cpu_num_sms_per_buffer_and_per_call():
-    assert flatep.Buffer(None, S, H, E, K).num_sms == 0  # FLATEP_SM_BUDGET unset: no cap
+    assert flatep.Buffer(None, S, H, E, K).num_sms == 0  # FLATEP_NUM_SMS unset: no cap
     buf = flatep.Buffer(None, S, H, E, K, num_sms=16)
     assert buf.num_sms == 16
     idx, x, w, _ = _inputs(4)
     plan = buf.plan(idx, num_sms=2)
     buf.dispatch(plan, x, w, num_sms=5)
+    buf.dispatch(plan, x, w, num_sms=-1)  # -1: the Buffer's budget, as None
     assert buf.num_sms == 16  # a per-call budget applies to that call only
     buf.num_sms = 0
     assert buf.num_sms == 0
-    for bad in (-1, 1.5, True, 1 << 21, "8"):
+    # not an int (what only Python sees): Python's one line, before anything runs
+    for bad in (1.5, True, "8", 1 << 40):
         with pytest.raises(ValueError, match=r"Buffer: num_sms must be an int in \[0, 1048576\]"):
             flatep.Buffer(None, S, H, E, K, num_sms=bad)
         with pytest.raises(ValueError, match=r"dispatch: num_sms must be an int in \[0, 1048576\]"):
             buf.dispatch(plan, x, w, num_sms=bad)
     with pytest.raises(ValueError, match="num_sms must be an int"):
         buf.num_sms = None
+    # an int out of range: the C++ check's one line (written once, in the runtime), naming the op and the value
+    for bad in (-2, 1 << 21):
+        with pytest.raises(ValueError, match=rf"Buffer: num_sms .*must be in \[0, 1048576\], got {bad}$"):
+            flatep.Buffer(None, S, H, E, K, num_sms=bad)
+        with pytest.raises(ValueError, match=rf"dispatch: num_sms .*must be in \[0, 1048576\], got {bad}$"):
+            buf.dispatch(plan, x, w, num_sms=bad)
+        with pytest.raises(ValueError, match=rf"Buffer: num_sms .*must be in \[0, 1048576\], got {bad}$"):
+            buf.num_sms = bad
+    with pytest.raises(ValueError, match=r"Buffer: num_sms .*must be in \[0, 1048576\], got -1$"):
+        buf.num_sms = -1  # an object's budget has no "default" to fall back to
+    assert buf.num_sms == 0
     with pytest.raises(ValueError, match="Buffer: stream_priority must be an int"):
         flatep.Buffer(None, S, H, E, K, stream_priority="high")
-    with pytest.raises(ValueError, match=r"ExpertPools: num_sms must be an int in \[0, 1048576\]"):
+    with pytest.raises(ValueError, match=r"ExpertPools: num_sms .*must be in \[0, 1048576\], got -2$"):
         flatep.ExpertPools(None, E, [(H, 16)], num_sms=-2)
-    # the C++ check, for a direct caller of the binding
-    with pytest.raises(ValueError, match=r"Buffer: max_blocks \(SM budget: thread blocks per launch, 0 = no cap\)"):
-        buf._buffer.max_blocks = -1
+    with pytest.raises(ValueError, match=r"ExpertPools: num_sms must be an int in \[0, 1048576\]"):
+        flatep.ExpertPools(None, E, [(H, 16)], num_sms=2.0)
+
+
+class _Recorder:
+    """Stands for a C++ object (flatep._C.Buffer / ExpertPools): forwards everything to it, and records the name and
+    keywords of every method call and the name of every attribute set."""
+
+    def __init__(self, target):
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "calls", [])
+        object.__setattr__(self, "sets", [])
+
+    def __getattr__(self, name):
+        value = getattr(self._target, name)
+        if not callable(value):
+            return value
+
+        def call(*args, **kwargs):
+            self.calls.append((name, dict(kwargs)))
+            return value(*args, **kwargs)
+
+        return call
+
+    def __setattr__(self, name, value):
+        self.sets.append(name)
+        setattr(self._target, name, value)
+
+    def launches(self, ops):
+        """[(op, stream, num_sms)] of the recorded calls of `ops`, in order."""
+        return [(n, kw.get("stream"), kw.get("num_sms")) for n, kw in self.calls if n in ops]
+
+
+BUFFER_OPS = ("plan", "dispatch", "dispatch_fp8", "combine", "entry_values", "combine_grad")
+POOLS_OPS = ("prefetch", "reduce_grad", "write_grads")
+
+
+def test_cpu_num_sms_reaches_the_cpp_call_and_leaves_the_buffer_alone(monkeypatch):
+    """Every op passes its stream and the call's num_sms (-1 without one) to the C++ op as keywords, its backward the
+    forward's, and never sets the C++ object's budget: buffer.num_sms stays what it was."""
+    buf = flatep.Buffer(None, S, 128, E, K, align=4, num_sms=16)
+    rec = _Recorder(buf._buffer)
+    monkeypatch.setattr(buf, "_buffer", rec)
+    g = torch.Generator().manual_seed(6)
+    idx = testing.sample_topk(E, S, K, 0, sigma=0.7, seed=6).long()
+    x = torch.randn(S, 128, generator=g).to(torch.bfloat16).requires_grad_()
+    w = torch.rand(S, K, generator=g).requires_grad_()
+
+    plan = buf.plan(idx, num_sms=2)
+    rx, rw, _ = buf.dispatch(plan, x, w, num_sms=5)  # autograd records it: backward with 5 too
+    y = (rx.float() * 1.5).to(torch.bfloat16)
+    out = buf.combine(plan, y, rw, num_sms=7)  # weighted: backward is a dispatch and combine_grad, with 7
+    out.float().sum().backward()
+    with torch.no_grad():
+        buf.entry_values(plan, rw.detach(), num_sms=0)
+        buf.dispatch(plan, x.detach(), w.detach(), fp8=True, num_sms=3)
+        buf.combine(plan, y.detach(), None)  # the default path: -1
+        buf.dispatch(plan, x.detach(), None, num_sms=-1)
+    assert rec.launches(BUFFER_OPS) == [
+        ("plan", 0, 2), ("dispatch", 0, 5), ("combine", 0, 7),
+        ("dispatch", 0, 7), ("combine_grad", 0, 7),  # combine's backward
+        ("combine", 0, 5), ("entry_values", 0, 5),  # dispatch's backward
+        ("entry_values", 0, 0), ("dispatch_fp8", 0, 3), ("combine", 0, -1), ("dispatch", 0, -1),
+    ]
+    assert rec.sets == [] and buf.num_sms == 16
+    buf.check_status()
+    assert rec.calls[-1] == ("check_status", {"stream": 0})
+
+    pools = flatep.ExpertPools(None, E, [(128, 16), (16, 128)], num_sms=9)
+    layer = pools.register_layer()
+    prec = _Recorder(pools._pools)
+    monkeypatch.setattr(pools, "_pools", prec)
+    grad = torch.zeros(2 * E, 128, 16)
+    pools.prefetch(plan, layer, num_sms=1)
+    pools.write_grads(plan, layer, 0, grad, accumulate=True, async_finish=True, num_sms=4)
+    pools.reduce_grad(plan, layer)
+    assert prec.launches(POOLS_OPS) == [("prefetch", 0, 1), ("write_grads", 0, 4), ("reduce_grad", 0, -1)]
+    assert prec.sets == [] and pools.num_sms == 9
+
+
+@pytest.mark.skipif(not ops.AVAILABLE, reason=f"torch {torch.__version__} has no torch.library.custom_op")
+def test_cpu_custom_ops_pass_num_sms_to_the_cpp_call(monkeypatch):
+    """The torch.compile path (the methods through torch.ops.flatep.*, called eagerly here): the ops' num_sms int
+    reaches the C++ call, -1 for none, the backward's the forward's."""
+    buf = flatep.Buffer(None, S, H, E, K, align=4, num_sms=16)
+    rec = _Recorder(buf._buffer)
+    monkeypatch.setattr(buf, "_buffer", rec)
+    monkeypatch.setattr(ops, "compiling", lambda: True)  # what the methods see while torch.compile traces
+    idx, x, w, _ = _inputs(7, requires_grad=True)
+    plan = buf.plan(idx, num_sms=2)
+    rx, rw, _ = buf.dispatch(plan, x, w, num_sms=5)
+    out = buf.combine(plan, rx, None)
+    out.float().sum().backward()
+    assert rec.launches(BUFFER_OPS) == [
+        ("plan", 0, 2), ("dispatch", 0, 5), ("combine", 0, -1),
+        ("dispatch", 0, -1),  # combine's backward (unweighted: a dispatch)
+        ("combine", 0, 5), ("entry_values", 0, 5),  # dispatch's backward
+    ]
+    assert rec.sets == [] and buf.num_sms == 16
 
 
 def test_cpu_pools_ops_take_stream_arguments():
@@ -220,7 +329,7 @@ def _same(a, b, what):
 @pytest.mark.skipif(CUDA_SKIP is not None, reason=f"cuda: {CUDA_SKIP}")
 def test_gpu_side_stream_with_events_is_bitwise_the_default_path():
     device, bufs, streams = _gpu_setup()
-    budgets = [b.num_sms for b in bufs]  # FLATEP_SM_BUDGET or 0
+    budgets = [b.num_sms for b in bufs]  # FLATEP_NUM_SMS or 0
     for trial in range(3):
         ins = _gpu_inputs(device, trial)
         want = _run_all(bufs, streams, ins, _step_default)
@@ -230,7 +339,7 @@ def test_gpu_side_stream_with_events_is_bitwise_the_default_path():
             _same(got[r], want[r], f"trial {trial} rank {r}")
             _same(small[r], want[r], f"trial {trial} rank {r} num_sms=2")
     for b, budget in zip(bufs, budgets):
-        assert b.num_sms == budget  # per-call budgets were restored
+        assert b.num_sms == budget  # per-call budgets never touch the Buffer's
         b.check_status()
 
 
@@ -296,3 +405,30 @@ def test_gpu_side_stream_step_replays_from_a_cuda_graph_bitwise():
             _same(replayed[r], want[r], f"graph trial {trial} rank {r}")
     for b in bufs:
         b.check_status()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(CUDA_SKIP is not None, reason=f"cuda: {CUDA_SKIP}")
+def test_gpu_each_cpp_call_gets_the_stream_it_runs_on_and_the_calls_num_sms(monkeypatch):
+    """On a device Buffer the C++ op is handed the cudaStream_t of the stream the op runs on (the current one, or the
+    side stream given: also for the backward) and the call's num_sms; the Buffer's budget is never set."""
+    device = torch.device("cuda", 0)
+    buf = flatep.Buffer(None, S, H, E, K, align=4, device=device, num_sms=16)
+    rec = _Recorder(buf._buffer)
+    monkeypatch.setattr(buf, "_buffer", rec)
+    idx, x, w, _ = _inputs(8, requires_grad=True)
+    idx, x, w = idx.to(device), x.detach().to(device).requires_grad_(), w.detach().to(device).requires_grad_()
+    work, comm = torch.cuda.Stream(device), buf.comm_stream
+    with torch.cuda.stream(work):
+        plan, h = buf.plan(idx, stream=comm, async_finish=True, num_sms=3)
+        rx, rw, _ = buf.dispatch(plan, x, w, previous_event=h)  # the current stream, the Buffer's budget
+        out = buf.combine(plan, rx, rw, stream=comm, num_sms=2)
+        out.float().sum().backward()  # combine's backward on comm with 2, dispatch's on the current stream
+    torch.cuda.synchronize()
+    side, current = comm.cuda_stream, work.cuda_stream
+    assert rec.launches(BUFFER_OPS) == [
+        ("plan", side, 3), ("dispatch", current, -1), ("combine", side, 2),
+        ("dispatch", side, 2), ("combine_grad", side, 2), ("combine", current, -1), ("entry_values", current, -1),
+    ]
+    assert rec.sets == [] and buf.num_sms == 16
+    buf.check_status()
