@@ -1,10 +1,11 @@
 // flatep-plan: computes the FlatEP plan of a count matrix and prints it as JSON.
 //
-//   flatep-plan [--planner greedy|balanced] [--allow-partial] [--compact] [FILE]
+//   flatep-plan [--planner greedy|balanced|owner] [--allow-partial] [--compact] [FILE]
 //
-// Reads {"R":..,"E":..,"S":..,"K":..,"align":..,"capacity_factor":..,"tpe":[[...],...]} from FILE or stdin (see
-// plan_request.hpp). Prints the config echo, the planner, alloc[R][E], keep[R][E], group_row[R][E],
-// slot_expert[R][epn], cu_seqlens[R][2*epn] and stats. Any invalid input or option exits 1 with exactly one line
+// Reads {"R":..,"E":..,"S":..,"K":..,"align":..,"capacity_factor":..,"num_slots":..,"view_stride":..,
+// "tpe":[[...],...]} from FILE or stdin (see plan_request.hpp). Prints the config echo (with the layout's B, Q, whether
+// it serves and its number of groups G), the planner, alloc[R][E], keep[R][E], group_row[R][E], slot_expert[R][epn],
+// cu_seqlens[R][G] and stats. Any invalid input or option exits 1 with exactly one line
 // on stderr: "flatep-plan: error: <message>"; so does an input that is not a readable file (a directory, a missing
 // or unreadable file) or larger than kMaxInputBytes. It never aborts, and its memory stays bounded (plan_request.hpp).
 #include <fcntl.h>
@@ -107,9 +108,9 @@ std::string read_input(const std::string& path, std::string& text) {
 }
 
 const char* kUsage =
-    "usage: flatep-plan [--planner greedy|balanced] [--allow-partial] [--compact] [FILE]\n"
-    "Reads a count matrix as JSON {\"R\",\"E\",\"S\",\"K\",\"align\"?,\"capacity_factor\"?,\"tpe\"} from FILE or\n"
-    "stdin and prints the FlatEP plan as JSON.\n";
+    "usage: flatep-plan [--planner greedy|balanced|owner] [--allow-partial] [--compact] [FILE]\n"
+    "Reads a count matrix as JSON {\"R\",\"E\",\"S\",\"K\",\"align\"?,\"capacity_factor\"?,\"num_slots\"?,\n"
+    "\"view_stride\"?,\"tpe\"} from FILE or stdin and prints the FlatEP plan as JSON.\n";
 
 }  // namespace
 
@@ -123,14 +124,16 @@ int main(int argc, char** argv) {
             std::fputs(kUsage, stdout);
             return 0;
         } else if (arg == "--planner") {
-            if (i + 1 >= argc) fail("option --planner needs a value (greedy or balanced)");
+            if (i + 1 >= argc) fail("option --planner needs a value (greedy, balanced or owner)");
             const std::string v = argv[++i];
             if (v == "greedy") {
                 kind = flatep::PlannerKind::kGreedy;
             } else if (v == "balanced") {
                 kind = flatep::PlannerKind::kBalanced;
+            } else if (v == "owner") {
+                kind = flatep::PlannerKind::kOwner;
             } else {
-                fail("unknown planner \"" + flatep::json::printable(v) + "\" (expected greedy or balanced)");
+                fail("unknown planner \"" + flatep::json::printable(v) + "\" (expected greedy, balanced or owner)");
             }
         } else if (arg == "--allow-partial") {
             allow_partial = true;
@@ -152,7 +155,7 @@ int main(int argc, char** argv) {
         const std::string err = flatep::parse_plan_request(text, allow_partial, req);
         if (!err.empty()) fail(err);
         const flatep::Config& c = req.config;
-        const flatep::Layout l = flatep::make_layout(c);
+        const flatep::Layout l = flatep::make_layout(c, kind);  // the owner planner: capacity R*S*K
         flatep::planner::HostPlan plan(l);
         std::copy(req.tpe.begin(), req.tpe.end(), plan.view.tpe_all);
         flatep::planner::plan_counts(l, kind, plan.view);
@@ -188,12 +191,16 @@ int main(int argc, char** argv) {
             {"experts_per_rank", epn},
             {"num_recv_rows", l.num_recv_rows},
             {"exact", l.exact},
+            {"num_slots", l.num_slots},
+            {"view_stride", l.view_stride},
+            {"serving", l.serving},
+            {"num_groups", l.num_groups()},
             {"planner", flatep::planner_name(kind)},
             {"alloc", matrix(plan.view.alloc, R, E)},
             {"keep", matrix(plan.view.keep, R, E)},
             {"group_row", matrix(plan.view.group_row, R, E)},
             {"slot_expert", matrix(plan.view.slot_expert, R, epn)},
-            {"cu_seqlens", matrix(plan.view.cu_seqlens, R, 2 * epn)},
+            {"cu_seqlens", matrix(plan.view.cu_seqlens, R, l.num_groups())},
             {"stats", stats},
         };
         std::string printed = compact ? out.dump() : "";

@@ -1,7 +1,8 @@
 // The input of flatep-plan: parse and validate a plan request, callable without the binary (tests, fuzzers).
 //
 // Format: {"R": int, "E": int, "S": int, "K": int, "align": int (default 128),
-//          "capacity_factor": number (default 1.0), "tpe": [[int, ...E], ...R]}
+//          "capacity_factor": number (default 1.0), "num_slots": int (default -1: B = epn, the training layout),
+//          "view_stride": int (default 0: Q = epn), "tpe": [[int, ...E], ...R]}
 // Unknown or duplicate keys are errors. Every error is one line naming the field and the offending value.
 // Size: at most kMaxRequestCounts counts (R*E), checked twice so that memory stays bounded (about 200 MB) whatever the
 // input: the JSON parser stops after the values such a request can hold, and R*E is checked before the count matrix
@@ -66,7 +67,8 @@ inline std::string parse_plan_request(std::string_view text, bool allow_partial,
     if (!parsed.ok) return parsed.error;
     const json::Value& root = parsed.value;
     if (!root.is_object()) return "the input must be a JSON object, got " + describe(root);
-    static const char* const kKnown[] = {"R", "E", "S", "K", "align", "capacity_factor", "tpe"};
+    static const char* const kKnown[] = {"R",         "E",           "S",  "K", "align", "capacity_factor",
+                                         "num_slots", "view_stride", "tpe"};
     for (auto m = root.begin(); m != root.end(); ++m) {
         bool known = false;
         for (const char* k : kKnown) known = known || m.key() == k;
@@ -84,7 +86,9 @@ inline std::string parse_plan_request(std::string_view text, bool allow_partial,
                              {"E", &c.num_experts, true},
                              {"S", &c.num_tokens, true},
                              {"K", &c.topk, true},
-                             {"align", &c.align, false}};
+                             {"align", &c.align, false},
+                             {"num_slots", &c.num_slots, false},
+                             {"view_stride", &c.view_stride, false}};
     c.align = 128;
     for (const IntField& f : ints) {
         const auto v = root.find(f.name);

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace flatep {
 
@@ -13,9 +14,13 @@ inline constexpr int kMaxTopk = 32;
 enum class PlannerKind : int32_t {
     kGreedy = 0,    // one-donor greedy (design §4, constraint 3): the reference baseline
     kBalanced = 1,  // the default: balances donors and receivers jointly to lower the prefetch makespan
+    kOwner = 2,     // no replicas: every entry computed on its expert's home rank (decode); receive capacity R*S*K
 };
 
+// "greedy", "balanced", "owner" ("unknown" for any other value).
 const char* planner_name(PlannerKind kind);
+// The kind of a planner_name; throws flatep::Error(kInvalidArgument) naming the value for any other name.
+PlannerKind planner_from_name(const std::string& name);
 
 // Cheap statistics of a plan (fixed size, so it can live in device memory).
 struct PlanStats {

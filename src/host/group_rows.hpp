@@ -15,14 +15,11 @@ struct GroupRows {
     int32_t padded_end;  // inclusive padded end (cu_seqlens)
 };
 
-// Group g (< 2*epn) of `rank`: g < epn is local expert rank*epn + g, g >= epn is slot g - epn.
+// Group g (< l.num_groups(), either layout: layout.hpp) of `rank`.
 inline GroupRows group_rows(const Layout& l, const PlanView& p, int rank, int g) {
-    const int E = l.num_experts;
     const int32_t* cu = p.cu_seqlens + int64_t(rank) * l.num_groups();
     const int32_t start = g == 0 ? 0 : cu[g - 1];
-    const int expert = group_expert(l, p, rank, g);
-    const int32_t real = expert < 0 ? 0 : p.alloc[int64_t(rank) * E + expert];
-    return GroupRows{start, start + real, cu[g]};
+    return GroupRows{start, start + group_entries(l, p, rank, g), cu[g]};
 }
 
 }  // namespace flatep::host

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "common/check.hpp"
+#include "host/group_rows.hpp"
 #include "sync/barrier_host.hpp"
 
 namespace flatep::host {
@@ -51,7 +52,7 @@ void plan_counts_op(const PlanArgs& a) {
 
 void plan_routes_op(const PlanArgs& a) {
     const Layout& l = a.layout;
-    const int E = l.num_experts, K = l.topk;
+    const int K = l.topk;
     const SymmetricLayout sym = make_symmetric_layout(l);
     const PlanView& p = a.plan;
 
@@ -68,13 +69,11 @@ void plan_routes_op(const PlanArgs& a) {
         p.row_next[r] = -1;
     }
     for (int g = 0; g < l.num_groups(); ++g) {
-        const int expert = group_expert(l, p, a.rank, g);
-        if (expert < 0) continue;
-        const int32_t start = p.group_row[a.rank * E + expert];
-        const int32_t size = p.alloc[a.rank * E + expert];
-        if (start < 0 || size <= 0) continue;
-        std::memcpy(p.row_head + start, head + start, sizeof(int32_t) * size);
-        std::memcpy(p.row_next + start, next + start, sizeof(int32_t) * size);
+        const GroupRows group = group_rows(l, p, a.rank, g);
+        const int32_t size = group.real_end - group.start;
+        if (size <= 0) continue;
+        std::memcpy(p.row_head + group.start, head + group.start, sizeof(int32_t) * size);
+        std::memcpy(p.row_next + group.start, next + group.start, sizeof(int32_t) * size);
     }
 
     // 6. Header.

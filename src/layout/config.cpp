@@ -12,21 +12,29 @@ namespace flatep {
 namespace {
 constexpr int kMaxAlign = 4096;
 constexpr double kMaxCapacityFactor = 4.0;
+constexpr int kMaxViewStride = 1 << 20;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
-int64_t capacity_of(const Config& c) {
+int64_t capacity_of(const Config& c, PlannerKind planner) {
     const int64_t sk = int64_t(c.num_tokens) * c.topk;
+    if (planner == PlannerKind::kOwner) return int64_t(c.num_ranks) * sk;  // every source's entries to one rank
     if (c.capacity_factor == 1.0) return sk;
     return int64_t(std::ceil(c.capacity_factor * double(sk)));
 }
 
-int64_t recv_rows_of(const Config& c, int64_t capacity) {
+// Non-empty groups a rank may hold: epn own and (replicas, constraint 3) epn remote; the owner planner only its own.
+int64_t recv_rows_of(const Config& c, int64_t capacity, PlannerKind planner) {
     const int64_t epn = c.num_experts / c.num_ranks;
-    return round_up<int64_t>(capacity + 2 * epn * (c.align - 1), c.align);
+    const int64_t groups = planner == PlannerKind::kOwner ? epn : 2 * epn;
+    return round_up<int64_t>(capacity + groups * (c.align - 1), c.align);
 }
+
+// B and Q of a config whose num_ranks, num_experts, num_slots and view_stride are valid.
+int slots_of(const Config& c) { return c.num_slots < 0 ? c.num_experts / c.num_ranks : c.num_slots; }
+int stride_of(const Config& c) { return c.view_stride == 0 ? c.num_experts / c.num_ranks : c.view_stride; }
 }  // namespace
 
-void Config::validate() const {
+void Config::validate(PlannerKind planner) const {
     FLATEP_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks (R) must be in [1, ", kMaxRanks, "], got ",
                  num_ranks);
     FLATEP_CHECK(rank >= 0 && rank < num_ranks, "rank must be in [0, num_ranks=", num_ranks, "), got ", rank);
@@ -36,6 +44,17 @@ void Config::validate() const {
     // Plans index [d*E + e] and [d*2*epn + g] in int32, and the planner's workspace holds two R*E arrays.
     FLATEP_CHECK(int64_t(num_ranks) * num_experts * 2 <= kInt32Max,
                  "num_experts (E) too large: 2*R*E must fit int32, got 2*", num_ranks, "*", num_experts);
+    const int epn = num_experts / num_ranks;
+    FLATEP_CHECK(num_slots == -1 || (num_slots >= 0 && num_slots <= epn),
+                 "num_slots (B) must be -1 (= epn) or in [0, epn=", epn, "], got ", num_slots);
+    FLATEP_CHECK(view_stride == 0 || (view_stride >= epn && view_stride <= kMaxViewStride),
+                 "view_stride (Q) must be 0 (= epn) or in [epn=", epn, ", ", kMaxViewStride, "], got ", view_stride);
+    // The serving groups: R*Q + B view rows, cu_seqlens [R][R*Q + B] indexed in int32.
+    const int64_t view_rows = int64_t(num_ranks) * stride_of(*this) + slots_of(*this);
+    FLATEP_CHECK(view_rows * num_ranks <= kInt32Max, "view_stride (Q) too large: cu_seqlens' R*(R*Q + B) = ", num_ranks,
+                 "*", view_rows, " must fit int32 (Q=", stride_of(*this), ")");
+    FLATEP_CHECK(planner == PlannerKind::kGreedy || planner == PlannerKind::kBalanced || planner == PlannerKind::kOwner,
+                 "planner kind must be greedy (0), balanced (1) or owner (2), got ", int(planner));
     FLATEP_CHECK(num_tokens >= 1, "num_tokens (S) must be positive, got ", num_tokens);
     FLATEP_CHECK(topk >= 1 && topk <= kMaxTopk, "topk (K) must be in [1, ", kMaxTopk, "], got ", topk);
     FLATEP_CHECK(topk <= num_experts, "topk (K) must not exceed num_experts (E): K=", topk, " E=", num_experts);
@@ -46,9 +65,18 @@ void Config::validate() const {
                  "capacity_factor must be in [1, ", kMaxCapacityFactor, "], got ", capacity_factor);
     const int64_t sk = int64_t(num_tokens) * topk;
     FLATEP_CHECK(sk <= kInt32Max, "num_tokens*topk (S*K) must fit int32, got ", sk);
-    const int64_t capacity = capacity_of(*this);
+    const int64_t capacity = capacity_of(*this, planner);
+    if (planner == PlannerKind::kOwner) {
+        FLATEP_CHECK(capacity <= kInt32Max, "owner planner: its receive capacity R*S*K = ", num_ranks, "*", num_tokens,
+                     "*", topk, " = ", capacity, " rows must fit int32 (it is meant for decode-sized S)");
+    }
     FLATEP_CHECK(capacity <= kInt32Max, "capacity C = ceil(capacity_factor*S*K) must fit int32, got ", capacity);
-    const int64_t nvs = recv_rows_of(*this, capacity);
+    const int64_t nvs = recv_rows_of(*this, capacity, planner);
+    if (planner == PlannerKind::kOwner) {
+        FLATEP_CHECK(nvs * num_ranks <= kInt32Max, "owner planner: receive rows NvS = ", nvs,
+                     " (capacity R*S*K = ", capacity, ") times R = ", num_ranks,
+                     " must fit int32 (it is meant for decode-sized S)");
+    }
     FLATEP_CHECK(nvs * num_ranks <= kInt32Max, "num_ranks * receive rows (R*NvS) must fit int32, got ", nvs, "*",
                  num_ranks);
     FLATEP_CHECK(nvs * int64_t(hidden) <= (int64_t(1) << 40), "receive buffer NvS*H = ", nvs, "*", hidden,
@@ -67,6 +95,8 @@ uint64_t Config::hash() const {
     static_assert(sizeof(bits) == sizeof(capacity_factor));
     __builtin_memcpy(&bits, &capacity_factor, sizeof(bits));
     h = fnv1a_mix(h, bits);
+    h = fnv1a_mix(h, uint64_t(uint32_t(num_slots)));
+    h = fnv1a_mix(h, uint64_t(uint32_t(view_stride)));
     return h;
 }
 
@@ -82,16 +112,19 @@ std::string Config::mismatch(const Config& o) const {
     field("hidden", hidden, o.hidden);
     field("align", align, o.align);
     field("capacity_factor", capacity_factor, o.capacity_factor);
+    field("num_slots", num_slots, o.num_slots);
+    field("view_stride", view_stride, o.view_stride);
     return os.str();
 }
 
 std::string Config::to_string() const {
     return detail::concat("Config(R=", num_ranks, ", rank=", rank, ", E=", num_experts, ", S=", num_tokens,
-                          ", K=", topk, ", H=", hidden, ", align=", align, ", capacity_factor=", capacity_factor, ")");
+                          ", K=", topk, ", H=", hidden, ", align=", align, ", capacity_factor=", capacity_factor,
+                          ", num_slots=", num_slots, ", view_stride=", view_stride, ")");
 }
 
-Layout make_layout(const Config& c) {
-    c.validate();
+Layout make_layout(const Config& c, PlannerKind planner) {
+    c.validate(planner);
     Layout l{};
     l.num_ranks = c.num_ranks;
     l.num_experts = c.num_experts;
@@ -100,10 +133,14 @@ Layout make_layout(const Config& c) {
     l.topk = c.topk;
     l.hidden = c.hidden;
     l.align = c.align;
-    const int64_t capacity = capacity_of(c);
+    const int64_t capacity = capacity_of(c, planner);
     l.capacity = int(capacity);
-    l.num_recv_rows = int(recv_rows_of(c, capacity));
-    l.exact = c.capacity_factor == 1.0;
+    l.num_recv_rows = int(recv_rows_of(c, capacity, planner));
+    l.owner = planner == PlannerKind::kOwner;
+    l.exact = c.capacity_factor == 1.0 && !l.owner;
+    l.num_slots = slots_of(c);
+    l.view_stride = stride_of(c);
+    l.serving = l.num_slots < l.experts_per_rank;
     return l;
 }
 

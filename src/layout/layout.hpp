@@ -7,6 +7,7 @@
 
 #include "common/macros.hpp"
 #include "common/math.hpp"
+#include "flatep/types.hpp"
 
 namespace flatep {
 
@@ -17,6 +18,12 @@ struct Config;
 FLATEP_HD constexpr int home_rank(int expert_idx, int experts_per_rank) { return expert_idx / experts_per_rank; }
 FLATEP_HD constexpr int local_expert(int expert_idx, int experts_per_rank) { return expert_idx % experts_per_rank; }
 
+// The groups of a rank's receive buffer (design §5), in order; cu_seqlens has one entry per group.
+//   Training (B == epn): 2*epn groups: group g < epn is the rank's own expert rank*epn + g, group epn + j its slot j.
+//   Serving (B < epn): R*Q + B groups, one per row of the weight view [R*Q + B] every rank sees the same way: group
+//   g < R*Q is view row g, rank g / Q's local expert g % Q (expert (g / Q)*epn + g % Q) when g % Q < epn, else a pad
+//   row (no expert, always empty); group R*Q + j is slot j. A replica on a rank sits in a slot group or, when it got
+//   no slot, in its expert's view-row group (the GEMM reads its weights in place from the home rank).
 struct Layout {
     int num_ranks;         // R
     int num_experts;       // E
@@ -25,11 +32,21 @@ struct Layout {
     int topk;              // K
     int hidden;            // H
     int align;             // group padding
-    int capacity;          // C: S*K (exact) or ceil(f*S*K) (slack)
-    int num_recv_rows;     // NvS = round_up(C + 2*epn*(align-1), align)
-    bool exact;            // capacity_factor == 1
+    int capacity;          // C: S*K (exact) or ceil(f*S*K) (slack); R*S*K for the owner planner
+    int num_recv_rows;     // NvS = round_up(C + 2*epn*(align-1), align); owner: round_up(C + epn*(align-1), align)
+    bool exact;            // capacity_factor == 1 (and not the owner planner)
+    int num_slots;         // B: replica slots per rank, in [0, epn]
+    int view_stride;       // Q: weight-view rows per rank, >= epn (serving layout only)
+    bool serving;          // B < epn: the view layout of the groups
+    bool owner;            // laid out for the owner planner (no replicas, capacity R*S*K)
 
-    FLATEP_HD int num_groups() const { return 2 * experts_per_rank; }
+    FLATEP_HD int num_groups() const { return serving ? num_ranks * view_stride + num_slots : 2 * experts_per_rank; }
+    // Serving: the weight-view row (and group) of expert e's rows on its home rank, home*Q + local.
+    FLATEP_HD int expert_view_row(int expert_idx) const {
+        return home_rank(expert_idx) * view_stride + local_expert(expert_idx);
+    }
+    // Group of slot 0: epn (training) or R*Q (serving).
+    FLATEP_HD int first_slot_group() const { return serving ? num_ranks * view_stride : experts_per_rank; }
     FLATEP_HD int num_entries() const { return num_tokens * topk; }  // S*K: entries one rank routes at most
     FLATEP_HD int home_rank(int expert_idx) const { return flatep::home_rank(expert_idx, experts_per_rank); }
     FLATEP_HD int local_expert(int expert_idx) const { return flatep::local_expert(expert_idx, experts_per_rank); }
@@ -39,8 +56,10 @@ struct Layout {
     FLATEP_HD int padded(int rows) const { return round_up(rows, align); }
 };
 
-// Builds the layout of a validated config (calls config.validate()).
-Layout make_layout(const Config& config);
+// Builds the layout of a validated config (calls config.validate(planner)) for plans of `planner`: the owner planner
+// gets capacity R*S*K and NvS = round_up(C + epn*(align-1), align) (own groups only); every other planner C and
+// NvS as above. The group layout (training or serving) follows config.num_slots whatever the planner.
+Layout make_layout(const Config& config, PlannerKind planner = PlannerKind::kBalanced);
 
 // Offsets (in bytes) of the regions of one rank's symmetric buffer. Every rank's buffer has the same
 // layout, so a peer's region is peer_base + offset. Regions are 256-byte aligned.

@@ -27,7 +27,7 @@
 namespace flatep {
 
 // Pointers into one plan allocation. Index conventions: [d*E + e] for per-(rank, expert) arrays;
-// [d*epn + j] for slot_expert; [d*2*epn + g] for cu_seqlens.
+// [d*epn + j] for slot_expert; [d*G + g] for cu_seqlens, G = Layout::num_groups() (2*epn, or R*Q + B serving).
 struct PlanView {
     // Global part: identical on every rank.
     int32_t* tpe_all;      // [R][E] counts: entries of source s routed to expert e
@@ -35,9 +35,9 @@ struct PlanView {
     int32_t* keep;         // [R][E] entries of source d for expert e kept on d (0 unless d hosts e)
     int32_t* spill_start;  // [R][E] start of source s in e's spill stream
     int32_t* take_start;   // [R][E] start of host d's take range in e's spill stream
-    int32_t* group_row;    // [R][E] first row of e's group on rank d; -1 when d does not host e
-    int32_t* slot_expert;  // [R][epn] expert held by each slot, -1 if none; slots sorted by expert id
-    int32_t* cu_seqlens;   // [R][2*epn] inclusive padded ends of the groups (grouped-GEMM offs)
+    int32_t* group_row;    // [R][E] first row of the group holding e's rows on rank d; -1 when d does not host e
+    int32_t* slot_expert;  // [R][epn] expert held by each slot, -1 if none (every j >= B); slots sorted by expert id
+    int32_t* cu_seqlens;   // [R][G] inclusive padded ends of the groups (grouped-GEMM offs), G = num_groups()
     PlanStats* stats;
     // Per-rank part: this rank's entries and rows.
     int32_t* entry_rank;  // [S*K] destination rank of entry (t,k) = t*K+k of this rank; -1 if its id was invalid
@@ -115,17 +115,40 @@ FLATEP_HD PlanView make_plan_view(const Layout& l, int32_t* base) {
     return v;
 }
 
-// The expert whose rows group g (< 2*epn) of `rank` holds: its home expert rank*epn + g for g < epn, else the expert
-// of slot g - epn (-1: an unused slot). `rank_slots` is that rank's [epn] row of slot_expert (a plan's, or a copy of
-// it). Every backend reads a group's expert through this one function (or the PlanView form below).
+// The expert of group g of `rank` in the training layout (B == epn, design §5): its home expert rank*epn + g for
+// g < epn, else the expert of slot g - epn (-1: an unused slot). `rank_slots` is that rank's [epn] row of
+// slot_expert (a plan's, or a copy of it).
 FLATEP_HD int group_expert(int experts_per_rank, const int32_t* rank_slots, int rank, int g) {
     const int epn = experts_per_rank;
     return g < epn ? rank * epn + g : rank_slots[g - epn];
 }
 
-FLATEP_HD int group_expert(const Layout& l, const PlanView& p, int rank, int g) {
+// The expert whose weights group g (< l.num_groups()) of `rank` reads, in either layout (layout.hpp): training as
+// above; serving: view row g's expert (g / Q)*epn + g % Q for g < R*Q (-1: a pad row), else slot g - R*Q's expert
+// (-1: unused). A serving view row's expert may have no rows on `rank` (the group is then empty: cu_seqlens). Every
+// backend reads a group's expert through this function (or the PlanView form below).
+FLATEP_HD int group_expert(const Layout& l, const int32_t* rank_slots, int rank, int g) {
     const int epn = l.experts_per_rank;
-    return group_expert(epn, p.slot_expert + rank * epn, rank, g);
+    if (!l.serving) return group_expert(epn, rank_slots, rank, g);
+    const int Q = l.view_stride, slot0 = l.first_slot_group();
+    if (g >= slot0) return rank_slots[g - slot0];
+    const int local = g % Q;
+    return local < epn ? (g / Q) * epn + local : -1;
+}
+
+FLATEP_HD int group_expert(const Layout& l, const PlanView& p, int rank, int g) {
+    return group_expert(l, p.slot_expert + int64_t(rank) * l.experts_per_rank, rank, g);
+}
+
+// Entries (real rows) of group g of `rank`: its expert's allocation on `rank` when the group is non-empty
+// (cu_seqlens), else 0 (an unused slot, a pad row, or a serving view row whose expert is not computed there from it).
+// Its rows are [start, start + entries) with start = g == 0 ? 0 : cu[g - 1], the rest up to cu[g] padding.
+FLATEP_HD int32_t group_entries(const Layout& l, const PlanView& p, int rank, int g) {
+    const int32_t* cu = p.cu_seqlens + int64_t(rank) * l.num_groups();
+    const int32_t start = g == 0 ? 0 : cu[g - 1];
+    if (cu[g] == start) return 0;
+    const int expert = group_expert(l, p, rank, g);
+    return expert < 0 ? 0 : p.alloc[int64_t(rank) * l.num_experts + expert];
 }
 
 // The group holding receive row r of a rank whose G inclusive group ends are cu[] (its cu_seqlens): the first end

@@ -41,8 +41,9 @@ inline void check_plan_inputs(const Layout& l, int num_tokens, const void* topk_
 // The checks both backends' plan op make: the inputs above, the planner kind and the rank.
 inline void check_plan_args(const PlanArgs& a) {
     check_plan_inputs(a.layout, a.num_tokens, a.topk_idx, a.index_bytes);
-    FLATEP_CHECK(a.planner == PlannerKind::kGreedy || a.planner == PlannerKind::kBalanced,
-                 "plan: planner kind must be greedy (0) or balanced (1), got ", int(a.planner));
+    FLATEP_CHECK(
+        a.planner == PlannerKind::kGreedy || a.planner == PlannerKind::kBalanced || a.planner == PlannerKind::kOwner,
+        "plan: planner kind must be greedy (0), balanced (1) or owner (2), got ", int(a.planner));
     FLATEP_CHECK(a.rank >= 0 && a.rank < a.layout.num_ranks, "plan: rank must be in [0, ", a.layout.num_ranks,
                  "), got ", a.rank);
 }

@@ -483,9 +483,14 @@ FLATEP_HD int select_candidate(const PlanQuality& greedy, const PlanQuality* qua
 // Every candidate reads only tpe_all and writes only its own allocation and scratch, so a GPU may build them in
 // parallel (one warp each) and apply select_candidate to their qualities. Cost: O(R*E) per candidate (reset and
 // evaluation) plus O(R*epn^2) for cutting experts and O(E) per tree step; at most num_candidates(P_greedy).
+// The owner planner: the home allocation alone (no replicas).
 FLATEP_HD void plan_alloc(const Layout& l, PlannerKind kind, const int32_t* tpe_all, int32_t* alloc, int32_t* ws) {
     const SerialExec x{};
     const Workspace w = make_workspace(l, ws);
+    if (kind == PlannerKind::kOwner) {
+        init_home(x, l, tpe_all, alloc, w);
+        return;
+    }
     greedy_alloc(x, l, tpe_all, alloc, w);
     if (kind != PlannerKind::kBalanced) return;
     const int R = l.num_ranks, E = l.num_experts;

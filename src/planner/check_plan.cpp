@@ -78,26 +78,43 @@ std::string check_plan(const Layout& l, const PlanView& p) {
         n += t;
         group_load[l.home_rank(e)] += t;
     }
-    // Constraint 2 (balance).
+    // Constraint 2 (balance); the owner planner instead keeps every entry on its expert's home rank.
     for (int d = 0; d < R; ++d) {
         int64_t load = 0;
         for (int e = 0; e < E; ++e) load += p.alloc[at(d, e)];
-        if (l.exact) {
+        if (l.owner) {
+            for (int e = 0; e < E; ++e) {
+                if (l.home_rank(e) != d && p.alloc[at(d, e)] != 0)
+                    return concat("owner: alloc[", d, "][", e, "] = ", p.alloc[at(d, e)], ", expected 0 (home rank ",
+                                  l.home_rank(e), ")");
+            }
+            if (load > l.capacity)
+                return concat("owner: rank ", d, " computes ", load, " entries, above capacity R*S*K = ", l.capacity);
+        } else if (l.exact) {
             const int64_t want = n / R + (d < n % R ? 1 : 0);
             if (load != want) return concat("balance: rank ", d, " computes ", load, " entries, expected ", want);
         } else if (load > l.capacity) {
             return concat("balance: rank ", d, " computes ", load, " entries, above capacity C = ", l.capacity);
         }
     }
-    // Constraint 3 (slots) and the slot table.
+    // Constraint 3 (slots) and the slot table: the replicas in ascending id (training), or the B with the most rows
+    // on d (ties to the lower id), in ascending id (serving).
+    std::vector<std::vector<char>> slotted(R, std::vector<char>(E, 0));
     for (int d = 0; d < R; ++d) {
         std::vector<int32_t> replicas;
         for (int e = 0; e < E; ++e)
             if (p.alloc[at(d, e)] > 0 && l.home_rank(e) != d) replicas.push_back(e);
         if (int(replicas.size()) > epn)
             return concat("slots: rank ", d, " hosts ", replicas.size(), " replicas, more than epn = ", epn);
+        std::vector<int32_t> slots = replicas;
+        std::stable_sort(slots.begin(), slots.end(), [&](int32_t a, int32_t b) {
+            return p.alloc[at(d, a)] > p.alloc[at(d, b)];  // stable: equal rows keep ascending id
+        });
+        if (int(slots.size()) > l.num_slots) slots.resize(size_t(l.num_slots));
+        std::sort(slots.begin(), slots.end());
+        for (int32_t e : slots) slotted[d][e] = 1;
         for (int j = 0; j < epn; ++j) {
-            const int32_t want = j < int(replicas.size()) ? replicas[j] : -1;
+            const int32_t want = j < int(slots.size()) ? slots[j] : -1;
             if (p.slot_expert[d * epn + j] != want)
                 return concat("slot_expert[", d, "][", j, "] = ", p.slot_expert[d * epn + j], ", expected ", want);
         }
@@ -117,18 +134,33 @@ std::string check_plan(const Layout& l, const PlanView& p) {
             take += p.alloc[at(d, e)] - keep;
         }
     }
-    // Groups: cu_seqlens and group_row.
+    // Groups: cu_seqlens and group_row, written from design §5's two layouts. `weights`: the expert whose weights the
+    // group reads (group_expert); `holds`: the expert whose rows it holds on d (its own experts always, empty or not).
+    const int G = l.num_groups(), Q = l.view_stride;
     for (int d = 0; d < R; ++d) {
         int64_t row = 0;
         std::vector<int32_t> want_row(E, -1);
-        for (int g = 0; g < 2 * epn; ++g) {
-            const int e = group_expert(l, p, d, g);
-            if (e >= 0) {
-                want_row[e] = int32_t(row);
-                row += l.padded(p.alloc[at(d, e)]);
+        for (int g = 0; g < G; ++g) {
+            int weights = -1, holds = -1;
+            if (!l.serving) {
+                weights = g < epn ? d * epn + g : p.slot_expert[d * epn + g - epn];
+                holds = weights;
+            } else if (g >= R * Q) {
+                weights = holds = p.slot_expert[d * epn + g - R * Q];
+            } else if (g % Q < epn) {
+                weights = (g / Q) * epn + g % Q;
+                const bool own = g / Q == d, replica = p.alloc[at(d, weights)] > 0 && !slotted[d][weights];
+                holds = own || replica ? weights : -1;
             }
-            if (p.cu_seqlens[d * 2 * epn + g] != row)
-                return concat("cu_seqlens[", d, "][", g, "] = ", p.cu_seqlens[d * 2 * epn + g], ", expected ", row);
+            if (group_expert(l, p, d, g) != weights)
+                return concat("group_expert(rank ", d, ", group ", g, ") = ", group_expert(l, p, d, g), ", expected ",
+                              weights);
+            if (holds >= 0) {
+                want_row[holds] = int32_t(row);
+                row += l.padded(p.alloc[at(d, holds)]);
+            }
+            if (p.cu_seqlens[int64_t(d) * G + g] != row)
+                return concat("cu_seqlens[", d, "][", g, "] = ", p.cu_seqlens[int64_t(d) * G + g], ", expected ", row);
         }
         if (row > l.num_recv_rows)
             return concat("rank ", d, " uses ", row, " rows, more than the receive buffer's NvS = ", l.num_recv_rows);

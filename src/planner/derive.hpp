@@ -92,20 +92,75 @@ struct SerialDerive {
     FLATEP_HD void done() const {}
 };
 
-// Task d: rank d's slots (replica experts in ascending id, then -1), its group_row row (-1, then the start row of
-// every group it holds), cu_seqlens (inclusive padded group ends), loads after and replicas in. alloc: the allocation
-// derived from; slot_s: a copy of slot_expert the group scan reads back (p.slot_expert itself, or scratch).
-// Each lane takes G::kItems consecutive items per pass (its loads in flight together), the lanes in order, so a prefix
-// sum of the lanes' counts places every item as the item-by-item walk would.
+// group_row's mark, during rank d's task, of a replica that got no slot (serving): its rows stay in its view row.
+inline constexpr int32_t kInViewRow = -2;
+
+// Serving (B < epn), rank d's slots when it hosts more replicas than slots: its n > B remote replicas slots_s[0, n)
+// (ascending id) ranked by (rows on d descending, expert id ascending); the top B keep a slot, in ascending id, and the
+// others are marked kInViewRow in group_row. slot_expert and slots_s keep the B chosen, then -1. A lane group's
+// replicas are few (n <= epn), so each lane ranks its own against all n.
+template <class G>
+FLATEP_HD void choose_slots(const G& g, const Layout& l, const int32_t* row, int32_t* group_row, int32_t* slots_out,
+                            int32_t* slots_s, int n) {
+    constexpr int W = G::kWidth;
+    const int B = l.num_slots;
+    for (int i = g.lane; i < n; i += W) {
+        const int e = slots_s[i];
+        const int32_t a = row[e];
+        int ahead = 0;  // replicas before e in the order
+        for (int j = 0; j < n && ahead < B; ++j) {
+            const int32_t b = row[slots_s[j]];
+            ahead += b > a || (b == a && j < i);
+        }
+        if (ahead >= B) group_row[e] = kInViewRow;
+    }
+    g.sync();  // the marks before the compaction reads them
+    // Compaction in place: an item moves only to a lower position, and a pass's items are all read before any of its
+    // writes (the sync), so every read sees the list as it was.
+    int kept = 0;
+    for (int base = 0; base < n; base += W) {
+        const int i = base + g.lane;
+        const int e = i < n ? slots_s[i] : -1;
+        const int32_t keep = e >= 0 && group_row[e] != kInViewRow ? 1 : 0;
+        g.sync();
+        const int32_t incl = g.inclusive_sum(keep);
+        if (keep != 0) slots_out[kept + incl - 1] = slots_s[kept + incl - 1] = e;
+        kept += g.from_last(incl);
+    }
+    g.sync();
+    for (int j = B + g.lane; j < n; j += W) slots_out[j] = slots_s[j] = -1;
+    g.sync();  // the slot list before the group scan reads it
+}
+
+// The expert whose rows group gi of rank d holds (its size padded(row[e])), or -1 (a group without rows: an unused
+// slot, a pad row, a serving view row of an expert d does not compute from it). The own experts' groups always count
+// (group_row is set even when empty). Serving: a remote expert's view row holds its rows when it has rows on d and no
+// slot (`marked`: d has more replicas than its B slots, slots_s[0, B) the chosen; else every replica has a slot). Reads
+// only alloc and the slot list, which the group scan does not write.
+FLATEP_HD int held_expert(const Layout& l, const int32_t* row, const int32_t* slots_s, bool marked, int d, int gi) {
+    const int e = group_expert(l, slots_s, d, gi);
+    if (!l.serving || e < 0 || gi >= l.first_slot_group() || l.home_rank(e) == d) return e;
+    if (!marked || row[e] == 0) return -1;
+    for (int j = 0; j < l.num_slots; ++j)
+        if (slots_s[j] == e) return -1;
+    return e;
+}
+
+// Task d: rank d's slots (replica experts in ascending id, then -1; serving: the B chosen by choose_slots), its
+// group_row row (-1, then the start row of every group it holds), cu_seqlens (inclusive padded group ends), loads after
+// and replicas in. alloc: the allocation derived from; slot_s: a copy of slot_expert the group scan reads back
+// (p.slot_expert itself, or scratch). Each lane takes G::kItems consecutive items per pass (its loads in flight
+// together), the lanes in order, so a prefix sum of the lanes' counts places every item as the item-by-item walk would.
 template <class G>
 FLATEP_HD void derive_rank(const G& g, const Layout& l, const PlanView& p, const int32_t* alloc, int32_t* slot_s, int d,
                            DeriveSums& sums) {
-    const int E = l.num_experts, epn = l.experts_per_rank, lane = g.lane;
+    const int E = l.num_experts, epn = l.experts_per_rank, lane = g.lane, num_groups = l.num_groups();
     constexpr int W = G::kWidth, Q = G::kItems;
     const int32_t* row = alloc + int64_t(d) * E;
     int32_t* group_row = p.group_row + int64_t(d) * E;
     int32_t* const slots_out = p.slot_expert + d * epn;
     int32_t* const slots_s = slot_s + d * epn;
+    int32_t* const cu = p.cu_seqlens + int64_t(d) * num_groups;
     int count = 0;
     unsigned after = 0;
     for (int base = 0; base < E; base += W * Q) {
@@ -142,15 +197,18 @@ FLATEP_HD void derive_rank(const G& g, const Layout& l, const PlanView& p, const
         sums.loads_after[d] = int32_t(after);
         sums.replicas_in[d] = count;
     }
-    g.sync();  // slot_s and the -1 row before the scan below
+    g.sync();                                              // slot_s and the -1 row before the scan below
+    const bool marked = l.serving && count > l.num_slots;  // uniform over the lanes
+    if (marked) choose_slots(g, l, row, group_row, slots_out, slots_s, min_of(count, epn));
     int32_t start = 0;
-    for (int g0 = 0; g0 < 2 * epn; g0 += W * Q) {
+    for (int g0 = 0; g0 < num_groups; g0 += W * Q) {
         const int first = g0 + lane * Q;
         int ex[Q];
         int32_t size[Q];
         int32_t mine = 0;
         FLATEP_DERIVE_UNROLL
-        for (int q = 0; q < Q; ++q) ex[q] = first + q < 2 * epn ? group_expert(epn, slots_s, d, first + q) : -1;
+        for (int q = 0; q < Q; ++q)
+            ex[q] = first + q < num_groups ? held_expert(l, row, slots_s, marked, d, first + q) : -1;
         FLATEP_DERIVE_UNROLL
         for (int q = 0; q < Q; ++q) {
             size[q] = ex[q] >= 0 ? l.padded(row[ex[q]]) : 0;
@@ -162,7 +220,7 @@ FLATEP_HD void derive_rank(const G& g, const Layout& l, const PlanView& p, const
         for (int q = 0; q < Q; ++q) {
             if (ex[q] >= 0) group_row[ex[q]] = end;
             end += size[q];
-            if (first + q < 2 * epn) p.cu_seqlens[d * 2 * epn + first + q] = end;
+            if (first + q < num_groups) cu[first + q] = end;
         }
         start += g.from_last(incl);
     }

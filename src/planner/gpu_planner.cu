@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(kPlannerThreads)
     }
     __syncthreads();
 
+    // The owner planner's allocation is the home allocation above: it goes straight to the derive.
     // One-donor greedy (greedy_alloc), by warp 0 (the balanced planner reruns it inside plan_alloc).
     if (warp == 0 && kind == PlannerKind::kGreedy) {
         for (int fill = 0; fill < R; ++fill) {
@@ -552,8 +553,10 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
             (2 * size_t(l.num_ranks) * l.num_experts + size_t(planner_workspace_words(l))) * sizeof(int32_t);
         // Greedy kind: T_e [E] and the allocation [R*E] in shared memory when they fit.
         const size_t greedy_smem = (size_t(l.num_ranks) + 1) * l.num_experts * sizeof(int32_t);
-        const bool use_smem =
-            kind == PlannerKind::kBalanced ? core_smem <= kMaxPlannerSmem : greedy_smem <= kMaxPlannerSmem;
+        // The owner planner: the home allocation (this kernel's first phase), then the derive; T_e alone in shared.
+        const bool use_smem = kind == PlannerKind::kBalanced ? core_smem <= kMaxPlannerSmem
+                              : kind == PlannerKind::kGreedy ? greedy_smem <= kMaxPlannerSmem
+                                                             : false;
         const size_t smem = max_of(size_t(l.num_experts) * sizeof(int32_t),
                                    use_smem ? (kind == PlannerKind::kBalanced ? core_smem : greedy_smem) : size_t(0));
         allow_smem(reinterpret_cast<const void*>(planner_parallel_kernel), smem);
@@ -633,6 +636,10 @@ void launch_planner(const Layout& l, PlannerKind kind, const PlanView& plan, voi
                     cudaStream_t stream) {
     FLATEP_CHECK(workspace != nullptr, "launch_planner: workspace is null");
     FLATEP_CHECK(l.num_ranks <= kMaxRanks, "launch_planner: num_ranks ", l.num_ranks, " above ", kMaxRanks);
+    FLATEP_CHECK(kind == PlannerKind::kGreedy || kind == PlannerKind::kBalanced || kind == PlannerKind::kOwner,
+                 "launch_planner: planner kind must be greedy (0), balanced (1) or owner (2), got ", int(kind));
+    FLATEP_CHECK((kind == PlannerKind::kOwner) == l.owner, "launch_planner: planner ", planner_name(kind),
+                 " on a layout made for ", l.owner ? "the owner planner" : "a balancing planner");
     launch_planner_impl(l, kind, plan, make_planner_workspace(l, workspace), engine, stream);
 }
 

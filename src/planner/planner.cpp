@@ -15,8 +15,17 @@ const char* planner_name(PlannerKind kind) {
             return "greedy";
         case PlannerKind::kBalanced:
             return "balanced";
+        case PlannerKind::kOwner:
+            return "owner";
     }
     return "unknown";
+}
+
+PlannerKind planner_from_name(const std::string& name) {
+    for (const PlannerKind kind : {PlannerKind::kGreedy, PlannerKind::kBalanced, PlannerKind::kOwner})
+        if (name == planner_name(kind)) return kind;
+    FLATEP_CHECK(false, "planner must be 'greedy', 'balanced' or 'owner', got '", name, "'");
+    return PlannerKind::kBalanced;
 }
 
 }  // namespace flatep
@@ -53,8 +62,11 @@ std::string validate_counts(const Layout& l, const int32_t* tpe_all) {
 }
 
 void plan_counts(const Layout& l, PlannerKind kind, const PlanView& p) {
-    FLATEP_CHECK(kind == PlannerKind::kGreedy || kind == PlannerKind::kBalanced, "planner kind must be greedy (0) or ",
-                 "balanced (1), got ", int(kind));
+    FLATEP_CHECK(kind == PlannerKind::kGreedy || kind == PlannerKind::kBalanced || kind == PlannerKind::kOwner,
+                 "planner kind must be greedy (0), balanced (1) or owner (2), got ", int(kind));
+    FLATEP_CHECK((kind == PlannerKind::kOwner) == l.owner, "planner ", planner_name(kind), " on a layout made for ",
+                 l.owner ? "the owner planner" : "a balancing planner",
+                 ": make_layout(config, planner) with the same kind");
     const std::string bad = validate_counts(l, p.tpe_all);
     FLATEP_CHECK(bad.empty(), bad);
     std::vector<int32_t> workspace(size_t(planner_workspace_words(l)));

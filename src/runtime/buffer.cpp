@@ -124,12 +124,13 @@ Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, Plann
       guard_(std::make_unique<CollectiveGuard>("Buffer")),
       num_plan_slots_(num_plan_slots) {
     // Validate everything before allocating anything.
-    layout_ = std::make_unique<Layout>(make_layout(config_));
+    FLATEP_CHECK(planner == PlannerKind::kGreedy || planner == PlannerKind::kBalanced || planner == PlannerKind::kOwner,
+                 "Buffer: unknown planner kind ", int(planner));
+    layout_ = std::make_unique<Layout>(make_layout(config_, planner));  // the owner planner's capacity is R*S*K
     FLATEP_CHECK(num_plan_slots >= 0 && num_plan_slots <= 1024, "Buffer: num_plan_slots must be in [0, 1024], got ",
                  num_plan_slots);
     FLATEP_CHECK(transport_ != nullptr, "Buffer: transport is null");
     timeout_s_ = transport_->timeout_s();  // this Buffer's bound, whatever later objects set on the shared transport
-    FLATEP_CHECK(planner_name(planner) != std::string("unknown"), "Buffer: unknown planner kind ", int(planner));
     FLATEP_CHECK(transport_->num_ranks() == config_.num_ranks, "Buffer: config.num_ranks (", config_.num_ranks,
                  ") differs from the transport's (", transport_->num_ranks(), ")");
     FLATEP_CHECK(transport_->rank() == config_.rank, "Buffer: config.rank (", config_.rank,

@@ -85,6 +85,31 @@ if(NOT cap EQUAL 12)
   message(SEND_ERROR "valid_partial_slack.json: capacity ${cap}, expected 12")
 endif()
 
+# Serving layout (tests/unit/planner/test_planner_serving.cpp, OneSlotViewStrideWithPadRows): B = 1, Q = 5, 11 groups.
+foreach(planner greedy balanced)
+  expect_plan(valid_serving.json --compact --planner ${planner})
+  string(JSON groups GET "${plan_out}" num_groups)
+  string(JSON serving GET "${plan_out}" serving)
+  string(JSON cu1 GET "${plan_out}" cu_seqlens 1)
+  string(JSON slots1 GET "${plan_out}" slot_expert 1)
+  string(REGEX REPLACE "[ \n]" "" cu1 "${cu1}")
+  string(REGEX REPLACE "[ \n]" "" slots1 "${slots1}")
+  if(NOT groups EQUAL 11 OR NOT serving STREQUAL "ON" OR NOT cu1 STREQUAL "[4,4,4,4,4,4,4,4,4,4,12]"
+     OR NOT slots1 STREQUAL "[1,-1,-1,-1]")
+    message(SEND_ERROR "valid_serving.json --planner ${planner}: groups ${groups} serving ${serving} cu_seqlens[1] "
+                       "${cu1} slot_expert[1] ${slots1}")
+  endif()
+endforeach()
+# The owner planner: the home allocation, capacity R*S*K = 16.
+expect_plan(valid_small.json --compact --planner owner)
+string(JSON alloc GET "${plan_out}" alloc)
+string(REGEX REPLACE "[ \n]" "" alloc "${alloc}")
+string(JSON cap GET "${plan_out}" capacity)
+string(JSON p GET "${plan_out}" stats makespan)
+if(NOT alloc STREQUAL "[[10,3,0,0],[0,0,1,2]]" OR NOT cap EQUAL 16 OR NOT p EQUAL 0)
+  message(SEND_ERROR "valid_small.json --planner owner: alloc ${alloc}, capacity ${cap}, makespan ${p}")
+endif()
+
 # Invalid inputs: exact one-line messages.
 expect_error(bad_json.json "invalid JSON at byte 67: syntax error while parsing array - unexpected end of input; expected ']'")
 expect_error(bad_row_sum.json "tpe row 1 sums to 7, expected S*K = 8 (use --allow-partial for partial batches)")
@@ -94,7 +119,8 @@ expect_error(bad_e_mod_r.json "num_experts (E) must be a multiple of num_ranks (
 expect_error(bad_missing_tpe.json "missing field \"tpe\"")
 expect_error(bad_align.json "align must be in [1, 4096], got 5000")
 expect_error(valid_partial_slack.json "tpe row 1 sums to 6, expected S*K = 8 (use --allow-partial for partial batches)")
-expect_error(valid_small.json "unknown planner \"fastest\" (expected greedy or balanced)" --planner fastest)
+expect_error(valid_small.json "unknown planner \"fastest\" (expected greedy, balanced or owner)" --planner fastest)
+expect_error(bad_num_slots.json "num_slots (B) must be -1 (= epn) or in [0, epn=4], got 5")
 expect_error(valid_small.json "unknown option --verbose" --verbose)
 expect_error(does_not_exist.json "cannot open ${DATA}/does_not_exist.json: No such file or directory")
 # A path longer than the 40 bytes quoted input is cut at must still be printed whole.

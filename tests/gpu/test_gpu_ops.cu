@@ -153,7 +153,7 @@ bool check_wait_records(testing::LocalDeviceGroup& group) {
 
 // One step (or, with graph, a captured step replayed twice with new routing written into the same inputs).
 bool run_case(const CaseSpec& c, bool graph, bool device_per_rank) {
-    const Layout l = make_layout(c.config);
+    const Layout l = make_layout(c.config, c.planner);
     const char* timeout_env = std::getenv("FLATEP_GPU_TEST_TIMEOUT");
     testing::LocalDeviceGroup group(l.num_ranks, device_per_rank,
                                     timeout_env != nullptr ? std::atof(timeout_env) : 20.0);
@@ -203,7 +203,8 @@ bool run_case(const CaseSpec& c, bool graph, bool device_per_rank) {
 }
 
 // The planner alone: random and adversarial count matrices, both GPU engines against the host planner, at small
-// shapes, at the configs benchmarked, and at every shape of MoonEP's sweep (E=896, K 8 and 16, R 8 to 64).
+// shapes, at the configs benchmarked, and at every shape of MoonEP's sweep (E=896, K 8 and 16, R 8 to 64); each in the
+// training layout and, on fewer matrices, the serving layouts (B = 0 with pad rows, 1, 4) and the owner planner.
 bool run_planner_sweep(int num_matrices) {
     struct Shape {
         int R, E, S, K, align;
@@ -221,94 +222,112 @@ bool run_planner_sweep(int num_matrices) {
         for (int K : {8, 16}) all.push_back(Shape{R, 896, 8192, K, 128, 1.0, true});
     const int num_small = int(sizeof(shapes) / sizeof(shapes[0]));
     constexpr int kSweepMatrices = 7;  // sigmas 0, 0.5, 1, 2, 3, 1 (another seed), one hot expert set
+    // Group layouts (Config::num_slots, view_stride = epn + stride_extra) and planner family.
+    struct Variant {
+        const char* name;
+        int num_slots, stride_extra;
+        bool owner;
+    };
+    const Variant variants[] = {{"", -1, 0, false},           {"serving B=0 Q=epn+3", 0, 3, false},
+                                {"serving B=1", 1, 0, false}, {"serving B=4", 4, 0, false},
+                                {"owner", -1, 0, true},       {"owner B=1 Q=epn+1", 1, 1, true}};
     int done = 0;
     std::map<std::string, int> done_by_path;
     for (const Shape& sh : all) {
-        Config cfg;
-        cfg.num_ranks = sh.R;
-        cfg.num_experts = sh.E;
-        cfg.num_tokens = sh.S;
-        cfg.topk = sh.K;
-        cfg.hidden = 8;
-        cfg.align = sh.align;
-        cfg.capacity_factor = sh.cf;
-        const Layout l = make_layout(cfg);
-        const size_t words = size_t(make_plan_sizes(l).total_words);
-        int32_t* d_plan = nullptr;
-        void* ws = nullptr;
-        FLATEP_CUDA_CHECK(cudaMalloc(&d_plan, words * 4));
-        FLATEP_CUDA_CHECK(cudaMalloc(&ws, planner::planner_workspace_bytes(l)));
-        const int per_shape = sh.sweep ? kSweepMatrices : num_matrices / num_small + 1;
-        for (int m = 0; m < per_shape; ++m) {
-            std::vector<int32_t> tpe;
-            const double sigmas[] = {0.0, 0.5, 1.0, 2.0, 3.0};
-            if (m % 7 == 6) {  // adversarial: every entry of every rank on one expert (K distinct per token)
-                tpe.assign(size_t(sh.R) * sh.E, 0);
-                for (int r = 0; r < sh.R; ++r)
-                    for (int k = 0; k < sh.K; ++k) tpe[size_t(r) * sh.E + (m + k) % sh.E] = sh.S;
-            } else if (sh.sweep) {
-                tpe = routing::spread_counts(sh.R, sh.E, sh.S, sh.K, m < 5 ? sigmas[m] : 1.0, 1000 + m);
-            } else {
-                tpe = routing::generate_counts(sh.R, sh.E, sh.S, sh.K, sigmas[m % 5], 1000 + m);
-            }
-            for (int kind = 0; kind < 2; ++kind) {
-                planner::HostPlan host(l);
-                std::copy(tpe.begin(), tpe.end(), host.view.tpe_all);
-                planner::plan_counts(l, PlannerKind(kind), host.view);
-                // The parallel engine under every placement of the balanced planner's candidate path that gives a
-                // distinct path at this shape (kShared off the candidate path: plan_alloc on one thread, sampled
-                // like the serial engine), then the serial engine.
-                const planner::PlannerPlacement placements[] = {
-                    planner::PlannerPlacement::kAuto, planner::PlannerPlacement::kCountsGlobal,
-                    planner::PlannerPlacement::kGlobal, planner::PlannerPlacement::kShared,
-                    planner::PlannerPlacement::kAllocShared};
-                constexpr int kPlacements = int(sizeof(placements) / sizeof(placements[0]));
-                std::vector<std::string> paths_done;
-                for (int variant = 0; variant <= kPlacements; ++variant) {
-                    const int engine = variant == kPlacements ? 1 : 0;
-                    const bool slow_sample = sh.sweep ? m != 0 : sh.E > 64 && m % 3 != 0;
-                    // The serial engine (one GPU thread) is slow: sampled.
-                    if (engine == 1 && slow_sample) continue;
-                    std::string path = "serial";
-                    if (engine == 0) {
-                        if (kind == 0 && variant > 0) continue;  // the greedy kind has one parallel path
-                        planner::set_planner_placement(placements[variant]);
-                        path = kind == 0 ? "greedy" : planner::planner_path_name(l);
-                        if (std::find(paths_done.begin(), paths_done.end(), path) != paths_done.end()) continue;
-                        if (path == "core" && slow_sample) continue;
-                        paths_done.push_back(path);
-                    }
-                    std::vector<int32_t> init(words, 0);
-                    std::copy(tpe.begin(), tpe.end(), init.begin() + make_plan_sizes(l).tpe_all);
-                    FLATEP_CUDA_CHECK(cudaMemcpy(d_plan, init.data(), words * 4, cudaMemcpyHostToDevice));
-                    planner::launch_planner(l, PlannerKind(kind), make_plan_view(l, d_plan), ws,
-                                            planner::PlannerEngine(engine), nullptr);
-                    planner::set_planner_placement(planner::PlannerPlacement::kAuto);
-                    std::vector<int32_t> got(words);
-                    FLATEP_CUDA_CHECK(cudaMemcpy(got.data(), d_plan, words * 4, cudaMemcpyDeviceToHost));
-                    const PlanSizes ps = make_plan_sizes(l);
-                    const int32_t* want = host.view.tpe_all;
-                    for (int64_t w = 0; w < ps.entry_rank; ++w) {  // the global part
-                        if (got[w] != want[w]) {
-                            g_first = "planner (" + std::string(engine ? "serial" : "parallel") + " " + path + ", " +
-                                      planner_name(PlannerKind(kind)) + ", R=" + std::to_string(sh.R) +
-                                      " E=" + std::to_string(sh.E) + " S=" + std::to_string(sh.S) +
-                                      " K=" + std::to_string(sh.K) + " matrix " + std::to_string(m) +
-                                      "): " + plan_word_name(l, w) + " got " + std::to_string(got[w]) + " expected " +
-                                      std::to_string(want[w]);
-                            return false;
+        for (const Variant& var : variants) {
+            const int epn = sh.E / sh.R;
+            if (var.num_slots >= epn) continue;  // B = epn is the training layout
+            Config cfg;
+            cfg.num_ranks = sh.R;
+            cfg.num_experts = sh.E;
+            cfg.num_tokens = sh.S;
+            cfg.topk = sh.K;
+            cfg.hidden = 8;
+            cfg.align = sh.align;
+            cfg.capacity_factor = sh.cf;
+            cfg.num_slots = var.num_slots;
+            cfg.view_stride = var.stride_extra > 0 ? epn + var.stride_extra : 0;
+            const Layout l = make_layout(cfg, var.owner ? PlannerKind::kOwner : PlannerKind::kBalanced);
+            const size_t words = size_t(make_plan_sizes(l).total_words);
+            int32_t* d_plan = nullptr;
+            void* ws = nullptr;
+            FLATEP_CUDA_CHECK(cudaMalloc(&d_plan, words * 4));
+            FLATEP_CUDA_CHECK(cudaMalloc(&ws, planner::planner_workspace_bytes(l)));
+            const bool training = var.name[0] == '\0';
+            const int per_training = sh.sweep ? kSweepMatrices : num_matrices / num_small + 1;
+            const int per_shape = training ? per_training : sh.sweep ? 2 : std::max(2, per_training / 4);
+            for (int m = 0; m < per_shape; ++m) {
+                std::vector<int32_t> tpe;
+                const double sigmas[] = {0.0, 0.5, 1.0, 2.0, 3.0};
+                if (m % 7 == 6) {  // adversarial: every entry of every rank on one expert (K distinct per token)
+                    tpe.assign(size_t(sh.R) * sh.E, 0);
+                    for (int r = 0; r < sh.R; ++r)
+                        for (int k = 0; k < sh.K; ++k) tpe[size_t(r) * sh.E + (m + k) % sh.E] = sh.S;
+                } else if (sh.sweep) {
+                    tpe = routing::spread_counts(sh.R, sh.E, sh.S, sh.K, m < 5 ? sigmas[m] : 1.0, 1000 + m);
+                } else {
+                    tpe = routing::generate_counts(sh.R, sh.E, sh.S, sh.K, sigmas[m % 5], 1000 + m);
+                }
+                for (int kind = var.owner ? 2 : 0; kind < (var.owner ? 3 : 2); ++kind) {
+                    planner::HostPlan host(l);
+                    std::copy(tpe.begin(), tpe.end(), host.view.tpe_all);
+                    planner::plan_counts(l, PlannerKind(kind), host.view);
+                    // The parallel engine under every placement of the balanced planner's candidate path that gives a
+                    // distinct path at this shape (kShared off the candidate path: plan_alloc on one thread, sampled
+                    // like the serial engine), then the serial engine.
+                    const planner::PlannerPlacement placements[] = {
+                        planner::PlannerPlacement::kAuto, planner::PlannerPlacement::kCountsGlobal,
+                        planner::PlannerPlacement::kGlobal, planner::PlannerPlacement::kShared,
+                        planner::PlannerPlacement::kAllocShared};
+                    constexpr int kPlacements = int(sizeof(placements) / sizeof(placements[0]));
+                    std::vector<std::string> paths_done;
+                    for (int variant = 0; variant <= kPlacements; ++variant) {
+                        const int engine = variant == kPlacements ? 1 : 0;
+                        const bool slow_sample = sh.sweep ? m != 0 : sh.E > 64 && m % 3 != 0;
+                        // The serial engine (one GPU thread) is slow: sampled.
+                        if (engine == 1 && slow_sample) continue;
+                        std::string path = "serial";
+                        if (engine == 0) {
+                            // The greedy and owner kinds have one parallel path.
+                            if (kind != 1 && variant > 0) continue;
+                            planner::set_planner_placement(placements[variant]);
+                            path = kind != 1 ? planner_name(PlannerKind(kind)) : planner::planner_path_name(l);
+                            if (std::find(paths_done.begin(), paths_done.end(), path) != paths_done.end()) continue;
+                            if (path == "core" && slow_sample) continue;
+                            paths_done.push_back(path);
                         }
+                        std::vector<int32_t> init(words, 0);
+                        std::copy(tpe.begin(), tpe.end(), init.begin() + make_plan_sizes(l).tpe_all);
+                        FLATEP_CUDA_CHECK(cudaMemcpy(d_plan, init.data(), words * 4, cudaMemcpyHostToDevice));
+                        planner::launch_planner(l, PlannerKind(kind), make_plan_view(l, d_plan), ws,
+                                                planner::PlannerEngine(engine), nullptr);
+                        planner::set_planner_placement(planner::PlannerPlacement::kAuto);
+                        std::vector<int32_t> got(words);
+                        FLATEP_CUDA_CHECK(cudaMemcpy(got.data(), d_plan, words * 4, cudaMemcpyDeviceToHost));
+                        const PlanSizes ps = make_plan_sizes(l);
+                        const int32_t* want = host.view.tpe_all;
+                        for (int64_t w = 0; w < ps.entry_rank; ++w) {  // the global part
+                            if (got[w] != want[w]) {
+                                g_first = "planner (" + std::string(engine ? "serial" : "parallel") + " " + path +
+                                          ", " + planner_name(PlannerKind(kind)) + (training ? "" : ", ") + var.name +
+                                          ", R=" + std::to_string(sh.R) + " E=" + std::to_string(sh.E) +
+                                          " S=" + std::to_string(sh.S) + " K=" + std::to_string(sh.K) + " matrix " +
+                                          std::to_string(m) + "): " + plan_word_name(l, w) + " got " +
+                                          std::to_string(got[w]) + " expected " + std::to_string(want[w]);
+                                return false;
+                            }
+                        }
+                        ++done;
+                        ++done_by_path[training ? path : path + " (" + var.name + ")"];
                     }
-                    ++done;
-                    ++done_by_path[path];
                 }
             }
+            cudaFree(d_plan);
+            cudaFree(ws);
         }
-        cudaFree(d_plan);
-        cudaFree(ws);
     }
     std::printf("  planner sweep: %d plans bitwise equal to the host planner (MoonEP's sweep shapes included):", done);
-    for (const auto& [path, n] : done_by_path) std::printf(" %s %d", path.c_str(), n);
+    for (const auto& [path, n] : done_by_path) std::printf(" %s %d;", path.c_str(), n);
     std::printf("\n");
     return true;
 }
@@ -440,6 +459,42 @@ int main(int argc, char** argv) {
         s.routing = RoutingKind::kOneExpert;
         s.weighted = false;
         add(s, false, false);
+        // Serving layouts (forward: write_grads is training-only) and the owner planner: plan, dispatch, combine,
+        // prefetch of the B slots, bitwise against the CPU backend.
+        s = CaseSpec{};
+        s.name = "r4_serving_b1_skewed";
+        s.config = make_config(4, 32, 256, 4, 128, 16);
+        s.config.num_slots = 1;
+        s.sigma = 2.5;
+        add(s);
+        s.name = "r8_serving_b0_pad_rows_ragged";
+        s.config = make_config(8, 64, 512, 8, 256, 32);
+        s.config.num_slots = 0;
+        s.config.view_stride = 9;
+        s.num_tokens = 300;
+        s.sigma = 2.0;
+        add(s);
+        s = CaseSpec{};
+        s.name = "r8_serving_b4_graph";
+        s.config = make_config(8, 64, 512, 8, 256, 16);
+        s.config.num_slots = 4;
+        s.sigma = 3.0;
+        add(s, /*graph=*/true);
+        s = CaseSpec{};
+        s.name = "r4_owner_fwd_bwd";
+        s.config = make_config(4, 32, 64, 4, 128, 16);
+        s.planner = PlannerKind::kOwner;
+        s.sigma = 1.5;
+        s.backward = true;
+        add(s);
+        s = CaseSpec{};
+        s.name = "r8_owner_decode_view_b1_graph";
+        s.config = make_config(8, 64, 128, 8, 256, 8);
+        s.config.num_slots = 1;
+        s.planner = PlannerKind::kOwner;
+        s.num_tokens = 16;
+        s.sigma = 2.0;
+        add(s, /*graph=*/true);
         if (num_devices >= 2) {
             s = CaseSpec{};
             s.name = "r2_gpu_per_rank";

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -24,9 +25,9 @@ Config small() {
     return c;
 }
 
-std::string error_of(const Config& c) {
+std::string error_of(const Config& c, PlannerKind planner = PlannerKind::kBalanced) {
     try {
-        c.validate();
+        c.validate(planner);
     } catch (const Error& e) {
         EXPECT_EQ(e.category(), ErrorCategory::kInvalidArgument);
         return e.message();
@@ -174,6 +175,118 @@ TEST(Layout, SymmetricRegionsAreAlignedAndDisjoint) {
         EXPECT_EQ(offs[i] % 256, 0) << i;
         EXPECT_GE(offs[i + 1] - offs[i], sizes[i]) << i;
     }
+}
+
+// ---- Serving layout (Config::num_slots, view_stride) and the owner planner's capacity ----
+
+TEST(ServingConfig, BadSlotsAndStrideAreNamedWithTheirValue) {
+    Config c = small();
+    c.num_slots = 5;
+    EXPECT_EQ(error_of(c), "num_slots (B) must be -1 (= epn) or in [0, epn=4], got 5");
+    c.num_slots = -2;
+    EXPECT_EQ(error_of(c), "num_slots (B) must be -1 (= epn) or in [0, epn=4], got -2");
+    c = small();
+    c.view_stride = 3;
+    EXPECT_EQ(error_of(c), "view_stride (Q) must be 0 (= epn) or in [epn=4, 1048576], got 3");
+    c.view_stride = (1 << 20) + 1;
+    EXPECT_EQ(error_of(c), "view_stride (Q) must be 0 (= epn) or in [epn=4, 1048576], got 1048577");
+    c.view_stride = -1;
+    EXPECT_EQ(error_of(c), "view_stride (Q) must be 0 (= epn) or in [epn=4, 1048576], got -1");
+    // cu_seqlens [R][R*Q + B] must be indexable in int32: 64 * (64*2^20 + 1) is not.
+    c = small();
+    c.num_ranks = 64, c.num_experts = 64, c.view_stride = 1 << 20, c.num_slots = 1;
+    EXPECT_EQ(error_of(c),
+              "view_stride (Q) too large: cu_seqlens' R*(R*Q + B) = 64*67108865 must fit int32 (Q=1048576)");
+    c.num_ranks = 8, c.num_experts = 8;  // 8 * (8*2^20 + 1) fits
+    EXPECT_EQ(error_of(c), "");
+}
+
+TEST(ServingConfig, LimitsAreValid) {
+    for (int b : {-1, 0, 1, 4}) {
+        Config c = small();
+        c.num_slots = b;
+        EXPECT_EQ(error_of(c), "") << "num_slots " << b;
+    }
+    for (int q : {0, 4, 5, 1 << 20}) {
+        Config c = small();
+        c.view_stride = q;
+        EXPECT_EQ(error_of(c), "") << "view_stride " << q;
+    }
+}
+
+TEST(ServingConfig, LayoutOfTheViewGroups) {
+    Config c = small();
+    const Layout training = make_layout(c);
+    EXPECT_FALSE(training.serving);
+    EXPECT_EQ(training.num_slots, 4);
+    EXPECT_EQ(training.view_stride, 4);
+    EXPECT_EQ(training.num_groups(), 8);
+    EXPECT_EQ(training.first_slot_group(), 4);
+    c.num_slots = 4;  // B = epn spelled out: the training layout
+    EXPECT_FALSE(make_layout(c).serving);
+
+    c.num_slots = 2, c.view_stride = 6;
+    const Layout l = make_layout(c);
+    EXPECT_TRUE(l.serving);
+    EXPECT_EQ(l.num_groups(), 4 * 6 + 2);
+    EXPECT_EQ(l.first_slot_group(), 24);
+    EXPECT_EQ(l.num_recv_rows, training.num_recv_rows);  // round_up(C + 2*epn*(align-1), align) whatever B
+    EXPECT_EQ(l.capacity, 64);
+    EXPECT_EQ(l.expert_view_row(0), 0);
+    EXPECT_EQ(l.expert_view_row(5), 7);  // rank 1's local expert 1
+    EXPECT_EQ(l.expert_view_row(15), 21);
+    // group_expert over rank 2's view: rank h's experts at rows 6h..6h+3, pad rows 6h+4, 6h+5, then the 2 slots.
+    const int32_t slots[4] = {3, 9, -1, -1};  // rank 2 may list only B of them; entries past B are never read
+    std::vector<int> want;
+    for (int h = 0; h < 4; ++h) {
+        for (int i = 0; i < 4; ++i) want.push_back(h * 4 + i);
+        want.push_back(-1);
+        want.push_back(-1);
+    }
+    want.push_back(3);
+    want.push_back(9);
+    for (int g = 0; g < l.num_groups(); ++g) EXPECT_EQ(group_expert(l, slots, 2, g), want[size_t(g)]) << "group " << g;
+    // The plan's cu_seqlens holds R rows of num_groups() ends.
+    EXPECT_GE(make_plan_sizes(l).stats - make_plan_sizes(l).cu_seqlens, 4 * 26);
+}
+
+TEST(ServingConfig, OwnerCapacityIsTheWorstCase) {
+    Config c = small();
+    const Layout l = make_layout(c, PlannerKind::kOwner);
+    EXPECT_TRUE(l.owner);
+    EXPECT_FALSE(l.exact);
+    EXPECT_EQ(l.capacity, 4 * 32 * 2);  // R*S*K
+    EXPECT_EQ(l.num_recv_rows, 288);    // round_up(C + epn*(align-1), align) = round_up(284, 8)
+    EXPECT_EQ(l.num_groups(), 8);       // the training group layout (B = epn)
+    EXPECT_FALSE(make_layout(c, PlannerKind::kBalanced).owner);
+    EXPECT_EQ(make_layout(c, PlannerKind::kGreedy).capacity, 64);
+    c.num_slots = 1;
+    EXPECT_EQ(make_layout(c, PlannerKind::kOwner).num_groups(), 17);  // the serving view's, when B < epn
+
+    // What it costs, in one line, when it does not fit.
+    c = small();
+    c.num_ranks = 64, c.num_experts = 64, c.num_tokens = 1 << 22, c.topk = 16;  // R*S*K = 2^32
+    EXPECT_EQ(error_of(c, PlannerKind::kOwner),
+              "owner planner: its receive capacity R*S*K = 64*4194304*16 = 4294967296 rows must fit int32 (it is "
+              "meant for decode-sized S)");
+    EXPECT_EQ(error_of(c, PlannerKind::kBalanced).find("owner"), std::string::npos);      // R*NvS there, not owner's
+    c.num_ranks = 2, c.num_experts = 2, c.num_tokens = 1 << 29, c.topk = 1, c.align = 1;  // C = 2^30, R*NvS = 2^31
+    EXPECT_EQ(error_of(c, PlannerKind::kOwner),
+              "owner planner: receive rows NvS = 1073741824 (capacity R*S*K = 1073741824) times R = 2 must fit int32 "
+              "(it is meant for decode-sized S)");
+    EXPECT_EQ(error_of(small(), PlannerKind(7)), "planner kind must be greedy (0), balanced (1) or owner (2), got 7");
+}
+
+TEST(ServingConfig, HashMismatchAndTextIncludeTheNewFields) {
+    Config a = small(), b = small();
+    b.num_slots = 2;
+    EXPECT_NE(a.hash(), b.hash());
+    EXPECT_EQ(a.mismatch(b), "num_slots: -1 vs 2");
+    b = small();
+    b.view_stride = 5;
+    EXPECT_NE(a.hash(), b.hash());
+    EXPECT_EQ(a.mismatch(b), "view_stride: 0 vs 5");
+    EXPECT_NE(b.to_string().find("num_slots=-1, view_stride=5)"), std::string::npos) << b.to_string();
 }
 
 }  // namespace

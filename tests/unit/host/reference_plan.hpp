@@ -4,6 +4,7 @@
 // planner's choice (pinned by tests/unit/planner); alloc_violation checks it against design §4's constraints.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -12,42 +13,73 @@ namespace flatep::testing {
 
 struct ReferencePlan {
     int R = 0, E = 0, epn = 0, align = 1;
-    std::vector<int32_t> slot_expert;  // [R][epn] replica experts of each rank in ascending id, then -1
-    std::vector<int32_t> cu_seqlens;   // [R][2*epn] inclusive padded group ends
+    int num_groups = 0;                // 2*epn (training) or R*Q + B (serving)
+    std::vector<int32_t> slot_expert;  // [R][epn] slot experts of each rank in ascending id, then -1
+    std::vector<int32_t> cu_seqlens;   // [R][num_groups] inclusive padded group ends
     std::vector<int32_t> group_start;  // [R][E] first row of e's group on rank d, -1 when d does not host e
+    std::vector<int32_t> group_of;     // [R][E] the group holding e's rows on rank d, -1 when d does not host e
     // Per source s: [s's entries] destination rank and row of its entry i = t*K + k (-1 for an invalid id).
     std::vector<std::vector<int32_t>> entry_rank, entry_row;
 };
 
-// Group ends and slots from the allocation alone: groups g < epn are d's own experts d*epn + g, groups epn + j its
-// replicas in ascending expert id; a non-empty group is padded to a multiple of align.
-inline ReferencePlan reference_groups(int R, int E, int align, const std::vector<int32_t>& alloc) {
+// Group ends and slots from the allocation alone, for B slots per rank and Q view rows per rank (B = -1 or E/R: the
+// training layout). Training: groups g < epn are d's own experts d*epn + g, groups epn + j its replicas in ascending
+// expert id. Serving (B < epn): the replicas of d ordered by (rows on d descending, id ascending), the first B get the
+// slots (in ascending id); groups g < R*Q are the view rows (rank g / Q's expert g % Q, or padding when g % Q >= epn),
+// holding that expert's rows when it is d's own or a replica of d without a slot; groups R*Q + j the slots. A
+// non-empty group is padded to a multiple of align.
+inline ReferencePlan reference_groups(int R, int E, int align, const std::vector<int32_t>& alloc, int B = -1,
+                                      int Q = 0) {
     ReferencePlan p;
     p.R = R, p.E = E, p.epn = E / R, p.align = align;
     const int epn = p.epn;
+    if (B < 0) B = epn;
+    if (Q == 0) Q = epn;
+    const bool serving = B < epn;
+    p.num_groups = serving ? R * Q + B : 2 * epn;
+    const int G = p.num_groups;
     p.slot_expert.assign(size_t(R) * epn, -1);
-    p.cu_seqlens.assign(size_t(R) * 2 * epn, 0);
+    p.cu_seqlens.assign(size_t(R) * G, 0);
     p.group_start.assign(size_t(R) * E, -1);
+    p.group_of.assign(size_t(R) * E, -1);
     for (int d = 0; d < R; ++d) {
-        std::vector<int> groups;
-        for (int g = 0; g < epn; ++g) groups.push_back(d * epn + g);
-        int j = 0;
-        for (int e = 0; e < E; ++e) {
-            if (e / epn != d && alloc[size_t(d) * E + e] > 0) {
-                if (j < epn) p.slot_expert[size_t(d) * epn + j] = e;
-                groups.push_back(e);
-                ++j;
+        std::vector<int> replicas;  // ascending id
+        for (int e = 0; e < E; ++e)
+            if (e / epn != d && alloc[size_t(d) * E + e] > 0) replicas.push_back(e);
+        std::vector<int> slotted = replicas;
+        if (serving) {
+            std::vector<int> by_rows = replicas;
+            std::stable_sort(by_rows.begin(), by_rows.end(),
+                             [&](int a, int b) { return alloc[size_t(d) * E + a] > alloc[size_t(d) * E + b]; });
+            by_rows.resize(std::min(by_rows.size(), size_t(B)));
+            slotted.clear();
+            for (int e : replicas)
+                if (std::find(by_rows.begin(), by_rows.end(), e) != by_rows.end()) slotted.push_back(e);
+        }
+        for (size_t j = 0; j < slotted.size() && int(j) < epn; ++j) p.slot_expert[size_t(d) * epn + j] = slotted[j];
+        std::vector<int> groups;  // the expert whose rows each group holds, -1 for none
+        if (!serving) {
+            for (int g = 0; g < epn; ++g) groups.push_back(d * epn + g);
+            for (int j = 0; j < epn; ++j) groups.push_back(j < int(slotted.size()) ? slotted[j] : -1);
+        } else {
+            for (int g = 0; g < R * Q; ++g) {
+                const int h = g / Q, i = g % Q, e = h * epn + i;
+                const bool remote = i < epn && h != d && alloc[size_t(d) * E + e] > 0 &&
+                                    std::find(slotted.begin(), slotted.end(), e) == slotted.end();
+                groups.push_back(i < epn && (h == d || remote) ? e : -1);
             }
+            for (int j = 0; j < B; ++j) groups.push_back(j < int(slotted.size()) ? slotted[j] : -1);
         }
         int32_t end = 0;
-        for (int g = 0; g < 2 * epn; ++g) {
-            if (g < int(groups.size())) {
-                const int e = groups[g];
+        for (int g = 0; g < G; ++g) {
+            const int e = groups[g];
+            if (e >= 0) {
                 p.group_start[size_t(d) * E + e] = end;
+                p.group_of[size_t(d) * E + e] = g;
                 const int32_t rows = alloc[size_t(d) * E + e];
                 end += (rows + align - 1) / align * align;
             }
-            p.cu_seqlens[size_t(d) * 2 * epn + g] = end;
+            p.cu_seqlens[size_t(d) * G + g] = end;
         }
     }
     return p;
@@ -59,8 +91,8 @@ inline ReferencePlan reference_groups(int R, int E, int align, const std::vector
 // sources in ascending rank, each in (token, k) order, cut among the hosts in ascending rank into alloc - kept
 // pieces. Inside a group rows follow (source rank, token, k).
 inline ReferencePlan reference_plan(int R, int E, int align, const std::vector<int32_t>& alloc,
-                                    const std::vector<std::vector<int32_t>>& topk_idx) {
-    ReferencePlan p = reference_groups(R, E, align, alloc);
+                                    const std::vector<std::vector<int32_t>>& topk_idx, int B = -1, int Q = 0) {
+    ReferencePlan p = reference_groups(R, E, align, alloc, B, Q);
     std::vector<int64_t> tpe(size_t(R) * E, 0);
     for (int s = 0; s < R; ++s) {
         for (int32_t e : topk_idx[s]) {

@@ -1,0 +1,190 @@
+// derive_rank (planner/derive.hpp) on a lane group of W host threads against the one-lane host derive: the GPU's warp
+// runs it with W = 32 lanes of 4 items each, and only the host runs here. Each primitive of the simulated lane group is
+// an exchange between two barriers and `sync` is a barrier, so lanes run concurrently between primitives, as a warp's
+// lanes do under independent thread scheduling: code that reads another lane's writes without a sync in between, or
+// that places items differently with several lanes or items per lane, gives other plans than one lane does.
+// Allocations are drawn directly (not planned), with up to epn replicas per rank and equal row counts, so that the
+// serving slot choice sees more replicas than slots and more replicas than lanes.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <barrier>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "flatep/config.hpp"
+#include "planner/derive.hpp"
+#include "planner/planner.hpp"
+#include "routing/routing.hpp"
+
+namespace flatep {
+namespace {
+
+template <int W>
+struct LaneShared {
+    std::barrier<> bar{W};
+    int64_t v[W];
+};
+
+// A lane group of W threads (planner/derive.hpp's contract), each taking Q items per pass.
+template <int W, int Q>
+struct ThreadLanes {
+    static_assert(W <= 32, "lane masks are 32-bit");
+    static constexpr int kWidth = W;
+    static constexpr int kItems = Q;
+    int lane;
+    LaneShared<W>* sh;
+
+    void sync() const { sh->bar.arrive_and_wait(); }
+    // Every lane posts v; f(all values) once all have; then everyone moves on.
+    template <class F>
+    auto exchange(int64_t v, F&& f) const {
+        sh->v[lane] = v;
+        sync();
+        const auto r = f(static_cast<const int64_t*>(sh->v));
+        sync();
+        return r;
+    }
+    int64_t total(int64_t v) const {
+        return exchange(v, [](const int64_t* a) {
+            int64_t s = 0;
+            for (int i = 0; i < W; ++i) s += a[i];
+            return s;
+        });
+    }
+    int32_t inclusive_sum(int32_t v) const {
+        return exchange(v, [&](const int64_t* a) {
+            int32_t s = 0;
+            for (int i = 0; i <= lane; ++i) s += int32_t(a[i]);
+            return s;
+        });
+    }
+    int32_t from_last(int32_t v) const {
+        return exchange(v, [](const int64_t* a) { return int32_t(a[W - 1]); });
+    }
+    unsigned sum(unsigned v) const { return unsigned(total(v)); }
+    int32_t sum(int32_t v) const { return int32_t(total(v)); }
+    void sum2(int64_t& a, int64_t& b) const {
+        a = total(a);
+        b = total(b);
+    }
+    int32_t max(int32_t v) const {
+        return exchange(v, [](const int64_t* a) {
+            int64_t m = a[0];
+            for (int i = 1; i < W; ++i) m = a[i] > m ? a[i] : m;
+            return int32_t(m);
+        });
+    }
+    int32_t min(int32_t v) const { return -max(-v); }
+    unsigned match(int key) const {
+        return exchange(key, [&](const int64_t* a) {
+            unsigned m = 0;
+            for (int i = 0; i < W; ++i) m |= unsigned(a[i] == key) << i;
+            return m;
+        });
+    }
+    unsigned sum_in(unsigned mask, unsigned v) const {
+        return exchange(v, [&](const int64_t* a) {
+            unsigned s = 0;
+            for (int i = 0; i < W; ++i) s += (mask >> i) & 1u ? unsigned(a[i]) : 0u;
+            return s;
+        });
+    }
+    bool leads(unsigned mask) const { return lane == __builtin_ctz(mask); }
+    bool any(bool b) const { return total(b ? 1 : 0) != 0; }
+    void add(int32_t* p, int32_t v) const { std::atomic_ref<int32_t>(*p).fetch_add(v); }
+    void add(unsigned long long* p, unsigned long long v) const {
+        std::atomic_ref<unsigned long long>(*p).fetch_add(v);
+    }
+};
+
+struct RankArrays {
+    std::vector<int32_t> group_row, slot_expert, cu_seqlens, loads_after, replicas_in;
+};
+
+// derive_rank of every rank of `alloc` on lane group G (W threads, or OneLane on this thread); the slot copy in scratch
+// of its own, as on the GPU.
+template <class G>
+RankArrays derive_ranks(const Layout& l, const std::vector<int32_t>& alloc) {
+    planner::HostPlan plan(l);
+    std::copy(alloc.begin(), alloc.end(), plan.view.alloc);
+    std::vector<int32_t> slot_scratch(size_t(l.num_experts), 0);
+    planner::DeriveSums sums{};
+    if constexpr (G::kWidth == 1) {
+        for (int d = 0; d < l.num_ranks; ++d)
+            planner::derive_rank(G{}, l, plan.view, plan.view.alloc, slot_scratch.data(), d, sums);
+    } else {
+        LaneShared<G::kWidth> shared;
+        std::vector<std::thread> threads;
+        for (int lane = 0; lane < G::kWidth; ++lane) {
+            threads.emplace_back([&, lane] {
+                const G g{lane, &shared};
+                for (int d = 0; d < l.num_ranks; ++d)
+                    planner::derive_rank(g, l, plan.view, plan.view.alloc, slot_scratch.data(), d, sums);
+            });
+        }
+        for (std::thread& t : threads) t.join();
+    }
+    const int64_t R = l.num_ranks, E = l.num_experts;
+    RankArrays out;
+    out.group_row.assign(plan.view.group_row, plan.view.group_row + R * E);
+    out.slot_expert.assign(plan.view.slot_expert, plan.view.slot_expert + R * l.experts_per_rank);
+    out.cu_seqlens.assign(plan.view.cu_seqlens, plan.view.cu_seqlens + R * l.num_groups());
+    out.loads_after.assign(sums.loads_after, sums.loads_after + R);
+    out.replicas_in.assign(sums.replicas_in, sums.replicas_in + R);
+    return out;
+}
+
+void expect_same(const RankArrays& got, const RankArrays& want, const std::string& what) {
+    EXPECT_EQ(got.group_row, want.group_row) << what;
+    EXPECT_EQ(got.slot_expert, want.slot_expert) << what;
+    EXPECT_EQ(got.cu_seqlens, want.cu_seqlens) << what;
+    EXPECT_EQ(got.loads_after, want.loads_after) << what;
+    EXPECT_EQ(got.replicas_in, want.replicas_in) << what;
+}
+
+TEST(DeriveLanes, WarpShapedLaneGroupsDeriveAsOneLane) {
+    uint64_t state = 777;
+    auto below = [&](int n) { return int(routing::mix64(state++) % uint64_t(n)); };
+    int cases = 0, over_lanes = 0;
+    for (int it = 0; it < 120; ++it) {
+        const int R = 1 + below(6), epn = 1 + below(it % 3 == 0 ? 70 : 9), E = R * epn;
+        Config c;
+        c.num_ranks = R;
+        c.num_experts = E;
+        c.num_tokens = 64;
+        c.topk = 1;
+        c.align = 1 + below(3) * 3;
+        c.num_slots = below(3) == 0 ? -1 : below(epn + 1);
+        c.view_stride = below(2) == 0 ? 0 : epn + below(3);
+        const Layout l = make_layout(c);
+        // Own rows, and up to epn replicas per rank with rows from a small range (ties).
+        std::vector<int32_t> alloc(size_t(R) * E, 0);
+        for (int d = 0; d < R; ++d) {
+            for (int i = 0; i < epn; ++i) alloc[size_t(d) * E + d * epn + i] = below(4) == 0 ? 0 : below(9);
+            const int replicas = below(epn + 1);
+            for (int k = 0; k < replicas; ++k) {
+                const int e = below(E);
+                if (e / epn != d) alloc[size_t(d) * E + e] = 1 + below(5);
+            }
+            int n = 0;
+            for (int e = 0; e < E; ++e) n += e / epn != d && alloc[size_t(d) * E + e] > 0;
+            over_lanes += n > 4 && n > l.num_slots;
+        }
+        const std::string what = "it=" + std::to_string(it) + " R=" + std::to_string(R) +
+                                 " epn=" + std::to_string(epn) + " B=" + std::to_string(l.num_slots) +
+                                 " Q=" + std::to_string(l.view_stride);
+        const RankArrays want = derive_ranks<planner::OneLane>(l, alloc);
+        expect_same(derive_ranks<ThreadLanes<32, 4>>(l, alloc), want, "32 lanes x 4 items " + what);
+        expect_same(derive_ranks<ThreadLanes<4, 1>>(l, alloc), want, "4 lanes x 1 item " + what);
+        expect_same(derive_ranks<ThreadLanes<3, 2>>(l, alloc), want, "3 lanes x 2 items " + what);
+        if (HasFailure()) return;
+        ++cases;
+    }
+    EXPECT_EQ(cases, 120);
+    EXPECT_GT(over_lanes, 20);  // more replicas than slots and than the 4-lane group: multi-pass slot compaction
+}
+
+}  // namespace
+}  // namespace flatep
