@@ -613,11 +613,7 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     spec.expert_elems = int64_t(l.hidden) * c.shape.ffn;
     spec.sigma = sigma;
     spec.seed = 42;
-<<<<<<< HEAD
-    LocalDeviceGroup group(l.num_ranks, false, 30.0, o.num_sms);
-=======
-    testing::LocalDeviceGroup group(l.num_ranks, false, 30.0, o.sm_budget);
->>>>>>> layers45
+    testing::LocalDeviceGroup group(l.num_ranks, false, 30.0, o.num_sms);
     DeviceCase dev(spec, l, group);
     const double rank_gbps =
         rank_copy_gbps(group.num_sms() > 0 ? group.num_sms() : 2 * kernels::device_sm_count(), group.stream(0));

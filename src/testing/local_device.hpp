@@ -1,13 +1,8 @@
 // `local` transport on GPUs (design §7): R ranks in one process, either R virtual ranks on one GPU (one device
 // allocation holds every rank's symmetric region; peer pointers point into it) or one rank per GPU with peer
 // access. Each rank gets its own stream, its barrier epoch in device memory, a host-mapped sync::WaitRecord and an SM
-<<<<<<< HEAD
-// budget (num_sms(): pass it to every launch) so that all ranks' kernels are co-resident on a shared GPU: a kernel spinning on a
-// peer's flag never starves that peer.
-=======
-// budget (sync::SyncArgs::max_blocks) so that all ranks' kernels are co-resident on a shared GPU: a kernel spinning on
-// a peer's flag never starves that peer.
->>>>>>> layers45
+// budget (num_sms(): pass it to every launch) so that all ranks' kernels are co-resident on a shared GPU: a kernel
+// spinning on a peer's flag never starves that peer.
 //
 //   LocalDeviceGroup group(8);                       // 8 virtual ranks on the current GPU
 //   auto regions = group.allocate(bytes);            // regions[r].peers[p] = rank p's region
