@@ -741,11 +741,11 @@ RankSummary RankBench::run(const Case& c, std::vector<std::vector<float>>& times
         // Plans live until every iteration is timed: freeing one (cudaFree) would synchronise inside the timed region.
         std::vector<Plan> timed;
         timed.reserve(size_t(options_.warmup + options_.iters));
-        times[kPlanFlat] =
-            time_op([&] { timed.push_back(buffer.plan(topk.get(), 4, S, nullptr, on)); }, summary.host_bound[kPlanFlat]);
+        times[kPlanFlat] = time_op([&] { timed.push_back(buffer.plan(topk.get(), 4, S, nullptr, on)); },
+                                   summary.host_bound[kPlanFlat]);
     }
-    times[kDispatchFlat] =
-        time_op([&] { buffer.dispatch(plan, x.get(), w.get(), recv_x, recv_w, on); }, summary.host_bound[kDispatchFlat]);
+    times[kDispatchFlat] = time_op([&] { buffer.dispatch(plan, x.get(), w.get(), recv_x, recv_w, on); },
+                                   summary.host_bound[kDispatchFlat]);
     times[kCombineFlat] =
         time_op([&] { buffer.combine(plan, y.get(), y_w.get(), out.get(), on); }, summary.host_bound[kCombineFlat]);
     times[kDispatchDedup] =

@@ -21,7 +21,8 @@
 // `--preset k3 --ffn 512` (Kimi K3's shape on 8 virtual ranks) or `--preset moonep --maxvio 1` (one MoonEP case).
 // --ffn: H', the expert width; prefetch and reduce_grad move H*H' elements per expert. --tokens-per-call: s <= S
 // tokens each rank passes (default S; one case per value). --num-sms: every rank's SM budget, the most thread blocks
-// one of its launches uses (LocalDeviceGroup; 0: twice SMs / R, so 32 blocks for 8 ranks on an H200's 132 SMs). Routing sigmas of --maxvio targets are bisected on min(R, 8) ranks (--sigma-cache keeps them between runs).
+// one of its launches uses (LocalDeviceGroup; 0: twice SMs / R, so 32 blocks for 8 ranks on an H200's 132 SMs). Routing
+// sigmas of --maxvio targets are bisected on min(R, 8) ranks (--sigma-cache keeps them between runs).
 // --planner-only: only the planner kernels on host-generated counts of every case (no data plane, no cross-rank
 // barrier, so it also runs under a kernel profiler; --seeds routings per case, seeds 42..), graph-timed, with the
 // plan's P and replicas, the greedy's, the host planner's time, and whether the GPU plan equals the host planner's
@@ -681,11 +682,23 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
         a.rank = r;
         a.num_ranks = R;
         a.experts_per_rank = l.experts_per_rank;
+        a.num_slots = l.experts_per_rank;
         a.expert_bytes = spec.expert_elems * 2;
         a.slot_expert = make_plan_view(l, dev.ranks[r].plan).slot_expert;
         a.weights = reinterpret_cast<const uint8_t*>(dev.ranks[r].expert_w);
         for (int p = 0; p < R; ++p) a.slot_pools[p] = dev.slot_regions[r].peers[p];
         a.sync = sync(r);
+        return a;
+    };
+    // The same replicas pulled by their holders from the owners' weights (serving's prefetch): one barrier, each rank
+    // writes only its own slots. The virtual ranks share one process, so every rank's weights are readable as they are.
+    auto prefetch_pull_args = [&](int r) {
+        PrefetchArgs a = prefetch_args(r);
+        a.pull = true;
+        for (int p = 0; p < R; ++p) {
+            a.owners[p] = reinterpret_cast<const uint8_t*>(dev.ranks[p].expert_w);
+            a.slot_pools[p] = p == r ? dev.slot_regions[r].local : nullptr;
+        }
         return a;
     };
     auto reduce_args = [&](int r) {
@@ -729,12 +742,16 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     auto prefetch_all = [&] {
         for (int r = 0; r < R; ++r) kernels::launch(prefetch_args(r), group.stream(r), group.num_sms());
     };
+    auto prefetch_pull_all = [&] {
+        for (int r = 0; r < R; ++r) kernels::launch(prefetch_pull_args(r), group.stream(r), group.num_sms());
+    };
     auto reduce_all = [&] {
         for (int r = 0; r < R; ++r) kernels::launch(reduce_args(r), group.stream(r), group.num_sms());
     };
     const Timing t_dispatch = bench::time_ranks(group, o.iters, o.warmup, dispatch_all);
     const Timing t_combine = bench::time_ranks(group, o.iters, o.warmup, combine_all);
     const Timing t_prefetch = bench::time_ranks(group, o.iters, o.warmup, prefetch_all);
+    const Timing t_prefetch_pull = bench::time_ranks(group, o.iters, o.warmup, prefetch_pull_all);
     const Timing t_reduce = bench::time_ranks(group, std::max(3, o.iters / 4), 1, reduce_all);
     // The same ops replayed as one graph of every rank's stream (no host launch time: the device time of a step).
     constexpr int kGraphBatch = 3;
@@ -742,6 +759,7 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     const Timing g_dispatch = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, dispatch_all);
     const Timing g_combine = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, combine_all);
     const Timing g_prefetch = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, prefetch_all);
+    const Timing g_prefetch_pull = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, prefetch_pull_all);
     const Timing g_reduce = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, reduce_all);
     // Where the pool ops' time goes: their kernels alone (the same launches with sync.num_ranks = 1, so that
     // launch_barrier launches nothing), their two cross-rank barriers alone, and an empty graph of the same fork and
@@ -751,7 +769,8 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
         return a;
     };
     const Timing g_prefetch_kernels = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [&] {
-        for (int r = 0; r < R; ++r) kernels::launch(without_barriers(prefetch_args(r)), group.stream(r), group.num_sms());
+        for (int r = 0; r < R; ++r)
+            kernels::launch(without_barriers(prefetch_args(r)), group.stream(r), group.num_sms());
     });
     const Timing g_reduce_kernels = bench::time_ranks_graph(group, o.iters, o.warmup, kGraphBatch, [&] {
         for (int r = 0; r < R; ++r) kernels::launch(without_barriers(reduce_args(r)), group.stream(r), group.num_sms());
@@ -821,6 +840,7 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
                         {"dispatch", t_dispatch, g_dispatch, bytes.dispatch, true},
                         {"combine", t_combine, g_combine, bytes.combine, true},
                         {"prefetch", t_prefetch, g_prefetch, pre_bytes, true},
+                        {"prefetch_pull", t_prefetch_pull, g_prefetch_pull, pre_bytes, false},
                         {"reduce_grad", t_reduce, g_reduce, red_bytes, true},
                         {"prefetch.kernels", g_prefetch_kernels, g_prefetch_kernels, pre_bytes, false},
                         {"reduce_grad.kernels", g_reduce_kernels, g_reduce_kernels, red_bytes, false},

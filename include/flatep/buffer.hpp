@@ -196,7 +196,7 @@ class Buffer {
 
   private:
     void check_plan(const Plan& plan, const char* op) const;
-    Launch enter(const char* op, const Launch& launch);  // the call's launch with its budget resolved
+    Launch enter(const char* op, const Launch& launch);            // the call's launch with its budget resolved
     [[noreturn]] void throw_status(const int32_t words[4]) const;  // the error the status words hold
     void after_op(const Launch& launch);
     template <typename Args>

@@ -19,6 +19,16 @@
 //
 // The slot and reduce pools are shared by every layer: prefetch a layer's replicas right before computing it
 // (again in backward), and reduce its gradients before the next layer writes the reduce pool.
+//
+// Serving (num_slots B < epn; design §5 "Serving layout"): each rank keeps only B slots and the layer's own weights
+// are symmetric memory every rank maps. weights(p) is one view [view_rows][rows][cols], laid out the same on every
+// rank: rank r's own experts at rows [r*Q, r*Q + epn) (Q = view_stride() >= epn: the mapping granularity may force
+// Q - epn empty pad rows between the ranks' chunks), then this rank's B slots at rows [R*Q, R*Q + B). A replica
+// beyond the B slots is computed straight from its home rank's memory through the view (the plan's group of view row
+// home*Q + local), and prefetch is a pull: each rank copies its slotted experts from their owners' memory into its
+// own slots (one barrier). Serving pools are forward-only (no reduce pools; reduce_grad / write_grads refuse), and
+// register_layer is collective there. Projections of 1-byte (e4m3) or 4-byte (e.g. fp32 block scales) elements
+// move as bytes with the rest; pools with such a projection are forward-only too.
 #pragma once
 
 #include <cstdint>
@@ -31,15 +41,18 @@
 namespace flatep {
 
 struct ProjectionShape {
-    int64_t rows = 0;  // per expert: bf16 weights [rows][cols], fp32 grads [rows][cols]
+    int64_t rows = 0;  // per expert: weights [rows][cols] (fp32 grads [rows][cols] for bf16 weights in training)
     int64_t cols = 0;
+    int elem_bytes = 2;  // bytes of one weight: 2 (bf16, the default), 1 (e4m3) or 4 (fp32, e.g. block scales)
     int64_t elems() const { return rows * cols; }
+    int64_t expert_bytes() const { return elems() * elem_bytes; }
 };
 
 class ExpertPools;
 class CollectiveGuard;  // runtime/collective_guard.hpp: poisoning after a failed cross-rank wait
 namespace runtime {
-class PoolsBackend;  // runtime/backend.hpp: host twins or CUDA kernels, chosen at construction
+class PoolsBackend;        // runtime/backend.hpp: host twins or CUDA kernels, chosen at construction
+struct ServingGeometry;    // runtime/serving_view.hpp: the serving view's chunks
 }  // namespace runtime
 
 // One layer's expert memory (per projection: own weights and own grads, each the transport's local memory) and its
@@ -52,7 +65,8 @@ class ExpertLayer {
     ~ExpertLayer();
 
     int num_projections() const { return int(projections_.size()); }
-    // Compute views [2*epn][rows][cols].
+    // Compute views: [2*epn][rows][cols] in training, [view_rows][rows][cols] in serving (ExpertPools's comment);
+    // elements of the projection's elem_bytes. grads(p) is null for forward-only pools.
     uint16_t* weights(int projection) const;
     float* grads(int projection) const;
     // The layer's own memory [epn][rows][cols] through its own mapping (aliases weights(p)'s first epn experts).
@@ -65,10 +79,12 @@ class ExpertLayer {
   private:
     friend class ExpertPools;
     struct Projection {
-        LocalMemory weights_own, grads_own;   // the layer's own memory; its data ends where the memory ends
-        MappedView weights_view, grads_view;  // own memory, then this rank's slot / reduce pool region
-        uint16_t* weights = nullptr;          // start of the weights view's data (inside the own memory's part)
+        LocalMemory weights_own, grads_own;   // training: the layer's own memory; its data ends where the memory ends
+        SymmetricRegion weights_shared;       // serving: the own weights, every rank's mapped (data at own_offset)
+        MappedView weights_view, grads_view;  // the compute views
+        uint16_t* weights = nullptr;          // start of the weights view's data
         float* grads = nullptr;
+        uint8_t* own = nullptr;               // this rank's own experts [epn] (through their own mapping)
     };
     void reset() noexcept;
     const Projection& projection(int p) const;
@@ -83,15 +99,20 @@ class ExpertPools {
     using Layer = ExpertLayer;
 
     // Collective over the transport's ranks. experts_per_rank: epn = E / R of the Buffers the plans come from.
-    ExpertPools(std::shared_ptr<Transport> transport, int experts_per_rank, std::vector<ProjectionShape> projections);
+    // num_slots: B in [0, epn] replica slots per rank, or -1 for epn (training). The Buffers whose plans these pools
+    // take must have the same num_slots, and, in serving, view_stride() as their Config::view_stride.
+    ExpertPools(std::shared_ptr<Transport> transport, int experts_per_rank, std::vector<ProjectionShape> projections,
+                int num_slots = -1);
     ~ExpertPools();  // releases the pools; never throws
     ExpertPools(const ExpertPools&) = delete;
     ExpertPools& operator=(const ExpertPools&) = delete;
 
-    // Local (not collective): creates a layer's zero-filled weights and grads and maps its compute views.
+    // Creates a layer's zero-filled weights (and grads) and maps its compute views. Training: local (not
+    // collective); serving: collective (the own weights are symmetric memory).
     ExpertLayer register_layer();
 
-    // Collective: owners push this step's replicas (plan.slot_expert) of every projection into the slot pools.
+    // Collective. Training: owners push this step's replicas (plan.slot_expert) of every projection into the slot
+    // pools (two barriers). Serving: each rank pulls its B slotted experts from their owners (one barrier).
     void prefetch(const Plan& plan, const ExpertLayer& layer, const Launch& launch = {});
     // Collective: owners add the replicas' fp32 grads (reduce pools) into the layer's own grads in ascending
     // (rank, slot) order; then every rank zeroes its consumed slots.
@@ -109,9 +130,18 @@ class ExpertPools {
                      bool accumulate = false, const Launch& launch = {});
 
     int experts_per_rank() const { return experts_per_rank_; }
+    int num_slots() const { return num_slots_; }      // B
+    bool serving() const { return num_slots_ < experts_per_rank_; }
+    bool trains() const { return trains_; }           // reduce_grad / write_grads available (training, bf16 weights)
+    int view_stride() const { return view_stride_; }  // Q: view rows per rank (serving; epn in training)
+    // Rows of the weights view: R*Q + B in serving, 2*epn in training.
+    int64_t view_rows() const;
+    // The view row of expert e's own weights in serving (home(e)*Q + local(e)).
+    int64_t view_row(int expert) const;
     int num_projections() const { return int(projections_.size()); }
     const ProjectionShape& shape(int projection) const;
-    // This rank's pools [epn][rows][cols] (what the views' second half maps).
+    // This rank's pools [B][rows][cols] (what the views map after the own experts); reduce_pool is null when the
+    // pools do not train.
     uint16_t* slot_pool(int projection) const;
     float* reduce_pool(int projection) const;
     uint64_t id() const { return id_; }
@@ -130,6 +160,10 @@ class ExpertPools {
 
   private:
     Launch enter(const Plan& plan, const ExpertLayer& layer, const char* op, const Launch& launch) const;
+    void check_trains(const char* op) const;
+    ExpertLayer register_serving_layer();
+
+    std::vector<runtime::ServingGeometry> serving_;  // serving: per projection, where the view's chunks go
 
     std::shared_ptr<Transport> transport_;
     int experts_per_rank_;
@@ -141,6 +175,9 @@ class ExpertPools {
     std::unique_ptr<CollectiveGuard> guard_;
     double timeout_s_ = 0;  // the transport's timeout when the pools were built: every op's waits
     int num_sms_ = 0;
+    int num_slots_ = 0;
+    int view_stride_ = 0;
+    bool trains_ = false;
     std::unique_ptr<runtime::PoolsBackend> backend_;
 };
 

@@ -23,7 +23,8 @@ void grad_reduce(const GradReduceArgs& a) {
             }
         }
     }
-    sync::host::barrier(a.sync, sync::kOpGradReduce);  // every owner has read and zeroed its sources before a holder writes them again
+    sync::host::barrier(
+        a.sync, sync::kOpGradReduce);  // every owner has read and zeroed its sources before a holder writes them again
 }
 
 }  // namespace flatep::host

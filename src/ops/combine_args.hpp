@@ -6,8 +6,8 @@
 #include <cstdint>
 
 #include "layout/layout.hpp"
-#include "ops/check.hpp"
 #include "layout/plan.hpp"
+#include "ops/check.hpp"
 #include "sync/sync.hpp"
 
 namespace flatep {

@@ -17,9 +17,9 @@
 #include <cstdint>
 
 #include "common/check.hpp"
-#include "ops/check.hpp"
 #include "layout/layout.hpp"
 #include "layout/plan.hpp"
+#include "ops/check.hpp"
 
 namespace flatep {
 

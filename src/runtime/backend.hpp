@@ -1,8 +1,8 @@
 // The backends of Buffer and ExpertPools: one object per Buffer / pools, chosen once at construction from the
 // transport's memory kind (host memory: the CPU backend's host twins, each op synchronously on the calling thread;
-// device memory: the CUDA kernels, each op enqueued on its launch's stream). The runtime fills an op's Args, checks them
-// once (check_<op>_args, next to the Args in src/ops) and calls one method here: no runtime code tests a pointer or a
-// memory kind to pick a backend. A backend trusts checked Args.
+// device memory: the CUDA kernels, each op enqueued on its launch's stream). The runtime fills an op's Args, checks
+// them once (check_<op>_args, next to the Args in src/ops) and calls one method here: no runtime code tests a pointer
+// or a memory kind to pick a backend. A backend trusts checked Args.
 #pragma once
 
 #include <cstdint>
@@ -48,7 +48,8 @@ class OpsBackend {
     // A synchronising read of the status words (diagnostics) and their reset.
     virtual void read_status(int32_t words[4], const int32_t* status, const Launch& launch) = 0;
     virtual void clear_status(int32_t* status, const Launch& launch) = 0;
-    // Fills the backend's part of a collective op's sync::SyncArgs (device: epoch word, wait record, host-mapped status).
+    // Fills the backend's part of a collective op's sync::SyncArgs (device: epoch word, wait record, host-mapped
+    // status).
     virtual void fill_sync(sync::SyncArgs& sync) const = 0;
     // Construction only: waits for all work of the backend's device (the zero fill of new regions runs outside the
     // ops' streams). A no-op on the host.
@@ -75,10 +76,10 @@ class BufferBackend : public OpsBackend {
 struct BufferSite {
     const Layout* layout;
     std::shared_ptr<Transport> transport;
-    CollectiveGuard* guard;        // host ops run inside guard->run (poisoning on a failed wait)
-    host::OpStats* const* stats;   // the Buffer's optional counters of the CPU backend's ops
-    int num_plan_slots;            // device plans the backend keeps itself
-    int64_t plan_words;            // int32 words of one device plan
+    CollectiveGuard* guard;       // host ops run inside guard->run (poisoning on a failed wait)
+    host::OpStats* const* stats;  // the Buffer's optional counters of the CPU backend's ops
+    int num_plan_slots;           // device plans the backend keeps itself
+    int64_t plan_words;           // int32 words of one device plan
 };
 
 // The backend of the transport's memory kind (the one place that looks at it), and each kind's own factory (the

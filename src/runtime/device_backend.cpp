@@ -107,7 +107,8 @@ class DeviceBufferBackend final : public DeviceOps<BufferBackend> {
         : DeviceOps(site.transport), num_plan_slots_(site.num_plan_slots), plan_words_(site.plan_words) {
         const std::unique_ptr<DeviceBinding> bound = transport_->bind_device();
         FLATEP_CUDA_CHECK(cudaMalloc(&workspace_, plan_workspace_bytes(*site.layout)));
-        if (num_plan_slots_ > 0) plan_slots_ = allocate_words(size_t(num_plan_slots_) * size_t(plan_words_), transport_);
+        if (num_plan_slots_ > 0)
+            plan_slots_ = allocate_words(size_t(num_plan_slots_) * size_t(plan_words_), transport_);
         slot_generations_ = std::make_shared<std::vector<uint64_t>>(size_t(num_plan_slots_), 0);
     }
     ~DeviceBufferBackend() override {
@@ -125,7 +126,8 @@ class DeviceBufferBackend final : public DeviceOps<BufferBackend> {
         if (storage != nullptr) {
             data.device_words = std::shared_ptr<int32_t>(storage, [](int32_t*) {});  // the caller's memory
         } else {
-            FLATEP_CHECK(num_plan_slots_ > 0, "plan: this Buffer has no plan slots (num_plan_slots=0): pass plan_storage of ",
+            FLATEP_CHECK(num_plan_slots_ > 0,
+                         "plan: this Buffer has no plan slots (num_plan_slots=0): pass plan_storage of ",
                          "plan_words()=", words, " int32");
             data.slot = int((data.generation - 1) % uint64_t(num_plan_slots_));
             (*slot_generations_)[size_t(data.slot)] = data.generation;

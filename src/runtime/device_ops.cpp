@@ -32,8 +32,8 @@ cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream);
 size_t plan_kernels_part(const Layout& l) { return (kernels::plan_kernels_workspace_bytes(l) + 255) / 256 * 256; }
 
 // Loads the planner's kernels on the current device before its first plan op there (once per device). The runtime's
-// device backend preloads them with the kernels' own; this covers the callers that only preload the kernels library (tests
-// and benchmarks on LocalDeviceGroup): its first plan op runs before any kernel of a peer spins.
+// device backend preloads them with the kernels' own; this covers the callers that only preload the kernels library
+// (tests and benchmarks on LocalDeviceGroup): its first plan op runs before any kernel of a peer spins.
 void preload_planner_once() {
     static std::atomic<uint64_t> loaded{0};  // bit d: device d
     int device = 0;
@@ -68,7 +68,8 @@ WaitRecordHost::~WaitRecordHost() {
 }
 
 int32_t WaitRecordHost::failure_code() const {
-    return static_cast<const volatile sync::WaitRecord*>(&host_->wait)->code;  // written by the GPU, code last (sync.hpp)
+    return static_cast<const volatile sync::WaitRecord*>(&host_->wait)
+        ->code;  // written by the GPU, code last (sync.hpp)
 }
 
 bool WaitRecordHost::take_status(int32_t words[4]) {
@@ -86,11 +87,12 @@ std::string WaitRecordHost::failure_message() const {
     if (code == 0) return "";
     std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before code
     if (code == sync::kStatusTimeout) {  // the GPU knows no wall time: name the flags instead of seconds
-        return detail::concat("timeout in ", sync::host::op_name(sync::OpId(r->op)), " (GPU): rank ", r->rank, " waited for peer ",
-                              r->peer, " (flag ", sync::flag_epoch(r->observed), " < expected ", sync::flag_epoch(r->expected),
-                              ")");
+        return detail::concat("timeout in ", sync::host::op_name(sync::OpId(r->op)), " (GPU): rank ", r->rank,
+                              " waited for peer ", r->peer, " (flag ", sync::flag_epoch(r->observed), " < expected ",
+                              sync::flag_epoch(r->expected), ")");
     }
-    return sync::host::wait_failure_message(code, sync::OpId(r->op), r->rank, r->peer, r->expected, r->observed, r->step, 0.0);
+    return sync::host::wait_failure_message(code, sync::OpId(r->op), r->rank, r->peer, r->expected, r->observed,
+                                            r->step, 0.0);
 }
 
 void synchronize_device(Transport& transport) {

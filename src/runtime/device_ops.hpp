@@ -28,8 +28,8 @@ class WaitRecordHost {
 
     sync::WaitRecord* device_pointer() const { return &device_->wait; }
     int32_t* status_device_pointer() const { return device_->status; }  // sync::SyncArgs::host_status
-    // Takes the status words (sync::StatusWord) the GPU recorded in host-mapped memory, if any (code != 0): copies them to
-    // `words`, clears the host copy and returns true. No synchronisation.
+    // Takes the status words (sync::StatusWord) the GPU recorded in host-mapped memory, if any (code != 0): copies them
+    // to `words`, clears the host copy and returns true. No synchronisation.
     bool take_status(int32_t words[4]);
     // "" while no wait failed; else the failure's one-line text (e.g. "timeout in plan (GPU): rank 0 waited for peer
     // 1 (flag 0 < expected 1)", or a mismatch naming both ops and steps).

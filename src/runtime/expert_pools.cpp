@@ -12,6 +12,7 @@
 #include "runtime/backend.hpp"
 #include "runtime/collective_guard.hpp"
 #include "runtime/plan_data.hpp"
+#include "runtime/serving_view.hpp"
 #include "sync/sync.hpp"
 
 namespace flatep {
@@ -66,6 +67,7 @@ void ExpertLayer::reset() noexcept {
             transport_->unmap_view(p.grads_view);
             transport_->release_local(p.weights_own);
             transport_->release_local(p.grads_own);
+            transport_->release(p.weights_shared);
         }
     }
     projections_.clear();
@@ -79,20 +81,17 @@ const ExpertLayer::Projection& ExpertLayer::projection(int p) const {
 }
 uint16_t* ExpertLayer::weights(int p) const { return projection(p).weights; }
 float* ExpertLayer::grads(int p) const { return projection(p).grads; }
-uint16_t* ExpertLayer::own_weights(int p) const {
-    const Projection& pr = projection(p);
-    return reinterpret_cast<uint16_t*>(pr.weights_own.ptr +
-                                       (reinterpret_cast<uint8_t*>(pr.weights) - pr.weights_view.base));
-}
+uint16_t* ExpertLayer::own_weights(int p) const { return reinterpret_cast<uint16_t*>(projection(p).own); }
 float* ExpertLayer::own_grads(int p) const {
     const Projection& pr = projection(p);
+    if (pr.grads == nullptr) return nullptr;  // forward-only pools
     return reinterpret_cast<float*>(pr.grads_own.ptr + (reinterpret_cast<uint8_t*>(pr.grads) - pr.grads_view.base));
 }
 
 // ---- ExpertPools ----
 
 ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_rank,
-                         std::vector<ProjectionShape> projections)
+                         std::vector<ProjectionShape> projections, int num_slots)
     : transport_(std::move(transport)),
       experts_per_rank_(experts_per_rank),
       projections_(std::move(projections)),
@@ -102,7 +101,15 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
     timeout_s_ = transport_->timeout_s();  // these pools' bound, whatever later objects set on the shared transport
     FLATEP_CHECK(experts_per_rank_ >= 1, "ExpertPools: experts_per_rank must be positive, got ", experts_per_rank_);
     FLATEP_CHECK(!projections_.empty(), "ExpertPools: at least one projection is needed");
+    FLATEP_CHECK(num_slots == -1 || (num_slots >= 0 && num_slots <= experts_per_rank_),
+                 "ExpertPools: num_slots must be -1 (epn) or in [0, epn=", experts_per_rank_, "], got ", num_slots);
+    num_slots_ = num_slots == -1 ? experts_per_rank_ : num_slots;
+    trains_ = !serving();
     for (size_t p = 0; p < projections_.size(); ++p) {
+        const int eb = projections_[p].elem_bytes;
+        FLATEP_CHECK(eb == 1 || eb == 2 || eb == 4, "ExpertPools: projection ", p,
+                     " must have elem_bytes 1 (e4m3), 2 (bf16) or 4 (fp32), got ", eb);
+        trains_ = trains_ && eb == 2;  // fp32 gradients of bf16 weights only
         FLATEP_CHECK(projections_[p].rows >= 1 && projections_[p].cols >= 1, "ExpertPools: projection ", p,
                      " must have positive rows and cols, got [", projections_[p].rows, "][", projections_[p].cols, "]");
         // The fp32 reduce pool is the largest allocation: epn*rows*cols*4 bytes must not overflow (limit 2^48).
@@ -113,9 +120,26 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
                      projections_[p].rows, "][", projections_[p].cols, "] x ", experts_per_rank_,
                      " experts is too large");
         // One size contract for both backends (design §5): the kernels move experts in 16-byte vectors.
-        FLATEP_CHECK(elems * 2 % kExpertByteMultiple == 0, "ExpertPools: projection ", p, " of [", projections_[p].rows,
-                     "][", projections_[p].cols, "] has ", elems * 2, " bytes per expert (bf16), not a multiple of ",
-                     kExpertByteMultiple, "; rows * cols must be a multiple of ", kExpertByteMultiple / 2);
+        FLATEP_CHECK(elems * eb % kExpertByteMultiple == 0, "ExpertPools: projection ", p, " of [",
+                     projections_[p].rows, "][", projections_[p].cols, "] has ", elems * eb, " bytes per expert (",
+                     eb == 1   ? "e4m3"
+                     : eb == 2 ? "bf16"
+                               : "fp32",
+                     "), not a multiple of ", kExpertByteMultiple, "; rows * cols must be a multiple of ",
+                     kExpertByteMultiple / eb);
+    }
+    view_stride_ = experts_per_rank_;
+    if (serving()) {
+        std::vector<int64_t> expert_bytes;
+        for (const ProjectionShape& shape : projections_) expert_bytes.push_back(shape.expert_bytes());
+        const int R = transport_->num_ranks();
+        view_stride_ =
+            int(runtime::serving_stride(R, experts_per_rank_, num_slots_, expert_bytes, transport_->granularity()));
+        for (int64_t eb : expert_bytes) {
+            bool fits = false;
+            serving_.push_back(runtime::serving_geometry(R, experts_per_rank_, num_slots_, eb,
+                                                         transport_->granularity(), view_stride_, &fits));
+        }
     }
     backend_ = runtime::make_pools_backend(transport_, guard_.get());  // its device state on the transport's GPU
     num_sms_ = backend_->default_num_sms();
@@ -126,9 +150,12 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
     };
     try {
         sync_region_ = transport_->allocate(size_t(kSyncBytes));
-        for (const ProjectionShape& shape : projections_) {
-            slot_regions_.push_back(transport_->allocate(size_t(experts_per_rank_ * shape.elems() * 2)));
-            reduce_regions_.push_back(transport_->allocate(size_t(experts_per_rank_ * shape.elems() * 4)));
+        for (int p = 0; p < num_projections(); ++p) {
+            const ProjectionShape& shape = projections_[p];
+            const size_t slot_bytes = serving() ? serving_[p].slot_bytes : size_t(num_slots_ * shape.expert_bytes());
+            slot_regions_.push_back(slot_bytes > 0 ? transport_->allocate(slot_bytes) : SymmetricRegion{});
+            reduce_regions_.push_back(trains_ ? transport_->allocate(size_t(num_slots_ * shape.elems() * 4))
+                                              : SymmetricRegion{});
         }
         backend_->watch_site(
             {transport_.get(), reinterpret_cast<const uint64_t*>(sync_region_.local + kFlagsOffset), &epoch_});
@@ -155,14 +182,68 @@ const ProjectionShape& ExpertPools::shape(int p) const {
 }
 uint16_t* ExpertPools::slot_pool(int p) const {
     shape(p);
-    return reinterpret_cast<uint16_t*>(slot_regions_[p].local);
+    if (slot_regions_[p].local == nullptr) return nullptr;  // serving with B = 0
+    const size_t at = serving() ? serving_[p].data_at[transport_->num_ranks()] : 0;
+    return reinterpret_cast<uint16_t*>(slot_regions_[p].local + at);
 }
 float* ExpertPools::reduce_pool(int p) const {
     shape(p);
     return reinterpret_cast<float*>(reduce_regions_[p].local);
 }
 
+int64_t ExpertPools::view_rows() const {
+    return serving() ? int64_t(transport_->num_ranks()) * view_stride_ + num_slots_ : 2 * int64_t(experts_per_rank_);
+}
+
+int64_t ExpertPools::view_row(int expert) const {
+    const int E = transport_->num_ranks() * experts_per_rank_;
+    FLATEP_CHECK(expert >= 0 && expert < E, "view_row: expert must be in [0, E=", E, "), got ", expert);
+    FLATEP_CHECK(serving(), "view_row: the serving view's rows (num_slots < epn); these pools train (num_slots = epn)");
+    return int64_t(home_rank(expert, experts_per_rank_)) * view_stride_ + local_expert(expert, experts_per_rank_);
+}
+
+void ExpertPools::check_trains(const char* op) const {
+    FLATEP_CHECK(trains_, op, ": these pools are forward-only (",
+                 serving() ? "serving: num_slots < epn" : "a projection's weights are not bf16",
+                 "); gradients need num_slots = epn and bf16 weights");
+}
+
+// Serving: the own weights are symmetric memory (collective), the view maps every rank's chunk and this rank's slots.
+ExpertLayer ExpertPools::register_serving_layer() {
+    ExpertLayer layer;  // frees what was made when a later step throws
+    layer.pools_id_ = id_;
+    layer.on_device_ = backend_->on_device();
+    layer.transport_ = transport_;
+    const int R = transport_->num_ranks(), me = transport_->rank();
+    for (int p = 0; p < num_projections(); ++p) {
+        const runtime::ServingGeometry& geo = serving_[p];
+        layer.projections_.emplace_back();
+        ExpertLayer::Projection& pr = layer.projections_.back();
+        pr.weights_shared = transport_->allocate(geo.own_bytes);
+        std::vector<ViewPiece> pieces;
+        for (int r = 0; r < R; ++r) {
+            ViewPiece piece;
+            piece.region_id = pr.weights_shared.id;
+            piece.rank = r;
+            piece.offset = geo.offset[r];
+            pieces.push_back(piece);
+        }
+        if (num_slots_ > 0) {
+            ViewPiece slots;
+            slots.region_id = slot_regions_[p].id;
+            slots.rank = me;
+            slots.offset = geo.offset[R];
+            pieces.push_back(slots);
+        }
+        pr.weights_view = transport_->map_view(geo.view_bytes, pieces);
+        pr.weights = reinterpret_cast<uint16_t*>(pr.weights_view.base);  // rank 0's data starts the view (row 0)
+        pr.own = pr.weights_shared.local + geo.data_at[me];
+    }
+    return layer;
+}
+
 ExpertLayer ExpertPools::register_layer() {
+    if (serving()) return register_serving_layer();
     ExpertLayer layer;  // frees what was made when a later step throws
     layer.pools_id_ = id_;
     layer.on_device_ = backend_->on_device();
@@ -171,12 +252,13 @@ ExpertLayer ExpertPools::register_layer() {
         layer.projections_.emplace_back();
         ExpertLayer::Projection& pr = layer.projections_.back();
         const int64_t elems = experts_per_rank_ * projections_[p].elems();
-        const size_t weights_data = size_t(elems * 2), grads_data = size_t(elems * 4);
+        const size_t weights_data = size_t(elems * projections_[p].elem_bytes), grads_data = size_t(elems * 4);
         // The layer's data ends where its local memory ends (a granularity boundary), so this rank's pool region,
         // mapped right after it, continues the view without a gap.
         for (auto [data_bytes, pool, own, view] :
              {std::tuple{weights_data, &slot_regions_[p], &pr.weights_own, &pr.weights_view},
               std::tuple{grads_data, &reduce_regions_[p], &pr.grads_own, &pr.grads_view}}) {
+            if (pool->local == nullptr) continue;  // forward-only pools: no reduce pool, no grads
             *own = transport_->allocate_local(data_bytes);
             ViewPiece own_piece, pool_piece;
             own_piece.local_id = own->id;
@@ -186,7 +268,8 @@ ExpertLayer ExpertPools::register_layer() {
             *view = transport_->map_view(own->bytes + pool->mapped_bytes, {own_piece, pool_piece});
         }
         pr.weights = reinterpret_cast<uint16_t*>(pr.weights_view.base + (pr.weights_own.bytes - weights_data));
-        pr.grads = reinterpret_cast<float*>(pr.grads_view.base + (pr.grads_own.bytes - grads_data));
+        pr.own = pr.weights_own.ptr + (pr.weights_own.bytes - weights_data);
+        if (trains_) pr.grads = reinterpret_cast<float*>(pr.grads_view.base + (pr.grads_own.bytes - grads_data));
     }
     return layer;
 }
@@ -207,8 +290,12 @@ Launch ExpertPools::enter(const Plan& plan, const ExpertLayer& layer, const char
     plan.data().check_fresh(op);
     const Layout& l = plan.data().host.layout;  // the plan's shape: known on the host for device plans too
     FLATEP_CHECK(l.num_ranks == transport_->num_ranks() && l.experts_per_rank == experts_per_rank_, op,
-                 ": plan has R=", l.num_ranks, " epn=", l.experts_per_rank, " but the pools have R=",
-                 transport_->num_ranks(), " epn=", experts_per_rank_);
+                 ": plan has R=", l.num_ranks, " epn=", l.experts_per_rank,
+                 " but the pools have R=", transport_->num_ranks(), " epn=", experts_per_rank_);
+    FLATEP_CHECK(l.num_slots == num_slots_ && (!serving() || l.view_stride == view_stride_), op,
+                 ": plan has num_slots=", l.num_slots, " view_stride=", l.view_stride,
+                 " but the pools have num_slots=", num_slots_, " view_stride=", view_stride_,
+                 "; build the Buffer with the pools' num_slots and view_stride (ExpertPools::view_stride)");
     FLATEP_CHECK(plan.rank() == transport_->rank(), op, ": plan belongs to rank ", plan.rank(), ", pools to rank ",
                  transport_->rank());
     if (layer.pools_id() != id_) {
@@ -239,10 +326,18 @@ void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer, const Lau
         args.rank = transport_->rank();
         args.num_ranks = R;
         args.experts_per_rank = experts_per_rank_;
-        args.expert_bytes = projections_[p].elems() * 2;
+        args.num_slots = num_slots_;
+        args.expert_bytes = projections_[p].expert_bytes();
         args.slot_expert = plan.data().op_view().slot_expert;  // [R][epn]
-        args.weights = reinterpret_cast<const uint8_t*>(layer.weights(p));
-        for (int d = 0; d < R; ++d) args.slot_pools[d] = slot_regions_[p].peers[d];
+        args.pull = serving();
+        if (args.pull) {
+            const ExpertLayer::Projection& pr = layer.projection(p);
+            for (int r = 0; r < R; ++r) args.owners[r] = pr.weights_shared.peers[r] + serving_[p].data_at[r];
+            args.slot_pools[args.rank] = reinterpret_cast<uint8_t*>(slot_pool(p));
+        } else {
+            args.weights = reinterpret_cast<const uint8_t*>(layer.own_weights(p));
+            for (int d = 0; d < R; ++d) args.slot_pools[d] = slot_regions_[p].peers[d];
+        }
         args.sync = pool_sync(sync_region_, &epoch_, args.rank, R, timeout_s_);
         args.sync.step = plan.generation();
         backend_->fill_sync(args.sync);
@@ -253,6 +348,7 @@ void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer, const Lau
 
 void ExpertPools::reduce_grad(const Plan& plan, const ExpertLayer& layer, const Launch& launch) {
     const Launch run = enter(plan, layer, "reduce_grad", launch);
+    check_trains("reduce_grad");
     const int R = transport_->num_ranks();
     for (int p = 0; p < num_projections(); ++p) {
         GradReduceArgs args{};
@@ -274,6 +370,7 @@ void ExpertPools::reduce_grad(const Plan& plan, const ExpertLayer& layer, const 
 void ExpertPools::write_grads(const Plan& plan, const ExpertLayer& layer, int projection, const void* grad,
                               int grad_bytes, bool accumulate, const Launch& launch) {
     const Launch run = enter(plan, layer, "write_grads", launch);
+    check_trains("write_grads");
     FLATEP_CHECK(projection >= 0 && projection < num_projections(), "write_grads: projection must be in [0, ",
                  num_projections(), "), got ", projection);
     const int rank = transport_->rank();

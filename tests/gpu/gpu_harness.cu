@@ -116,6 +116,7 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                 fa.rank = r;
                 fa.num_ranks = R;
                 fa.experts_per_rank = epn;
+                fa.num_slots = epn;
                 fa.expert_bytes = c.expert_elems * 2;
                 fa.slot_expert = plan.view.slot_expert;
                 fa.weights = reinterpret_cast<const uint8_t*>(in.expert_w[r].data());
@@ -205,6 +206,7 @@ DeviceCase::DeviceCase(const CaseSpec& c, const Layout& l, testing::LocalDeviceG
     const int64_t S = l.num_tokens;
     regions = group.allocate(size_t(sym.total_bytes));
     slot_regions = group.allocate(size_t(pe) * 2);
+    pull_regions = group.allocate(size_t(pe) * 2);
     red_regions = group.allocate(size_t(pe) * 4);
     ranks.resize(R);
     const size_t plan_bytes = size_t(make_plan_sizes(l).total_words) * 4;
@@ -260,6 +262,7 @@ DeviceCase::~DeviceCase() {
     }
     group.release(red_regions);
     group.release(slot_regions);
+    group.release(pull_regions);
     group.release(regions);
 }
 
@@ -313,6 +316,7 @@ void DeviceCase::upload(const StepInputs& in) {
         FLATEP_CUDA_CHECK(
             cudaMemcpy(red_regions[r].local, in.red_pool[r].data(), size_t(pe) * 4, cudaMemcpyHostToDevice));
         FLATEP_CUDA_CHECK(cudaMemset(slot_regions[r].local, 0, size_t(pe) * 2));
+        FLATEP_CUDA_CHECK(cudaMemset(pull_regions[r].local, 0, size_t(pe) * 2));
         FLATEP_CUDA_CHECK(cudaMemset(regions[r].local + sym.status_offset, 0, 16));
         FLATEP_CUDA_CHECK(cudaMemset(p.plan, 0, size_t(make_plan_sizes(layout).total_words) * 4));
     }
@@ -373,16 +377,28 @@ void DeviceCase::enqueue_step() {
         return a;
     };
     for (int r = 0; r < R; ++r) kernels::launch(dispatch_args(r), group.stream(r), group.num_sms());
-    for (int r = 0; r < R; ++r) {
+    auto prefetch_args = [&](int r) {
         PrefetchArgs a{};
         a.rank = r;
         a.num_ranks = R;
         a.experts_per_rank = l.experts_per_rank;
+        a.num_slots = l.experts_per_rank;
         a.expert_bytes = spec.expert_elems * 2;
         a.slot_expert = plan_view(r).slot_expert;
+        a.sync = sync(r);
+        return a;
+    };
+    for (int r = 0; r < R; ++r) {
+        PrefetchArgs a = prefetch_args(r);
         a.weights = reinterpret_cast<const uint8_t*>(ranks[r].expert_w);
         for (int p = 0; p < R; ++p) a.slot_pools[p] = slot_regions[r].peers[p];
-        a.sync = sync(r);
+        kernels::launch(a, group.stream(r), group.num_sms());
+    }
+    for (int r = 0; r < R; ++r) {  // the same slots pulled by each holder (serving's prefetch): the same bits
+        PrefetchArgs a = prefetch_args(r);
+        a.pull = true;
+        for (int p = 0; p < R; ++p) a.owners[p] = reinterpret_cast<const uint8_t*>(ranks[p].expert_w);
+        a.slot_pools[r] = pull_regions[r].local;
         kernels::launch(a, group.stream(r), group.num_sms());
     }
     auto combine_args = [&](int r) {
@@ -478,6 +494,7 @@ std::vector<RankOutputs> DeviceCase::download() {
             FLATEP_CUDA_CHECK(cudaMemcpy(o.wgrads32.data(), p.wgrads32, ge * 4, cudaMemcpyDeviceToHost));
         }
         get16(o.slot_pool, slot_regions[r].local, size_t(pe));
+        get16(o.pull_pool, pull_regions[r].local, size_t(pe));
         o.grads.resize(size_t(pe));
         FLATEP_CUDA_CHECK(cudaMemcpy(o.grads.data(), p.grads, size_t(pe) * 4, cudaMemcpyDeviceToHost));
         o.red_pool.resize(size_t(pe));

@@ -177,6 +177,7 @@ struct RankOutputs {
     std::vector<uint16_t> grad_y;     // backward: combine_grad [NvS*H] (device: with canary rows around)
     std::vector<float> grad_w;        // backward: combine_grad [NvS] (device: with canary rows around)
     std::vector<uint16_t> slot_pool;  // [epn*expert_elems] bf16
+    std::vector<uint16_t> pull_pool;  // device: the same slots pulled by their holder (serving's prefetch)
     std::vector<float> grads;
     std::vector<float> red_pool;
     std::vector<float> wgrads16, wgrads32;  // backward: write_grads outputs [2*epn*grads_elems] (canary-prefilled)
@@ -199,7 +200,7 @@ struct DeviceCase {
     SymmetricLayout sym;
     testing::LocalDeviceGroup& group;
     int num_tokens;
-    std::vector<SymmetricRegion> regions, slot_regions, red_regions;
+    std::vector<SymmetricRegion> regions, slot_regions, red_regions, pull_regions;
     struct PerRank {
         int32_t* plan = nullptr;
         void* workspace = nullptr;

@@ -130,6 +130,8 @@ bool compare_outputs(const CaseSpec& c, const Layout& l, const std::vector<RankO
         const int64_t pe = int64_t(l.experts_per_rank) * c.expert_elems;
         if (!compare_words("prefetch slot pool", r, g.slot_pool.data(), h.slot_pool.data(), pe, c.expert_elems))
             return false;
+        if (!compare_words("prefetch pull slot pool", r, g.pull_pool.data(), h.slot_pool.data(), pe, c.expert_elems))
+            return false;
         if (!compare_words("reduce_grad grads", r, g.grads.data(), h.grads.data(), pe, c.expert_elems)) return false;
         if (!compare_words("reduce_grad pool", r, g.red_pool.data(), h.red_pool.data(), pe, c.expert_elems))
             return false;

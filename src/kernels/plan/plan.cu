@@ -218,7 +218,8 @@ __global__ void unpack_kernel(Layout l, int rank, SymmetricLayout sym, PeerPoint
         const unsigned long long bad = *ws.first_bad;
         if (bad != ~0ull) {
             sync::device::record_status(status, sync::kStatusBadExpert, int32_t(bad >> 32), int32_t(uint32_t(bad)), -1);
-            sync::device::record_status(host_status, sync::kStatusBadExpert, int32_t(bad >> 32), int32_t(uint32_t(bad)), -1);
+            sync::device::record_status(host_status, sync::kStatusBadExpert, int32_t(bad >> 32), int32_t(uint32_t(bad)),
+                                        -1);
         }
     }
 }

@@ -65,22 +65,60 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 }
 
+// Serving's pull: this rank's B slots, each cut into chunks of chunk16 words, the items slot * num_chunks + chunk dealt
+// to the blocks round-robin; a slot without an expert this step is skipped. Reads the owners' memory, writes only this
+// rank's slot pool.
+__global__ void __launch_bounds__(kThreads, 1)
+    prefetch_pull_kernel(int rank, int epn, int num_slots, int64_t expert_bytes, int64_t chunk16,
+                         const int32_t* slot_expert, PerRank<const uint8_t> owners, uint8_t* slots) {
+    const int tid = threadIdx.x;
+    const int64_t n16 = expert_bytes / 16;
+    const int64_t num_chunks = ceil_div(n16, chunk16);
+    for (int64_t item = blockIdx.x; item < int64_t(num_slots) * num_chunks; item += gridDim.x) {
+        const int j = int(item / num_chunks);
+        const int expert = slot_expert[rank * epn + j];
+        if (expert < 0) continue;
+        const uint8_t* src = owners.ptr[home_rank(expert, epn)] + int64_t(local_expert(expert, epn)) * expert_bytes;
+        uint8_t* dst = slots + int64_t(j) * expert_bytes;
+        const int64_t begin = (item % num_chunks) * chunk16;
+        copy_range(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst), begin,
+                   min_of(begin + chunk16, n16), tid);
+    }
+}
+
+// An expert's share of one block of a grid of `blocks`, in whole 512-byte lines (32 words): every block copies the
+// same number of words whatever the number of experts.
+int64_t chunk_words(int64_t n16, int blocks) {
+    return max_of<int64_t>(32, round_up<int64_t>(ceil_div<int64_t>(n16, blocks), 32));
+}
+
+void launch_pull(const PrefetchArgs& a, cudaStream_t stream, int num_sms) {
+    launch_barrier(a.sync, sync::kOpPrefetch, stream);  // the owners' weights are final
+    if (a.num_slots == 0) return;
+    const int64_t n16 = a.expert_bytes / 16;
+    const int blocks = grid_blocks(num_sms, ceil_div<int64_t>(n16, kThreads * kUnroll) * a.num_slots, 1);
+    prefetch_pull_kernel<<<blocks, kThreads, 0, stream>>>(
+        a.rank, a.experts_per_rank, a.num_slots, a.expert_bytes, chunk_words(n16, blocks), a.slot_expert,
+        per_rank("prefetch", a.owners, a.num_ranks), a.slot_pools[a.rank]);
+    FLATEP_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
 void launch(const PrefetchArgs& a, cudaStream_t stream, int num_sms) {
+    if (a.pull) return launch_pull(a, stream, num_sms);
     const SlotPools pools = per_rank("prefetch", a.slot_pools, a.num_ranks);
     launch_barrier(a.sync, sync::kOpPrefetch, stream);
     // Work items: replicas * chunks, unknown here (the plan is on the device): as many blocks as the budget allows,
     // and an expert's share of one block as the chunk, in whole 512-byte lines (32 words).
     const int64_t n16 = a.expert_bytes / 16;
     const int blocks = grid_blocks(num_sms, ceil_div<int64_t>(n16, kThreads * kUnroll) * a.num_ranks, 1);
-    const int64_t chunk16 = max_of<int64_t>(32, round_up<int64_t>(ceil_div<int64_t>(n16, blocks), 32));
     prefetch_push_kernel<<<blocks, kThreads, 0, stream>>>(a.rank, a.num_ranks, a.experts_per_rank, a.expert_bytes,
-                                                          chunk16, a.slot_expert, a.weights, pools);
+                                                          chunk_words(n16, blocks), a.slot_expert, a.weights, pools);
     FLATEP_CUDA_CHECK_LAUNCH();
     launch_barrier(a.sync, sync::kOpPrefetch, stream);
 }
 
-void preload_prefetch_kernels() { preload_kernels(prefetch_push_kernel); }
+void preload_prefetch_kernels() { preload_kernels(prefetch_push_kernel, prefetch_pull_kernel); }
 
 }  // namespace flatep::kernels

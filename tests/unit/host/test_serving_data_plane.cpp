@@ -106,7 +106,7 @@ struct RankOutput {
 
 std::vector<RankOutput> run_mode(const Shape& sh, const Mode& m, const std::vector<RankInput>& in) {
     std::vector<RankOutput> outputs(static_cast<size_t>(sh.R));
-    LocalHostWorld world(sh.R, 30.0);
+    transport::LocalHostWorld world(sh.R, 30.0);
     const std::vector<std::string> errors = run_ranks(sh.R, [&](int rank) {
         Buffer buffer(config_of(sh, m, rank), world.transport(rank), m.planner);
         const RankInput& ri = in[size_t(rank)];

@@ -56,7 +56,7 @@ TEST(CheckPlan, EveryStatisticIsChecked) {
             *f.narrow += 1;
         }
         EXPECT_EQ(planner::check_plan(l, p), "stats." + std::string(f.name) + " is " + std::to_string(f.want + 1) +
-                                        ", expected " + std::to_string(f.want));
+                                                 ", expected " + std::to_string(f.want));
         if (f.wide != nullptr) {
             *f.wide -= 1;
         } else {

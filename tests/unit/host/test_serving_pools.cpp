@@ -1,0 +1,153 @@
+// Serving pools on the CPU backend (design §5 "Serving layout"): B < epn slots, the [R*Q + B] weights view whose row
+// r*Q + l is rank r's own expert l read in place and whose rows R*Q + j are this rank's slots, the pull prefetch, the
+// geometry of the view, and forward-only refusals.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <set>
+#include <vector>
+
+#include "common/bf16.hpp"
+#include "flatep/buffer.hpp"
+#include "flatep/expert_pools.hpp"
+#include "layout/layout.hpp"
+#include "runtime/serving_view.hpp"
+#include "transport/local_host.hpp"
+#include "unit/host/rank_threads.hpp"
+
+namespace flatep {
+namespace {
+
+using testing::error_message;
+using testing::failures;
+using testing::run_ranks;
+
+// A keyed value of (expert, projection, element), never zero: a row read from the wrong expert or an unwritten slot
+// shows.
+uint16_t key(int expert, int projection, int64_t i) {
+    return uint16_t(0x1000 + expert * 97 + projection * 31 + (i % 509));
+}
+
+TEST(ServingGeometry, RowsLandExactlyAndChunksNeverOverlap) {
+    // Small experts on a 4096-byte granularity force pad rows; large ones (a multiple of G) need none.
+    for (const int64_t eb : {int64_t(16), int64_t(48), int64_t(1008), int64_t(4096), int64_t(3 * 4096)}) {
+        for (const int epn : {1, 3, 8}) {
+            for (const int B : {0, 1, epn - 1}) {
+                const int R = 4;
+                const size_t G = 4096;
+                const int64_t q = runtime::serving_stride(R, epn, B, {eb}, G);
+                bool ok = false;
+                const runtime::ServingGeometry g = runtime::serving_geometry(R, epn, B, eb, G, q, &ok);
+                ASSERT_TRUE(ok);
+                ASSERT_GE(q, epn);
+                for (int r = 0; r <= R; ++r) {
+                    ASSERT_EQ(g.offset[r] % G, 0u);
+                    ASSERT_EQ(g.offset[r] + g.data_at[r], size_t(r) * size_t(q) * size_t(eb)) << "row of chunk " << r;
+                }
+                for (int r = 0; r + 1 < R; ++r) ASSERT_GE(g.offset[r + 1], g.offset[r] + g.own_bytes);
+                if (B > 0) ASSERT_GE(g.offset[R], g.offset[R - 1] + g.own_bytes);
+                // Minimal: one row less does not fit.
+                if (q > epn) {
+                    bool smaller = true;
+                    runtime::serving_geometry(R, epn, B, eb, G, q - 1, &smaller);
+                    EXPECT_FALSE(smaller) << "eb " << eb << " epn " << epn << " B " << B;
+                }
+                if (int64_t(epn) * eb % int64_t(G) == 0) EXPECT_EQ(q, epn) << "no pad rows when epn*eb fills pages";
+            }
+        }
+    }
+}
+
+struct ServingCase {
+    int R, epn, B, S, K;
+};
+
+class ServingPools : public ::testing::TestWithParam<ServingCase> {};
+
+TEST_P(ServingPools, ViewReadsOwnersInPlaceAndPullFillsTheSlots) {
+    const ServingCase c = GetParam();
+    const int R = c.R, epn = c.epn, E = R * epn, B = c.B, S = c.S, K = c.K;
+    const std::vector<ProjectionShape> shapes = {{4, 8}, {8, 2}};  // 64 and 32 bytes per expert: pad rows
+    transport::LocalHostWorld world(R, 20.0);
+    std::vector<std::vector<int32_t>> slots_of(R);
+    const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
+        ExpertPools pools(world.transport(rank), epn, shapes, B);
+        ASSERT_TRUE(pools.serving());
+        ASSERT_FALSE(pools.trains());
+        ASSERT_EQ(pools.view_rows(), int64_t(R) * pools.view_stride() + B);
+        Config config{
+            .num_ranks = R, .rank = rank, .num_experts = E, .num_tokens = S, .topk = K, .hidden = 8, .align = 1};
+        config.num_slots = B;
+        config.view_stride = pools.view_stride();
+        Buffer buffer(config, world.transport(rank));
+        ExpertLayer layer = pools.register_layer();  // collective in serving
+        for (int p = 0; p < 2; ++p) {
+            const int64_t n = shapes[p].elems();
+            for (int l = 0; l < epn; ++l)
+                for (int64_t i = 0; i < n; ++i) layer.own_weights(p)[l * n + i] = key(rank * epn + l, p, i);
+        }
+        // Hot experts on rank 0: every rank routes its tokens to experts 0..K-1, so ranks get replicas of them.
+        std::vector<int32_t> idx(size_t(S) * K);
+        for (int t = 0; t < S; ++t)
+            for (int k = 0; k < K; ++k) idx[size_t(t) * K + k] = (k + (t % 3 == 0 ? rank : 0)) % E;
+        const Plan plan = buffer.plan(idx.data(), 4, S);
+        pools.prefetch(plan, layer);
+        const std::span<const int32_t> se = plan.slot_expert(rank);
+        slots_of[rank].assign(se.begin(), se.end());
+        for (int p = 0; p < 2; ++p) {
+            const int64_t n = shapes[p].elems();
+            const uint16_t* view = layer.weights(p);
+            for (int e = 0; e < E; ++e) {
+                const int64_t row = pools.view_row(e);
+                ASSERT_EQ(row, int64_t(e / epn) * pools.view_stride() + e % epn);
+                for (int64_t i = 0; i < n; ++i)
+                    ASSERT_EQ(view[row * n + i], key(e, p, i)) << "rank " << rank << " expert " << e << " elem " << i;
+            }
+            for (int j = 0; j < B; ++j) {
+                const int e = se[j];
+                const int64_t row = int64_t(R) * pools.view_stride() + j;
+                for (int64_t i = 0; i < n; ++i) {
+                    ASSERT_EQ(view[row * n + i], e >= 0 ? key(e, p, i) : 0) << "slot " << j << " elem " << i;
+                }
+            }
+        }
+        // Forward only.
+        EXPECT_NE(error_message([&] { pools.reduce_grad(plan, layer); }).find("forward-only"), std::string::npos);
+        EXPECT_EQ(layer.grads(0), nullptr);
+    });
+    ASSERT_EQ(failures(errors), "");
+    for (int r = 0; r < R; ++r) {
+        int used = 0;
+        for (int j = 0; j < epn; ++j) used += slots_of[r][j] >= 0;
+        EXPECT_LE(used, B) << "rank " << r << " uses more slots than B";
+        for (int j = B; j < epn; ++j) EXPECT_EQ(slots_of[r][j], -1);
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Slots, ServingPools,
+                         ::testing::Values(ServingCase{4, 4, 0, 24, 3}, ServingCase{4, 4, 1, 24, 3},
+                                           ServingCase{4, 4, 3, 24, 3}, ServingCase{2, 8, 2, 32, 4}));
+
+TEST(ServingPools, PlanAndPoolsMustAgreeOnSlotsAndStride) {
+    transport::LocalHostWorld world(1, 10.0);
+    ExpertPools pools(world.transport(0), 4, {{4, 8}}, 2);
+    Config config{.num_ranks = 1, .rank = 0, .num_experts = 4, .num_tokens = 4, .topk = 1, .hidden = 8, .align = 1};
+    Buffer training(config, world.transport(0));  // num_slots = epn
+    ExpertLayer layer = pools.register_layer();
+    std::vector<int32_t> idx = {0, 1, 2, 3};
+    const Plan plan = training.plan(idx.data(), 4, 4);
+    const std::string msg = error_message([&] { pools.prefetch(plan, layer); });
+    EXPECT_NE(msg.find("plan has num_slots=4"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("the pools have num_slots=2"), std::string::npos) << msg;
+}
+
+TEST(ServingPools, RefusesBadNumSlots) {
+    transport::LocalHostWorld world(1, 10.0);
+    EXPECT_NE(error_message([&] {
+                  ExpertPools(world.transport(0), 4, {{4, 8}}, 5);
+              }).find("num_slots must be -1 (epn) or in [0, epn=4], got 5"),
+              std::string::npos);
+}
+
+}  // namespace
+}  // namespace flatep
