@@ -53,7 +53,8 @@ inline ServingGeometry serving_geometry(int num_ranks, int epn, int num_slots, i
 inline int64_t serving_stride(int num_ranks, int epn, int num_slots, const std::vector<int64_t>& expert_bytes,
                               size_t granularity) {
     int64_t limit = epn;
-    for (int64_t eb : expert_bytes) limit = max_of<int64_t>(limit, epn + ceil_div<int64_t>(3 * int64_t(granularity), eb));
+    for (int64_t eb : expert_bytes)
+        limit = max_of<int64_t>(limit, epn + ceil_div<int64_t>(3 * int64_t(granularity), eb));
     for (int64_t q = epn; q <= limit; ++q) {
         bool all = true;
         for (int64_t eb : expert_bytes) {
