@@ -83,12 +83,6 @@ std::shared_ptr<Bootstrap> keep_python_alive(const py::object& bootstrap) {
     });
 }
 
-PlannerKind planner_from_name(const std::string& name) {
-    if (name == "balanced") return PlannerKind::kBalanced;
-    if (name == "greedy") return PlannerKind::kGreedy;
-    FLATEP_THROW(ErrorCategory::kInvalidArgument, "planner must be 'balanced' or 'greedy', got '", name, "'");
-}
-
 py::array_t<int32_t> to_array(std::span<const int32_t> values, std::vector<py::ssize_t> shape) {
     py::array_t<int32_t> array(shape);
     std::copy(values.begin(), values.end(), array.mutable_data());
@@ -246,7 +240,8 @@ void bind_buffer(py::module_& m) {
     using Release = py::call_guard<py::gil_scoped_release>;
     py::class_<Buffer, std::shared_ptr<Buffer>>(m, "Buffer", "C++ flatep::Buffer over pointers; see flatep.Buffer.")
         .def(py::init([](std::shared_ptr<Transport> transport, int num_tokens, int hidden, int num_experts, int topk,
-                         int align, double capacity_factor, const std::string& planner, int num_plan_slots) {
+                         int align, double capacity_factor, const std::string& planner, int num_plan_slots,
+                         int num_slots, int view_stride) {
                  FLATEP_CHECK(transport != nullptr, "transport is None");
                  Config config;
                  config.num_ranks = transport->num_ranks();
@@ -257,14 +252,17 @@ void bind_buffer(py::module_& m) {
                  config.topk = topk;
                  config.align = align;
                  config.capacity_factor = capacity_factor;
+                 config.num_slots = num_slots;
+                 config.view_stride = view_stride;
                  const PlannerKind kind = planner_from_name(planner);
-                 config.validate();  // before any collective: a bad argument fails on the caller's rank at once
+                 config.validate(kind);  // before any collective: a bad argument fails on the caller's rank at once
                  py::gil_scoped_release release;
                  return std::make_shared<Buffer>(config, std::move(transport), kind, num_plan_slots);
              }),
              py::arg("transport"), py::arg("num_tokens"), py::arg("hidden"), py::arg("num_experts"), py::arg("topk"),
              py::arg("align"), py::arg("capacity_factor"), py::arg("planner"),
-             py::arg("num_plan_slots") = Buffer::kDefaultPlanSlots)
+             py::arg("num_plan_slots") = Buffer::kDefaultPlanSlots, py::arg("num_slots") = -1,
+             py::arg("view_stride") = 0)
         .def(
             "plan",
             [](Buffer& b, uintptr_t topk_idx, int index_bytes, int num_tokens, uintptr_t plan_storage, uintptr_t stream,
@@ -357,6 +355,10 @@ void bind_buffer(py::module_& m) {
         .def_property_readonly("experts_per_rank", [](const Buffer& b) { return b.layout().experts_per_rank; })
         .def_property_readonly("capacity", [](const Buffer& b) { return b.layout().capacity; })
         .def_property_readonly("num_recv_rows", [](const Buffer& b) { return b.layout().num_recv_rows; })
+        .def_property_readonly("num_groups", [](const Buffer& b) { return b.layout().num_groups(); })
+        .def_property_readonly("num_slots", [](const Buffer& b) { return b.layout().num_slots; })
+        .def_property_readonly("view_stride", [](const Buffer& b) { return b.layout().view_stride; })
+        .def_property_readonly("serving", [](const Buffer& b) { return b.layout().serving; })
         .def_property_readonly("planner", [](const Buffer& b) { return std::string(planner_name(b.planner())); });
     m.def(
         "quantize_fp8",
@@ -383,14 +385,22 @@ void bind_pools(py::module_& m) {
     py::class_<ExpertPools, std::shared_ptr<ExpertPools>>(m, "ExpertPools",
                                                           "C++ flatep::ExpertPools; see flatep.ExpertPools.")
         .def(py::init([](std::shared_ptr<Transport> transport, int experts_per_rank,
-                         const std::vector<std::pair<int64_t, int64_t>>& shapes) {
+                         const std::vector<std::vector<int64_t>>& shapes, int num_slots) {
                  std::vector<ProjectionShape> projections;
-                 for (const auto& [rows, cols] : shapes) projections.push_back({rows, cols});
+                 for (const std::vector<int64_t>& shape : shapes) {
+                     FLATEP_CHECK(shape.size() == 2 || shape.size() == 3, "ExpertPools: projection ",
+                                  projections.size(), " must be (rows, cols) or (rows, cols, elem_bytes)");
+                     projections.push_back({shape[0], shape[1], shape.size() == 3 ? int(shape[2]) : 2});
+                 }
                  py::gil_scoped_release release;
-                 return std::make_shared<ExpertPools>(std::move(transport), experts_per_rank, std::move(projections));
+                 return std::make_shared<ExpertPools>(std::move(transport), experts_per_rank, std::move(projections),
+                                                      num_slots);
              }),
-             py::arg("transport"), py::arg("experts_per_rank"), py::arg("projections"))
-        .def("register_layer", &ExpertPools::register_layer)
+             py::arg("transport"), py::arg("experts_per_rank"), py::arg("projections"), py::arg("num_slots") = -1,
+             "projections: (rows, cols) or (rows, cols, elem_bytes) per projection (elem_bytes 2 by default); "
+             "num_slots: B in "
+             "[0, epn] or -1 (epn: training)")
+        .def("register_layer", &ExpertPools::register_layer, Release())
         .def(
             "prefetch",
             [](ExpertPools& p, const Plan& plan, const ExpertLayer& layer, uintptr_t stream, int num_sms) {
@@ -421,10 +431,16 @@ void bind_pools(py::module_& m) {
         .def_property_readonly("id", &ExpertPools::id)
         .def_property_readonly("experts_per_rank", &ExpertPools::experts_per_rank)
         .def_property_readonly("num_projections", &ExpertPools::num_projections)
+        .def_property_readonly("num_slots", &ExpertPools::num_slots)
+        .def_property_readonly("serving", &ExpertPools::serving)
+        .def_property_readonly("trains", &ExpertPools::trains)
+        .def_property_readonly("view_stride", &ExpertPools::view_stride)
+        .def_property_readonly("view_rows", &ExpertPools::view_rows)
+        .def("view_row", &ExpertPools::view_row, py::arg("expert"))
         .def("shape",
              [](const ExpertPools& p, int projection) {
                  const ProjectionShape& s = p.shape(projection);
-                 return py::make_tuple(s.rows, s.cols);
+                 return py::make_tuple(s.rows, s.cols, s.elem_bytes);
              })
         .def("slot_pool", [](const ExpertPools& p, int q) { return reinterpret_cast<uintptr_t>(p.slot_pool(q)); })
         .def("reduce_pool", [](const ExpertPools& p, int q) { return reinterpret_cast<uintptr_t>(p.reduce_pool(q)); });

@@ -75,6 +75,10 @@ def address(tensor):
 
 
 _ELEMENT_BYTES = {torch.bfloat16: 2, torch.float32: 4, torch.int32: 4, torch.int16: 2, torch.uint8: 1}
+_STORAGE_DTYPE = {torch.bfloat16: torch.int16}  # dtypes neither torch.frombuffer nor the array interface takes
+if hasattr(torch, "float8_e4m3fn"):  # torch >= 2.1: e4m3 weights as their own dtype (bytes underneath)
+    _ELEMENT_BYTES[torch.float8_e4m3fn] = 1
+    _STORAGE_DTYPE[torch.float8_e4m3fn] = torch.uint8
 
 
 class _CudaArray:
@@ -89,7 +93,7 @@ def tensor_at(ptr, shape, dtype, device=torch.device("cpu"), owner=None):
     referenced by the tensor object; views derived from the tensor do not keep it, so keep the owner alive."""
     numel = math.prod(shape)
     nbytes = numel * _ELEMENT_BYTES[dtype]
-    storage_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
+    storage_dtype = _STORAGE_DTYPE.get(dtype, dtype)
     if device.type == "cpu":
         raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
         tensor = torch.frombuffer(raw, dtype=storage_dtype, count=numel)

@@ -44,7 +44,7 @@ from .launch import EventHandle, OpLaunch, check_num_sms, device_guard, stream_h
 
 __all__ = ["Buffer", "Plan", "EventHandle", "shared_buffer", "release_shared_buffers"]
 
-_PLANNERS = ("balanced", "greedy")
+_PLANNERS = ("balanced", "greedy", "owner")
 
 
 def _load_torch_kernels(device, plan_words):
@@ -71,9 +71,11 @@ class Plan:
 
     Attributes:
         slot_expert (torch.Tensor): [epn] int32, the expert each replica slot of this rank holds this step (-1: none).
-        cu_seqlens (torch.Tensor): [2*epn] int32, inclusive padded ends of this rank's row groups: group g < epn is
-            local expert rank*epn + g, group epn + j is slot j (replica of slot_expert[j]). Usable as grouped-GEMM
-            ``offs``. On a CUDA buffer both are views of the plan's device memory (read-only: do not write them).
+        cu_seqlens (torch.Tensor): [num_groups] int32, inclusive padded ends of this rank's row groups. Training
+            layout (num_groups = 2*epn): group g < epn is local expert rank*epn + g, group epn + j is slot j (replica
+            of slot_expert[j]). Serving layout (num_slots B < epn; num_groups = R*Q + B): one group per row of the
+            ExpertPools weights view: group r*Q + l is expert r*epn + l (read in place from rank r), R*Q + j slot j;
+            pad rows are empty groups. Usable as grouped-GEMM ``offs`` over the weights view. On a CUDA buffer both are views of the plan's device memory (read-only: do not write them).
         num_tokens (int): s, the tokens passed to plan().
         generation (int): the Buffer's plan counter (identical on every rank for the same step).
     """
@@ -84,19 +86,19 @@ class Plan:
         self._buffer = buffer
         self._cplan = cplan
         self._storage = storage  # device plans: the int32 tensor the plan arrays live in (torch's allocator)
-        epn = buffer.experts_per_rank
+        epn, groups = buffer.experts_per_rank, buffer.num_groups
         self._handle_tensor = handle
         if cplan is None:
             self.num_tokens = num_tokens
             at_slots, at_seqlens = buffer._plan_offsets if buffer.device.type == "cuda" else (0, epn)
             self.slot_expert = storage[at_slots : at_slots + epn]
-            self.cu_seqlens = storage[at_seqlens : at_seqlens + 2 * epn]
+            self.cu_seqlens = storage[at_seqlens : at_seqlens + groups]
         else:
             self.num_tokens = cplan.num_tokens
             if cplan.on_device:  # views of the plan's own device memory: no copy, no kernel, no synchronisation
                 at_slots, at_seqlens = buffer._plan_offsets
                 self.slot_expert = storage[at_slots : at_slots + epn]
-                self.cu_seqlens = storage[at_seqlens : at_seqlens + 2 * epn]
+                self.cu_seqlens = storage[at_seqlens : at_seqlens + groups]
             else:
                 self.slot_expert = torch.from_numpy(cplan.slot_expert(buffer.rank))
                 self.cu_seqlens = torch.from_numpy(cplan.cu_seqlens(buffer.rank))
@@ -167,7 +169,7 @@ class Plan:
         return torch.from_numpy(self._plan.slot_expert(rank))
 
     def cu_seqlens_of(self, rank):
-        """[2*epn] int32 cu_seqlens of any rank."""
+        """[num_groups] int32 cu_seqlens of any rank."""
         return torch.from_numpy(self._plan.cu_seqlens(rank))
 
     def __repr__(self):
@@ -191,7 +193,14 @@ class Buffer:
         align (int): row padding of every non-empty expert group, 1..4096 (1: none).
         capacity_factor (float): 1.0 = exact mode (every rank receives S*K entries); in (1, 4] = slack mode (at most
             ceil(capacity_factor*S*K)).
-        planner (str): 'balanced' (default) or 'greedy' (the one-donor baseline).
+        planner (str): 'balanced' (default), 'greedy' (the one-donor baseline) or 'owner' (no replicas: every entry
+            computed on its expert's home rank, no prefetch needed; meant for decode-sized S: the receive capacity is
+            the worst case R*S*K rows, so NvS and the receive tensors grow R-fold).
+        num_slots (int or None): B, replica slots per rank: None (or epn) = training layout (2*epn groups); B in
+            [0, epn) = serving layout (R*Q + B groups, one per row of an ExpertPools weights view built with the same
+            num_slots; see flatep.pools). The plans never use more than B slots.
+        view_stride (int or None): Q, the weights view's rows per rank (serving only): pass ExpertPools.view_stride
+            of the pools the plans are for. None: epn.
         device: where tensors live: 'cpu' (the CPU backend, default) or a CUDA device (FlatEP built with CUDA; 'cuda'
             means the current device). Processes may share one GPU.
         timeout_s (float): bound on every cross-rank wait of this object, seconds in (0, 86400]; kept from
@@ -205,7 +214,7 @@ class Buffer:
             construction on a CUDA device (torch.cuda.Stream's priority: lower is higher, e.g. -1; default 0).
 
     Attributes: rank, num_ranks, num_tokens, hidden, num_experts, topk, experts_per_rank, capacity (C),
-    num_recv_rows (NvS), device, num_sms (the Buffer's budget; 0 = no cap), comm_stream (torch.cuda.Stream; None on
+    num_recv_rows (NvS), num_slots (B), view_stride (Q), num_groups (len(cu_seqlens)), serving (B < epn), device, num_sms (the Buffer's budget; 0 = no cap), comm_stream (torch.cuda.Stream; None on
     the CPU backend).
 
     Streams and events (every op: plan, dispatch, combine, entry_values): ``stream`` (None: the current stream, as
@@ -231,6 +240,8 @@ class Buffer:
         capacity_factor=1.0,
         *,
         planner="balanced",
+        num_slots=None,
+        view_stride=None,
         device=None,
         timeout_s=None,
         num_sms=None,
@@ -250,7 +261,10 @@ class Buffer:
             raise ValueError(f"Buffer: capacity_factor must be in [1, 4], got {capacity_factor}")
         timeout_s = check_timeout("Buffer", timeout_s)
         if planner not in _PLANNERS:
-            raise ValueError(f"Buffer: planner must be 'balanced' or 'greedy', got {planner!r}")
+            raise ValueError(f"Buffer: planner must be 'balanced', 'greedy' or 'owner', got {planner!r}")
+        for name, value in (("num_slots", num_slots), ("view_stride", view_stride)):
+            if value is not None:  # the C++ Config checks the range against epn (one-line message naming it)
+                check_int("Buffer", name, value, "None or an int >= 0", 0)
         check_num_sms("Buffer", num_sms)  # its type; the C++ checks its value
         check_int("Buffer", "stream_priority", stream_priority, "an int (torch.cuda.Stream priority)")
         self.group = group
@@ -261,9 +275,14 @@ class Buffer:
         self.device = resolve_device(device)
         with device_guard(self.device):
             self._buffer = _C.Buffer(  # no plan slots: device plans live in torch tensors (plan())
-                transport, num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner, 0
+                transport, num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner, 0,
+                -1 if num_slots is None else num_slots, 0 if view_stride is None else view_stride,
             )
         self.experts_per_rank = self._buffer.experts_per_rank
+        self.num_slots = self._buffer.num_slots
+        self.view_stride = self._buffer.view_stride
+        self.num_groups = self._buffer.num_groups
+        self.serving = self._buffer.serving
         self.capacity = self._buffer.capacity
         self.num_recv_rows = self._buffer.num_recv_rows
         self._plan_words = self._buffer.plan_words
@@ -354,7 +373,7 @@ class Buffer:
                 range are zero; rows past the last group end (cu_seqlens[-1]) are unspecified (not written: the cost
                 follows the rows moved, not the buffer's capacity).
             recv_w: [NvS] fp32, each row's routing weight; 0 on padding rows; unspecified past the last group end.
-            cu_seqlens: [2*epn] int32 (= plan.cu_seqlens).
+            cu_seqlens: [num_groups] int32 (= plan.cu_seqlens).
             With async_finish=True a fourth result, the EventHandle (see the class docstring: streams and events;
             backward runs on the same stream with the same num_sms, complete in the current stream's order).
         Backward: grad_x = unweighted combine of grad_recv_x; grad_topk_weights = grad_recv_w read back at each
@@ -576,7 +595,7 @@ class Buffer:
         return (
             f"flatep.Buffer(R={self.num_ranks}, rank={self.rank}, S={self.num_tokens}, H={self.hidden}, "
             f"E={self.num_experts}, K={self.topk}, align={self.align}, capacity_factor={self.capacity_factor}, "
-            f"NvS={self.num_recv_rows})"
+            f"planner={self.planner!r}, num_slots={self.num_slots}, NvS={self.num_recv_rows})"
         )
 
     # ---- raw ops (no checks beyond the plan, no autograd): used by the autograd functions ----
@@ -675,17 +694,18 @@ _shared = {}  # (group id, construction arguments, device) -> (group, Buffer); t
 
 
 def shared_buffer(group, num_tokens, hidden, num_experts, topk, align=128, capacity_factor=1.0, *,
-                  planner="balanced", device=None, num_sms=None, stream_priority=0):
+                  planner="balanced", num_slots=None, view_stride=None, device=None, num_sms=None, stream_priority=0):
     """The process's Buffer for these arguments, created on first use (collective then), like shared_pools: layers of
     one shape share one Buffer, so communication memory does not grow with the number of layers. Safe because a Plan
     owns its arrays and the symmetric buffer is scratch that every op rewrites (design §8): plans of several layers,
     all made by the one Buffer, stay valid together (backward reuses each layer's saved plan)."""
-    key = (id(group), num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner,
-           str(resolve_device(device)), num_sms, stream_priority)
+    key = (id(group), num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner, num_slots,
+           view_stride, str(resolve_device(device)), num_sms, stream_priority)
     entry = _shared.get(key)
     if entry is None:
         buffer = Buffer(group, num_tokens, hidden, num_experts, topk, align, capacity_factor, planner=planner,
-                        device=device, num_sms=num_sms, stream_priority=stream_priority)
+                        num_slots=num_slots, view_stride=view_stride, device=device, num_sms=num_sms,
+                        stream_priority=stream_priority)
         entry = (group, buffer)
         _shared[key] = entry
     return entry[1]

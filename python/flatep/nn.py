@@ -74,6 +74,7 @@ from .ffn import (  # noqa: F401 - the expert FFN's arithmetic (flatep.ffn), imp
     ffn_forward, grouped_ffn, w1_columns, _has_grouped_mm, _past_end,
 )
 from .pools import shared_pools
+from .serving import check_inference, check_num_slots, serving_experts
 
 _BF16 = torch.bfloat16
 
@@ -254,7 +255,11 @@ def _experts_backward(ctx, grad_y, want_w):
         return None
     if ctx.on_views:
         pools.prefetch(plan, layer)
-    grads = list(torch.autograd.grad(y, inputs, grad_y.to(y.dtype)))
+    if y.requires_grad:  # allow_unused: a leaf no group of this rank's rows reached has no gradient (zero)
+        grads = torch.autograd.grad(y, inputs, grad_y.to(y.dtype), allow_unused=True)
+    else:  # no rows on this rank this step (the CPU loop then builds y from zeros alone)
+        grads = [None] * len(inputs)
+    grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, inputs)]
     # Own groups with rows added into main_grad (groups without rows untouched: a grouped GEMM need not write
     # them) and the slots used this step; the plan decides on the device, no synchronisation. Unused slots keep
     # their zero reduce pool (a projection not written this step adds zeros).
@@ -359,7 +364,15 @@ class MoE(torch.nn.Module):
         topk (int): K.
         group: torch.distributed process group (None: the default group, or a one-rank world).
         num_tokens (int or None): S, the most tokens per rank per call; None: the first call's s.
-        align, capacity_factor, planner: see flatep.Buffer (align's default: DEFAULT_ALIGN).
+        align, capacity_factor, planner: see flatep.Buffer (align's default: DEFAULT_ALIGN). planner='owner' (no
+            replicas, no prefetch) suits decode; ``use_planner`` switches planner and S between steps over the same
+            weights (e.g. balanced for prefill, owner for decode).
+        num_slots (int or None): B replica slots per rank (flatep.ExpertPools). None (default) or epn: training.
+            B < epn: serving, inference only (forward under torch.no_grad() / torch.inference_mode(); a forward that
+            autograd would record raises ValueError): the experts' grouped GEMM runs on the pools' [R*Q + B] weights
+            view with the plan's cu_seqlens (flatep.serving), every replica beyond the B slots read in place from its
+            owner, no weight copied per step. w1 / w2 are then Parameters without gradient (requires_grad False, no
+            main_grad).
         seed (int): init seed; every rank must pass the same (see init_expert_weights).
         pools (ExpertPools or None): share one across layers; None: the process's shared pools for this shape.
             The layer's Buffer is likewise the process's shared Buffer for its shape (flatep.buffer.shared_buffer):
@@ -402,6 +415,7 @@ class MoE(torch.nn.Module):
         align=DEFAULT_ALIGN,
         capacity_factor=1.0,
         planner="balanced",
+        num_slots=None,
         seed=0,
         pools=None,
         device=None,
@@ -434,7 +448,13 @@ class MoE(torch.nn.Module):
         with torch.no_grad():
             self.router.weight.copy_(init_router_weight(hidden, num_experts, seed))
         shapes = expert_projections(hidden, ffn, self.activation)
-        self.pools = pools if pools is not None else shared_pools(group, self.experts_per_rank, shapes, self.device)
+        num_slots = check_num_slots("MoE", num_slots, self.experts_per_rank)
+        if pools is None:
+            pools = shared_pools(group, self.experts_per_rank, shapes, self.device, num_slots=num_slots)
+        self.pools = pools
+        if num_slots is not None and pools.num_slots != num_slots:
+            raise ValueError(f"MoE: num_slots={num_slots} but the pools have num_slots={pools.num_slots}")
+        self.num_slots, self.serving = pools.num_slots, pools.serving
         if self.pools.projections != shapes or self.pools.experts_per_rank != self.experts_per_rank:
             raise ValueError(
                 f"MoE: pools must have epn={self.experts_per_rank} and projections {shapes} (activation="
@@ -448,8 +468,8 @@ class MoE(torch.nn.Module):
         with torch.no_grad():  # once, at construction: from here on the parameters are the library's memory
             layer.own_weights(0).copy_(w1)
             layer.own_weights(1).copy_(w2)
-        self.w1 = torch.nn.Parameter(layer.own_weights(0))
-        self.w2 = torch.nn.Parameter(layer.own_weights(1))
+        self.w1 = torch.nn.Parameter(layer.own_weights(0), requires_grad=not self.serving)
+        self.w2 = torch.nn.Parameter(layer.own_weights(1), requires_grad=not self.serving)
         for p, param in enumerate((self.w1, self.w2)):
             param.main_grad = layer.own_grads(p)  # fp32, the own part of the pools' gradient view
             param._flatep_owner = layer  # the memory lives while the parameter does
@@ -488,11 +508,31 @@ class MoE(torch.nn.Module):
 
     def _make_buffer(self, num_tokens):
         # One Buffer per shape and process, shared by every layer of that shape (like the pools).
+        serving = dict(num_slots=self.num_slots, view_stride=self.pools.view_stride) if self.serving else {}
         self.buffer = shared_buffer(
             self.group, num_tokens, self.hidden, self.num_experts, self.topk, self.align, self.capacity_factor,
-            planner=self.planner, device=self.device,
+            planner=self.planner, device=self.device, **serving,
         )
         self.num_tokens = num_tokens
+
+    def use_planner(self, planner, num_tokens=None):
+        """Switches the layer's Buffer (collective the first time a combination is used): later forwards plan with
+        `planner` ('balanced', 'greedy' or 'owner') for at most `num_tokens` tokens per rank (None: the current S),
+        over the same pools and weights. The Buffers are the process's shared ones (flatep.buffer.shared_buffer), so
+        switching back and forth builds nothing new, e.g. prefill with use_planner('balanced', S_prefill) and
+        decode with use_planner('owner', S_decode) (the owner planner's receive rows are R*S*K: keep its S small).
+        Returns the Buffer."""
+        num_tokens = self.num_tokens if num_tokens is None else num_tokens
+        if num_tokens is None:
+            raise ValueError("MoE.use_planner: num_tokens is needed before the first forward")
+        previous = self.planner
+        self.planner = planner
+        try:
+            self._make_buffer(num_tokens)
+        except Exception:
+            self.planner = previous
+            raise
+        return self.buffer
 
     def replicated_parameters(self):
         """Parameters every rank holds a full copy of (the router, the shared expert's): all-reduce their gradients
@@ -505,9 +545,10 @@ class MoE(torch.nn.Module):
         return [self.w1, self.w2]
 
     def zero_main_grad(self):
-        """Zeroes the experts' main_grad (backward accumulates into it)."""
+        """Zeroes the experts' main_grad (backward accumulates into it; serving layers have none)."""
         for param in self.expert_parameters():
-            param.main_grad.zero_()
+            if param.main_grad is not None:
+                param.main_grad.zero_()
 
     def _check_zero_copy(self):
         layer = self.expert_layer
@@ -567,12 +608,15 @@ class MoE(torch.nn.Module):
                              "at construction or run one eager forward first")
 
     def _experts(self, plan, recv_x):
+        if self.serving:
+            return serving_experts(self.pools, self.expert_layer, plan, recv_x, self.activation)
         if _ops.compiling():
             return _experts_compiled(self, plan, recv_x)
         return _ExpertsFunction.apply(self, plan, recv_x, self.w1, self.w2)
 
     def forward(self, x, topk_idx=None):
         self._check_input(x)
+        check_inference(self, (x,))
         self._check_zero_copy()
         self._check_compilable()
         if self.buffer is None:
@@ -590,14 +634,17 @@ class MoE(torch.nn.Module):
                                                          async_finish=True)
             shared = self._shared(xb)
             arrived.current_stream_wait()
-            y = _ExpertsFunction.apply(self, plan, recv_x, self.w1, self.w2)
+            y = self._experts(plan, recv_x)
             out, done = buffer.combine(plan, y, recv_w, stream=comm, async_finish=True)
             done.current_stream_wait()
         else:
             plan = self.buffer.plan(idx)
             if self.shared_ffn is not None:
                 shared = self._shared(xb)
-            if self.fp8:
+            if self.fp8 and self.serving:  # inference: the FP8 rows dequantised, then the experts on the view
+                (recv_q, recv_s), recv_w, _ = self.buffer.dispatch(plan, xb, weights, fp8=True)
+                y = self._experts(plan, dequantize_rows(recv_q, recv_s))
+            elif self.fp8:
                 self.buffer._check_plan("dispatch", plan)
                 y, recv_w = _FP8DispatchExpertsFunction.apply(self, plan, xb, weights, self.w1, self.w2)
             else:
@@ -655,6 +702,7 @@ class MoE(torch.nn.Module):
             raise ValueError(f"MoE.forward_microbatches: topk_idx has {len(idxs)} items for {n} micro-batches")
         for i, x in enumerate(xs):
             self._check_input(x, f"xs[{i}]")
+        check_inference(self, xs)
         self._check_zero_copy()
         self._check_compilable()
         if self.buffer is None:
@@ -688,7 +736,7 @@ class MoE(torch.nn.Module):
             if i + 1 < n:
                 pending = send(i + 1)  # M: after d_i and c_{i-1}; runs during GEMM_i (and shared_{i+1})
             arrived.current_stream_wait()
-            y = _ExpertsFunction.apply(self, plan, recv_x, self.w1, self.w2)  # C: prefetch_i after GEMM_{i-1}
+            y = self._experts(plan, recv_x)  # C: prefetch_i after GEMM_{i-1}
             combined.append(buffer.combine(plan, y, recv_w, stream=comm, async_finish=True))  # M: after GEMM_i
             if has_shared and i + 1 < n:
                 shared[i + 1] = self._shared(xbs[i + 1])  # C: during d_{i+1} and c_i
@@ -706,5 +754,6 @@ class MoE(torch.nn.Module):
         return (
             f"hidden={self.hidden}, ffn={self.ffn}, num_experts={self.num_experts}, topk={self.topk}, "
             f"ranks={self.num_ranks}, experts_per_rank={self.experts_per_rank}, activation={self.activation!r}, "
-            f"fp8={self.fp8}, shared_ffn={self.shared_ffn}, overlap={self.overlap}"
+            f"fp8={self.fp8}, shared_ffn={self.shared_ffn}, overlap={self.overlap}, planner={self.planner!r}, "
+            f"num_slots={self.num_slots}"
         )

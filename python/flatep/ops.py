@@ -155,7 +155,7 @@ if AVAILABLE:
     @plan_op.register_fake
     def _(buffer_id, topk_idx, stream, num_sms):
         b = _object(buffer_id, "Buffer")
-        words = b._plan_words if b.device.type == "cuda" else 3 * b.experts_per_rank
+        words = b._plan_words if b.device.type == "cuda" else b.experts_per_rank + b.num_groups
         handle = torch.empty(1, dtype=torch.int64, device="cpu")
         return handle, torch.empty(words, dtype=torch.int32, device=topk_idx.device)
 

@@ -22,16 +22,64 @@ On a CUDA device (FlatEP built with CUDA) the memory is device memory (CUDA VMM:
 virtual range over the layer's allocation followed by the pool's), and prefetch / reduce_grad are enqueued on
 ``torch.cuda.current_stream(device)`` at the time of the call, like flatep.Buffer's ops, without a host
 synchronisation. The plan must come from a Buffer on the same device.
+
+Serving (``num_slots=B`` with B < epn; docs/design.md §5 "Serving layout"): each rank keeps only B replica slots and
+every layer's own weights are symmetric memory that every rank maps. ``layer.weights(p)`` is then one view
+``[view_rows, rows, cols]`` (view_rows = R*Q + B, Q = ``pools.view_stride`` >= epn), laid out the same on every rank:
+rank r's own experts at rows [r*Q, r*Q + epn) (``pools.view_row(e)``: the row of expert e; rows r*Q + epn .. r*Q + Q
+are padding the mapping granularity needs, never read), then this rank's B slots at rows [R*Q, R*Q + B). A plan of a
+Buffer built with the pools' num_slots and view_stride has one group per view row (cu_seqlens [view_rows]), so a
+grouped GEMM over the view with offs = cu_seqlens reads every replica beyond the B slots straight from its owner's
+memory; ``prefetch`` pulls the B slotted experts from their owners (one barrier). Serving pools are forward-only
+(``grads`` / ``own_grads`` are None; reduce_grad and write_grads refuse) and register_layer is collective there.
+
+Weights other than bf16 (e.g. FP8): a projection may be given as (rows, cols, dtype) with dtype torch.float8_e4m3fn
+(or torch.uint8 for e4m3 bytes on a torch without it), torch.float32 (e.g. per-block scales of an e4m3 projection) or
+torch.bfloat16 (the default). Prefetch moves every projection as bytes, so an e4m3 projection and its scales
+projection travel together; the GEMM that consumes them is the caller's. Pools with a projection that is not bf16
+are forward-only.
 """
 
 import torch
 
 from . import _C
+from . import fp8 as _fp8
 from . import ops as _ops
-from ._tensors import INT64_MAX, address, check_int, check_tensor, check_timeout, tensor_at
+from ._tensors import _ELEMENT_BYTES, INT64_MAX, address, check_int, check_tensor, check_timeout, tensor_at
 from .buffer import Plan
 from .distributed import group_rank_size, resolve_device, transport_for
 from .launch import OpLaunch, check_num_sms, device_guard, stream_handle
+
+
+#: The weight dtypes a projection may have (e4m3 as torch.uint8 bytes on a torch without float8_e4m3fn).
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float32, torch.uint8) + ((_fp8.E4M3_DTYPE,) if _fp8.E4M3_DTYPE else ())
+
+
+def _dtype_name(dtype):
+    """The C++ messages' name of a weight dtype."""
+    return {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, "e4m3")
+
+
+def _projection_shape(i, shape, epn):
+    """((rows, cols), dtype) of projection i given as (rows, cols) or (rows, cols, dtype); one-line ValueErrors."""
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+    dtype = shape[2] if len(shape) == 3 else torch.bfloat16
+    dims = shape[:2]
+    if len(shape) not in (2, 3) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims):
+        raise ValueError(f"ExpertPools: projection {i} must be (rows, cols) or (rows, cols, dtype) with positive int "
+                         f"rows and cols, got {shape!r}")
+    if dtype not in _WEIGHT_DTYPES:
+        names = ", ".join(str(d) for d in _WEIGHT_DTYPES)
+        raise ValueError(f"ExpertPools: projection {i} dtype must be one of {names}, got {dtype!r}")
+    if max(dims) > INT64_MAX:  # the C++ check's message, for sizes its int64 cannot hold
+        raise ValueError(f"ExpertPools: projection {i} of [{dims[0]}][{dims[1]}] x {epn} experts is too large")
+    nbytes = _ELEMENT_BYTES[dtype]
+    if dims[0] * dims[1] * nbytes % 16:  # the C++ check's message, before the transport's collective set-up
+        raise ValueError(
+            f"ExpertPools: projection {i} of [{dims[0]}][{dims[1]}] has {dims[0] * dims[1] * nbytes} bytes per "
+            f"expert ({_dtype_name(dtype)}), not a multiple of 16; rows * cols must be a multiple of {16 // nbytes}"
+        )
+    return (int(dims[0]), int(dims[1])), dtype
 
 
 class ExpertLayer:
@@ -41,13 +89,18 @@ class ExpertLayer:
         self.pools = pools
         self._layer = clayer
         self._index = index  # position in pools.layers (what the custom ops take)
-        epn, device = pools.experts_per_rank, pools.device
+        epn, device, view_rows = pools.experts_per_rank, pools.device, pools.view_rows
         self._weights, self._grads, self._own_weights, self._own_grads = [], [], [], []
-        for p, (rows, cols) in enumerate(pools.projections):
-            self._weights.append(tensor_at(clayer.weights(p), (2 * epn, rows, cols), torch.bfloat16, device, self))
-            self._grads.append(tensor_at(clayer.grads(p), (2 * epn, rows, cols), torch.float32, device, self))
-            self._own_weights.append(tensor_at(clayer.own_weights(p), (epn, rows, cols), torch.bfloat16, device, self))
-            self._own_grads.append(tensor_at(clayer.own_grads(p), (epn, rows, cols), torch.float32, device, self))
+        for p, ((rows, cols), dtype) in enumerate(zip(pools.projections, pools.dtypes)):
+            self._weights.append(tensor_at(clayer.weights(p), (view_rows, rows, cols), dtype, device, self))
+            self._own_weights.append(tensor_at(clayer.own_weights(p), (epn, rows, cols), dtype, device, self))
+            trains = pools.trains
+            self._grads.append(
+                tensor_at(clayer.grads(p), (view_rows, rows, cols), torch.float32, device, self) if trains else None
+            )
+            self._own_grads.append(
+                tensor_at(clayer.own_grads(p), (epn, rows, cols), torch.float32, device, self) if trains else None
+            )
 
     def _projection(self, p):
         n = len(self._weights)
@@ -56,19 +109,23 @@ class ExpertLayer:
         return p
 
     def weights(self, p):
-        """bf16 [2*epn, rows, cols] compute view of projection p."""
+        """[view_rows, rows, cols] compute view of projection p, in the projection's dtype (bf16 unless given):
+        training [2*epn] (own experts, then the slot pool), serving [R*Q + B] (every rank's own experts read in
+        place, then this rank's B slots; see the module docstring)."""
         return self._weights[self._projection(p)]
 
     def grads(self, p):
-        """fp32 [2*epn, rows, cols] gradient view of projection p."""
+        """fp32 [2*epn, rows, cols] gradient view of projection p (None for forward-only pools)."""
         return self._grads[self._projection(p)]
 
     def own_weights(self, p):
-        """bf16 [epn, rows, cols]: this layer's own experts of projection p."""
+        """[epn, rows, cols]: this layer's own experts of projection p (the same memory as their rows of
+        weights(p))."""
         return self._own_weights[self._projection(p)]
 
     def own_grads(self, p):
-        """fp32 [epn, rows, cols]: this layer's own experts' gradients of projection p."""
+        """fp32 [epn, rows, cols]: this layer's own experts' gradients of projection p (None for forward-only
+        pools)."""
         return self._own_grads[self._projection(p)]
 
 
@@ -78,9 +135,13 @@ class ExpertPools:
     Args:
         group: torch.distributed process group (None: the default group, or a one-rank world).
         experts_per_rank (int): epn = E / R of the Buffers whose plans are used.
-        projections (list of (rows, cols)): per projection, the shape of one expert's weight matrix, e.g.
-            [(H, F), (F, H)] for an FFN x @ W1 -> act -> @ W2; rows * cols a multiple of 8 (an expert's bf16 weights
-            a multiple of 16 bytes, on every backend).
+        projections (list of (rows, cols) or (rows, cols, dtype)): per projection, the shape of one expert's weight
+            matrix, e.g. [(H, F), (F, H)] for an FFN x @ W1 -> act -> @ W2, and its dtype: torch.bfloat16 (the
+            default), torch.float8_e4m3fn (or torch.uint8: e4m3 bytes) or torch.float32 (e.g. block scales); one
+            expert's bytes a multiple of 16 (rows * cols a multiple of 8 for bf16, 16 for e4m3, 4 for fp32).
+        num_slots (int or None): B, replica slots per rank, in [0, epn]; None or epn: training (today's layout);
+            B < epn: serving (module docstring). Buffers whose plans these pools take must be built with the same
+            num_slots and, in serving, view_stride=pools.view_stride.
         device: 'cpu' (the CPU backend, default) or a CUDA device (FlatEP built with CUDA; 'cuda' means the current
             device). Plans must come from Buffers on the same device.
         timeout_s (float): bound on every cross-rank wait of this object, seconds in (0, 86400]; kept from
@@ -91,42 +152,48 @@ class ExpertPools:
             CPU backend.
         stream_priority (int): priority of the pools' own ``comm_stream`` (CUDA devices; None on the CPU backend).
 
+    Attributes: experts_per_rank, projections (list of (rows, cols)), dtypes (per projection), num_slots (B),
+    serving (B < epn), trains (gradients available: training and bf16 weights only), view_stride (Q; epn in
+    training), view_rows (rows of every weights view: R*Q + B, or 2*epn in training), view_row(e) (serving: the
+    view row of expert e's own weights).
+
     prefetch, reduce_grad and write_grads take stream / previous_event / async_finish / num_sms like flatep.Buffer's
     ops (see its docstring: streams and events); with async_finish=True they return an EventHandle.
     """
 
-    def __init__(self, group, experts_per_rank, projections, *, device=None, timeout_s=None, num_sms=None,
-                 stream_priority=0):
+    def __init__(self, group, experts_per_rank, projections, *, num_slots=None, device=None, timeout_s=None,
+                 num_sms=None, stream_priority=0):
         if isinstance(experts_per_rank, bool) or not isinstance(experts_per_rank, int) or experts_per_rank < 1:
             raise ValueError(f"ExpertPools: experts_per_rank must be a positive int, got {experts_per_rank!r}")
         check_int("ExpertPools", "experts_per_rank", experts_per_rank, "in [1, 2147483647]")
+        if num_slots is not None:
+            check_int("ExpertPools", "num_slots", num_slots, f"None or in [0, epn={experts_per_rank}]", 0,
+                      experts_per_rank)
         timeout_s = check_timeout("ExpertPools", timeout_s)
         check_num_sms("ExpertPools", num_sms)  # its type; the C++ checks its value
         check_int("ExpertPools", "stream_priority", stream_priority, "an int (torch.cuda.Stream priority)")
-        shapes = []
+        shapes, dtypes = [], []
         for i, shape in enumerate(projections):
-            if len(shape) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
-                raise ValueError(f"ExpertPools: projection {i} must be (rows, cols) positive ints, got {shape!r}")
-            if max(shape) > INT64_MAX:  # the C++ check's message, for sizes its int64 cannot hold
-                raise ValueError(
-                    f"ExpertPools: projection {i} of [{shape[0]}][{shape[1]}] x {experts_per_rank} experts is too large"
-                )
-            if shape[0] * shape[1] * 2 % 16:  # the C++ check's message, before the transport's collective set-up
-                raise ValueError(
-                    f"ExpertPools: projection {i} of [{shape[0]}][{shape[1]}] has {shape[0] * shape[1] * 2} bytes per "
-                    "expert (bf16), not a multiple of 16; rows * cols must be a multiple of 8"
-                )
-            shapes.append((int(shape[0]), int(shape[1])))
+            shape, dtype = _projection_shape(i, shape, experts_per_rank)
+            shapes.append(shape)
+            dtypes.append(dtype)
         if not shapes:
             raise ValueError("ExpertPools: at least one projection is needed")
         self.group = group
         self.rank, self.num_ranks = group_rank_size(group)
         self.experts_per_rank = experts_per_rank
         self.projections = shapes
+        self.dtypes = dtypes
         transport = transport_for(group, device, timeout_s)  # validates the device first
         self.device = resolve_device(device)
+        cshapes = [(rows, cols, _ELEMENT_BYTES[d]) for (rows, cols), d in zip(shapes, dtypes)]
         with device_guard(self.device):
-            self._pools = _C.ExpertPools(transport, experts_per_rank, shapes)
+            self._pools = _C.ExpertPools(transport, experts_per_rank, cshapes, -1 if num_slots is None else num_slots)
+        self.num_slots = self._pools.num_slots
+        self.serving = self._pools.serving
+        self.trains = self._pools.trains
+        self.view_stride = self._pools.view_stride
+        self.view_rows = self._pools.view_rows
         if num_sms is not None:
             self._pools.num_sms = num_sms
         self.comm_stream = None
@@ -134,6 +201,18 @@ class ExpertPools:
             self.comm_stream = torch.cuda.Stream(self.device, priority=stream_priority)
         self._op_id = _ops.register_object(self) if _ops.AVAILABLE else None
         self.layers = []
+
+    def view_row(self, expert):
+        """Serving: the row of expert e's own weights in every weights view (home(e)*Q + e % epn)."""
+        check_int("view_row", "expert", expert, f"in [0, E={self.num_ranks * self.experts_per_rank})")
+        return self._pools.view_row(expert)
+
+    def _check_trains(self, op):
+        if not self.trains:
+            why = (f"serving: num_slots={self.num_slots} < epn={self.experts_per_rank}" if self.serving
+                   else "a projection's weights are not bf16")
+            raise ValueError(f"{op}: these pools are forward-only ({why}); gradients need num_slots = epn and bf16 "
+                             "weights")
 
     @property
     def num_sms(self):
@@ -146,7 +225,8 @@ class ExpertPools:
         self._pools.num_sms = check_num_sms("ExpertPools", value, none_ok=False)
 
     def register_layer(self):
-        """A new layer's zero-filled weights and grads with their compute views (local, not collective)."""
+        """A new layer's zero-filled weights and grads with their compute views (local in training; collective in
+        serving, where the own weights are symmetric memory every rank maps)."""
         layer = ExpertLayer(self, self._pools.register_layer(), len(self.layers))  # on the transport's device
         self.layers.append(layer)
         return layer
@@ -214,6 +294,7 @@ class ExpertPools:
         ascending (rank, slot) order in fp32, then zeroes the consumed slots. Returns None (with async_finish=True:
         the EventHandle)."""
         layer = self._resolve("reduce_grad", plan, layer)
+        self._check_trains("reduce_grad")
         if _ops.compiling():
             code, num_sms = self._op_args("reduce_grad", stream, previous_event, async_finish, num_sms)
             _ops.reduce_grad_op(self._op_id, layer._index, plan._handle, plan._storage, layer._grads, code, num_sms)
@@ -235,6 +316,7 @@ class ExpertPools:
         own gradients accumulate over micro-batches until the caller zeroes them (Megatron's ``main_grad``); slots
         as above. Enqueued on the current stream on a CUDA device (no host synchronisation)."""
         layer = self._resolve("write_grads", plan, layer)
+        self._check_trains("write_grads")
         n = len(self.projections)
         if isinstance(projection, bool) or not isinstance(projection, int) or not 0 <= projection < n:
             raise ValueError(f"write_grads: projection must be an int in [0, {n}), got {projection!r}")
@@ -252,15 +334,26 @@ class ExpertPools:
                          lambda n: self._write_grads_raw(plan, layer, projection, grad, accumulate, num_sms=n),
                          stream, previous_event, async_finish, num_sms, (plan._storage, grad))
 
+    def _checked_projection(self, p):
+        n = len(self.projections)
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < n:
+            raise ValueError(f"projection must be an int in [0, {n}), got {p!r}")
+        return p
+
     def slot_pool(self, p):
-        """bf16 [epn, rows, cols]: this rank's slot pool of projection p."""
-        rows, cols = self.projections[p]
-        shape = (self.experts_per_rank, rows, cols)
-        return tensor_at(self._pools.slot_pool(p), shape, torch.bfloat16, self.device, self)
+        """[B, rows, cols] in projection p's dtype: this rank's slot pool of projection p (B = num_slots; the view's
+        rows after the own experts)."""
+        rows, cols = self.projections[self._checked_projection(p)]
+        shape = (self.num_slots, rows, cols)
+        if self.num_slots == 0:
+            return torch.empty(shape, dtype=self.dtypes[p], device=self.device)
+        return tensor_at(self._pools.slot_pool(p), shape, self.dtypes[p], self.device, self)
 
     def reduce_pool(self, p):
-        """fp32 [epn, rows, cols]: this rank's reduce pool of projection p."""
-        rows, cols = self.projections[p]
+        """fp32 [epn, rows, cols]: this rank's reduce pool of projection p (None for forward-only pools)."""
+        rows, cols = self.projections[self._checked_projection(p)]
+        if not self.trains:
+            return None
         shape = (self.experts_per_rank, rows, cols)
         return tensor_at(self._pools.reduce_pool(p), shape, torch.float32, self.device, self)
 
@@ -268,13 +361,16 @@ class ExpertPools:
 _shared = {}
 
 
-def shared_pools(group, experts_per_rank, projections, device=None, num_sms=None, stream_priority=0):
-    """The process's ExpertPools for (group, epn, projections, device), created on first use (collective then)."""
+def shared_pools(group, experts_per_rank, projections, device=None, num_sms=None, stream_priority=0, num_slots=None):
+    """The process's ExpertPools for (group, epn, projections, device, num_slots), created on first use (collective
+    then). num_slots None and epn are the same (training) pools."""
     device = resolve_device(device)
-    key = (id(group), experts_per_rank, tuple(tuple(p) for p in projections), str(device), num_sms, stream_priority)
+    slots = None if num_slots == experts_per_rank else num_slots
+    key = (id(group), experts_per_rank, tuple(tuple(p) for p in projections), str(device), num_sms, stream_priority,
+           slots)
     entry = _shared.get(key)
     if entry is None:
-        pools = ExpertPools(group, experts_per_rank, projections, device=device, num_sms=num_sms,
+        pools = ExpertPools(group, experts_per_rank, projections, num_slots=slots, device=device, num_sms=num_sms,
                             stream_priority=stream_priority)
         entry = (group, pools)
         _shared[key] = entry

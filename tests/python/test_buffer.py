@@ -283,7 +283,7 @@ def test_bad_constructor_arguments():
     raises(lambda: flatep.Buffer(None, S, H, E, K, align=0), "align must be in [1, 4096], got 0")
     raises(
         lambda: flatep.Buffer(None, S, H, E, K, planner="best"),
-        "Buffer: planner must be 'balanced' or 'greedy', got 'best'",
+        "Buffer: planner must be 'balanced', 'greedy' or 'owner', got 'best'",
     )
     raises(lambda: flatep.Buffer(None, 2.5, H, E, K), "Buffer: num_tokens must be an int, got 2.5")
     if not _C.has_cuda:
@@ -294,7 +294,8 @@ def test_bad_constructor_arguments():
     raises(lambda: flatep.ExpertPools(None, 0, [(8, 8)]), "ExpertPools: experts_per_rank must be a positive int, got 0")
     raises(
         lambda: flatep.ExpertPools(None, 1, [(8, -1)]),
-        "ExpertPools: projection 0 must be (rows, cols) positive ints, got (8, -1)",
+        "ExpertPools: projection 0 must be (rows, cols) or (rows, cols, dtype) with positive int rows and cols, got "
+        "(8, -1)",
     )
     # One size contract for both backends (design §5), checked at construction: 16-byte experts.
     raises(

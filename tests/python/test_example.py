@@ -4,6 +4,7 @@ prints per-step loss and rank loads, and its loss curve matches the dense refere
 Reproduce: PYTHONPATH=python:build/python /usr/bin/python3 examples/train_moe.py --steps 4 [--device cuda]
 """
 
+import ast
 import os
 import subprocess
 import sys
@@ -41,3 +42,37 @@ def test_train_moe_example_runs_and_matches_reference(device):
     step_lines = [l for l in lines if l.startswith("step ") and "rank loads [64, 64]" in l]
     assert len(step_lines) == steps, proc.stdout  # exact mode: 32 tokens * K=2 rows on each rank, every step
     assert lines[-1].endswith(": OK"), proc.stdout
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(CUDA_SKIP is not None, reason=f"cuda: {CUDA_SKIP}")]
+        ),
+    ],
+)
+def test_serve_moe_example_prefill_and_decode_match_reference(device):
+    """examples/serve_moe.py: a balanced prefill step with B = 1 slot, then owner-planner decode steps over the same
+    weights, ragged ranks with an empty one, each step within tolerance of the dense reference; the prefill's rows are
+    equal on every rank (balanced whatever B), decode rows are each rank's own (no replicas)."""
+    paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "serve_moe.py"), "--device", device, "--decode-steps", "3"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    steps = [l for l in lines if l.startswith("step ")]
+    assert len(steps) == 4, proc.stdout
+    assert " balanced " in steps[0] and all(" owner " in l for l in steps[1:]), proc.stdout
+    prefill_rows = steps[0].split(" rows ")[1].split("]")[0] + "]"
+    assert len(set(ast.literal_eval(prefill_rows))) == 1, steps[0]  # every rank computes the same rows
+    for line in steps[1:]:  # owner: the rows are what each rank would compute without FlatEP, no replicas
+        rows, before = line.split(" rows ")[1].split(" (without FlatEP ")
+        assert rows.strip() == before.split(")")[0] and "replicas 0" in line, line
+    assert any(" tokens [0," in l or ", 0," in l.split(" rows ")[0] or ", 0]" in l.split(" rows ")[0]
+               for l in steps), "no step had an empty rank"
+    assert lines[-1].startswith("OK: "), proc.stdout

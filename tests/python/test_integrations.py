@@ -19,6 +19,7 @@ import flatep
 from flatep import fp8, testing, virtual
 from flatep.integrations import (
     ReplicatedExperts,
+    ServingExperts,
     group_expert_ids,
     group_sizes,
     megatron,
@@ -499,6 +500,53 @@ def test_vllm_prepare_finalize_matches_the_dense_reference(R, mode):
             ref = ref.index_add(0, t, scale.unsqueeze(1) * vllm_expert(rows[t], w13[e], w2[e]))
     for r in range(R):
         assert outs[r].dtype == BF16 and outs[r].shape == (S, H)
+        assert rel_err(outs[r], ref[r * S:(r + 1) * S]) < 2e-2, f"rank {r}: output"
+
+
+@pytest.mark.parametrize("R,num_slots,planner", [(2, 0, "balanced"), (3, 1, "balanced"), (4, 2, "owner")])
+def test_vllm_serving_view_matches_the_dense_reference(R, num_slots, planner):
+    """B < epn: the same call sequence, the fused experts over ServingExperts' [R*Q + B] weights view (own weights
+    written once, replicas beyond the B slots read in place), groups named by group_expert_ids."""
+    H = 128
+    epn = E // R
+    ranks = virtual.virtual_ranks(R, "cpu", timeout_s=30)
+    g = torch.Generator().manual_seed(43)
+    w13 = bf16_exact((E, 2 * FFN, H), g, H ** -0.5)
+    w2 = bf16_exact((E, H, FFN), g, FFN ** -0.5)
+    router_weight = torch.randn(E, H, generator=g) / H ** 0.5
+    x = torch.randn(R * S, H, generator=g).to(BF16)
+    idx = [i.to(torch.int32) for i in routing(R, seed=3)]
+    serving = virtual.run_threads(R, lambda r: ServingExperts(ranks[r], epn, [(2 * FFN, H), (H, FFN)], num_slots))
+    buffers = virtual.run_threads(R, lambda r: flatep.Buffer(
+        ranks[r], S, H, E, K, align=8, planner=planner, num_slots=num_slots, view_stride=serving[r].view_stride))
+    for r in range(R):  # once, at load time: the memory every rank's view reads
+        serving[r].layer.own_weights(0).copy_(w13[r * epn:(r + 1) * epn])
+        serving[r].layer.own_weights(1).copy_(w2[r * epn:(r + 1) * epn])
+    pfs = [vllm.FlatEPPrepareAndFinalize(buffers[r]) for r in range(R)]
+    assert pfs[0].num_groups == R * serving[0].view_stride + num_slots == serving[0].view_rows
+    experts = VllmFusedExperts(None, weights_in_experts=False)
+    xs = [x[r * S:(r + 1) * S] for r in range(R)]
+    weights = [router_probs(xs[r], router_weight, idx[r].long()) for r in range(R)]
+
+    def step(r):
+        with torch.no_grad():
+            return vllm_modular_kernel_apply(pfs[r], experts, lambda plan, *_: serving[r](plan), None, None, xs[r],
+                                             weights[r], idx[r], E)
+
+    outs = virtual.run_threads(R, step)
+    for r in range(R):
+        plan = pfs[r].plan
+        used = int((plan.slot_expert >= 0).sum())
+        assert used <= num_slots and (planner != "owner" or used == 0)
+        ids = group_expert_ids(plan)
+        view = serving[r].layer.weights(0)
+        for grp in range(ids.numel()):  # every group's view row holds its expert's weights
+            if group_sizes(plan)[grp] > 0:
+                assert torch.equal(view[grp].float(), w13[int(ids[grp])]), (r, grp)
+    if planner == "balanced" and num_slots > 0:
+        assert replicas_used([p.plan for p in pfs]) > 0
+    ref = dense_moe(x.float(), router_weight, torch.cat(idx).long(), vllm_expert, [w13, w2])
+    for r in range(R):
         assert rel_err(outs[r], ref[r * S:(r + 1) * S]) < 2e-2, f"rank {r}: output"
 
 

@@ -36,9 +36,9 @@ def one_virtual_rank():
 
 # shared_buffer: (argument, base value, another value, how the Buffer shows the value)
 BUFFER_BASE = dict(num_tokens=S, hidden=H, num_experts=E, topk=K, align=1, capacity_factor=1.0, planner="balanced",
-                   device="cpu", num_sms=None, stream_priority=0)
+                   num_slots=None, view_stride=None, device="cpu", num_sms=None, stream_priority=0)
 BUFFER_OTHER = dict(num_tokens=S + 4, hidden=H + 8, num_experts=2 * E, topk=K + 1, align=8, capacity_factor=1.25,
-                    planner="greedy", num_sms=3, stream_priority=-1)
+                    planner="greedy", num_slots=1, view_stride=E + 1, num_sms=3, stream_priority=-1)
 BUFFER_SEEN = dict(num_tokens="num_tokens", hidden="hidden", num_experts="num_experts", topk="topk", align="align",
                    capacity_factor="capacity_factor", planner="planner", num_sms="num_sms")
 
@@ -84,8 +84,9 @@ def test_shared_buffer_differs_in_group_and_equal_arguments_share():
 
 
 # shared_pools: (argument, base value, another value)
-POOLS_BASE = dict(experts_per_rank=2, projections=[(H, 16), (8, H)], device="cpu", num_sms=None, stream_priority=0)
-POOLS_OTHER = dict(experts_per_rank=3, projections=[(H, 8), (8, H)], num_sms=5, stream_priority=-1)
+POOLS_BASE = dict(experts_per_rank=2, projections=[(H, 16), (8, H)], device="cpu", num_sms=None, stream_priority=0,
+                  num_slots=None)
+POOLS_OTHER = dict(experts_per_rank=3, projections=[(H, 8), (8, H)], num_sms=5, stream_priority=-1, num_slots=1)
 
 
 def make_pools(group=None, **changes):

@@ -20,10 +20,14 @@ hot experts -- so the framework's grouped GEMM runs over 2*epn weight matrices:
   step (own experts from the framework's parameters, replicas fetched from their owners), differentiable: the own
   parameters' gradient includes what their replicas computed on other ranks.
 
+* :class:`ServingExperts` -- serving (a Buffer with num_slots B < epn): ``weights = serving(plan)`` is the pools'
+  [R*Q + B, ...] weights view itself (every rank's own experts read in place, then this rank's B prefetched slots),
+  one group per view row; inference only, no copy.
+
 Every call is collective over the Buffer's group, forward and backward, as for Buffer itself.
 """
 
-from ._common import ReplicatedExperts, group_expert_ids, group_sizes, row_group_ids
+from ._common import ReplicatedExperts, ServingExperts, group_expert_ids, group_sizes, row_group_ids
 from . import megatron, torchtitan, vllm  # noqa: E402
 
-__all__ = ["ReplicatedExperts", "group_expert_ids", "group_sizes", "row_group_ids", "megatron", "torchtitan", "vllm"]
+__all__ = ["ReplicatedExperts", "ServingExperts", "group_expert_ids", "group_sizes", "row_group_ids", "megatron", "torchtitan", "vllm"]

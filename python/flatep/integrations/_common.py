@@ -10,6 +10,10 @@ A framework's grouped GEMM must therefore run over 2*epn weight matrices, not ep
 expert of each group, and ReplicatedExperts gives the [2*epn, ...] weights (own experts from the caller's parameters,
 replicas fetched from their owners by ExpertPools.prefetch), with a backward that sends the replicas' gradients back
 to their owners (ExpertPools.write_grads + reduce_grad), so the caller's own parameters get the whole gradient.
+
+Serving (a Buffer with num_slots B < epn; flatep.pools "Serving"): the plan has one group per row of the ExpertPools
+weights view, R*Q + B of them (group r*Q + l: expert r*epn + l, read in place from rank r; R*Q + j: slot j; pad rows
+are empty groups), and ServingExperts gives that view itself (inference: no copy, no autograd).
 """
 
 import torch
@@ -17,7 +21,7 @@ import torch
 from ..buffer import Plan
 from ..pools import ExpertPools, shared_pools
 
-__all__ = ["group_sizes", "group_expert_ids", "row_group_ids", "ReplicatedExperts"]
+__all__ = ["group_sizes", "group_expert_ids", "row_group_ids", "ReplicatedExperts", "ServingExperts"]
 
 
 def _check_plan(op, plan):
@@ -27,7 +31,7 @@ def _check_plan(op, plan):
 
 
 def group_sizes(plan):
-    """[2*epn] int64, on the plan's device: the padded row count of each group (cu_seqlens as sizes; what frameworks
+    """[num_groups] int64, on the plan's device: the padded row count of each group (cu_seqlens as sizes; what frameworks
     call tokens_per_expert). Computed on the device: no host synchronisation."""
     ends = _check_plan("group_sizes", plan).cu_seqlens.to(torch.int64)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
@@ -35,12 +39,20 @@ def group_sizes(plan):
 
 
 def group_expert_ids(plan):
-    """[2*epn] int64, on the plan's device: the global expert id of each group; own experts rank*epn + g first, then
-    plan.slot_expert (-1 for an unused slot, whose group has no rows). No host synchronisation."""
+    """[num_groups] int64, on the plan's device: the global expert id of each group. Training layout: own experts
+    rank*epn + g first, then plan.slot_expert (-1 for an unused slot, whose group has no rows). Serving layout: group
+    r*Q + l is expert r*epn + l (-1 on the pad rows l >= epn), group R*Q + j slot j's plan.slot_expert[j]. No host
+    synchronisation."""
     plan = _check_plan("group_expert_ids", plan)
     buffer = plan._buffer
     epn = buffer.experts_per_rank
     slots = plan.slot_expert.to(torch.int64)
+    if buffer.serving:
+        stride = buffer.view_stride
+        rows = torch.arange(buffer.num_ranks * stride, dtype=torch.int64, device=slots.device)
+        home, local = rows // stride, rows % stride
+        own = torch.where(local < epn, home * epn + local, torch.full_like(rows, -1))
+        return torch.cat([own, slots[: buffer.num_slots]])
     own = torch.arange(epn, dtype=torch.int64, device=slots.device) + buffer.rank * epn
     return torch.cat([own, slots])
 
@@ -141,3 +153,50 @@ class ReplicatedExperts:
                 f"ReplicatedExperts: expected {len(self.pools.projections)} own weight tensors, got {len(own_weights)}"
             )
         return _Replicate.apply(self, plan, *own_weights)
+
+
+class ServingExperts:
+    """The weights a framework's grouped GEMM needs over a serving step (inference; collective constructor): the
+    ExpertPools weights view [R*Q + B, rows, cols] per projection, with B = num_slots < epn replica slots per rank.
+
+    Args:
+        group, experts_per_rank, projections, device: as ReplicatedExperts (projections may carry a dtype,
+            (rows, cols, dtype), as flatep.ExpertPools takes them: e.g. e4m3 weights and their fp32 scales).
+        num_slots (int): B in [0, epn).
+        pools (ExpertPools or None): serving pools to register with (None: pools of its own).
+
+    Build the step's Buffer with ``num_slots=experts.num_slots, view_stride=experts.view_stride``. Write the own
+    weights once into ``experts.layer.own_weights(p)`` (they are the memory every rank reads in place).
+    ``experts(plan, *own_weights)`` -> tuple of the [R*Q + B, rows, cols] views (no copy): prefetch (collective)
+    fills this rank's B slots from their owners; own_weights, when given, are written into the own memory first
+    (skipped when they are that memory). The views are valid until the next prefetch of these pools.
+    """
+
+    def __init__(self, group, experts_per_rank, projections, num_slots, *, device=None, pools=None):
+        if pools is None:
+            pools = ExpertPools(group, experts_per_rank, projections, num_slots=num_slots, device=device)
+        if not pools.serving or pools.num_slots != num_slots or pools.experts_per_rank != experts_per_rank:
+            raise ValueError(f"ServingExperts: pools must be serving pools with epn={experts_per_rank} and "
+                             f"num_slots={num_slots} < epn, got epn={pools.experts_per_rank} "
+                             f"num_slots={pools.num_slots}")
+        self.pools, self.experts_per_rank, self.num_slots = pools, experts_per_rank, num_slots
+        self.view_stride, self.view_rows = pools.view_stride, pools.view_rows
+        self.layer = pools.register_layer()  # collective
+
+    @torch.no_grad()
+    def __call__(self, plan, *own_weights):
+        _check_plan("ServingExperts", plan)
+        layer = self.layer
+        if own_weights and len(own_weights) != len(self.pools.projections):
+            raise ValueError(f"ServingExperts: expected {len(self.pools.projections)} own weight tensors (or none), "
+                             f"got {len(own_weights)}")
+        for p, w in enumerate(own_weights):
+            dst = layer.own_weights(p)
+            if tuple(w.shape) != tuple(dst.shape):
+                raise ValueError(f"ServingExperts: own weights of projection {p} must have shape {list(dst.shape)} "
+                                 f"([epn, rows, cols]), got {list(w.shape)}")
+            if w.data_ptr() != dst.data_ptr() or w.dtype != dst.dtype:
+                dst.copy_(w)
+        if plan._buffer.planner != "owner":  # owner plans use no slot (on every rank alike)
+            self.pools.prefetch(plan, layer)
+        return tuple(layer.weights(p) for p in range(len(self.pools.projections)))

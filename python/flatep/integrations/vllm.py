@@ -20,12 +20,17 @@ with each receive row a "token" of top-1:
 
 * prepare returns the NvS receive rows (bf16, or e4m3 rows and [NvS, H/128] fp32 scales when the quant config asks
   for fp8 with 128-wide activation blocks: FlatEP quantises inside dispatch), ``ids`` [NvS, 1] = the row's group in
-  [0, 2*epn) (-1 for rows past the last group end, which are zeroed) and ``weights`` [NvS, 1] fp32 = the row's
-  routing weight (0 on padding and past the end), and expert_tokens_meta.expert_num_tokens = [2*epn] int32 group
+  [0, num_groups) (-1 for rows past the last group end, which are zeroed) and ``weights`` [NvS, 1] fp32 = the row's
+  routing weight (0 on padding and past the end), and expert_tokens_meta.expert_num_tokens = [num_groups] int32 group
   sizes (on the device; expert_num_tokens_cpu None: no host synchronisation).
-* The fused experts therefore run with **2*epn local experts and expert_map None**: w1 / w2 are the compute views
-  ``flatep.integrations.ReplicatedExperts(...)(prepare_finalize.plan, w13_own, w2_own)`` ([2*epn, 2I, H] and
+* The fused experts therefore run with **num_groups local experts and expert_map None**: w1 / w2 are the compute
+  views ``flatep.integrations.ReplicatedExperts(...)(prepare_finalize.plan, w13_own, w2_own)`` ([2*epn, 2I, H] and
   [2*epn, H, I] in vLLM's layout), group g's expert is ``flatep.integrations.group_expert_ids(plan)[g]``.
+* Serving with B < epn slots (a Buffer built with num_slots=B and view_stride=experts.view_stride): the groups are
+  the R*Q + B rows of the pools' weights view, and w1 / w2 are that view itself,
+  ``flatep.integrations.ServingExperts(group, epn, [(2I, H), (H, I)], B)(prepare_finalize.plan)`` (the own
+  weights written once into ``experts.layer.own_weights(p)``; no per-step copy, replicas beyond the B slots read
+  in place from their owners).
 * finalize sums each token's K rows back on its rank into ``output`` [M, H] (in place): weighted by the row weights
   unless the experts already applied them (``weight_and_reduce_impl`` a TopKWeightAndReduceNoOP) or
   apply_router_weight_on_input was set (then prepare scaled the tokens before dispatch; vLLM allows it for top-1).
@@ -85,11 +90,12 @@ class FlatEPPrepareAndFinalize:
     """vLLM ``FusedMoEPrepareAndFinalize`` (modular) methods over ``buffer`` (a flatep.Buffer of the EP group; S >=
     the tokens of a rank per forward, H = hidden size, E = global_num_experts, K = top_k).
 
-    Attributes: ``plan`` (the last prepare's flatep.Plan), ``buffer``, ``num_groups`` (= 2*epn local experts)."""
+    Attributes: ``plan`` (the last prepare's flatep.Plan), ``buffer``, ``num_groups`` (local experts of the fused
+    experts: 2*epn, or R*Q + B for a serving Buffer)."""
 
     def __init__(self, buffer):
         self.buffer = buffer
-        self.num_groups = 2 * buffer.experts_per_rank
+        self.num_groups = buffer.num_groups
         self.plan = None
         self._row_weights = None
         self._weights_applied = False
