@@ -57,20 +57,6 @@ namespace {
 
 __global__ void empty_kernel() {}
 
-__global__ void fill_bf16_kernel(uint16_t* dst, int64_t n, uint64_t seed) {
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-        uint64_t z = seed * 0x9e3779b97f4a7c15ull + uint64_t(i);
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-        z ^= z >> 31;
-        dst[i] = uint16_t(((z & 1) << 15) | ((110 + (z >> 1) % 23) << 7) | ((z >> 8) & 0x7f));
-    }
-}
-void fill_device_bf16(void* dst, int64_t n, uint64_t seed) {
-    fill_bf16_kernel<<<1024, 256>>>(static_cast<uint16_t*>(dst), n, seed);
-    FLATEP_CUDA_CHECK_LAUNCH();
-}
-
 using bench::Timing;
 
 // One rank's copy under its SM budget: `blocks` blocks of 512 threads, 8 16-byte words in flight per thread (the

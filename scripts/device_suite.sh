@@ -7,6 +7,7 @@
 #   gpu_ops      build-cuda/tests/gpu/test_gpu_ops: every kernel bitwise against the CPU backend on virtual ranks
 #   gpu_fp8      build-cuda/tests/gpu/test_gpu_fp8: FP8 dispatch (both input forms, both scale modes) and the FP8 rule
 #                bitwise against the CPU backend on virtual ranks
+#   serving      tests/gpu/test_gpu_serving: serving steps (B 0/1/4/epn, 3 planners, empty ranks, graphs) vs the CPU backend
 #   ipc_gpu      ipc_gpu_main 2 4: R processes sharing GPU 0 through CUDA VMM fds
 #   ipc_buffer   ipc_buffer_gpu_main 2 4 8: flatep::Buffer on device memory, R processes, bitwise vs the CPU backend
 #   ipc_pools    ipc_pools_gpu_main: ExpertPools compute views, prefetch and reduce_grad on device memory
@@ -40,7 +41,7 @@
 # The whole run stays within SUITE_DEADLINE_S (default 540 s): a step gets at most the time that is left. With the
 # FP8, whole-step-graph, MoonEP planner-sweep and torch.compile checks the full list takes longer than one 10-minute
 # device call; run it as three calls (each a fresh machine builds again, about 60-80 s):
-#   SUITE_STEPS="build gpu_ops gpu_fp8 ipc_gpu ipc_buffer ipc_pools step_graph virtual_gpu" scripts/device_suite.sh
+#   SUITE_STEPS="build gpu_ops gpu_fp8 serving ipc_gpu ipc_buffer ipc_pools step_graph virtual_gpu" scripts/device_suite.sh
 #   SUITE_STEPS="build pytest_cuda" scripts/device_suite.sh
 #   SUITE_STEPS="build train_cuda soak pytest_cpu" scripts/device_suite.sh
 # (On 2026-12-01, with the compile tests added, pytest_cuda ran past its old 360 s limit after 68 of its 72 tests:
@@ -66,7 +67,7 @@ BUILD=build-cuda
 JOBS=${SUITE_JOBS:-16}
 DEADLINE_S=${SUITE_DEADLINE_S:-540}
 PY=$(command -v "${PYTHON:-python3}" || true)
-DEFAULT_STEPS="build gpu_ops gpu_fp8 ipc_gpu ipc_buffer ipc_pools step_graph virtual_gpu pytest_cuda train_cuda soak pytest_cpu"
+DEFAULT_STEPS="build gpu_ops gpu_fp8 serving ipc_gpu ipc_buffer ipc_pools step_graph virtual_gpu pytest_cuda train_cuda soak pytest_cpu"
 ALL_STEPS="$DEFAULT_STEPS step_graph_repeat"  # the order steps run in; the last only when SUITE_STEPS names it
 STEPS=${SUITE_STEPS:-$DEFAULT_STEPS}
 
@@ -161,12 +162,13 @@ build_all() {
     cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLATEP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
         -DFLATEP_BUILD_TESTS=ON -DFLATEP_BUILD_TOOLS=OFF -DFLATEP_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PY" || return 1
     echo "$want" >"$stamp"
-    cmake --build "$BUILD" -j"$JOBS" --target test_gpu_ops test_gpu_fp8 ipc_gpu_main ipc_buffer_gpu_main \
+    cmake --build "$BUILD" -j"$JOBS" --target test_gpu_ops test_gpu_fp8 test_gpu_serving ipc_gpu_main ipc_buffer_gpu_main \
         ipc_pools_gpu_main step_graph_gpu_main flatep_python || return 1
-    ls -l "$BUILD"/tests/gpu/test_gpu_ops "$BUILD"/tests/gpu/test_gpu_fp8 "$BUILD"/tests/gpu/ipc_*_main \
+    ls -l "$BUILD"/tests/gpu/test_gpu_ops "$BUILD"/tests/gpu/test_gpu_fp8 "$BUILD"/tests/gpu/test_gpu_serving "$BUILD"/tests/gpu/ipc_*_main \
         "$BUILD"/python/flatep/_C*.so
     # Benchmark drivers the coordinator runs by hand (not a suite step); a failure here does not fail the build step.
-    cmake --build "$BUILD" -j"$JOBS" --target fp8_bench ops_bench || echo "device_suite: fp8_bench or ops_bench did not build"
+    cmake --build "$BUILD" -j"$JOBS" --target fp8_bench ops_bench serving_bench ||
+        echo "device_suite: fp8_bench, ops_bench or serving_bench did not build"
 }
 
 # ---- steps ----
@@ -294,6 +296,7 @@ for step in $ALL_STEPS; do  # in this order, whatever the order of SUITE_STEPS
         build) run_step build 420 "$SELF" __run build_all ;;
         gpu_ops) run_step gpu_ops 300 "$GPU_BIN"/test_gpu_ops ;;
         gpu_fp8) run_step gpu_fp8 240 "$GPU_BIN"/test_gpu_fp8 ;;
+        serving) run_step serving 240 "$GPU_BIN"/test_gpu_serving ;;
         ipc_gpu) run_step ipc_gpu 150 "$GPU_BIN"/ipc_gpu_main 2 4 ;;
         ipc_buffer) run_step ipc_buffer 240 "$GPU_BIN"/ipc_buffer_gpu_main 2 4 8 ;;
         ipc_pools) run_step ipc_pools 180 "$GPU_BIN"/ipc_pools_gpu_main ;;

@@ -2,6 +2,7 @@
 
 #include <exception>
 
+#include "../unit/host/rank_threads.hpp"  // testing::run_ranks
 #include "common/check.hpp"
 #include "planner/planner.hpp"
 #include "sync/barrier_host.hpp"
@@ -10,6 +11,22 @@
 namespace flatep::gpu_test {
 
 namespace {
+__global__ void fill_bf16_kernel(uint16_t* dst, int64_t n, uint64_t seed) {
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+        uint64_t z = seed * 0x9e3779b97f4a7c15ull + uint64_t(i);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        z ^= z >> 31;
+        dst[i] = uint16_t(((z & 1) << 15) | ((110 + (z >> 1) % 23) << 7) | ((z >> 8) & 0x7f));
+    }
+}
+}  // namespace
+
+void fill_device_bf16(void* dst, int64_t n, uint64_t seed) {
+    fill_bf16_kernel<<<1024, 256>>>(static_cast<uint16_t*>(dst), n, seed);
+    FLATEP_CUDA_CHECK_LAUNCH();
+}
+
 sync::SyncArgs host_sync(const SymmetricRegion& reg, const SymmetricLayout& sym, int rank, int num_ranks,
                          uint64_t* epoch) {
     sync::SyncArgs s{};
@@ -21,6 +38,13 @@ sync::SyncArgs host_sync(const SymmetricRegion& reg, const SymmetricLayout& sym,
     s.timeout_s = 60.0;
     return s;
 }
+
+void run_host_ranks(int num_ranks, const std::function<void(int rank)>& fn) {
+    const std::string failed = testing::failures(testing::run_ranks(num_ranks, fn));
+    FLATEP_CHECK_RUNTIME(failed.empty(), "host ", failed);
+}
+
+namespace {
 int tokens_of(const CaseSpec& c, const Layout& l) { return c.num_tokens < 0 ? l.num_tokens : c.num_tokens; }
 }  // namespace
 

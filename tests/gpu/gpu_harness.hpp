@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -54,6 +55,31 @@ inline void fill_f32(float* dst, int64_t n, uint64_t seed, float lo, float hi) {
         const uint64_t r = mix(seed * 0x9e3779b97f4a7c15ull + uint64_t(i));
         dst[i] = lo + (hi - lo) * float(double(r >> 11) / double(1ull << 53));
     }
+}
+
+// Fills n bf16 words of device memory with finite values (the bits of fill_bf16's kind, generated on the device, on
+// the legacy stream).
+void fill_device_bf16(void* dst, int64_t n, uint64_t seed);
+
+// The sync::SyncArgs of the CPU backend's rank for a symmetric buffer `reg` laid out as `sym` (60 s timeout).
+sync::SyncArgs host_sync(const SymmetricRegion& reg, const SymmetricLayout& sym, int rank, int num_ranks,
+                         uint64_t* epoch);
+
+// Runs fn(rank) for every rank on its own thread (the CPU backend's ranks, testing::run_ranks); exceptions on ranks
+// are rethrown after every thread ended, as "host rank r: what" lines.
+void run_host_ranks(int num_ranks, const std::function<void(int rank)>& fn);
+
+// A config of the GPU tests (the other fields at their defaults).
+inline Config make_config(int R, int E, int S, int K, int H, int align, double capacity_factor = 1.0) {
+    Config c;
+    c.num_ranks = R;
+    c.num_experts = E;
+    c.num_tokens = S;
+    c.topk = K;
+    c.hidden = H;
+    c.align = align;
+    c.capacity_factor = capacity_factor;
+    return c;
 }
 
 enum class RoutingKind { kRandom, kOneExpert, kBadIds };

@@ -334,18 +334,6 @@ bool run_planner_sweep(int num_matrices) {
     return true;
 }
 
-Config make_config(int R, int E, int S, int K, int H, int align, double cf = 1.0) {
-    Config c;
-    c.num_ranks = R;
-    c.num_experts = E;
-    c.num_tokens = S;
-    c.topk = K;
-    c.hidden = H;
-    c.align = align;
-    c.capacity_factor = cf;
-    return c;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {

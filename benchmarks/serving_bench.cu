@@ -1,0 +1,318 @@
+// Serving and decode on R virtual ranks of one GPU (issues 43 and 47), at the kernel level (tests/gpu's serving
+// harness: the library's kernels on LocalDeviceGroup streams, no Buffer). Per shape and tokens per call s:
+//   step      plan + dispatch + pull prefetch of the B slots (bf16 weights, one projection) + combine, every rank's
+//             stream replayed as one CUDA graph (forked from and joined into rank 0's; each rank's part is what a
+//             captured step of one rank runs). The expert GEMM is left out: combine reads fixed expert outputs.
+//             Modes: the owner planner (no replicas, no prefetch; its layout sized for decode, S = --owner-tokens,
+//             the same [E+B] view as balanced_b<B>), the balanced planner at B = --slots, and at B = epn.
+//   plan      the plan op alone, the same graph replay.
+//   prefetch  the pull of the plan's slots, per mode: bf16 weights; FP8 weights (1 byte) with their fp32 scales of
+//             1x128 blocks as a companion projection (two pulls, as ExpertPools moves one projection per call); at
+//             B = epn also the training's push of the same slots. Bytes: what the busiest rank pulls into its slots.
+//   slot_memory  bytes of one rank's slot pool per projection at B and at epn (bf16 and FP8 + scales).
+// The table ends with the ratios the issues target: owner decode step / balanced at B (s = 128: at most 0.6), FP8
+// prefetch / bf16 (at most 0.55), and B against epn. Timings are medians of --iters replays after --warmup.
+//
+//   serving_bench [--preset deepep,k3] [shape and skew flags] [--tokens-per-call 1,16,128,512,S] [--slots 4]
+//                 [--owner-tokens 512] [--ffn 2048] [--iters 20] [--warmup 3] [--num-sms 0] [--csv serving_bench.csv]
+//   serving_bench --quick     tiny shapes (E=64, H=512, F=256, S=256), a smoke of every row in seconds
+//
+// Defaults: DeepEP's shape (E=256, H=7168, K=8, uniform routing) and Kimi K3's (E=896, H=7168, K=8, maxvio 1), both
+// at S = 4096 on 8 ranks; --ffn F = 2048: one projection of F x H bf16 per expert (a whole expert is three such
+// matrices: three times the prefetch bytes). At K3 every rank's pools (own experts and epn slots, bf16 and FP8) take
+// 10 GB, 80 GB for 8 ranks, plus 2.7 GB a rank of step buffers at S = 4096: within one H200's 141 GB.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/csv.hpp"
+#include "common/cuda_timing.cuh"
+#include "common/flags.hpp"
+#include "common/routing_cases.hpp"
+#include "gpu_harness.hpp"
+#include "serving_harness.hpp"
+
+using namespace flatep;
+using namespace flatep::gpu_test;
+
+namespace {
+
+struct Options {
+    int iters = 20, warmup = 3;
+    std::string csv = "serving_bench.csv";
+    std::vector<int> tokens_per_call;  // empty: 1, 16, 128, 512, S
+    int num_slots = 4;
+    int owner_tokens = 512;
+    int num_sms = 0;
+    bool quick = false;
+};
+
+constexpr int kScaleBlock = 128;  // FP8 weights: one fp32 scale per 1x128 block
+
+struct Mode {
+    std::string name;
+    PlannerKind planner;
+    int num_slots;  // B (-1: epn)
+    bool owner;
+};
+
+std::string label(const bench::Shape& s) { return s.label() + "_F" + std::to_string(s.ffn); }
+
+// Every rank's inputs of a step at s tokens: routing drawn on the host (sigma, seed 42), the rest random on the device.
+void fill_inputs(ServingDevice& dev, const Layout& l, int s, double sigma) {
+    const std::vector<double> pop = routing::popularity(l.num_experts, sigma, 42);
+    std::vector<int32_t> topk(size_t(s) * l.topk);
+    for (int r = 0; r < l.num_ranks; ++r) {
+        ServingDevice::PerRank& p = dev.rank(r);
+        routing::sample_topk(pop, s, l.topk, 42, r, topk.data());
+        FLATEP_CUDA_CHECK(cudaMemcpy(p.topk, topk.data(), topk.size() * 4, cudaMemcpyHostToDevice));
+        fill_device_bf16(p.x, int64_t(s) * l.hidden, 100 + r);
+        fill_device_bf16(p.weights, int64_t(s) * l.topk * 2, 200 + r);  // bf16 pairs: finite floats
+        fill_device_bf16(p.y, int64_t(l.num_recv_rows) * l.hidden, 300 + r);
+    }
+    FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// Slots each rank fills this step (from rank 0's copy of the plan's slot table; every rank's is the same).
+std::vector<int> slots_used(const Layout& l, const std::vector<int32_t>& plan) {
+    const PlanView v = make_plan_view(l, const_cast<int32_t*>(plan.data()));
+    std::vector<int> used(size_t(l.num_ranks), 0);
+    for (int d = 0; d < l.num_ranks; ++d)
+        for (int j = 0; j < l.num_slots; ++j) used[size_t(d)] += v.slot_expert[d * l.experts_per_rank + j] >= 0;
+    return used;
+}
+
+class Report {
+  public:
+    explicit Report(const std::string& path)
+        : csv_(path, {"config",
+                      "shape",
+                      "s",
+                      "mode",
+                      "op",
+                      "graph_us_median",
+                      "graph_us_min",
+                      "bytes_per_rank_max",
+                      "bytes_per_rank_mean",
+                      "slots_used_max",
+                      "slots_used_total",
+                      "R",
+                      "S_layout",
+                      "E",
+                      "H",
+                      "K",
+                      "ffn",
+                      "B",
+                      "sigma",
+                      "max_blocks"}) {
+        std::printf("%-8s %-32s %5s %-14s %-16s %10s %10s %13s\n", "config", "shape", "s", "mode", "op", "graph_us",
+                    "min_us", "MB_rank_max");
+    }
+    struct Row {
+        const bench::Case* c;
+        const Layout* l;
+        int s;
+        std::string mode, op;
+        bench::Timing t;
+        double bytes_max = 0, bytes_mean = 0;
+        int used_max = 0, used_total = 0;
+    };
+    void add(const Row& r, double sigma, int max_blocks) {
+        std::printf("%-8s %-32s %5d %-14s %-16s %10.1f %10.1f %13.2f\n", r.c->preset.c_str(), label(r.c->shape).c_str(),
+                    r.s, r.mode.c_str(), r.op.c_str(), r.t.median_us, r.t.min_us, r.bytes_max / 1e6);
+        csv_.row(r.c->preset, label(r.c->shape), r.s, r.mode, r.op, bench::fixed(r.t.median_us, 2),
+                 bench::fixed(r.t.min_us, 2), bench::fixed(r.bytes_max, 0), bench::fixed(r.bytes_mean, 0), r.used_max,
+                 r.used_total, r.l->num_ranks, r.l->num_tokens, r.l->num_experts, r.l->hidden, r.l->topk,
+                 r.c->shape.ffn, r.l->num_slots, sigma, max_blocks);
+        median_[key(*r.c, r.s, r.mode, r.op)] = r.t.median_us;
+        bytes_[key(*r.c, r.s, r.mode, r.op)] = r.bytes_max;
+        std::fflush(stdout);
+    }
+    // Median of a row added before (-1: none).
+    double us(const bench::Case& c, int s, const std::string& mode, const std::string& op) const {
+        auto it = median_.find(key(c, s, mode, op));
+        return it == median_.end() ? -1 : it->second;
+    }
+    double bytes(const bench::Case& c, int s, const std::string& mode, const std::string& op) const {
+        auto it = bytes_.find(key(c, s, mode, op));
+        return it == bytes_.end() ? -1 : it->second;
+    }
+
+  private:
+    static std::string key(const bench::Case& c, int s, const std::string& mode, const std::string& op) {
+        return c.preset + "|" + label(c.shape) + "|" + std::to_string(s) + "|" + mode + "|" + op;
+    }
+    bench::CsvWriter csv_;
+    std::map<std::string, double> median_, bytes_;
+};
+
+void print_ratio(const char* what, double num, double den, const char* target) {
+    if (num < 0 || den <= 0) return;
+    std::printf("  %-62s %8.3f   %s\n", what, num / den, target);
+}
+
+void run_case(const Options& o, const bench::Case& c, double sigma, const std::vector<int>& calls, Report& report) {
+    const bench::Shape& sh = c.shape;
+    const Layout base = make_layout(sh.config());
+    const int R = base.num_ranks, epn = base.experts_per_rank, B = o.num_slots;
+    const int64_t elems = int64_t(sh.hidden) * sh.ffn;
+    const std::vector<int64_t> bytes = {elems * 2, elems, elems / kScaleBlock * 4};  // bf16; FP8 and its scales
+    testing::LocalDeviceGroup group(R, false, 60.0, o.num_sms);
+    DevicePools pools(R, epn, epn, bytes);
+    for (int q = 0; q < pools.num_projections(); ++q)
+        for (int r = 0; r < R; ++r) fill_device_bf16(pools.own[q][r], epn * bytes[q] / 2, 1000 + 16 * q + r);
+    FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
+    // Slot memory of one rank: one row per B, bf16 and FP8 with its scales.
+    for (int slots : {B, epn}) {
+        Report::Row row{&c, &base, 0, slots == epn ? "bepn" : "b" + std::to_string(B), "slot_memory.bf16"};
+        row.bytes_max = row.bytes_mean = double(slots) * double(bytes[0]);
+        report.add(row, sigma, group.num_sms());
+        row.op = "slot_memory.fp8";
+        row.bytes_max = row.bytes_mean = double(slots) * double(bytes[1] + bytes[2]);
+        report.add(row, sigma, group.num_sms());
+    }
+    const std::vector<Mode> modes = {{"owner", PlannerKind::kOwner, B, true},
+                                     {"balanced_b" + std::to_string(B), PlannerKind::kBalanced, B, false},
+                                     {"balanced_bepn", PlannerKind::kBalanced, -1, false}};
+    for (int s : calls) {
+        for (const Mode& m : modes) {
+            if (m.owner && s > o.owner_tokens) continue;  // the owner layout is sized for decode
+            Config cfg = sh.config();
+            cfg.num_slots = m.num_slots;
+            if (m.owner) cfg.num_tokens = o.owner_tokens;
+            const Layout l = make_layout(cfg, m.planner);
+            ServingSpec spec;
+            spec.name = m.name;
+            spec.config = cfg;
+            spec.planner = m.planner;
+            spec.tokens.assign(size_t(R), s);
+            spec.prefetch = !m.owner;
+            ServingDevice dev(spec, l, group, pools);
+            fill_inputs(dev, l, s, sigma);
+            dev.enqueue_step();  // eager once: the plans the rows below count, the kernels loaded
+            group.synchronize();
+            const std::string stuck = dev.wait_failure();
+            FLATEP_CHECK_RUNTIME(stuck.empty(), c.preset, " s=", s, " ", m.name, ": ", stuck);
+            const std::vector<int> used = slots_used(l, dev.download_plan(0));
+            const int used_max = *std::max_element(used.begin(), used.end());
+            int used_total = 0;
+            for (int u : used) used_total += u;
+            auto row = [&](const std::string& op, const bench::Timing& t, int64_t expert_bytes) {
+                Report::Row r{&c, &l, s, m.name, op, t};
+                r.bytes_max = double(used_max) * double(expert_bytes);
+                r.bytes_mean = double(used_total) * double(expert_bytes) / R;
+                r.used_max = used_max;
+                r.used_total = used_total;
+                report.add(r, sigma, group.num_sms());
+            };
+            auto timed = [&](const std::function<void()>& op) {
+                return bench::time_ranks_graph(group, o.iters, o.warmup, 1, op);
+            };
+            row("step", timed([&] { dev.enqueue_step(); }), m.owner ? 0 : bytes[0]);
+            row("plan", timed([&] { dev.enqueue_plan(); }), 0);
+            if (!m.owner) {
+                row("prefetch.bf16", timed([&] { dev.enqueue_prefetch(0, 1); }), bytes[0]);
+                row("prefetch.fp8", timed([&] { dev.enqueue_prefetch(1, 2); }), bytes[1] + bytes[2]);
+                if (m.num_slots < 0)
+                    row("prefetch_push.bf16", timed([&] { dev.enqueue_prefetch(0, 1, /*push=*/true); }), bytes[0]);
+            }
+            const std::string late = dev.wait_failure();
+            FLATEP_CHECK_RUNTIME(late.empty(), c.preset, " s=", s, " ", m.name, ": ", late);
+        }
+    }
+    // The ratios the issues target.
+    const std::string bm = "balanced_b" + std::to_string(B);
+    const int S = sh.tokens;
+    std::printf("ratios, %s %s (targets from issues 43 and 47):\n", c.preset.c_str(), label(sh).c_str());
+    for (int s : calls) {
+        const std::string at = " at s=" + std::to_string(s);
+        print_ratio(("owner step / " + bm + " step" + at).c_str(), report.us(c, s, "owner", "step"),
+                    report.us(c, s, bm, "step"), s == 128 ? "(target <= 0.6)" : "");
+        print_ratio(("owner plan / " + bm + " plan" + at).c_str(), report.us(c, s, "owner", "plan"),
+                    report.us(c, s, bm, "plan"), "");
+        print_ratio((bm + " step / balanced_bepn step" + at).c_str(), report.us(c, s, bm, "step"),
+                    report.us(c, s, "balanced_bepn", "step"), "");
+    }
+    for (const std::string& mode : {bm, std::string("balanced_bepn")}) {
+        print_ratio(("FP8 prefetch / bf16 prefetch, " + mode + " at s=S").c_str(),
+                    report.us(c, S, mode, "prefetch.fp8"), report.us(c, S, mode, "prefetch.bf16"), "(target <= 0.55)");
+        print_ratio(("FP8 prefetch bytes / bf16, " + mode + " at s=S").c_str(),
+                    report.bytes(c, S, mode, "prefetch.fp8"), report.bytes(c, S, mode, "prefetch.bf16"), "");
+    }
+    print_ratio(("prefetch " + bm + " / balanced_bepn at s=S").c_str(), report.us(c, S, bm, "prefetch.bf16"),
+                report.us(c, S, "balanced_bepn", "prefetch.bf16"), "");
+    print_ratio("pull / push prefetch, balanced_bepn at s=S", report.us(c, S, "balanced_bepn", "prefetch.bf16"),
+                report.us(c, S, "balanced_bepn", "prefetch_push.bf16"), "");
+    print_ratio(("slot memory b" + std::to_string(B) + " / bepn").c_str(), double(B), double(epn), "");
+    std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+    Options o;
+    bench::Flags flags("serving_bench", "Serving and decode steps on R virtual ranks of one GPU (issues 43, 47)");
+    flags.add_sweep({"deepep", "k3"}, /*default_ffn=*/2048);
+    flags.add_timing(&o.iters, &o.warmup);
+    flags.add_csv(&o.csv);
+    flags.add("--tokens-per-call", &o.tokens_per_call, "s: tokens each rank passes, a list (default 1,16,128,512,S)");
+    flags.add("--slots", &o.num_slots, "B: replica slots per rank of the serving rows (B = epn rows run too)", 0, 4096);
+    flags.add("--owner-tokens", &o.owner_tokens, "S of the owner planner's layout (capacity R*S*K rows)", 1, 1 << 20);
+    flags.add("--num-sms", &o.num_sms, "every rank's SM budget: blocks per launch at most (0: twice SMs / R)", 0, 2048);
+    flags.add_switch("--quick", &o.quick, "tiny shapes (E=64, H=512, F=256, S=256, s 1,16,64,256): a smoke test");
+    flags.parse(argc, argv);
+    // One case per preset and shape: S = 4096 and K = 8 unless given, the preset's first skew unless given.
+    std::vector<bench::Case> cases;
+    for (bench::Case c : flags.cases()) {
+        if (!flags.given("--topk") && c.shape.topk != 8) continue;
+        if (!flags.given("--tokens")) c.shape.tokens = 4096;
+        if (o.quick) c.shape = bench::Shape{c.shape.ranks, 256, 512, 256, 64, 8, 128, 1.0};
+        const bool seen = std::any_of(cases.begin(), cases.end(), [&](const bench::Case& d) {
+            return d.preset == c.preset && d.shape.label() == c.shape.label() && d.shape.ffn == c.shape.ffn;
+        });
+        if (!seen || flags.given("--maxvio") || flags.given("--sigma")) cases.push_back(c);
+    }
+    if (o.quick) {
+        o.tokens_per_call = {1, 16, 64, 256};
+        o.owner_tokens = std::min(o.owner_tokens, 64);
+        o.iters = std::min(o.iters, 5);
+        o.warmup = std::min(o.warmup, 1);
+    }
+    for (const bench::Case& c : cases) {
+        const Config cfg = flags.validated(c.shape);
+        const int epn = cfg.num_experts / cfg.num_ranks;
+        if (cfg.num_ranks > kMaxRanks) flags.fail("--ranks: at most " + std::to_string(kMaxRanks) + " virtual ranks");
+        if (o.num_slots >= epn)
+            flags.fail("--slots " + std::to_string(o.num_slots) + ": needs B < epn = " + std::to_string(epn) + " (" +
+                       c.shape.label() + "; B = epn rows run anyway)");
+        if (int64_t(cfg.hidden) * c.shape.ffn % (kScaleBlock * 4) != 0)
+            flags.fail("--ffn " + std::to_string(c.shape.ffn) + ": H*F must be a multiple of 512 (FP8 scales of 1x" +
+                       std::to_string(kScaleBlock) + " blocks, 16-byte rows)");
+        for (int s : o.tokens_per_call)
+            if (s < 1 || s > cfg.num_tokens)
+                flags.fail("--tokens-per-call " + std::to_string(s) + ": needs 1 <= s <= S (" + c.shape.label() + ")");
+    }
+    int num_devices = 0;
+    if (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0) {
+        std::printf("SKIP: no CUDA device\n");
+        return 0;
+    }
+    bench::SigmaTable sigmas(/*bisection_ranks=*/8);
+    sigmas.prepare(cases, {42});
+    Report report(o.csv);
+    for (const bench::Case& c : cases) {
+        std::vector<int> calls = o.tokens_per_call;
+        if (calls.empty()) {
+            for (int s : {1, 16, 128, 512})
+                if (s < c.shape.tokens) calls.push_back(s);
+            calls.push_back(c.shape.tokens);
+        }
+        run_case(o, c, sigmas.sigma(c, 42), calls, report);
+    }
+    std::printf("CSV: %s\n", o.csv.c_str());
+    return 0;
+}
