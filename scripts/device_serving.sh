@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Serving and decode (issues 43 and 47) on one H200 in one device call of under 10 minutes. Steps, in priority order,
+# each with its own time limit; every log is packed after each step into the one file $OUT/serving.tgz (the device
+# tool fetches a bounded number of files):
+#
+#   build          scripts/device_suite.sh's build step (test_gpu_serving, ipc mains, flatep._C, the benchmarks)
+#   serving        build-cuda/tests/gpu/test_gpu_serving: serving steps bitwise against the CPU backend
+#   pytest         tests/python/test_gpu_serving.py (nn.MoE serving and owner on CUDA virtual ranks, graph replay)
+#                  and examples/serve_moe.py --device cuda
+#   bench_deepep   build-cuda/benchmarks/serving_bench --preset deepep     serving_bench_deepep.csv
+#   ipc_buffer     a CUDA Buffer on R processes, rank 3 with s = 0 (null pointers), bitwise against the CPU backend
+#   quickstart     examples/quickstart.py --device cuda (the README's quick start)
+#   bench_k3       build-cuda/benchmarks/serving_bench --preset k3         serving_bench_k3.csv
+#   ops_k3         build-cuda/benchmarks/ops_bench --preset k3 --ffn 512 --maxvio 1,20 --iters 15   ops_k3.csv
+#
+#   OUT=/tmp/out scripts/device_serving.sh
+#   SERVING_STEPS="build serving" scripts/device_serving.sh
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-/tmp/out}
+LOGS=${SERVING_LOGS:-/tmp/serving_logs}
+mkdir -p "$OUT" "$LOGS"
+export NCCL_NVLS_ENABLE=0
+PY=${PYTHON:-python3}
+STEPS=${SERVING_STEPS:-build serving pytest bench_deepep ipc_buffer quickstart bench_k3 ops_k3}
+SUMMARY=$LOGS/summary.txt
+START=$SECONDS
+FAILED=0
+: >"$SUMMARY"
+
+pack() { tar czf "$OUT/serving.tgz.part" -C "$LOGS" . && mv "$OUT/serving.tgz.part" "$OUT/serving.tgz"; }
+
+# run NAME LIMIT_S COMMAND...: one PASS / FAIL line with the seconds, the log in $LOGS/NAME.log, then pack.
+run() {
+    local name=$1 limit=$2 t0=$SECONDS rc
+    shift 2
+    [[ " $STEPS " == *" $name "* ]] || return 0
+    timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    rc=$?
+    if ((rc == 0)); then
+        echo "PASS $name ($((SECONDS - t0)) s)" | tee -a "$SUMMARY"
+    else
+        echo "FAIL $name rc=$rc ($((SECONDS - t0)) s)" | tee -a "$SUMMARY"
+        FAILED=1
+    fi
+    pack
+}
+
+run build 300 env SUITE_STEPS=build OUT="$LOGS/build" scripts/device_suite.sh
+export PYTHONPATH="$PWD/python:$PWD/build-cuda/python${PYTHONPATH:+:$PYTHONPATH}"
+run serving 150 build-cuda/tests/gpu/test_gpu_serving
+run pytest 150 "$PY" -m pytest -q -p no:cacheprovider tests/python/test_gpu_serving.py tests/python/test_example.py \
+    -k "serving or serve or equals or replays"
+run bench_deepep 120 build-cuda/benchmarks/serving_bench --preset deepep --csv "$LOGS/serving_bench_deepep.csv"
+run ipc_buffer 90 build-cuda/tests/gpu/ipc_buffer_gpu_main 4
+run quickstart 60 "$PY" examples/quickstart.py --device cuda
+run bench_k3 120 build-cuda/benchmarks/serving_bench --preset k3 --csv "$LOGS/serving_bench_k3.csv"
+run ops_k3 60 build-cuda/benchmarks/ops_bench --preset k3 --ffn 512 --maxvio 1,20 --iters 15 \
+    --csv "$LOGS/ops_k3_h200_8virtual.csv"
+echo "device_serving: $( ((FAILED)) && echo FAILED || echo 'all passed') in $((SECONDS - START)) s" | tee -a "$SUMMARY"
+pack
+exit "$FAILED"
