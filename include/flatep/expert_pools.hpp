@@ -51,8 +51,8 @@ struct ProjectionShape {
 class ExpertPools;
 class CollectiveGuard;  // runtime/collective_guard.hpp: poisoning after a failed cross-rank wait
 namespace runtime {
-class PoolsBackend;        // runtime/backend.hpp: host twins or CUDA kernels, chosen at construction
-struct ServingGeometry;    // runtime/serving_view.hpp: the serving view's chunks
+class PoolsBackend;      // runtime/backend.hpp: host twins or CUDA kernels, chosen at construction
+struct ServingGeometry;  // runtime/serving_view.hpp: the serving view's chunks
 }  // namespace runtime
 
 // One layer's expert memory (per projection: own weights and own grads, each the transport's local memory) and its
@@ -80,11 +80,12 @@ class ExpertLayer {
     friend class ExpertPools;
     struct Projection {
         LocalMemory weights_own, grads_own;   // training: the layer's own memory; its data ends where the memory ends
+                                              // (serving: weights_own is the granule mapped into the view's gaps)
         SymmetricRegion weights_shared;       // serving: the own weights, every rank's mapped (data at own_offset)
         MappedView weights_view, grads_view;  // the compute views
         uint16_t* weights = nullptr;          // start of the weights view's data
         float* grads = nullptr;
-        uint8_t* own = nullptr;               // this rank's own experts [epn] (through their own mapping)
+        uint8_t* own = nullptr;  // this rank's own experts [epn] (through their own mapping)
     };
     void reset() noexcept;
     const Projection& projection(int p) const;
@@ -130,7 +131,7 @@ class ExpertPools {
                      bool accumulate = false, const Launch& launch = {});
 
     int experts_per_rank() const { return experts_per_rank_; }
-    int num_slots() const { return num_slots_; }      // B
+    int num_slots() const { return num_slots_; }  // B
     bool serving() const { return num_slots_ < experts_per_rank_; }
     bool trains() const { return trains_; }           // reduce_grad / write_grads available (training, bf16 weights)
     int view_stride() const { return view_stride_; }  // Q: view rows per rank (serving; epn in training)

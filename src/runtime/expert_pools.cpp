@@ -1,5 +1,6 @@
 #include "flatep/expert_pools.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <string>
 #include <tuple>
@@ -234,6 +235,26 @@ ExpertLayer ExpertPools::register_serving_layer() {
             slots.rank = me;
             slots.offset = geo.offset[R];
             pieces.push_back(slots);
+        }
+        // Between two chunks the view may have whole granules that no chunk maps (pad rows): one local granule is
+        // mapped into each, so that every byte of the view is readable (a copy of the whole view works; pad rows hold
+        // unspecified values and are empty groups of every plan).
+        const size_t g = transport_->granularity();
+        std::vector<std::pair<size_t, size_t>> used;  // [start, end) of the chunks
+        for (int r = 0; r < R; ++r) used.emplace_back(geo.offset[r], geo.offset[r] + geo.own_bytes);
+        if (num_slots_ > 0) used.emplace_back(geo.offset[R], geo.offset[R] + geo.slot_bytes);
+        std::sort(used.begin(), used.end());
+        used.emplace_back(geo.view_bytes, geo.view_bytes);  // and after the last chunk, up to the view's end
+        size_t at = 0;
+        for (const auto& [start, end] : used) {
+            for (; at < start; at += g) {
+                if (pr.weights_own.ptr == nullptr) pr.weights_own = transport_->allocate_local(g);
+                ViewPiece pad;
+                pad.local_id = pr.weights_own.id;
+                pad.offset = at;
+                pieces.push_back(pad);
+            }
+            at = std::max(at, end);
         }
         pr.weights_view = transport_->map_view(geo.view_bytes, pieces);
         pr.weights = reinterpret_cast<uint16_t*>(pr.weights_view.base);  // rank 0's data starts the view (row 0)

@@ -44,7 +44,9 @@ inline ServingGeometry serving_geometry(int num_ranks, int epn, int num_slots, i
         if (last && num_slots == 0) break;
         if (s.offset[r + 1] < s.offset[r] + s.own_bytes) *ok = false;
     }
+    // The view spans every row [0, R*q + B) of the tensor laid over it (with B = 0, the last chunk's pad rows too).
     s.view_bytes = num_slots > 0 ? s.offset[num_ranks] + s.slot_bytes : s.offset[num_ranks - 1] + s.own_bytes;
+    s.view_bytes = max_of(s.view_bytes, round_up<size_t>((size_t(num_ranks) * size_t(q) + num_slots) * eb, g));
     return s;
 }
 
