@@ -9,6 +9,11 @@ import sys
 # Read when the CUDA driver starts, which a test module's import may do (torch.cuda.is_available()): set here, before
 # any of them, so that virtual ranks' streams never share a hardware queue (flatep.virtual's docstring says why).
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+# Tests that drive virtual ranks in this process are not a user's environment: load CUDA modules eagerly, so that the
+# first launch of a torch kernel between two ranks' ops cannot wait for a rank spinning on its peer (issue 46; seen
+# on the H200 as the first serving test of a pytest process timing out). The tests of a user's environment
+# (test_gpu_virtual.py, test_gpu_robustness.py) run children with the variable removed or set explicitly.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
