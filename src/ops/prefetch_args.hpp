@@ -14,9 +14,9 @@ struct PrefetchArgs {
     int rank;
     int num_ranks;
     int experts_per_rank;
-    int num_slots;                   // B: slots per rank (epn in training)
-    int64_t expert_bytes;            // bytes of one expert's weights for this projection (e.g. H*H' bf16)
-    const int32_t* slot_expert;      // [R][epn] from the plan (slots j >= B are -1)
+    int num_slots;               // B: slots per rank (epn in training)
+    int64_t expert_bytes;        // bytes of one expert's weights for this projection (e.g. H*H' bf16)
+    const int32_t* slot_expert;  // [R][epn] from the plan (slots j >= B are -1)
     // Push (training): every owner copies its replicated experts into the holders' slots; two barriers (the holders'
     // previous slots are free; every slot is filled).
     // Pull (serving): every rank copies the experts of its own slots from their owners' memory; one barrier (the
@@ -33,8 +33,8 @@ inline void check_prefetch_args(const PrefetchArgs& a) {
     FLATEP_CHECK(a.num_ranks >= 1 && a.num_ranks <= kMaxRanks, "prefetch: num_ranks must be in [1, ", kMaxRanks,
                  "], got ", a.num_ranks);
     check_op_rank("prefetch", a.rank, a.num_ranks);
-    FLATEP_CHECK(a.num_slots >= 0 && a.num_slots <= a.experts_per_rank, "prefetch: num_slots must be in [0, epn=",
-                 a.experts_per_rank, "], got ", a.num_slots);
+    FLATEP_CHECK(a.num_slots >= 0 && a.num_slots <= a.experts_per_rank,
+                 "prefetch: num_slots must be in [0, epn=", a.experts_per_rank, "], got ", a.num_slots);
     FLATEP_CHECK(a.expert_bytes > 0 && a.expert_bytes % 16 == 0,
                  "prefetch: expert_bytes must be a positive multiple of 16, got ", a.expert_bytes);
     check_given("prefetch", "slot_expert", a.slot_expert);

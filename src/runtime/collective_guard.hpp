@@ -48,8 +48,9 @@ class CollectiveGuard {
         if (site.flags != nullptr) registry().push_back(this);
     }
 
-    // At the entry of every op. device_failure: the device's sync::WaitRecord text ("" when none, and on the CPU backend).
-    // Throws the failure itself the first time (and poisons), then a kRuntime "unusable" error at every later call.
+    // At the entry of every op. device_failure: the device's sync::WaitRecord text ("" when none, and on the CPU
+    // backend). Throws the failure itself the first time (and poisons), then a kRuntime "unusable" error at every later
+    // call.
     void enter(const char* op, const std::string& device_failure, int32_t device_code) {
         if (reason_.empty() && !device_failure.empty()) {
             reason_ = device_failure;
@@ -101,8 +102,8 @@ class CollectiveGuard {
             const uint64_t word = load(other->site_.flags[peer]);
             // Ahead of this rank there (an abort word too: the peer timed out waiting there itself).
             if (sync::flag_epoch(word) <= *other->site_.epoch) continue;
-            return detail::concat("peer ", peer, " was in ", sync::host::op_name(sync::OpId(sync::flag_op(word))), " of another ",
-                                  other->what_, " on this transport (step ", word & sync::kFlagStepMask,
+            return detail::concat("peer ", peer, " was in ", sync::host::op_name(sync::OpId(sync::flag_op(word))),
+                                  " of another ", other->what_, " on this transport (step ", word & sync::kFlagStepMask,
                                   " mod 2^16): every rank must call the same objects in the same order");
         }
         return "";
