@@ -556,6 +556,21 @@ TEST(BadInput, ServingAndOwner) {
     EXPECT_TRUE(training.trains());
 }
 
+// check_plan on an owner plan that breaks the owner rule (a planner bug, never bad input: check_plan returns the
+// line, tests and flatep-plan report it). R = 2, E = 4, S = 4, K = 1: rank 0 routes 3 entries to expert 0 (home 0).
+TEST(BadInput, CheckPlanOwnerRule) {
+    Config c = base_config();
+    c.num_ranks = 2, c.num_experts = 4;
+    const Layout l = make_layout(c, PlannerKind::kOwner);
+    planner::HostPlan plan(l);
+    plan.view.tpe_all[0 * 4 + 0] = 3;
+    planner::plan_counts(l, PlannerKind::kOwner, plan.view);
+    ASSERT_EQ(planner::check_plan(l, plan.view), "");
+    ASSERT_EQ(plan.view.alloc[0 * 4 + 0], 3);
+    plan.view.alloc[0 * 4 + 0] = 0, plan.view.alloc[1 * 4 + 0] = 3;  // expert 0's entries moved off its home rank
+    EXPECT_EQ(planner::check_plan(l, plan.view), "owner: alloc[1][0] = 3, expected 0 (home rank 0)");
+}
+
 TEST(BadInput, LaunchersAndTransports) {
     const std::vector<Row> rows = {
         {"run_forked: num_ranks = 0", ErrorCategory::kInvalidArgument,
