@@ -21,6 +21,7 @@
 #include "flatep/expert_pools.hpp"
 #include "flatep/ipc.hpp"
 #include "layout/layout.hpp"
+#include "planner/planner.hpp"
 #include "transport/local_host.hpp"
 #include "unit/host/rank_threads.hpp"
 
@@ -54,6 +55,18 @@ Row config_row(const std::string& input, const std::string& message, const std::
                    Config c = base_config();
                    change(c);
                    c.validate();
+               }};
+}
+
+// A Config row of the serving layout or the owner planner: base_config() with E = 4 (epn = 4) and one change,
+// validated for `planner` (what Buffer's constructor runs with its planner).
+Row serving_config_row(const std::string& input, const std::string& message, const std::function<void(Config&)>& change,
+                       PlannerKind planner = PlannerKind::kBalanced) {
+    return Row{"Config: " + input, ErrorCategory::kInvalidArgument, message, [change, planner] {
+                   Config c = base_config();
+                   c.num_experts = 4;
+                   change(c);
+                   c.validate(planner);
                }};
 }
 
@@ -377,6 +390,185 @@ TEST(BadInput, ExpertPoolsCalls) {
     EXPECT_EQ(messages[1], "reduce_grad: plan belongs to rank 0, pools to rank 1");
     if (std::getenv("FLATEP_PRINT_BAD_INPUT_TABLE") != nullptr)
         std::printf("| reduce_grad: plan of another rank | invalid argument | `%s` |\n", messages[0].c_str());
+}
+
+// Serving (num_slots B < epn, design §5 "Serving layout") and the owner planner (design §4): Config, the planner
+// entry points and ExpertPools. One rank (R = 1, E = 4: epn = 4) unless a row says otherwise.
+TEST(BadInput, ServingAndOwner) {
+    const std::string owner_fits = " must fit int32 (it is meant for decode-sized S)";
+    const std::vector<Row> config_rows = {
+        serving_config_row("num_slots = 5 (epn = 4)", "num_slots (B) must be -1 (= epn) or in [0, epn=4], got 5",
+                           [](Config& c) { c.num_slots = 5; }),
+        serving_config_row("num_slots = -2", "num_slots (B) must be -1 (= epn) or in [0, epn=4], got -2",
+                           [](Config& c) { c.num_slots = -2; }),
+        serving_config_row("view_stride = 3 (epn = 4)",
+                           "view_stride (Q) must be 0 (= epn) or in [epn=4, 1048576], got 3",
+                           [](Config& c) { c.num_slots = 2, c.view_stride = 3; }),
+        serving_config_row("view_stride = 2^20 + 1",
+                           "view_stride (Q) must be 0 (= epn) or in [epn=4, 1048576], got 1048577",
+                           [](Config& c) { c.num_slots = 2, c.view_stride = (1 << 20) + 1; }),
+        serving_config_row(
+            "R = E = 64, B = 1, view_stride = 2^20",
+            "view_stride (Q) too large: cu_seqlens' R*(R*Q + B) = 64*67108865 must fit int32 "
+            "(Q=1048576)",
+            [](Config& c) { c.num_ranks = 64, c.num_experts = 64, c.num_slots = 1, c.view_stride = 1 << 20; }),
+        serving_config_row(
+            "planner kind 7", "planner kind must be greedy (0), balanced (1) or owner (2), got 7", [](Config&) {},
+            PlannerKind(7)),
+        serving_config_row(
+            "owner planner, R*S*K over int32 (R = 64, S = 2^22, K = 16)",
+            "owner planner: its receive capacity R*S*K = 64*4194304*16 = 4294967296 rows" + owner_fits,
+            [](Config& c) { c.num_ranks = 64, c.num_experts = 64, c.num_tokens = 1 << 22, c.topk = 16; },
+            PlannerKind::kOwner),
+        serving_config_row(
+            "owner planner, R*NvS over int32 (R = 2, S = 2^29, K = 1, align = 1)",
+            "owner planner: receive rows NvS = 1073741824 (capacity R*S*K = 1073741824) times R = 2" + owner_fits,
+            [](Config& c) { c.num_ranks = 2, c.num_experts = 2, c.num_tokens = 1 << 29; }, PlannerKind::kOwner),
+    };
+    EXPECT_EQ(check_rows(config_rows), "");
+
+    // The planner's entry points: a name, and a plan whose planner and layout disagree (plan_counts, the host
+    // planner a Buffer runs; a Buffer builds its layout for its own planner, so only a direct call can mix them).
+    Config owner_config = base_config();
+    owner_config.num_experts = 4;
+    const Layout owner_layout = make_layout(owner_config, PlannerKind::kOwner);
+    const Layout balanced_layout = make_layout(owner_config, PlannerKind::kBalanced);
+    auto plan_with = [](const Layout& l, PlannerKind kind) {
+        return [l, kind] {
+            planner::HostPlan plan(l);  // tpe_all zero: a valid request
+            planner::plan_counts(l, kind, plan.view);
+        };
+    };
+    const std::string same_kind = ": make_layout(config, planner) with the same kind";
+    const std::vector<Row> planner_rows = {
+        {"planner_from_name(\"fast\")", ErrorCategory::kInvalidArgument,
+         "planner must be 'greedy', 'balanced' or 'owner', got 'fast'", [] { planner_from_name("fast"); }},
+        {"plan_counts: balanced planner on an owner layout", ErrorCategory::kInvalidArgument,
+         "planner balanced on a layout made for the owner planner" + same_kind,
+         plan_with(owner_layout, PlannerKind::kBalanced)},
+        {"plan_counts: greedy planner on an owner layout", ErrorCategory::kInvalidArgument,
+         "planner greedy on a layout made for the owner planner" + same_kind,
+         plan_with(owner_layout, PlannerKind::kGreedy)},
+        {"plan_counts: owner planner on a balancing layout", ErrorCategory::kInvalidArgument,
+         "planner owner on a layout made for a balancing planner" + same_kind,
+         plan_with(balanced_layout, PlannerKind::kOwner)},
+    };
+    EXPECT_EQ(check_rows(planner_rows), "");
+
+    // ExpertPools: serving pools (epn = 4, B = 2; experts of [4][8] bf16 = 64 bytes) and the Buffers whose plans they
+    // take. Q depends on the transport's granularity (64 on 4096-byte pages; design §5), so the rows read it back.
+    LocalHostWorld world(1, 10.0);
+    ExpertPools serving(world.transport(0), 4, {{4, 8}}, 2);
+    ExpertLayer serving_layer = serving.register_layer();
+    const std::string q = std::to_string(serving.view_stride());
+    ASSERT_GE(serving.view_stride(), 4);
+    Config training_config = base_config();
+    training_config.num_experts = 4;
+    Config serving_config = training_config;
+    serving_config.num_slots = 2, serving_config.view_stride = serving.view_stride();
+    Config stride_config = serving_config;
+    stride_config.view_stride = serving.view_stride() + 1;
+    Buffer training_buffer(training_config, world.transport(0));
+    Buffer serving_buffer(serving_config, world.transport(0));
+    Buffer stride_buffer(stride_config, world.transport(0));
+    const int32_t idx[4] = {0, 1, 2, 3};
+    const Plan training_plan = training_buffer.plan(idx, 4, 4);
+    const Plan serving_plan = serving_buffer.plan(idx, 4, 4);
+    const Plan stride_plan = stride_buffer.plan(idx, 4, 4);
+    // Training-layout pools (B = epn) that cannot train: an e4m3 projection; and bf16 training pools.
+    ExpertPools e4m3(world.transport(0), 4, {{4, 8, 1}});
+    ExpertLayer e4m3_layer = e4m3.register_layer();
+    ExpertPools training(world.transport(0), 4, {{4, 8}});
+    const std::vector<float> grad(size_t(4 * 2 * 4 * 8));
+    const std::string rebuild =
+        "; build the Buffer with the pools' num_slots and view_stride (ExpertPools::view_stride)";
+    const std::string serving_only =
+        "these pools are forward-only (serving: num_slots < epn); gradients need "
+        "num_slots = epn and bf16 weights";
+    const std::string not_bf16 =
+        "these pools are forward-only (a projection's weights are not bf16); gradients need "
+        "num_slots = epn and bf16 weights";
+    const std::vector<Row> pools_rows = {
+        {"ExpertPools: num_slots = 5 (epn = 4)", ErrorCategory::kInvalidArgument,
+         "ExpertPools: num_slots must be -1 (epn) or in [0, epn=4], got 5",
+         [&] {
+             ExpertPools p(world.transport(0), 4, {{4, 8}}, 5);
+         }},
+        {"ExpertPools: num_slots = -2", ErrorCategory::kInvalidArgument,
+         "ExpertPools: num_slots must be -1 (epn) or in [0, epn=4], got -2",
+         [&] {
+             ExpertPools p(world.transport(0), 4, {{4, 8}}, -2);
+         }},
+        {"ExpertPools: projection elem_bytes = 3", ErrorCategory::kInvalidArgument,
+         "ExpertPools: projection 0 must have elem_bytes 1 (e4m3), 2 (bf16) or 4 (fp32), got 3",
+         [&] {
+             ExpertPools p(world.transport(0), 4, {{4, 8, 3}}, 2);
+         }},
+        {"ExpertPools: projection elem_bytes = 0", ErrorCategory::kInvalidArgument,
+         "ExpertPools: projection 1 must have elem_bytes 1 (e4m3), 2 (bf16) or 4 (fp32), got 0",
+         [&] {
+             ExpertPools p(world.transport(0), 4, {{4, 8}, {4, 8, 0}});
+         }},
+        {"ExpertPools: e4m3 expert of 12 bytes", ErrorCategory::kInvalidArgument,
+         "ExpertPools: projection 0 of [4][3] has 12 bytes per expert (e4m3), not a multiple of 16; rows * cols must "
+         "be a multiple of 16",
+         [&] {
+             ExpertPools p(world.transport(0), 4, {{4, 3, 1}}, 2);
+         }},
+        {"ExpertPools: fp32 expert of 8 bytes", ErrorCategory::kInvalidArgument,
+         "ExpertPools: projection 0 of [2][1] has 8 bytes per expert (fp32), not a multiple of 16; rows * cols must "
+         "be a multiple of 4",
+         [&] {
+             ExpertPools p(world.transport(0), 4, {{2, 1, 4}});
+         }},
+        {"prefetch: serving pools, plan of a training Buffer", ErrorCategory::kInvalidArgument,
+         "prefetch: plan has num_slots=4 view_stride=4 but the pools have num_slots=2 view_stride=" + q + rebuild,
+         [&] { serving.prefetch(training_plan, serving_layer); }},
+        {"prefetch: serving pools, plan of a Buffer with view_stride = Q + 1", ErrorCategory::kInvalidArgument,
+         "prefetch: plan has num_slots=2 view_stride=" + std::to_string(serving.view_stride() + 1) +
+             " but the pools have num_slots=2 view_stride=" + q + rebuild,
+         [&] { serving.prefetch(stride_plan, serving_layer); }},
+        {"prefetch: training pools, plan of a serving Buffer", ErrorCategory::kInvalidArgument,
+         "prefetch: plan has num_slots=2 view_stride=" + q + " but the pools have num_slots=4 view_stride=4" + rebuild,
+         [&] { e4m3.prefetch(serving_plan, e4m3_layer); }},
+        {"reduce_grad on serving pools", ErrorCategory::kInvalidArgument, "reduce_grad: " + serving_only,
+         [&] { serving.reduce_grad(serving_plan, serving_layer); }},
+        {"write_grads on serving pools", ErrorCategory::kInvalidArgument, "write_grads: " + serving_only,
+         [&] { serving.write_grads(serving_plan, serving_layer, 0, grad.data(), 4); }},
+        {"write_grads on pools with an e4m3 projection", ErrorCategory::kInvalidArgument, "write_grads: " + not_bf16,
+         [&] { e4m3.write_grads(training_plan, e4m3_layer, 0, grad.data(), 4); }},
+        {"reduce_grad on pools with an e4m3 projection", ErrorCategory::kInvalidArgument, "reduce_grad: " + not_bf16,
+         [&] { e4m3.reduce_grad(training_plan, e4m3_layer); }},
+        {"view_row(e) on training pools", ErrorCategory::kInvalidArgument,
+         "view_row: the serving view's rows (num_slots < epn); these pools train (num_slots = epn)",
+         [&] { training.view_row(0); }},
+        {"view_row(e = E)", ErrorCategory::kInvalidArgument, "view_row: expert must be in [0, E=4), got 4",
+         [&] { serving.view_row(4); }},
+    };
+    EXPECT_EQ(check_rows(pools_rows), "");
+    // Every refusal left the serving pools usable: the step's prefetch runs, and the view rows are as documented.
+    EXPECT_NO_THROW(serving.prefetch(serving_plan, serving_layer));
+    EXPECT_EQ(serving.view_row(3), 3);
+    EXPECT_EQ(serving.view_rows(), serving.view_stride() + 2);
+    EXPECT_EQ(serving_layer.grads(0), nullptr);
+    EXPECT_EQ(serving.reduce_pool(0), nullptr);
+    EXPECT_FALSE(e4m3.trains());
+    EXPECT_TRUE(training.trains());
+}
+
+// check_plan on an owner plan that breaks the owner rule (a planner bug, never bad input: check_plan returns the
+// line, tests and flatep-plan report it). R = 2, E = 4, S = 4, K = 1: rank 0 routes 3 entries to expert 0 (home 0).
+TEST(BadInput, CheckPlanOwnerRule) {
+    Config c = base_config();
+    c.num_ranks = 2, c.num_experts = 4;
+    const Layout l = make_layout(c, PlannerKind::kOwner);
+    planner::HostPlan plan(l);
+    plan.view.tpe_all[0 * 4 + 0] = 3;
+    planner::plan_counts(l, PlannerKind::kOwner, plan.view);
+    ASSERT_EQ(planner::check_plan(l, plan.view), "");
+    ASSERT_EQ(plan.view.alloc[0 * 4 + 0], 3);
+    plan.view.alloc[0 * 4 + 0] = 0, plan.view.alloc[1 * 4 + 0] = 3;  // expert 0's entries moved off its home rank
+    EXPECT_EQ(planner::check_plan(l, plan.view), "owner: alloc[1][0] = 3, expected 0 (home rank 0)");
 }
 
 TEST(BadInput, LaunchersAndTransports) {
