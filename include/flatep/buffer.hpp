@@ -68,7 +68,7 @@ class Plan {
     std::span<const int32_t> tpe_all() const;              // [R][E] all-gathered counts
     std::span<const int32_t> alloc() const;                // [R][E] entries of expert e computed on rank d
     std::span<const int32_t> slot_expert(int rank) const;  // [epn] expert per slot of `rank`, -1 = empty
-    std::span<const int32_t> cu_seqlens(int rank) const;   // [2*epn] inclusive padded group ends (GEMM offs)
+    std::span<const int32_t> cu_seqlens(int rank) const;   // [num_groups] inclusive padded group ends (GEMM offs)
     const PlanStats& stats() const;
     std::span<const int32_t> entry_ranks() const;  // [s*K] destination rank of entry t*K+k, -1 for a bad id
     std::span<const int32_t> entry_rows() const;   // [s*K] destination row of that entry
@@ -78,7 +78,7 @@ class Plan {
     // Device plans (Buffers over device-memory transports): the arrays live in device memory and the host
     // accessors above copy them once, synchronising with the device (diagnostics, not for the step's hot path).
     bool on_device() const;
-    const int32_t* device_cu_seqlens(int rank) const;   // [2*epn] int32 in device memory (grouped-GEMM offs)
+    const int32_t* device_cu_seqlens(int rank) const;   // [num_groups] int32 in device memory (grouped-GEMM offs)
     const int32_t* device_slot_expert(int rank) const;  // [epn] int32 in device memory
 
     // The plan arrays (internal API: planner/planner.hpp gives the type).
