@@ -30,8 +30,9 @@ rank r's own experts at rows [r*Q, r*Q + epn) (``pools.view_row(e)``: the row of
 are padding the mapping granularity needs: readable, unspecified values, empty groups of every plan), then this
 rank's B slots at rows [R*Q, R*Q + B). A plan of a Buffer built with the pools' num_slots and view_stride has one
 group per view row (cu_seqlens [view_rows]), so a grouped GEMM over the view with offs = cu_seqlens reads every
-replica beyond the B slots straight from its owner's memory; ``prefetch`` pulls the B slotted experts from their owners (one barrier). Serving pools are forward-only
-(``grads`` / ``own_grads`` are None; reduce_grad and write_grads refuse) and register_layer is collective there.
+replica beyond the B slots straight from its owner's memory; ``prefetch`` pulls the B slotted experts from their owners
+(one barrier). Serving pools are forward-only (``grads`` / ``own_grads`` are None; reduce_grad and write_grads refuse)
+and register_layer is collective there.
 
 Weights other than bf16 (e.g. FP8): a projection may be given as (rows, cols, dtype) with dtype torch.float8_e4m3fn
 (or torch.uint8 for e4m3 bytes on a torch without it), torch.float32 (e.g. per-block scales of an e4m3 projection) or
