@@ -18,6 +18,8 @@
 #include "plan_request.hpp"
 #include "planner/planner.hpp"
 
+namespace planner = flatep::planner;
+
 namespace {
 
 namespace json = flatep::json;
@@ -84,7 +86,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 planner::HostPlan plan(l);
                 std::copy(request.tpe.begin(), request.tpe.end(), plan.view.tpe_all);
                 planner::plan_counts(l, kind, plan.view);
-                const std::string violation = flatep::check_plan(l, plan.view);
+                const std::string violation = flatep::planner::check_plan(l, plan.view);
                 FUZZ_ASSERT(violation.empty(), "%s plan of an accepted request violates design 4: %s",
                             flatep::planner_name(kind), violation.c_str());
             }

@@ -21,6 +21,8 @@
 #include "layout/layout.hpp"
 #include "planner/planner.hpp"
 
+namespace planner = flatep::planner;
+
 namespace {
 
 using flatep::fuzz::ByteReader;
@@ -151,7 +153,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         } catch (const flatep::Error& e) {
             FUZZ_ASSERT(false, "%s planner threw on valid counts, %s: %s", name, c.to_string().c_str(), e.what());
         }
-        const std::string violation = flatep::check_plan(l, first.view);
+        const std::string violation = flatep::planner::check_plan(l, first.view);
         FUZZ_ASSERT(violation.empty(), "%s plan violates design 4 for %s: %s", name, c.to_string().c_str(),
                     violation.c_str());
         compare_plans(l, first.view, second.view, name);
