@@ -1,15 +1,15 @@
 // libFuzzer target: the host planner on arbitrary count matrices and configs.
 //
-// Input bytes decode to (mode, R, epn, S, K, align, capacity factor) inside the validated ranges (R <= 16, E <= 128,
-// S <= 256, mostly <= 48) and a count matrix tpe[R][E]:
+// Input bytes decode to (mode, R, epn, S, K, align, capacity factor, and with mode bit 5 the serving layout's B)
+// inside the validated ranges (R <= 16, E <= 128, S <= 256, mostly <= 48) and a count matrix tpe[R][E]:
 //   raw mode:    every count is an arbitrary int32 (mostly invalid): planner::validate_counts must agree with an
-//   independent
-//                oracle, and planner::plan_counts must reject exactly the matrices planner::validate_counts rejects,
-//                with its message;
+//                independent oracle, and planner::plan_counts must reject exactly the matrices it rejects, with its
+//                message;
 //   shaped mode: each row distributes its total (S*K, or any value up to it: partial batches) over the experts by
 //                cubed byte weights (so a few hot experts dominate), optionally one popularity shared by all rows.
-// Every valid matrix is planned by both planners; check_plan (design §4 constraints 1-4, groups, stats) must return
-// "" and a second run must give the same plan (determinism).
+// Every valid matrix is planned by the greedy and balanced planners and, on its own layout (capacity R*S*K), by the
+// owner planner; check_plan (design §4 constraints 1-4, groups, slots, stats; the owner's rules) must return "" and
+// a second run must give the same plan (determinism).
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -90,6 +90,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     while (c.align > 1 && 2 * epn * c.align > (1 << 14)) c.align /= 2;
     const uint8_t f = in.u8();
     c.capacity_factor = f < 128 ? 1.0 : (f == 128 ? 1.0000001 : 1.0 + double(f - 128) / 127.0 * 3.0);
+    // Mode bit 5: the serving layout (B = num_slots < epn slots a rank; B = epn is the training layout).
+    if ((mode & 32) != 0) c.num_slots = in.u8() % (epn + 1);
     try {
         c.validate();
     } catch (const flatep::Error& e) {
@@ -158,5 +160,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                     violation.c_str());
         compare_plans(l, first.view, second.view, name);
     }
+    // The owner planner on its own layout (capacity R*S*K): the same counts, the same checks. A config whose owner
+    // capacity does not fit int32 is refused by make_layout, which the decoder's small shapes never reach.
+    const flatep::Layout lo = flatep::make_layout(c, flatep::PlannerKind::kOwner);
+    planner::HostPlan first(lo), second(lo);
+    std::copy(tpe.begin(), tpe.end(), first.view.tpe_all);
+    std::copy(tpe.begin(), tpe.end(), second.view.tpe_all);
+    try {
+        planner::plan_counts(lo, flatep::PlannerKind::kOwner, first.view);
+        planner::plan_counts(lo, flatep::PlannerKind::kOwner, second.view);
+    } catch (const flatep::Error& e) {
+        FUZZ_ASSERT(false, "owner planner threw on valid counts, %s: %s", c.to_string().c_str(), e.what());
+    }
+    const std::string violation = flatep::planner::check_plan(lo, first.view);
+    FUZZ_ASSERT(violation.empty(), "owner plan violates its rules for %s: %s", c.to_string().c_str(),
+                violation.c_str());
+    compare_plans(lo, first.view, second.view, "owner");
     return 0;
 }
