@@ -85,6 +85,12 @@ class DeviceOps : public Base {
     }
 
   protected:
+    // A collective op: its barrier state filled in, then its kernel on the launch's stream.
+    template <class Args>
+    void launch_collective(Args& args, const Launch& launch) const {
+        fill_sync(args.sync);
+        kernels::launch(args, as_stream(launch), launch.num_sms);
+    }
     void zero(void* device_dst, size_t bytes, const Launch& launch) const {
         FLATEP_CUDA_CHECK(cudaMemsetAsync(device_dst, 0, bytes, as_stream(launch)));
     }
@@ -146,22 +152,12 @@ class DeviceBufferBackend final : public DeviceOps<BufferBackend> {
     }
     void dispatch(DispatchArgs& args, const Launch& launch) override {
         args.marks_valid = recv_marks_valid_;
-        fill_sync(args.sync);
-        kernels::launch(args, as_stream(launch), launch.num_sms);
+        launch_collective(args, launch);
         recv_marks_valid_ = true;  // this launch marks every row (stream order: the next dispatch sees them)
     }
-    void dispatch_fp8(DispatchFp8Args& args, const Launch& launch) override {
-        fill_sync(args.sync);
-        kernels::launch(args, as_stream(launch), launch.num_sms);
-    }
-    void combine(CombineArgs& args, const Launch& launch) override {
-        fill_sync(args.sync);
-        kernels::launch(args, as_stream(launch), launch.num_sms);
-    }
-    void entry_values(EntryValuesArgs& args, const Launch& launch) override {
-        fill_sync(args.sync);
-        kernels::launch(args, as_stream(launch), launch.num_sms);
-    }
+    void dispatch_fp8(DispatchFp8Args& args, const Launch& launch) override { launch_collective(args, launch); }
+    void combine(CombineArgs& args, const Launch& launch) override { launch_collective(args, launch); }
+    void entry_values(EntryValuesArgs& args, const Launch& launch) override { launch_collective(args, launch); }
     void combine_grad(const CombineGradArgs& args, const Launch& launch) override {
         kernels::launch(args, as_stream(launch), launch.num_sms);
     }
@@ -182,14 +178,8 @@ class DeviceBufferBackend final : public DeviceOps<BufferBackend> {
 class DevicePoolsBackend final : public DeviceOps<PoolsBackend> {
   public:
     using DeviceOps::DeviceOps;
-    void prefetch(PrefetchArgs& args, const Launch& launch) override {
-        fill_sync(args.sync);
-        kernels::launch(args, as_stream(launch), launch.num_sms);
-    }
-    void grad_reduce(GradReduceArgs& args, const Launch& launch) override {
-        fill_sync(args.sync);
-        kernels::launch(args, as_stream(launch), launch.num_sms);
-    }
+    void prefetch(PrefetchArgs& args, const Launch& launch) override { launch_collective(args, launch); }
+    void grad_reduce(GradReduceArgs& args, const Launch& launch) override { launch_collective(args, launch); }
     void write_grads(const WriteGradsArgs& args, const Launch& launch) override {
         kernels::launch(args, as_stream(launch), launch.num_sms);
     }
