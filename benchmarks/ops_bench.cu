@@ -669,10 +669,11 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
         a.num_ranks = R;
         a.experts_per_rank = l.experts_per_rank;
         a.num_slots = l.experts_per_rank;
-        a.expert_bytes = spec.expert_elems * 2;
+        a.num_projections = 1;
+        a.projections[0].expert_bytes = spec.expert_elems * 2;
         a.slot_expert = make_plan_view(l, dev.ranks[r].plan).slot_expert;
-        a.weights = reinterpret_cast<const uint8_t*>(dev.ranks[r].expert_w);
-        for (int p = 0; p < R; ++p) a.slot_pools[p] = dev.slot_regions[r].peers[p];
+        a.projections[0].weights = reinterpret_cast<const uint8_t*>(dev.ranks[r].expert_w);
+        for (int p = 0; p < R; ++p) a.projections[0].slot_pools[p] = dev.slot_regions[r].peers[p];
         a.sync = sync(r);
         return a;
     };
@@ -682,8 +683,8 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
         PrefetchArgs a = prefetch_args(r);
         a.pull = true;
         for (int p = 0; p < R; ++p) {
-            a.owners[p] = reinterpret_cast<const uint8_t*>(dev.ranks[p].expert_w);
-            a.slot_pools[p] = p == r ? dev.slot_regions[r].local : nullptr;
+            a.projections[0].owners[p] = reinterpret_cast<const uint8_t*>(dev.ranks[p].expert_w);
+            a.projections[0].slot_pools[p] = p == r ? dev.slot_regions[r].local : nullptr;
         }
         return a;
     };

@@ -342,22 +342,28 @@ sync::SyncArgs pool_sync(const SymmetricRegion& region, uint64_t* epoch, int ran
 void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer, const Launch& launch) {
     const Launch run = enter(plan, layer, "prefetch", launch);
     const int R = transport_->num_ranks();
-    for (int p = 0; p < num_projections(); ++p) {
+    // Every projection in one op (one barrier for a pull, two for a push), kMaxPrefetchProjections at a time.
+    for (int first = 0; first < num_projections(); first += kMaxPrefetchProjections) {
         PrefetchArgs args{};
         args.rank = transport_->rank();
         args.num_ranks = R;
         args.experts_per_rank = experts_per_rank_;
         args.num_slots = num_slots_;
-        args.expert_bytes = projections_[p].expert_bytes();
         args.slot_expert = plan.data().op_view().slot_expert;  // [R][epn]
         args.pull = serving();
-        if (args.pull) {
-            const ExpertLayer::Projection& pr = layer.projection(p);
-            for (int r = 0; r < R; ++r) args.owners[r] = pr.weights_shared.peers[r] + serving_[p].data_at[r];
-            args.slot_pools[args.rank] = reinterpret_cast<uint8_t*>(slot_pool(p));
-        } else {
-            args.weights = reinterpret_cast<const uint8_t*>(layer.own_weights(p));
-            for (int d = 0; d < R; ++d) args.slot_pools[d] = slot_regions_[p].peers[d];
+        args.num_projections = std::min(kMaxPrefetchProjections, num_projections() - first);
+        for (int i = 0; i < args.num_projections; ++i) {
+            const int p = first + i;
+            PrefetchProjection& pp = args.projections[i];
+            pp.expert_bytes = projections_[p].expert_bytes();
+            if (args.pull) {
+                const ExpertLayer::Projection& pr = layer.projection(p);
+                for (int r = 0; r < R; ++r) pp.owners[r] = pr.weights_shared.peers[r] + serving_[p].data_at[r];
+                pp.slot_pools[args.rank] = reinterpret_cast<uint8_t*>(slot_pool(p));
+            } else {
+                pp.weights = reinterpret_cast<const uint8_t*>(layer.own_weights(p));
+                for (int d = 0; d < R; ++d) pp.slot_pools[d] = slot_regions_[p].peers[d];
+            }
         }
         args.sync = pool_sync(sync_region_, &epoch_, args.rank, R, timeout_s_);
         args.sync.step = plan.generation();

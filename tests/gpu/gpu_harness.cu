@@ -141,10 +141,11 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                 fa.num_ranks = R;
                 fa.experts_per_rank = epn;
                 fa.num_slots = epn;
-                fa.expert_bytes = c.expert_elems * 2;
+                fa.num_projections = 1;
+                fa.projections[0].expert_bytes = c.expert_elems * 2;
                 fa.slot_expert = plan.view.slot_expert;
-                fa.weights = reinterpret_cast<const uint8_t*>(in.expert_w[r].data());
-                for (int p = 0; p < R; ++p) fa.slot_pools[p] = slot.peers[p];
+                fa.projections[0].weights = reinterpret_cast<const uint8_t*>(in.expert_w[r].data());
+                for (int p = 0; p < R; ++p) fa.projections[0].slot_pools[p] = slot.peers[p];
                 fa.sync = sync;
                 host::prefetch(fa);
                 o.slot_pool.assign(reinterpret_cast<uint16_t*>(slot.local),
@@ -407,22 +408,23 @@ void DeviceCase::enqueue_step() {
         a.num_ranks = R;
         a.experts_per_rank = l.experts_per_rank;
         a.num_slots = l.experts_per_rank;
-        a.expert_bytes = spec.expert_elems * 2;
+        a.num_projections = 1;
+        a.projections[0].expert_bytes = spec.expert_elems * 2;
         a.slot_expert = plan_view(r).slot_expert;
         a.sync = sync(r);
         return a;
     };
     for (int r = 0; r < R; ++r) {
         PrefetchArgs a = prefetch_args(r);
-        a.weights = reinterpret_cast<const uint8_t*>(ranks[r].expert_w);
-        for (int p = 0; p < R; ++p) a.slot_pools[p] = slot_regions[r].peers[p];
+        a.projections[0].weights = reinterpret_cast<const uint8_t*>(ranks[r].expert_w);
+        for (int p = 0; p < R; ++p) a.projections[0].slot_pools[p] = slot_regions[r].peers[p];
         kernels::launch(a, group.stream(r), group.num_sms());
     }
     for (int r = 0; r < R; ++r) {  // the same slots pulled by each holder (serving's prefetch): the same bits
         PrefetchArgs a = prefetch_args(r);
         a.pull = true;
-        for (int p = 0; p < R; ++p) a.owners[p] = reinterpret_cast<const uint8_t*>(ranks[p].expert_w);
-        a.slot_pools[r] = pull_regions[r].local;
+        for (int p = 0; p < R; ++p) a.projections[0].owners[p] = reinterpret_cast<const uint8_t*>(ranks[p].expert_w);
+        a.projections[0].slot_pools[r] = pull_regions[r].local;
         kernels::launch(a, group.stream(r), group.num_sms());
     }
     auto combine_args = [&](int r) {

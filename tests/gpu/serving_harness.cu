@@ -115,25 +115,27 @@ std::vector<ServingOutputs> run_serving_host(const ServingSpec& spec, const Layo
         check_dispatch_args(da, s);
         host::dispatch(da);
 
-        if (spec.prefetch) {
+        if (spec.prefetch) {  // every projection in one op, as ExpertPools::prefetch runs it
+            PrefetchArgs fa{};
+            fa.rank = r;
+            fa.num_ranks = R;
+            fa.experts_per_rank = l.experts_per_rank;
+            fa.num_slots = B;
+            fa.slot_expert = plan.view.slot_expert;
+            fa.pull = !spec.prefetch_push;
+            fa.num_projections = P;
             for (int p = 0; p < P; ++p) {
-                PrefetchArgs fa{};
-                fa.rank = r;
-                fa.num_ranks = R;
-                fa.experts_per_rank = l.experts_per_rank;
-                fa.num_slots = B;
-                fa.expert_bytes = int64_t(in.own[p][r].size()) / l.experts_per_rank;
-                fa.slot_expert = plan.view.slot_expert;
-                fa.pull = !spec.prefetch_push;
-                fa.weights = in.own[p][r].data();
+                PrefetchProjection& pp = fa.projections[p];
+                pp.expert_bytes = int64_t(in.own[p][r].size()) / l.experts_per_rank;
+                pp.weights = in.own[p][r].data();
                 for (int q = 0; q < R; ++q) {
-                    fa.owners[q] = fa.pull ? in.own[p][q].data() : nullptr;
-                    fa.slot_pools[q] = fa.pull && q != r ? nullptr : outs[q].slots[p].data();
+                    pp.owners[q] = fa.pull ? in.own[p][q].data() : nullptr;
+                    pp.slot_pools[q] = fa.pull && q != r ? nullptr : outs[q].slots[p].data();
                 }
-                fa.sync = sync;
-                check_prefetch_args(fa);
-                host::prefetch(fa);
             }
+            fa.sync = sync;
+            check_prefetch_args(fa);
+            host::prefetch(fa);
         }
 
         o.out.assign(size_t((s + DeviceCase::kCanaryRows) * H), kOutCanary);
@@ -271,31 +273,37 @@ void ServingDevice::enqueue_dispatch() {
     }
 }
 
-PrefetchArgs ServingDevice::prefetch_args(int r, int projection, bool push) const {
+PrefetchArgs ServingDevice::prefetch_args(int r, int first, int count, bool push) const {
     const int R = layout_.num_ranks;
     PrefetchArgs a{};
     a.rank = r;
     a.num_ranks = R;
     a.experts_per_rank = layout_.experts_per_rank;
     a.num_slots = layout_.num_slots;
-    a.expert_bytes = pools_.expert_bytes[projection];
     a.slot_expert = make_plan_view(layout_, ranks_[r].plan).slot_expert;
     a.pull = !push;
-    a.weights = pools_.own[projection][r];
-    for (int q = 0; q < R; ++q) {
-        a.owners[q] = push ? nullptr : pools_.own[projection][q];
-        a.slot_pools[q] = push || q == r ? pools_.slots[projection][q] : nullptr;
+    a.num_projections = count;
+    for (int i = 0; i < count; ++i) {
+        const int projection = first + i;
+        PrefetchProjection& pp = a.projections[i];
+        pp.expert_bytes = pools_.expert_bytes[projection];
+        pp.weights = pools_.own[projection][r];
+        for (int q = 0; q < R; ++q) {
+            pp.owners[q] = push ? nullptr : pools_.own[projection][q];
+            pp.slot_pools[q] = push || q == r ? pools_.slots[projection][q] : nullptr;
+        }
     }
     a.sync = sync(r);
     check_prefetch_args(a);
     return a;
 }
 
-void ServingDevice::enqueue_prefetch(int first, int count, bool push) {
-    const int last = count < 0 ? pools_.num_projections() : first + count;
-    for (int q = first; q < last; ++q)
+void ServingDevice::enqueue_prefetch(int first, int count, bool push, bool op_per_projection) {
+    if (count < 0) count = pools_.num_projections() - first;
+    const int step = op_per_projection ? 1 : count;
+    for (int q = first; q < first + count; q += step)
         for (int r = 0; r < layout_.num_ranks; ++r)
-            kernels::launch(prefetch_args(r, q, push), group_.stream(r), group_.num_sms());
+            kernels::launch(prefetch_args(r, q, step, push), group_.stream(r), group_.num_sms());
 }
 
 void ServingDevice::enqueue_combine() {

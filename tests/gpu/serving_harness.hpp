@@ -89,8 +89,10 @@ class ServingDevice {
     // The ops of every rank on the rank streams (no host sync, capturable).
     void enqueue_plan();
     void enqueue_dispatch();
-    // Projections [first, first + count) (count -1: all), pull or push as spec.prefetch_push says.
-    void enqueue_prefetch(int first = 0, int count = -1, bool push = false);
+    // Projections [first, first + count) (count -1: all from first) pulled (or pushed) in one op, as
+    // ExpertPools::prefetch moves a layer, or in one op per projection (op_per_projection: the form before one op
+    // carried several, kept for the benchmark's A/B).
+    void enqueue_prefetch(int first = 0, int count = -1, bool push = false, bool op_per_projection = false);
     void enqueue_combine();
     void enqueue_step();  // plan, dispatch, prefetch (when spec.prefetch), combine
     std::vector<ServingOutputs> download();
@@ -112,7 +114,8 @@ class ServingDevice {
     };
     const Layout& layout() const { return layout_; }
     PerRank& rank(int r) { return ranks_[r]; }
-    PrefetchArgs prefetch_args(int r, int projection, bool push) const;
+    // Projections [first, first + count) in one op.
+    PrefetchArgs prefetch_args(int r, int first, int count, bool push) const;
 
   private:
     sync::SyncArgs sync(int r) const;

@@ -16,8 +16,6 @@ constexpr int kThreads = 512;
 constexpr int kUnroll = 16;
 constexpr int kMaxListed = 2048;  // replica slots of this rank's experts a block lists in shared memory
 
-using SlotPools = PerRank<uint8_t>;  // every rank's slot pool
-
 // Words [begin, end) of one expert's weights from src to dst, by the block: kUnroll 16-byte loads in flight per
 // thread, then their stores.
 FLATEP_DEVICE void copy_range(const uint4* src, uint4* dst, int64_t begin, int64_t end, int tid) {
@@ -36,14 +34,37 @@ FLATEP_DEVICE void copy_range(const uint4* src, uint4* dst, int64_t begin, int64
     }
 }
 
+// What one op copies, as the kernels see it: per projection p, the words of one expert (n16[p]), this rank's side
+// (push: its own experts; pull: its slot pool) and every rank's other side (push: the slot pools; pull: the owners'
+// experts). An expert's words of all projections are cut into chunks of chunk16 words (a projection's last chunk is
+// shorter): projection p holds the chunks [first_chunk[p], first_chunk[p + 1]) of an expert's first_chunk[P].
+struct CopyPlan {
+    int num_projections;
+    int64_t chunk16;
+    int32_t first_chunk[kMaxPrefetchProjections + 1];
+    int64_t n16[kMaxPrefetchProjections];
+    uint8_t* mine[kMaxPrefetchProjections];
+    PerRank<uint8_t> peers[kMaxPrefetchProjections];
+};
+
+// The chunk `chunk` of `expert` (of an expert's first_chunk[P]) from src_expert to dst_expert, by the block; the
+// projection's pointers are picked by the caller's functions of p.
+template <class Src, class Dst>
+FLATEP_DEVICE void copy_chunk(const CopyPlan& c, int chunk, Src src_of, Dst dst_of, int tid) {
+    int p = 0;
+    while (p + 1 < c.num_projections && chunk >= c.first_chunk[p + 1]) ++p;
+    const int64_t begin = int64_t(chunk - c.first_chunk[p]) * c.chunk16;
+    copy_range(reinterpret_cast<const uint4*>(src_of(p)), reinterpret_cast<uint4*>(dst_of(p)), begin,
+               min_of(begin + c.chunk16, c.n16[p]), tid);
+}
+
 // The rank's replicas (the slots holding one of its experts, listed once per block in ascending (rank, slot) order),
-// each cut into chunks of chunk16 words: the work items replica * num_chunks + chunk, dealt to the blocks
-// round-robin. The launch makes chunk16 an expert's share of one block (num_chunks = the grid), so that every block
-// copies the same number of words whatever the number of replicas: with fixed chunks, one replica's 112 chunks of
+// each cut into the chunks of every projection: the work items replica * chunks + chunk, dealt to the blocks
+// round-robin. The launch makes chunk16 an expert's share (all projections) of one block, so that every block copies
+// about the same number of words whatever the number of replicas: with fixed chunks, one replica's 112 chunks of
 // 64 KiB (K3) left half the grid idle for the last round.
 __global__ void __launch_bounds__(kThreads, 1)
-    prefetch_push_kernel(int rank, int num_ranks, int epn, int64_t expert_bytes, int64_t chunk16,
-                         const int32_t* slot_expert, const uint8_t* weights, SlotPools pools) {
+    prefetch_push_kernel(int rank, int num_ranks, int epn, const int32_t* slot_expert, CopyPlan c) {
     __shared__ OwnedSlots<kThreads, kMaxListed> owned;
     const int tid = threadIdx.x;
     const int num_slots = num_ranks * epn;
@@ -51,55 +72,73 @@ __global__ void __launch_bounds__(kThreads, 1)
     // More replicas of this rank's experts than the list holds: the items walk the whole table instead.
     const bool all_listed = count <= kMaxListed;
     const int num_replicas = all_listed ? count : num_slots;
-    const int64_t n16 = expert_bytes / 16;
-    const int64_t num_chunks = ceil_div(n16, chunk16);
-    for (int64_t item = blockIdx.x; item < int64_t(num_replicas) * num_chunks; item += gridDim.x) {
-        const int i = all_listed ? owned.listed[item / num_chunks] : int(item / num_chunks);
+    const int chunks = c.first_chunk[c.num_projections];
+    for (int64_t item = blockIdx.x; item < int64_t(num_replicas) * chunks; item += gridDim.x) {
+        const int i = all_listed ? owned.listed[item / chunks] : int(item / chunks);
         const int expert = slot_expert[i];
         if (!all_listed && (expert < 0 || home_rank(expert, epn) != rank)) continue;
-        const uint8_t* src = weights + int64_t(local_expert(expert, epn)) * expert_bytes;
-        uint8_t* dst = pools.ptr[i / epn] + int64_t(i % epn) * expert_bytes;
-        const int64_t begin = (item % num_chunks) * chunk16;
-        copy_range(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst), begin,
-                   min_of(begin + chunk16, n16), tid);
+        const int64_t local = local_expert(expert, epn), slot = i % epn;
+        copy_chunk(
+            c, int(item % chunks), [&](int p) { return c.mine[p] + local * c.n16[p] * 16; },
+            [&](int p) { return c.peers[p].ptr[i / epn] + slot * c.n16[p] * 16; }, tid);
     }
 }
 
-// Serving's pull: this rank's B slots, each cut into chunks of chunk16 words, the items slot * num_chunks + chunk dealt
-// to the blocks round-robin; a slot without an expert this step is skipped. Reads the owners' memory, writes only this
-// rank's slot pool.
+// Serving's pull: this rank's B slots, each cut into the chunks of every projection, the items slot * chunks + chunk
+// dealt to the blocks round-robin; a slot without an expert this step is skipped. Reads the owners' memory, writes
+// only this rank's slot pools.
 __global__ void __launch_bounds__(kThreads, 1)
-    prefetch_pull_kernel(int rank, int epn, int num_slots, int64_t expert_bytes, int64_t chunk16,
-                         const int32_t* slot_expert, PerRank<const uint8_t> owners, uint8_t* slots) {
+    prefetch_pull_kernel(int rank, int epn, int num_slots, const int32_t* slot_expert, CopyPlan c) {
     const int tid = threadIdx.x;
-    const int64_t n16 = expert_bytes / 16;
-    const int64_t num_chunks = ceil_div(n16, chunk16);
-    for (int64_t item = blockIdx.x; item < int64_t(num_slots) * num_chunks; item += gridDim.x) {
-        const int j = int(item / num_chunks);
+    const int chunks = c.first_chunk[c.num_projections];
+    for (int64_t item = blockIdx.x; item < int64_t(num_slots) * chunks; item += gridDim.x) {
+        const int j = int(item / chunks);
         const int expert = slot_expert[rank * epn + j];
         if (expert < 0) continue;
-        const uint8_t* src = owners.ptr[home_rank(expert, epn)] + int64_t(local_expert(expert, epn)) * expert_bytes;
-        uint8_t* dst = slots + int64_t(j) * expert_bytes;
-        const int64_t begin = (item % num_chunks) * chunk16;
-        copy_range(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst), begin,
-                   min_of(begin + chunk16, n16), tid);
+        const int home = home_rank(expert, epn);
+        const int64_t local = local_expert(expert, epn);
+        copy_chunk(
+            c, int(item % chunks), [&](int p) { return c.peers[p].ptr[home] + local * c.n16[p] * 16; },
+            [&](int p) { return c.mine[p] + int64_t(j) * c.n16[p] * 16; }, tid);
     }
 }
 
-// An expert's share of one block of a grid of `blocks`, in whole 512-byte lines (32 words): every block copies the
-// same number of words whatever the number of experts.
-int64_t chunk_words(int64_t n16, int blocks) {
-    return max_of<int64_t>(32, round_up<int64_t>(ceil_div<int64_t>(n16, blocks), 32));
+// The copy plan of a grid of `blocks`: chunk16 an expert's share (all projections) of one block in whole 512-byte
+// lines (32 words), so that every block copies about the same number of words whatever the number of experts.
+CopyPlan copy_plan(const PrefetchArgs& a, int blocks) {
+    CopyPlan c{};
+    c.num_projections = a.num_projections;
+    int64_t total16 = 0;
+    for (int p = 0; p < a.num_projections; ++p) total16 += a.projections[p].expert_bytes / 16;
+    c.chunk16 = max_of<int64_t>(32, round_up<int64_t>(ceil_div<int64_t>(total16, blocks), 32));
+    for (int p = 0; p < a.num_projections; ++p) {
+        const PrefetchProjection& pr = a.projections[p];
+        c.n16[p] = pr.expert_bytes / 16;
+        c.first_chunk[p + 1] = c.first_chunk[p] + int32_t(ceil_div<int64_t>(c.n16[p], c.chunk16));
+        if (a.pull) {
+            c.mine[p] = pr.slot_pools[a.rank];
+            for (int r = 0; r < a.num_ranks; ++r) c.peers[p].ptr[r] = const_cast<uint8_t*>(pr.owners[r]);
+        } else {
+            c.mine[p] = const_cast<uint8_t*>(pr.weights);
+            c.peers[p] = per_rank("prefetch", pr.slot_pools, a.num_ranks);
+        }
+    }
+    return c;
+}
+
+// Blocks for `copies` experts' words of every projection: as many as the budget allows.
+int copy_blocks(const PrefetchArgs& a, int copies, int num_sms) {
+    int64_t total16 = 0;
+    for (int p = 0; p < a.num_projections; ++p) total16 += a.projections[p].expert_bytes / 16;
+    return grid_blocks(num_sms, ceil_div<int64_t>(total16, kThreads * kUnroll) * copies, 1);
 }
 
 void launch_pull(const PrefetchArgs& a, cudaStream_t stream, int num_sms) {
     launch_barrier(a.sync, sync::kOpPrefetch, stream);  // the owners' weights are final
     if (a.num_slots == 0) return;
-    const int64_t n16 = a.expert_bytes / 16;
-    const int blocks = grid_blocks(num_sms, ceil_div<int64_t>(n16, kThreads * kUnroll) * a.num_slots, 1);
-    prefetch_pull_kernel<<<blocks, kThreads, 0, stream>>>(
-        a.rank, a.experts_per_rank, a.num_slots, a.expert_bytes, chunk_words(n16, blocks), a.slot_expert,
-        per_rank("prefetch", a.owners, a.num_ranks), a.slot_pools[a.rank]);
+    const int blocks = copy_blocks(a, a.num_slots, num_sms);
+    prefetch_pull_kernel<<<blocks, kThreads, 0, stream>>>(a.rank, a.experts_per_rank, a.num_slots, a.slot_expert,
+                                                          copy_plan(a, blocks));
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 
@@ -107,14 +146,12 @@ void launch_pull(const PrefetchArgs& a, cudaStream_t stream, int num_sms) {
 
 void launch(const PrefetchArgs& a, cudaStream_t stream, int num_sms) {
     if (a.pull) return launch_pull(a, stream, num_sms);
-    const SlotPools pools = per_rank("prefetch", a.slot_pools, a.num_ranks);
     launch_barrier(a.sync, sync::kOpPrefetch, stream);
-    // Work items: replicas * chunks, unknown here (the plan is on the device): as many blocks as the budget allows,
-    // and an expert's share of one block as the chunk, in whole 512-byte lines (32 words).
-    const int64_t n16 = a.expert_bytes / 16;
-    const int blocks = grid_blocks(num_sms, ceil_div<int64_t>(n16, kThreads * kUnroll) * a.num_ranks, 1);
-    prefetch_push_kernel<<<blocks, kThreads, 0, stream>>>(a.rank, a.num_ranks, a.experts_per_rank, a.expert_bytes,
-                                                          chunk_words(n16, blocks), a.slot_expert, a.weights, pools);
+    // Work items: replicas * chunks, unknown here (the plan is on the device): as many blocks as the budget allows
+    // for R copies of an expert.
+    const int blocks = copy_blocks(a, a.num_ranks, num_sms);
+    prefetch_push_kernel<<<blocks, kThreads, 0, stream>>>(a.rank, a.num_ranks, a.experts_per_rank, a.slot_expert,
+                                                          copy_plan(a, blocks));
     FLATEP_CUDA_CHECK_LAUNCH();
     launch_barrier(a.sync, sync::kOpPrefetch, stream);
 }

@@ -14,6 +14,7 @@
 #include "flatep/buffer.hpp"
 #include "flatep/expert_pools.hpp"
 #include "layout/layout.hpp"
+#include "ops/prefetch_args.hpp"
 #include "transport/local_host.hpp"
 #include "unit/host/rank_threads.hpp"
 
@@ -83,21 +84,25 @@ TEST(ExpertPools, RefusesExpertsNotAMultipleOf16BytesInTheConstructor) {
     EXPECT_EQ(error_message([&] { ExpertPools pools(world.transport(0), 3, {{1, 8}, {7, 24}}); }), "(no error)");
 }
 
-TEST(ExpertPools, PrefetchAndReduceGradFollowThePlan) {
-    // Skewed routing so the planner places replicas; then check every slot holds its expert's weights and every
-    // owner's grads equal own + sum of replica grads in (rank, slot) order (exact fp32 sums of small integers).
+// An own weight's bits: projection p, expert e, element i (byte copies move any pattern).
+uint16_t weight_bits(int p, int e, int64_t i) { return uint16_t(((p * 16 + e) << 8) | (i & 0xff)); }
+
+// Skewed routing so the planner places replicas; then check every slot holds its expert's weights and every owner's
+// grads equal own + sum of replica grads in (rank, slot) order (exact fp32 sums of small integers). Weights are bit
+// patterns naming projection, expert and element, so a slot filled from the wrong projection, expert or offset shows.
+void check_prefetch_and_reduce_grad(const std::vector<ProjectionShape>& shapes) {
     const int R = 4, epn = 2, E = R * epn, S = 16, K = 2;
-    const ProjectionShape shapes[2] = {{3, 8}, {4, 4}};
+    const int P = int(shapes.size());
     LocalHostWorld world(R, 10.0);
     std::vector<std::vector<int32_t>> slot_expert(R);
-    std::vector<std::vector<std::vector<uint16_t>>> slots(R, std::vector<std::vector<uint16_t>>(2));
-    std::vector<std::vector<std::vector<float>>> grads(R, std::vector<std::vector<float>>(2));
-    std::vector<std::vector<std::vector<float>>> pools_after(R, std::vector<std::vector<float>>(2));
+    std::vector<std::vector<std::vector<uint16_t>>> slots(R, std::vector<std::vector<uint16_t>>(P));
+    std::vector<std::vector<std::vector<float>>> grads(R, std::vector<std::vector<float>>(P));
+    std::vector<std::vector<std::vector<float>>> pools_after(R, std::vector<std::vector<float>>(P));
     const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
         const Config c{
             .num_ranks = R, .rank = rank, .num_experts = E, .num_tokens = S, .topk = K, .hidden = 8, .align = 1};
         Buffer buffer(c, world.transport(rank));
-        ExpertPools pools(world.transport(rank), epn, {shapes[0], shapes[1]});
+        ExpertPools pools(world.transport(rank), epn, shapes);
         ExpertLayer layer = pools.register_layer();
         // Everyone routes to experts 0 and 1 (rank 0): rank 0 is 4x overloaded, so its experts get replicas.
         std::vector<int32_t> idx(S * K);
@@ -108,14 +113,14 @@ TEST(ExpertPools, PrefetchAndReduceGradFollowThePlan) {
         const Plan plan = buffer.plan(idx.data(), 4, S);
         for (int d = 0; d < R; ++d)
             for (int32_t e : plan.slot_expert(d)) slot_expert[rank].push_back(e);
-        for (int p = 0; p < 2; ++p) {
+        for (int p = 0; p < P; ++p) {
             const int64_t n = shapes[p].elems();
             // Own weights: expert e, element i = bf16(e * 100 + i); own grads: e + 0.5; replica grads written into
             // the reduce pool half of the view: (rank + 1) * 1000 + slot.
             for (int g = 0; g < epn; ++g) {
                 const int e = rank * epn + g;
                 for (int64_t i = 0; i < n; ++i) {
-                    layer.weights(p)[g * n + i] = float_to_bf16(float(e * 100 + i));
+                    layer.weights(p)[g * n + i] = weight_bits(p, e, i);
                     layer.grads(p)[g * n + i] = float(e) + 0.5f;
                 }
             }
@@ -125,7 +130,7 @@ TEST(ExpertPools, PrefetchAndReduceGradFollowThePlan) {
         }
         pools.prefetch(plan, layer);
         pools.reduce_grad(plan, layer);
-        for (int p = 0; p < 2; ++p) {
+        for (int p = 0; p < P; ++p) {
             const int64_t n = shapes[p].elems();
             slots[rank][p].assign(layer.weights(p) + epn * n, layer.weights(p) + 2 * epn * n);
             grads[rank][p].assign(layer.grads(p), layer.grads(p) + epn * n);
@@ -136,7 +141,7 @@ TEST(ExpertPools, PrefetchAndReduceGradFollowThePlan) {
     int replicas = 0;
     for (int r = 0; r < R; ++r) ASSERT_EQ(slot_expert[r], slot_expert[0]);
     const std::vector<int32_t>& se = slot_expert[0];
-    for (int p = 0; p < 2; ++p) {
+    for (int p = 0; p < P; ++p) {
         const int64_t n = shapes[p].elems();
         for (int d = 0; d < R; ++d) {
             for (int j = 0; j < epn; ++j) {
@@ -146,8 +151,7 @@ TEST(ExpertPools, PrefetchAndReduceGradFollowThePlan) {
                     const float pool_expect = e >= 0 ? 0.0f : float((d + 1) * 1000 + j);
                     ASSERT_EQ(pools_after[d][p][j * n + i], pool_expect) << "rank " << d << " slot " << j;
                     if (e < 0) continue;
-                    ASSERT_EQ(slots[d][p][j * n + i], float_to_bf16(float(e * 100 + i)))
-                        << "rank " << d << " slot " << j;
+                    ASSERT_EQ(slots[d][p][j * n + i], weight_bits(p, e, i)) << "rank " << d << " slot " << j;
                 }
                 if (e >= 0 && p == 0) ++replicas;
             }
@@ -164,6 +168,15 @@ TEST(ExpertPools, PrefetchAndReduceGradFollowThePlan) {
         }
     }
     EXPECT_GE(replicas, 2);  // the routing is skewed enough that the test exercises replicas
+}
+
+TEST(ExpertPools, PrefetchAndReduceGradFollowThePlan) { check_prefetch_and_reduce_grad({{3, 8}, {4, 4}}); }
+
+// More projections than one prefetch op carries (kMaxPrefetchProjections): the pools split them into several ops.
+TEST(ExpertPools, PrefetchMovesMoreProjectionsThanOneOpCarries) {
+    std::vector<ProjectionShape> shapes;
+    for (int p = 0; p < kMaxPrefetchProjections + 2; ++p) shapes.push_back({p % 2 == 0 ? 8 : 3, 8});
+    check_prefetch_and_reduce_grad(shapes);
 }
 
 TEST(ExpertPools, WriteGradsWritesOwnGroupsAndUsedSlotsOnly) {
