@@ -5,7 +5,7 @@
 //             captured step of one rank runs). The expert GEMM is left out: combine reads fixed expert outputs.
 //             Modes: the owner planner (no replicas, no prefetch; its layout sized for decode, S = --owner-tokens,
 //             the same [E+B] view as balanced_b<B>), the balanced planner at B = --slots, and at B = epn.
-//   plan      the plan op alone, the same graph replay.
+//   plan      the plan op alone, the same graph replay; dispatch and combine alone likewise (over the step's plan).
 //   prefetch  the pull of the plan's slots, per mode: bf16 weights; FP8 weights (1 byte) with their fp32 scales of
 //             1x128 blocks as a companion projection, in one op (as ExpertPools moves a layer) and, for the A/B, in
 //             one op per projection (fp8_op_per_projection: two barriers); at B = epn also the training's push of
@@ -221,6 +221,8 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
                 }),
                 m.owner ? 0 : bytes[0]);
             row("plan", timed([&] { dev.enqueue_plan(); }), 0);
+            row("dispatch", timed([&] { dev.enqueue_dispatch(); }), 0);  // the step's plan, replayed alone
+            row("combine", timed([&] { dev.enqueue_combine(); }), 0);
             if (!m.owner) {
                 row("prefetch.bf16", timed([&] { dev.enqueue_prefetch(0, 1); }), bytes[0]);
                 row("prefetch.fp8", timed([&] { dev.enqueue_prefetch(1, 2); }), bytes[1] + bytes[2]);
