@@ -8,9 +8,13 @@
 #   pytest         tests/python/test_gpu_serving.py (nn.MoE serving and owner on CUDA virtual ranks, graph replay)
 #                  and examples/serve_moe.py --device cuda
 #   bench_deepep   build-cuda/benchmarks/serving_bench --preset deepep     serving_bench_deepep.csv
+#   serving_step   benchmarks/serving_step.py --preset deepep --ffn 1536   serving_step_deepep.csv (nn.MoE serving step
+#                  with the expert GEMM, per-rank CUDA graphs; F=1536: B=epn is the training layout, whose fp32
+#                  gradients and reduce pools make F=2048 too large for 8 ranks on one GPU)
 #   ipc_buffer     a CUDA Buffer on R processes, rank 3 with s = 0 (null pointers), bitwise against the CPU backend
 #   quickstart     examples/quickstart.py --device cuda (the README's quick start)
 #   bench_k3       build-cuda/benchmarks/serving_bench --preset k3         serving_bench_k3.csv
+#   serving_step_k3  benchmarks/serving_step.py --preset k3 (F=512)        serving_step_k3.csv
 #   ops_k3         build-cuda/benchmarks/ops_bench --preset k3 --ffn 512 --maxvio 1,20 --iters 15   ops_k3.csv
 #
 #   OUT=/tmp/out scripts/device_serving.sh
@@ -22,7 +26,7 @@ LOGS=${SERVING_LOGS:-/tmp/serving_logs}
 mkdir -p "$OUT" "$LOGS"
 export NCCL_NVLS_ENABLE=0
 PY=${PYTHON:-python3}
-STEPS=${SERVING_STEPS:-build serving pytest bench_deepep ipc_buffer quickstart bench_k3 ops_k3}
+STEPS=${SERVING_STEPS:-build serving pytest bench_deepep serving_step ipc_buffer quickstart bench_k3 serving_step_k3 ops_k3}
 SUMMARY=$LOGS/summary.txt
 START=$SECONDS
 FAILED=0
@@ -52,9 +56,12 @@ run serving 150 build-cuda/tests/gpu/test_gpu_serving
 run pytest 150 "$PY" -m pytest -q -p no:cacheprovider tests/python/test_gpu_serving.py tests/python/test_example.py \
     -k "serving or serve or equals or replays"
 run bench_deepep 120 build-cuda/benchmarks/serving_bench --preset deepep --csv "$LOGS/serving_bench_deepep.csv"
+run serving_step 150 "$PY" benchmarks/serving_step.py --preset deepep --ffn 1536 --iters 10 \
+    --csv "$LOGS/serving_step_deepep.csv"
 run ipc_buffer 90 build-cuda/tests/gpu/ipc_buffer_gpu_main 4
 run quickstart 60 "$PY" examples/quickstart.py --device cuda
 run bench_k3 120 build-cuda/benchmarks/serving_bench --preset k3 --csv "$LOGS/serving_bench_k3.csv"
+run serving_step_k3 150 "$PY" benchmarks/serving_step.py --preset k3 --iters 10 --csv "$LOGS/serving_step_k3.csv"
 run ops_k3 60 build-cuda/benchmarks/ops_bench --preset k3 --ffn 512 --maxvio 1,20 --iters 15 \
     --csv "$LOGS/ops_k3_h200_8virtual.csv"
 echo "device_serving: $( ((FAILED)) && echo FAILED || echo 'all passed') in $((SECONDS - START)) s" | tee -a "$SUMMARY"
