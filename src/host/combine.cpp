@@ -1,4 +1,4 @@
-#include "host/combine.hpp"
+#include "ops/combine_args.hpp"
 
 #include <cmath>
 #include <vector>
@@ -6,6 +6,7 @@
 #include "common/bf16.hpp"
 #include "common/check.hpp"
 #include "host/group_rows.hpp"
+#include "host/op_stats.hpp"
 #include "sync/barrier_host.hpp"
 
 namespace flatep::host {

@@ -1,4 +1,4 @@
-#include "host/combine_grad.hpp"
+#include "ops/combine_grad_args.hpp"
 
 #include <cstring>
 

@@ -1,8 +1,10 @@
-#include "host/dispatch.hpp"
+#include "ops/dispatch_args.hpp"
 
 #include <cstring>
 
 #include "common/check.hpp"
+#include "host/dispatch.hpp"
+#include "host/op_stats.hpp"
 #include "sync/barrier_host.hpp"
 
 namespace flatep::host {

@@ -1,10 +1,11 @@
-#include "host/dispatch_fp8.hpp"
+#include "ops/dispatch_fp8_args.hpp"
 
 #include <cstring>
 
 #include "common/check.hpp"
 #include "common/fp8.hpp"
 #include "host/dispatch.hpp"
+#include "host/op_stats.hpp"
 #include "sync/barrier_host.hpp"
 
 namespace flatep::host {

@@ -1,4 +1,4 @@
-#include "host/entry_values.hpp"
+#include "ops/entry_values_args.hpp"
 
 #include "common/check.hpp"
 #include "host/group_rows.hpp"

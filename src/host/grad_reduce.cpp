@@ -1,4 +1,4 @@
-#include "host/grad_reduce.hpp"
+#include "ops/grad_reduce_args.hpp"
 
 #include <cstring>
 

@@ -1,4 +1,4 @@
-#include "host/prefetch.hpp"
+#include "ops/prefetch_args.hpp"
 
 #include <cstring>
 

@@ -1,4 +1,4 @@
-#include "host/write_grads.hpp"
+#include "ops/write_grads_args.hpp"
 
 #include <cstring>
 

@@ -15,16 +15,8 @@
 #if defined(FLATEP_WITH_CUDA)
 #include <cuda_runtime.h>
 
-#include "kernels/combine/combine.cuh"
-#include "kernels/combine_grad/combine_grad.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/preload.hpp"
-#include "kernels/dispatch/dispatch.cuh"
-#include "kernels/dispatch/dispatch_fp8.cuh"
-#include "kernels/entry_values/entry_values.cuh"
-#include "kernels/grad_reduce/grad_reduce.cuh"
-#include "kernels/prefetch/prefetch.cuh"
-#include "kernels/write_grads/write_grads.cuh"
 #include "planner/gpu_planner.cuh"
 #endif
 

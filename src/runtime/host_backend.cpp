@@ -3,14 +3,7 @@
 // budgets.
 #include <memory>
 
-#include "host/combine.hpp"
-#include "host/combine_grad.hpp"
-#include "host/dispatch.hpp"
-#include "host/dispatch_fp8.hpp"
-#include "host/entry_values.hpp"
-#include "host/grad_reduce.hpp"
-#include "host/prefetch.hpp"
-#include "host/write_grads.hpp"
+#include "host/op_stats.hpp"
 #include "runtime/backend.hpp"
 #include "runtime/host_plan.hpp"
 #include "runtime/plan_data.hpp"

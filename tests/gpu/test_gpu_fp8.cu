@@ -18,8 +18,7 @@
 #include "common/fp8.hpp"
 #include "device_test_util.hpp"
 #include "gpu_harness.hpp"
-#include "host/dispatch_fp8.hpp"
-#include "kernels/dispatch/dispatch_fp8.cuh"
+#include "ops/dispatch_fp8_args.hpp"
 #include "planner/planner.hpp"
 #include "sync/barrier_host.hpp"
 

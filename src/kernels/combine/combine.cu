@@ -1,10 +1,10 @@
 #include "common/bf16.hpp"
 #include "common/check.hpp"
-#include "kernels/combine/combine.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/groups.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/vector.cuh"
+#include "ops/combine_args.hpp"
 
 namespace flatep::kernels {
 

@@ -38,6 +38,7 @@ PerRank<T> per_rank(const char* op, T* const* ptrs, int num_ranks) {
 void preload_barrier_kernels();
 void preload_plan_kernels();
 void preload_dispatch_kernels();
+void preload_dispatch_fp8_kernels();  // called by preload_dispatch_kernels
 void preload_combine_kernels();
 void preload_prefetch_kernels();
 void preload_grad_reduce_kernels();

@@ -4,8 +4,8 @@
 #include "kernels/common/groups.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/vector.cuh"
-#include "kernels/dispatch/dispatch_fp8.cuh"
 #include "kernels/dispatch/token_entries.cuh"
+#include "ops/dispatch_fp8_args.hpp"
 
 namespace flatep::kernels {
 

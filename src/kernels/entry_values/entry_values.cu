@@ -2,7 +2,7 @@
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/groups.cuh"
 #include "kernels/common/launch.cuh"
-#include "kernels/entry_values/entry_values.cuh"
+#include "ops/entry_values_args.hpp"
 
 namespace flatep::kernels {
 

@@ -3,8 +3,8 @@
 #include "kernels/common/launch.cuh"
 #include "kernels/common/owned_slots.cuh"
 #include "kernels/common/vector.cuh"
-#include "kernels/grad_reduce/grad_reduce.cuh"
 #include "layout/layout.hpp"
+#include "ops/grad_reduce_args.hpp"
 
 namespace flatep::kernels {
 

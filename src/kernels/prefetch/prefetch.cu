@@ -3,8 +3,8 @@
 #include "kernels/common/launch.cuh"
 #include "kernels/common/owned_slots.cuh"
 #include "kernels/common/vector.cuh"
-#include "kernels/prefetch/prefetch.cuh"
 #include "layout/layout.hpp"
+#include "ops/prefetch_args.hpp"
 
 namespace flatep::kernels {
 

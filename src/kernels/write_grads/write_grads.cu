@@ -3,7 +3,7 @@
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/vector.cuh"
-#include "kernels/write_grads/write_grads.cuh"
+#include "ops/write_grads_args.hpp"
 
 namespace flatep::kernels {
 
