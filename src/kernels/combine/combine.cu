@@ -200,8 +200,6 @@ void launch(const CombineArgs& a, cudaStream_t stream, int num_sms) {
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 
-void preload_combine_kernels() {
-    preload_kernels(combine_partial_kernel<true>, combine_partial_kernel<false>, combine_pull_kernel);
-}
+FLATEP_PRELOAD_KERNELS(combine_partial_kernel<true>, combine_partial_kernel<false>, combine_pull_kernel);
 
 }  // namespace flatep::kernels

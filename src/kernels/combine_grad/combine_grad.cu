@@ -107,9 +107,7 @@ void launch(const CombineGradArgs& a, cudaStream_t stream, int num_sms) {
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 
-void preload_combine_grad_kernels() {
-    preload_kernels(combine_grad_kernel<true, true>, combine_grad_kernel<true, false>,
-                    combine_grad_kernel<false, true>);
-}
+FLATEP_PRELOAD_KERNELS(combine_grad_kernel<true, true>, combine_grad_kernel<true, false>,
+                       combine_grad_kernel<false, true>);
 
 }  // namespace flatep::kernels

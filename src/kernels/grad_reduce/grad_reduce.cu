@@ -168,6 +168,6 @@ void launch(const GradReduceArgs& a, cudaStream_t stream, int num_sms) {
     launch_barrier(a.sync, sync::kOpGradReduce, stream);
 }
 
-void preload_grad_reduce_kernels() { preload_kernels(grad_reduce_kernel); }
+FLATEP_PRELOAD_KERNELS(grad_reduce_kernel);
 
 }  // namespace flatep::kernels

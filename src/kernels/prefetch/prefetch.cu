@@ -119,6 +119,6 @@ void launch(const PrefetchArgs& a, cudaStream_t stream, int num_sms) {
     launch_barrier(a.sync, sync::kOpPrefetch, stream);
 }
 
-void preload_prefetch_kernels() { preload_kernels(prefetch_push_kernel, prefetch_pull_kernel); }
+FLATEP_PRELOAD_KERNELS(prefetch_push_kernel, prefetch_pull_kernel);
 
 }  // namespace flatep::kernels
