@@ -556,7 +556,7 @@ bool run_case(const CaseSpec& c) {
         for (int r = 0; r < l.num_ranks; ++r) {
             const sync::WaitRecord& w = group.wait_record(r);
             if (w.code != 0) {
-                g_first = "wait failed: op " + std::string(sync::host::op_name(sync::OpId(w.op))) + " rank " +
+                g_first = "wait failed: op " + std::string(sync::op_name(sync::OpId(w.op))) + " rank " +
                           std::to_string(w.rank) + " peer " + std::to_string(w.peer);
                 return false;
             }
