@@ -11,7 +11,7 @@
 
 namespace flatep::host {
 
-void combine(const CombineArgs& a, OpStats* stats) {
+void run(const CombineArgs& a, OpStats* stats) {
     const Layout& l = a.layout;
     const int K = l.topk, H = l.hidden;
     const PlanView& p = a.plan;

@@ -9,7 +9,7 @@
 
 namespace flatep::host {
 
-void dispatch(const DispatchArgs& a, OpStats* stats) {
+void run(const DispatchArgs& a, OpStats* stats) {
     const Layout& l = a.layout;
     const int H = l.hidden;
     const PlanView& p = a.plan;

@@ -10,7 +10,7 @@
 
 namespace flatep::host {
 
-void dispatch_fp8(const DispatchFp8Args& a, OpStats* stats) {
+void run(const DispatchFp8Args& a, OpStats* stats) {
     const PlanView& p = a.plan;
     const int num_tokens = plan_num_tokens(p);
     const Layout& l = a.layout;

@@ -6,7 +6,7 @@
 
 namespace flatep::host {
 
-void entry_values(const EntryValuesArgs& a) {
+void run(const EntryValuesArgs& a) {
     const Layout& l = a.layout;
     const PlanView& p = a.plan;
     const int num_tokens = plan_num_tokens(p);

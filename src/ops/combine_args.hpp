@@ -44,13 +44,13 @@ namespace host {
 //     out[t] = bf16(acc)   (a token without any valid entry gets a zero row)
 // src/host is compiled with -ffp-contract=off so the compiler never fuses the unweighted adds.
 // Runs rank args.rank's part; collective. Barriers: entry, then between the destination and source sides.
-void combine(const CombineArgs& args, OpStats* stats = nullptr);
+void run(const CombineArgs& args, OpStats* stats = nullptr);
 
 }  // namespace host
 
 namespace kernels {
 
-// The CUDA launcher (src/kernels/combine): same contract and outputs as host::combine (bitwise).
+// The CUDA launcher (src/kernels/combine): same contract and outputs as host::run (bitwise).
 // Collective. Kernels: entry barrier -> partials on the destination (per chain head: fp32 sum of the chain's rows in
 // ascending k, fmaf when weighted, rounded to bf16 into the symmetric partial region) -> barrier -> pull on the
 // source (warp per token: one read per destination rank, fp32 sum in ascending rank, one bf16 rounding).

@@ -55,13 +55,13 @@ namespace host {
 // chunk c, then the xor butterfly. src/host is compiled with -ffp-contract=off, so acc + a * b stays a separate
 // multiply and add.
 // Local (not collective). Writes every row of grad_y / grad_weights (those not null) for i in [0, NvS).
-void combine_grad(const CombineGradArgs& args);
+void run(const CombineGradArgs& args);
 
 }  // namespace host
 
 namespace kernels {
 
-// The CUDA launcher (src/kernels/combine_grad): same contract and outputs as host::combine_grad (bitwise for finite
+// The CUDA launcher (src/kernels/combine_grad): same contract and outputs as host::run (bitwise for finite
 // inputs). Local (no barrier). One kernel: a warp per receive row; real rows read rows (and y / weights) once with
 // 16-byte loads and write grad_y and the warp-reduced dot; other rows are written zero without reading any input.
 void launch(const CombineGradArgs& args, CUstream_st* stream, int num_sms);

@@ -48,13 +48,13 @@ namespace host {
 //   barrier; destination side: every real row r gets recv_x[r] = symmetric recv_x[row_head[r]] and
 //   recv_w[r] = symmetric recv_w[r]; padding rows of every group are zero (weight 0); rows past the last group end
 //   are not touched. recv_x / recv_w may alias this rank's symmetric regions.
-void dispatch(const DispatchArgs& args, OpStats* stats = nullptr);
+void run(const DispatchArgs& args, OpStats* stats = nullptr);
 
 }  // namespace host
 
 namespace kernels {
 
-// The CUDA launcher (src/kernels/dispatch): same contract and outputs as host::dispatch (bitwise).
+// The CUDA launcher (src/kernels/dispatch): same contract and outputs as host::run (bitwise).
 // Collective. Kernels: entry barrier -> push (one 16-byte-vectorised store stream per (token, destination rank),
 // one weight per entry) -> barrier -> fan-out on the destination (duplicates copied from their chain head, the
 // copy-out when recv_x is not the symmetric region, weights, zeroed padding).

@@ -69,7 +69,7 @@ inline void check_dispatch_fp8_args(const DispatchFp8Args& a, int num_tokens) {
 namespace host {
 
 // The CPU twin (src/host/dispatch_fp8.cpp). Runs rank args.rank's part; collective. The same steps as
-// host::dispatch with FP8 rows:
+// host::run(const DispatchArgs&) with FP8 rows:
 //   barrier; source side: for each token and destination d, its e4m3 row and scales once into d's symmetric FP8
 //   rows at the chain head row (bf16 input: quantised by the design §6 rule into the first destination's row, then
 //   copied from there to the others; pre-quantised input: copied as given), every entry's weight (1 when topk_weights
@@ -77,13 +77,13 @@ namespace host {
 //   barrier; destination side: every real row r gets the e4m3 row and scales of its chain head and its weight;
 //   padding rows of every group get zero bytes, zero scales and weight 0; rows past the last group end are not
 //   touched. recv_x / recv_scales may alias this rank's symmetric FP8 rows and scales.
-void dispatch_fp8(const DispatchFp8Args& args, OpStats* stats = nullptr);
+void run(const DispatchFp8Args& args, OpStats* stats = nullptr);
 
 }  // namespace host
 
 namespace kernels {
 
-// The CUDA launcher (src/kernels/dispatch/dispatch_fp8.cu): same contract and outputs as host::dispatch_fp8
+// The CUDA launcher (src/kernels/dispatch/dispatch_fp8.cu): same contract and outputs as host::run
 // (bitwise). Collective. Kernels: entry barrier -> push (warp per token: the bf16 row is quantised once, in registers,
 // then its e4m3 bytes and scales are stored to every destination rank's chain-head row; pre-quantised rows are copied
 // as they are; one weight per entry) -> barrier -> fan-out on the destination (duplicates copied from their chain

@@ -37,13 +37,13 @@ namespace host {
 //   barrier; destination side: copy row_values of this rank's real rows into its symmetric recv_w region;
 //   barrier; source side: out[t*K+k] = the value at entry (t,k)'s row on its destination rank (0 for an entry
 //   whose expert id was invalid).
-void entry_values(const EntryValuesArgs& args);
+void run(const EntryValuesArgs& args);
 
 }  // namespace host
 
 namespace kernels {
 
-// The CUDA launcher (src/kernels/entry_values): same contract and outputs as host::entry_values (bitwise: copies
+// The CUDA launcher (src/kernels/entry_values): same contract and outputs as host::run (bitwise: copies
 // only). Collective. Kernels: entry barrier -> publish this rank's real-row values into its symmetric recv_w region ->
 // barrier -> every entry of this rank reads the value at its row on its destination rank.
 void launch(const EntryValuesArgs& args, CUstream_st* stream, int num_sms);

@@ -45,13 +45,13 @@ namespace host {
 //   barrier; for each own expert g (id rank*epn + g): grads[g] = grads[g] + pool_d[j] for (d ascending, j ascending)
 //   with slot_expert[d][j] == id, one fp32 add at a time, reading the peers' reduce pools; barrier;
 //   every rank zeroes its consumed slots (slot_expert[rank][j] >= 0) in its own reduce pool.
-void grad_reduce(const GradReduceArgs& args);
+void run(const GradReduceArgs& args);
 
 }  // namespace host
 
 namespace kernels {
 
-// The CUDA launcher (src/kernels/grad_reduce): same contract and outputs as host::grad_reduce (bitwise).
+// The CUDA launcher (src/kernels/grad_reduce): same contract and outputs as host::run (bitwise).
 // Collective. Kernels: entry barrier (every replica's gradient is complete) -> owners add the slot gradients of
 // their experts into their own, per element grad + pool[d0][j0] + pool[d0][j1] + ... in ascending (rank, slot)
 // order in fp32 -> barrier (every owner has read the pools) -> each rank zeroes its consumed slots.

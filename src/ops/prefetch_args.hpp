@@ -55,13 +55,13 @@ namespace host {
 // The CPU twin (src/host/prefetch.cpp). Runs rank args.rank's part; collective. barrier; for every rank d and
 // slot j whose expert slot_expert[d][j] is owned by this rank, copy that expert's weights into d's slot pool at
 // slot j; barrier.
-void prefetch(const PrefetchArgs& args);
+void run(const PrefetchArgs& args);
 
 }  // namespace host
 
 namespace kernels {
 
-// The CUDA launcher (src/kernels/prefetch): same contract and outputs as host::prefetch (a bitwise copy).
+// The CUDA launcher (src/kernels/prefetch): same contract and outputs as host::run (a bitwise copy).
 // Collective. Kernels: entry barrier (destinations are done with their previous slots) -> owner push of every
 // replicated expert of this rank into the slot of each rank hosting it -> exit barrier (every slot is filled).
 void launch(const PrefetchArgs& args, CUstream_st* stream, int num_sms);

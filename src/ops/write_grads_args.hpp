@@ -56,13 +56,13 @@ FLATEP_HD GroupGradAction group_grad_action(int experts_per_rank, const int32_t*
 namespace host {
 
 // The CPU twin (src/host/write_grads.cpp). Local (not collective).
-void write_grads(const WriteGradsArgs& args);
+void run(const WriteGradsArgs& args);
 
 }  // namespace host
 
 namespace kernels {
 
-// The CUDA launcher (src/kernels/write_grads): same contract and outputs as host::write_grads (bitwise: a
+// The CUDA launcher (src/kernels/write_grads): same contract and outputs as host::run (bitwise: a
 // conversion). Local (no barrier). One kernel: the grid walks the 2*epn groups' elements as one grid-stride index
 // space, each thread deciding a group's action from the plan arrays in device memory (no host synchronisation) when
 // it enters it and jumping over a skipped group; 8 elements per step (16-byte bf16 loads, 32-byte fp32 stores) when
