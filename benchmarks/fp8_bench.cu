@@ -23,7 +23,7 @@
 #include "common/flags.hpp"
 #include "common/routing_cases.hpp"
 #include "gpu_harness.hpp"
-#include "kernels/dispatch/dispatch_fp8.cuh"
+#include "ops/dispatch_fp8_args.hpp"
 
 using namespace flatep;
 using namespace flatep::gpu_test;

@@ -1,4 +1,4 @@
-#include "host/combine.hpp"
+#include "ops/combine_args.hpp"
 
 #include <cmath>
 #include <vector>
@@ -6,11 +6,12 @@
 #include "common/bf16.hpp"
 #include "common/check.hpp"
 #include "host/group_rows.hpp"
+#include "host/op_stats.hpp"
 #include "sync/barrier_host.hpp"
 
 namespace flatep::host {
 
-void combine(const CombineArgs& a, OpStats* stats) {
+void run(const CombineArgs& a, OpStats* stats) {
     const Layout& l = a.layout;
     const int K = l.topk, H = l.hidden;
     const PlanView& p = a.plan;

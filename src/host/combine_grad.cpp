@@ -1,4 +1,4 @@
-#include "host/combine_grad.hpp"
+#include "ops/combine_grad_args.hpp"
 
 #include <cstring>
 
@@ -33,7 +33,7 @@ float lane_order_dot(const uint16_t* a, const uint16_t* b, int64_t hidden) {
 
 }  // namespace
 
-void combine_grad(const CombineGradArgs& a) {
+void run(const CombineGradArgs& a) {
     const Layout& l = a.layout;
     const int64_t H = l.hidden;
     auto zero_rows = [&](int32_t begin, int32_t end) {

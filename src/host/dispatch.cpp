@@ -1,13 +1,15 @@
-#include "host/dispatch.hpp"
+#include "ops/dispatch_args.hpp"
 
 #include <cstring>
 
 #include "common/check.hpp"
+#include "host/dispatch.hpp"
+#include "host/op_stats.hpp"
 #include "sync/barrier_host.hpp"
 
 namespace flatep::host {
 
-void dispatch(const DispatchArgs& a, OpStats* stats) {
+void run(const DispatchArgs& a, OpStats* stats) {
     const Layout& l = a.layout;
     const int H = l.hidden;
     const PlanView& p = a.plan;

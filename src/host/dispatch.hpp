@@ -1,9 +1,12 @@
-// CPU twin of dispatch (design §3, §5).
+// The source and destination sides the CPU twins of dispatch and dispatch_fp8 share (design §3, §5; the twins are
+// declared next to their Args: ops/dispatch_args.hpp, ops/dispatch_fp8_args.hpp).
 #pragma once
 
+#include <cstdint>
+
 #include "host/group_rows.hpp"
-#include "host/op_stats.hpp"
-#include "ops/dispatch_args.hpp"
+#include "layout/layout.hpp"
+#include "layout/plan.hpp"
 
 namespace flatep::host {
 
@@ -39,13 +42,5 @@ void for_each_recv_row(const Layout& l, const PlanView& p, int rank, Real&& real
         for (int32_t r = group.real_end; r < group.padded_end; ++r) padding(r);
     }
 }
-
-// Runs rank args.rank's part; collective.
-//   barrier; source side: for each token and destination d, copy the bf16 row once to d's symmetric recv_x at the
-//   chain head row (dedup) and write every entry's weight (1 when topk_weights is null) to d's recv_w at its row;
-//   barrier; destination side: every real row r gets recv_x[r] = symmetric recv_x[row_head[r]] and
-//   recv_w[r] = symmetric recv_w[r]; padding rows of every group are zero (weight 0); rows past the last group end
-//   are not touched. recv_x / recv_w may alias this rank's symmetric regions.
-void dispatch(const DispatchArgs& args, OpStats* stats = nullptr);
 
 }  // namespace flatep::host

@@ -1,15 +1,16 @@
-#include "host/dispatch_fp8.hpp"
+#include "ops/dispatch_fp8_args.hpp"
 
 #include <cstring>
 
 #include "common/check.hpp"
 #include "common/fp8.hpp"
 #include "host/dispatch.hpp"
+#include "host/op_stats.hpp"
 #include "sync/barrier_host.hpp"
 
 namespace flatep::host {
 
-void dispatch_fp8(const DispatchFp8Args& a, OpStats* stats) {
+void run(const DispatchFp8Args& a, OpStats* stats) {
     const PlanView& p = a.plan;
     const int num_tokens = plan_num_tokens(p);
     const Layout& l = a.layout;

@@ -1,4 +1,4 @@
-#include "host/entry_values.hpp"
+#include "ops/entry_values_args.hpp"
 
 #include "common/check.hpp"
 #include "host/group_rows.hpp"
@@ -6,7 +6,7 @@
 
 namespace flatep::host {
 
-void entry_values(const EntryValuesArgs& a) {
+void run(const EntryValuesArgs& a) {
     const Layout& l = a.layout;
     const PlanView& p = a.plan;
     const int num_tokens = plan_num_tokens(p);

@@ -1,4 +1,4 @@
-#include "host/grad_reduce.hpp"
+#include "ops/grad_reduce_args.hpp"
 
 #include <cstring>
 
@@ -7,7 +7,7 @@
 
 namespace flatep::host {
 
-void grad_reduce(const GradReduceArgs& a) {
+void run(const GradReduceArgs& a) {
     const int epn = a.experts_per_rank;
     const int64_t n = a.expert_elems;
     sync::host::barrier(a.sync, sync::kOpGradReduce);  // every replica's gradient is complete

@@ -1,4 +1,4 @@
-#include "host/prefetch.hpp"
+#include "ops/prefetch_args.hpp"
 
 #include <cstring>
 
@@ -8,7 +8,7 @@
 
 namespace flatep::host {
 
-void prefetch(const PrefetchArgs& a) {
+void run(const PrefetchArgs& a) {
     const int epn = a.experts_per_rank;
     if (a.pull) {
         sync::host::barrier(a.sync, sync::kOpPrefetch);  // the owners' weights are final

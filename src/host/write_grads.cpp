@@ -1,4 +1,4 @@
-#include "host/write_grads.hpp"
+#include "ops/write_grads_args.hpp"
 
 #include <cstring>
 
@@ -6,7 +6,7 @@
 
 namespace flatep::host {
 
-void write_grads(const WriteGradsArgs& a) {
+void run(const WriteGradsArgs& a) {
     const int64_t n = a.expert_elems;
     for (int g = 0; g < 2 * a.experts_per_rank; ++g) {
         float* dst = a.grads + int64_t(g) * n;

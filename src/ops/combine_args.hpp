@@ -8,6 +8,7 @@
 #include "layout/layout.hpp"
 #include "layout/plan.hpp"
 #include "ops/check.hpp"
+#include "ops/forward.hpp"
 #include "sync/sync.hpp"
 
 namespace flatep {
@@ -32,5 +33,29 @@ inline void check_combine_args(const CombineArgs& a, int num_tokens) {
     check_aligned16("combine", "y", a.y);
     check_aligned16("combine", "out", a.out);
 }
+
+namespace host {
+
+// The CPU twin (src/host/combine.cpp). Numerics, which every CUDA kernel must reproduce bitwise:
+//   destination, per chain (one per (source, token) on this rank) with head row h, over each element:
+//     acc = 0.0f; for r along the chain (ascending k): acc = weights ? fma(weights[r], y[r], acc) : acc + y[r];
+//     partial[h] = bf16(acc)
+//   source, per token t: acc = 0.0f; for d ascending with entries of t: acc += float(partial_d[head row of t on d]);
+//     out[t] = bf16(acc)   (a token without any valid entry gets a zero row)
+// src/host is compiled with -ffp-contract=off so the compiler never fuses the unweighted adds.
+// Runs rank args.rank's part; collective. Barriers: entry, then between the destination and source sides.
+void run(const CombineArgs& args, OpStats* stats = nullptr);
+
+}  // namespace host
+
+namespace kernels {
+
+// The CUDA launcher (src/kernels/combine): same contract and outputs as host::run (bitwise).
+// Collective. Kernels: entry barrier -> partials on the destination (per chain head: fp32 sum of the chain's rows in
+// ascending k, fmaf when weighted, rounded to bf16 into the symmetric partial region) -> barrier -> pull on the
+// source (warp per token: one read per destination rank, fp32 sum in ascending rank, one bf16 rounding).
+void launch(const CombineArgs& args, CUstream_st* stream, int num_sms);
+
+}  // namespace kernels
 
 }  // namespace flatep

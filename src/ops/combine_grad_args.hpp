@@ -20,6 +20,7 @@
 #include "layout/layout.hpp"
 #include "layout/plan.hpp"
 #include "ops/check.hpp"
+#include "ops/forward.hpp"
 
 namespace flatep {
 
@@ -47,5 +48,24 @@ inline void check_combine_grad_args(const CombineGradArgs& a) {
     check_aligned16("combine_grad", "y", a.y);
     check_aligned16("combine_grad", "grad_y", a.grad_y);
 }
+
+namespace host {
+
+// The CPU twin (src/host/combine_grad.cpp). The dot emulates the kernel's 32 lanes: lane l = c % 32 accumulates
+// chunk c, then the xor butterfly. src/host is compiled with -ffp-contract=off, so acc + a * b stays a separate
+// multiply and add.
+// Local (not collective). Writes every row of grad_y / grad_weights (those not null) for i in [0, NvS).
+void run(const CombineGradArgs& args);
+
+}  // namespace host
+
+namespace kernels {
+
+// The CUDA launcher (src/kernels/combine_grad): same contract and outputs as host::run (bitwise for finite
+// inputs). Local (no barrier). One kernel: a warp per receive row; real rows read rows (and y / weights) once with
+// 16-byte loads and write grad_y and the warp-reduced dot; other rows are written zero without reading any input.
+void launch(const CombineGradArgs& args, CUstream_st* stream, int num_sms);
+
+}  // namespace kernels
 
 }  // namespace flatep

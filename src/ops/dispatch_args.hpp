@@ -7,6 +7,7 @@
 #include "layout/layout.hpp"
 #include "layout/plan.hpp"
 #include "ops/check.hpp"
+#include "ops/forward.hpp"
 #include "sync/sync.hpp"
 
 namespace flatep {
@@ -37,5 +38,28 @@ inline void check_dispatch_args(const DispatchArgs& a, int num_tokens) {
     check_aligned16("dispatch", "x", a.x);
     check_aligned16("dispatch", "recv_x", a.recv_x);
 }
+
+namespace host {
+
+// The CPU twin (src/host/dispatch.cpp; the source and destination sides it shares with dispatch_fp8 are in
+// host/dispatch.hpp). Runs rank args.rank's part; collective.
+//   barrier; source side: for each token and destination d, copy the bf16 row once to d's symmetric recv_x at the
+//   chain head row (dedup) and write every entry's weight (1 when topk_weights is null) to d's recv_w at its row;
+//   barrier; destination side: every real row r gets recv_x[r] = symmetric recv_x[row_head[r]] and
+//   recv_w[r] = symmetric recv_w[r]; padding rows of every group are zero (weight 0); rows past the last group end
+//   are not touched. recv_x / recv_w may alias this rank's symmetric regions.
+void run(const DispatchArgs& args, OpStats* stats = nullptr);
+
+}  // namespace host
+
+namespace kernels {
+
+// The CUDA launcher (src/kernels/dispatch): same contract and outputs as host::run (bitwise).
+// Collective. Kernels: entry barrier -> push (one 16-byte-vectorised store stream per (token, destination rank),
+// one weight per entry) -> barrier -> fan-out on the destination (duplicates copied from their chain head, the
+// copy-out when recv_x is not the symmetric region, weights, zeroed padding).
+void launch(const DispatchArgs& args, CUstream_st* stream, int num_sms);
+
+}  // namespace kernels
 
 }  // namespace flatep

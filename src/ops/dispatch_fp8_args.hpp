@@ -11,6 +11,7 @@
 #include "layout/layout.hpp"
 #include "layout/plan.hpp"
 #include "ops/check.hpp"
+#include "ops/forward.hpp"
 #include "sync/sync.hpp"
 
 namespace flatep {
@@ -64,5 +65,32 @@ inline void check_dispatch_fp8_args(const DispatchFp8Args& a, int num_tokens) {
     FLATEP_CHECK(is_aligned(a.x_scales, 4) && is_aligned(a.recv_scales, 4),
                  "dispatch_fp8: x_scales and recv_scales must be 4-byte aligned");
 }
+
+namespace host {
+
+// The CPU twin (src/host/dispatch_fp8.cpp). Runs rank args.rank's part; collective. The same steps as
+// host::run(const DispatchArgs&) with FP8 rows:
+//   barrier; source side: for each token and destination d, its e4m3 row and scales once into d's symmetric FP8
+//   rows at the chain head row (bf16 input: quantised by the design §6 rule into the first destination's row, then
+//   copied from there to the others; pre-quantised input: copied as given), every entry's weight (1 when topk_weights
+//   is null) into d's recv_w at its row;
+//   barrier; destination side: every real row r gets the e4m3 row and scales of its chain head and its weight;
+//   padding rows of every group get zero bytes, zero scales and weight 0; rows past the last group end are not
+//   touched. recv_x / recv_scales may alias this rank's symmetric FP8 rows and scales.
+void run(const DispatchFp8Args& args, OpStats* stats = nullptr);
+
+}  // namespace host
+
+namespace kernels {
+
+// The CUDA launcher (src/kernels/dispatch/dispatch_fp8.cu): same contract and outputs as host::run
+// (bitwise). Collective. Kernels: entry barrier -> push (warp per token: the bf16 row is quantised once, in registers,
+// then its e4m3 bytes and scales are stored to every destination rank's chain-head row; pre-quantised rows are copied
+// as they are; one weight per entry) -> barrier -> fan-out on the destination (duplicates copied from their chain
+// head, the copy-out when recv_x / recv_scales are not the symmetric region, weights, zeroed padding rows and
+// scales).
+void launch(const DispatchFp8Args& args, CUstream_st* stream, int num_sms);
+
+}  // namespace kernels
 
 }  // namespace flatep

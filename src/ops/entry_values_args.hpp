@@ -8,6 +8,7 @@
 #include "layout/layout.hpp"
 #include "layout/plan.hpp"
 #include "ops/check.hpp"
+#include "ops/forward.hpp"
 #include "sync/sync.hpp"
 
 namespace flatep {
@@ -29,5 +30,24 @@ inline void check_entry_values_args(const EntryValuesArgs& a, int num_tokens) {
     check_given("entry_values", "row_values", a.row_values);
     check_given("entry_values", "out", a.out, num_tokens);
 }
+
+namespace host {
+
+// The CPU twin (src/host/entry_values.cpp). Runs rank args.rank's part; collective.
+//   barrier; destination side: copy row_values of this rank's real rows into its symmetric recv_w region;
+//   barrier; source side: out[t*K+k] = the value at entry (t,k)'s row on its destination rank (0 for an entry
+//   whose expert id was invalid).
+void run(const EntryValuesArgs& args);
+
+}  // namespace host
+
+namespace kernels {
+
+// The CUDA launcher (src/kernels/entry_values): same contract and outputs as host::run (bitwise: copies
+// only). Collective. Kernels: entry barrier -> publish this rank's real-row values into its symmetric recv_w region ->
+// barrier -> every entry of this rank reads the value at its row on its destination rank.
+void launch(const EntryValuesArgs& args, CUstream_st* stream, int num_sms);
+
+}  // namespace kernels
 
 }  // namespace flatep

@@ -7,6 +7,7 @@
 
 #include "common/macros.hpp"
 #include "ops/check.hpp"
+#include "ops/forward.hpp"
 #include "sync/sync.hpp"
 
 namespace flatep {
@@ -37,5 +38,25 @@ inline void check_grad_reduce_args(const GradReduceArgs& a) {
         check_aligned16("reduce_grad", "a reduce pool", a.reduce_pools[r]);
     }
 }
+
+namespace host {
+
+// The CPU twin (src/host/grad_reduce.cpp). Runs rank args.rank's part; collective.
+//   barrier; for each own expert g (id rank*epn + g): grads[g] = grads[g] + pool_d[j] for (d ascending, j ascending)
+//   with slot_expert[d][j] == id, one fp32 add at a time, reading the peers' reduce pools; barrier;
+//   every rank zeroes its consumed slots (slot_expert[rank][j] >= 0) in its own reduce pool.
+void run(const GradReduceArgs& args);
+
+}  // namespace host
+
+namespace kernels {
+
+// The CUDA launcher (src/kernels/grad_reduce): same contract and outputs as host::run (bitwise).
+// Collective. Kernels: entry barrier (every replica's gradient is complete) -> owners add the slot gradients of
+// their experts into their own, per element grad + pool[d0][j0] + pool[d0][j1] + ... in ascending (rank, slot)
+// order in fp32 -> barrier (every owner has read the pools) -> each rank zeroes its consumed slots.
+void launch(const GradReduceArgs& args, CUstream_st* stream, int num_sms);
+
+}  // namespace kernels
 
 }  // namespace flatep

@@ -7,6 +7,7 @@
 
 #include "common/macros.hpp"
 #include "ops/check.hpp"
+#include "ops/forward.hpp"
 #include "sync/sync.hpp"
 
 namespace flatep {
@@ -63,5 +64,23 @@ inline void check_prefetch_args(const PrefetchArgs& a) {
         }
     }
 }
+
+namespace host {
+
+// The CPU twin (src/host/prefetch.cpp). Runs rank args.rank's part; collective. barrier; for every rank d and
+// slot j whose expert slot_expert[d][j] is owned by this rank, copy that expert's weights into d's slot pool at
+// slot j; barrier.
+void run(const PrefetchArgs& args);
+
+}  // namespace host
+
+namespace kernels {
+
+// The CUDA launcher (src/kernels/prefetch): same contract and outputs as host::run (a bitwise copy).
+// Collective. Kernels: entry barrier (destinations are done with their previous slots) -> owner push of every
+// replicated expert of this rank into the slot of each rank hosting it -> exit barrier (every slot is filled).
+void launch(const PrefetchArgs& args, CUstream_st* stream, int num_sms);
+
+}  // namespace kernels
 
 }  // namespace flatep

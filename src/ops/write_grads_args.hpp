@@ -14,6 +14,7 @@
 
 #include "common/check.hpp"
 #include "common/macros.hpp"
+#include "ops/forward.hpp"
 
 namespace flatep {
 
@@ -51,5 +52,23 @@ FLATEP_HD GroupGradAction group_grad_action(int experts_per_rank, const int32_t*
     }
     return has_rows && slot_expert[g - experts_per_rank] >= 0 ? kGradCopy : kGradSkip;
 }
+
+namespace host {
+
+// The CPU twin (src/host/write_grads.cpp). Local (not collective).
+void run(const WriteGradsArgs& args);
+
+}  // namespace host
+
+namespace kernels {
+
+// The CUDA launcher (src/kernels/write_grads): same contract and outputs as host::run (bitwise: a
+// conversion). Local (no barrier). One kernel: the grid walks the 2*epn groups' elements as one grid-stride index
+// space, each thread deciding a group's action from the plan arrays in device memory (no host synchronisation) when
+// it enters it and jumping over a skipped group; 8 elements per step (16-byte bf16 loads, 32-byte fp32 stores) when
+// the sizes and pointers allow, element by element otherwise.
+void launch(const WriteGradsArgs& args, CUstream_st* stream, int num_sms);
+
+}  // namespace kernels
 
 }  // namespace flatep

@@ -12,16 +12,8 @@
 #include "flatep/buffer.hpp"
 #include "flatep/launch.hpp"
 #include "flatep/transport.hpp"
-#include "ops/combine_args.hpp"
-#include "ops/combine_grad_args.hpp"
-#include "ops/dispatch_args.hpp"
-#include "ops/dispatch_fp8_args.hpp"
-#include "ops/entry_values_args.hpp"
-#include "ops/grad_reduce_args.hpp"
-#include "ops/plan_args.hpp"
-#include "ops/prefetch_args.hpp"
-#include "ops/write_grads_args.hpp"
 #include "runtime/collective_guard.hpp"
+#include "runtime/op_list.hpp"
 
 namespace flatep {
 namespace host {
@@ -60,16 +52,17 @@ class OpsBackend {
     virtual void watch_site(const CollectiveSite& site) = 0;
 };
 
+// One op of the lists of runtime/op_list.hpp: `void method(Args&, const Launch&)` (local: const Args&).
+#define FLATEP_OP_VIRTUAL(method, Args, kind) \
+    virtual void method(FLATEP_OP_ARGS(Args, kind) args, const Launch& launch) = 0;
+
 // A Buffer's ops. `launch`: the call's stream and its resolved SM budget (never -1).
 class BufferBackend : public OpsBackend {
   public:
     // The plan op into `data` (host: data.host; device: `storage`, null for one of the Buffer's plan slots).
     virtual void plan(PlanArgs& args, Plan::Data& data, int32_t* storage, const Launch& launch) = 0;
     virtual void dispatch(DispatchArgs& args, const Launch& launch) = 0;
-    virtual void dispatch_fp8(DispatchFp8Args& args, const Launch& launch) = 0;
-    virtual void combine(CombineArgs& args, const Launch& launch) = 0;
-    virtual void entry_values(EntryValuesArgs& args, const Launch& launch) = 0;
-    virtual void combine_grad(const CombineGradArgs& args, const Launch& launch) = 0;  // local: no barrier
+    FLATEP_BUFFER_OPS(FLATEP_OP_VIRTUAL)
 };
 
 // What a Buffer's backend needs of it at construction.
@@ -91,10 +84,10 @@ std::unique_ptr<BufferBackend> make_device_buffer_backend(const BufferSite& site
 // An ExpertPools' ops.
 class PoolsBackend : public OpsBackend {
   public:
-    virtual void prefetch(PrefetchArgs& args, const Launch& launch) = 0;
-    virtual void grad_reduce(GradReduceArgs& args, const Launch& launch) = 0;
-    virtual void write_grads(const WriteGradsArgs& args, const Launch& launch) = 0;  // local: no barrier
+    FLATEP_POOLS_OPS(FLATEP_OP_VIRTUAL)
 };
+
+#undef FLATEP_OP_VIRTUAL
 
 std::unique_ptr<PoolsBackend> make_pools_backend(std::shared_ptr<Transport> transport, CollectiveGuard* guard);
 std::unique_ptr<PoolsBackend> make_host_pools_backend(CollectiveGuard* guard);

@@ -358,13 +358,13 @@ void Buffer::throw_status(const int32_t words[4]) const {
                          " at topk_idx flat index ", index, " (token ", index / K, ", k ", index % K,
                          "); ids must be in [0, E=", layout_->num_experts, "); the entry was skipped");
         case sync::kStatusTimeout:
-            FLATEP_THROW(ErrorCategory::kTimeout, "rank ", config_.rank, ": ", sync::host::op_name(sync::OpId(index)),
+            FLATEP_THROW(ErrorCategory::kTimeout, "rank ", config_.rank, ": ", sync::op_name(sync::OpId(index)),
                          " timed out waiting for peer ", peer, " (flag ", value, ")");
         case sync::kStatusMismatch:
-            FLATEP_THROW(ErrorCategory::kMismatch, "rank ", config_.rank, ": ", sync::host::op_name(sync::OpId(index)),
-                         ": peer ", peer, " was in ", sync::host::op_name(sync::OpId(value)), " at the same barrier");
+            FLATEP_THROW(ErrorCategory::kMismatch, "rank ", config_.rank, ": ", sync::op_name(sync::OpId(index)),
+                         ": peer ", peer, " was in ", sync::op_name(sync::OpId(value)), " at the same barrier");
         case sync::kStatusPeerAborted:
-            FLATEP_THROW(ErrorCategory::kRuntime, "rank ", config_.rank, ": ", sync::host::op_name(sync::OpId(index)),
+            FLATEP_THROW(ErrorCategory::kRuntime, "rank ", config_.rank, ": ", sync::op_name(sync::OpId(index)),
                          ": peer ", peer, " failed an earlier wait and gave up");
         default:
             FLATEP_THROW(ErrorCategory::kRuntime, "rank ", config_.rank, ": unknown status code ", code);

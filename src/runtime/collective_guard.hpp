@@ -102,7 +102,7 @@ class CollectiveGuard {
             const uint64_t word = load(other->site_.flags[peer]);
             // Ahead of this rank there (an abort word too: the peer timed out waiting there itself).
             if (sync::flag_epoch(word) <= *other->site_.epoch) continue;
-            return detail::concat("peer ", peer, " was in ", sync::host::op_name(sync::OpId(sync::flag_op(word))),
+            return detail::concat("peer ", peer, " was in ", sync::op_name(sync::OpId(sync::flag_op(word))),
                                   " of another ", other->what_, " on this transport (step ", word & sync::kFlagStepMask,
                                   " mod 2^16): every rank must call the same objects in the same order");
         }

@@ -15,16 +15,8 @@
 #if defined(FLATEP_WITH_CUDA)
 #include <cuda_runtime.h>
 
-#include "kernels/combine/combine.cuh"
-#include "kernels/combine_grad/combine_grad.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/preload.hpp"
-#include "kernels/dispatch/dispatch.cuh"
-#include "kernels/dispatch/dispatch_fp8.cuh"
-#include "kernels/entry_values/entry_values.cuh"
-#include "kernels/grad_reduce/grad_reduce.cuh"
-#include "kernels/prefetch/prefetch.cuh"
-#include "kernels/write_grads/write_grads.cuh"
 #include "planner/gpu_planner.cuh"
 #endif
 
@@ -107,6 +99,15 @@ class DeviceOps : public Base {
     int num_sms_ = 0;
 };
 
+// The overrides of the ops of runtime/op_list.hpp: a collective op's barrier state, then its launch.
+#define FLATEP_DEVICE_OP_collective(method, Args) \
+    void method(Args& args, const Launch& launch) override { launch_collective(args, launch); }
+#define FLATEP_DEVICE_OP_local(method, Args)                       \
+    void method(const Args& args, const Launch& launch) override { \
+        kernels::launch(args, as_stream(launch), launch.num_sms);  \
+    }
+#define FLATEP_DEVICE_OP(method, Args, kind) FLATEP_DEVICE_OP_##kind(method, Args)
+
 class DeviceBufferBackend final : public DeviceOps<BufferBackend> {
   public:
     explicit DeviceBufferBackend(const BufferSite& site)
@@ -155,12 +156,7 @@ class DeviceBufferBackend final : public DeviceOps<BufferBackend> {
         launch_collective(args, launch);
         recv_marks_valid_ = true;  // this launch marks every row (stream order: the next dispatch sees them)
     }
-    void dispatch_fp8(DispatchFp8Args& args, const Launch& launch) override { launch_collective(args, launch); }
-    void combine(CombineArgs& args, const Launch& launch) override { launch_collective(args, launch); }
-    void entry_values(EntryValuesArgs& args, const Launch& launch) override { launch_collective(args, launch); }
-    void combine_grad(const CombineGradArgs& args, const Launch& launch) override {
-        kernels::launch(args, as_stream(launch), launch.num_sms);
-    }
+    FLATEP_BUFFER_OPS(FLATEP_DEVICE_OP)
 
   private:
     void free_workspace() noexcept {
@@ -178,11 +174,7 @@ class DeviceBufferBackend final : public DeviceOps<BufferBackend> {
 class DevicePoolsBackend final : public DeviceOps<PoolsBackend> {
   public:
     using DeviceOps::DeviceOps;
-    void prefetch(PrefetchArgs& args, const Launch& launch) override { launch_collective(args, launch); }
-    void grad_reduce(GradReduceArgs& args, const Launch& launch) override { launch_collective(args, launch); }
-    void write_grads(const WriteGradsArgs& args, const Launch& launch) override {
-        kernels::launch(args, as_stream(launch), launch.num_sms);
-    }
+    FLATEP_POOLS_OPS(FLATEP_DEVICE_OP)
 };
 
 }  // namespace

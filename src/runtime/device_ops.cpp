@@ -87,7 +87,7 @@ std::string WaitRecordHost::failure_message() const {
     if (code == 0) return "";
     std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before code
     if (code == sync::kStatusTimeout) {  // the GPU knows no wall time: name the flags instead of seconds
-        return detail::concat("timeout in ", sync::host::op_name(sync::OpId(r->op)), " (GPU): rank ", r->rank,
+        return detail::concat("timeout in ", sync::op_name(sync::OpId(r->op)), " (GPU): rank ", r->rank,
                               " waited for peer ", r->peer, " (flag ", sync::flag_epoch(r->observed), " < expected ",
                               sync::flag_epoch(r->expected), ")");
     }

@@ -3,14 +3,7 @@
 // budgets.
 #include <memory>
 
-#include "host/combine.hpp"
-#include "host/combine_grad.hpp"
-#include "host/dispatch.hpp"
-#include "host/dispatch_fp8.hpp"
-#include "host/entry_values.hpp"
-#include "host/grad_reduce.hpp"
-#include "host/prefetch.hpp"
-#include "host/write_grads.hpp"
+#include "host/op_stats.hpp"
 #include "runtime/backend.hpp"
 #include "runtime/host_plan.hpp"
 #include "runtime/plan_data.hpp"
@@ -23,7 +16,7 @@ namespace {
 template <class Base>
 class HostOps : public Base {
   public:
-    explicit HostOps(CollectiveGuard* guard) : guard_(guard) {}
+    explicit HostOps(CollectiveGuard* guard, host::OpStats* const* stats = nullptr) : guard_(guard), stats_(stats) {}
     bool on_device() const override { return false; }
     int default_num_sms() const override { return 0; }
     std::string failure_message() const override { return ""; }
@@ -45,14 +38,32 @@ class HostOps : public Base {
     void collective(const sync::SyncArgs& sync, Body&& body) {
         guard_->run(sync.status, body);
     }
+    // The op's twin (ops/<op>_args.hpp), given the object's counters where it takes them.
+    template <class Args>
+    void twin(const Args& args) {
+        if constexpr (requires(host::OpStats * stats) { host::run(args, stats); })
+            host::run(args, stats_ != nullptr ? *stats_ : nullptr);
+        else
+            host::run(args);
+    }
 
   private:
     CollectiveGuard* guard_;
+    host::OpStats* const* stats_;  // the Buffer's optional counters (null for ExpertPools)
 };
+
+// The overrides of the ops of runtime/op_list.hpp: the twin, a collective one inside collective().
+#define FLATEP_HOST_OP_collective(method, Args)       \
+    void method(Args& args, const Launch&) override { \
+        collective(args.sync, [&] { twin(args); });   \
+    }
+#define FLATEP_HOST_OP_local(method, Args) \
+    void method(const Args& args, const Launch&) override { twin(args); }
+#define FLATEP_HOST_OP(method, Args, kind) FLATEP_HOST_OP_##kind(method, Args)
 
 class HostBufferBackend final : public HostOps<BufferBackend> {
   public:
-    explicit HostBufferBackend(const BufferSite& site) : HostOps(site.guard), stats_(site.stats) {}
+    explicit HostBufferBackend(const BufferSite& site) : HostOps(site.guard, site.stats) {}
 
     void plan(PlanArgs& args, Plan::Data& data, int32_t* storage, const Launch&) override {
         FLATEP_CHECK(storage == nullptr, "plan: plan_storage is for device Buffers; this one is on the host");
@@ -61,34 +72,14 @@ class HostBufferBackend final : public HostOps<BufferBackend> {
         data.host.view.header[kHeaderGenerationLo] = int32_t(uint32_t(data.generation));
         data.host.view.header[kHeaderGenerationHi] = int32_t(uint32_t(data.generation >> 32));
     }
-    void dispatch(DispatchArgs& args, const Launch&) override {
-        collective(args.sync, [&] { host::dispatch(args, *stats_); });
-    }
-    void dispatch_fp8(DispatchFp8Args& args, const Launch&) override {
-        collective(args.sync, [&] { host::dispatch_fp8(args, *stats_); });
-    }
-    void combine(CombineArgs& args, const Launch&) override {
-        collective(args.sync, [&] { host::combine(args, *stats_); });
-    }
-    void entry_values(EntryValuesArgs& args, const Launch&) override {
-        collective(args.sync, [&] { host::entry_values(args); });
-    }
-    void combine_grad(const CombineGradArgs& args, const Launch&) override { host::combine_grad(args); }
-
-  private:
-    host::OpStats* const* stats_;
+    FLATEP_HOST_OP(dispatch, DispatchArgs, collective)
+    FLATEP_BUFFER_OPS(FLATEP_HOST_OP)
 };
 
 class HostPoolsBackend final : public HostOps<PoolsBackend> {
   public:
     using HostOps::HostOps;
-    void prefetch(PrefetchArgs& args, const Launch&) override {
-        collective(args.sync, [&] { host::prefetch(args); });
-    }
-    void grad_reduce(GradReduceArgs& args, const Launch&) override {
-        collective(args.sync, [&] { host::grad_reduce(args); });
-    }
-    void write_grads(const WriteGradsArgs& args, const Launch&) override { host::write_grads(args); }
+    FLATEP_POOLS_OPS(FLATEP_HOST_OP)
 };
 
 }  // namespace

@@ -63,28 +63,6 @@ void sleep_seconds(double seconds) {
 
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-const char* op_name(OpId op) {
-    switch (op) {
-        case kOpNone:
-            return "none";
-        case kOpPlan:
-            return "plan";
-        case kOpDispatch:
-            return "dispatch";
-        case kOpCombine:
-            return "combine";
-        case kOpPrefetch:
-            return "prefetch";
-        case kOpGradReduce:
-            return "reduce_grad";
-        case kOpEntryValues:
-            return "entry_values";
-        case kOpDispatchFp8:
-            return "dispatch_fp8";
-    }
-    return "unknown op";
-}
-
 void record_status(int32_t* status, int32_t code, int32_t index, int32_t value, int32_t peer) {
     if (status == nullptr) return;
     // Relaxed is enough: status words are written by their own rank and read by the runtime on the same thread

@@ -12,9 +12,6 @@
 
 namespace flatep::sync::host {
 
-// Name of an op as timeout messages print it ("plan", "dispatch", ...).
-const char* op_name(OpId op);
-
 // Records the first error of a rank in its status words (no-op when status is null or an error is already there).
 void record_status(int32_t* status, int32_t code, int32_t index, int32_t value, int32_t peer);
 

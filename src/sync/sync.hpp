@@ -31,6 +31,29 @@ enum OpId : int32_t {
     kOpDispatchFp8 = 7,  // dispatch of FP8 rows: its own tag, so a rank in it never meets a peer in dispatch
 };
 
+// Name of an op as timeout and mismatch messages print it ("plan", "dispatch", ...).
+constexpr const char* op_name(OpId op) {
+    switch (op) {
+        case kOpNone:
+            return "none";
+        case kOpPlan:
+            return "plan";
+        case kOpDispatch:
+            return "dispatch";
+        case kOpCombine:
+            return "combine";
+        case kOpPrefetch:
+            return "prefetch";
+        case kOpGradReduce:
+            return "reduce_grad";
+        case kOpEntryValues:
+            return "entry_values";
+        case kOpDispatchFp8:
+            return "dispatch_fp8";
+    }
+    return "unknown op";
+}
+
 // First failed wait of a rank, written by the GPU into host-mapped memory so the host can read it, without any
 // synchronisation, even while a kernel is still running (the runtime looks at it at the entry of every op). code is 0
 // until a wait fails; the other fields are written before code (system-scope fence in between).

@@ -101,12 +101,12 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                         wa.grad = bytes == 2 ? static_cast<const void*>(in.wgrad16[r].data()) : in.wgrad32[r].data();
                         wa.grad_bytes = bytes;
                         wa.grads = dst.data();
-                        host::write_grads(wa);
+                        host::run(wa);
                         if (bytes == 4) {  // then accumulate the bf16 gradient on top (own groups add, slots copy)
                             wa.grad = in.wgrad16[r].data();
                             wa.grad_bytes = 2;
                             wa.accumulate = true;
-                            host::write_grads(wa);
+                            host::run(wa);
                         }
                     }
                 }
@@ -128,7 +128,7 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                 }
                 da.recv_w = o.recv_w.data();
                 da.sync = sync;
-                host::dispatch(da);
+                host::run(da);
                 if (c.separate_recv) {
                     o.recv_x = std::move(recv_sep);
                 } else {
@@ -147,7 +147,7 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                 fa.projections[0].weights = reinterpret_cast<const uint8_t*>(in.expert_w[r].data());
                 for (int p = 0; p < R; ++p) fa.projections[0].slot_pools[p] = slot.peers[p];
                 fa.sync = sync;
-                host::prefetch(fa);
+                host::run(fa);
                 o.slot_pool.assign(reinterpret_cast<uint16_t*>(slot.local),
                                    reinterpret_cast<uint16_t*>(slot.local) + pe);
 
@@ -161,7 +161,7 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                 for (int p = 0; p < R; ++p) ca.peers[p] = reg.peers[p];
                 ca.out = o.out.data();
                 ca.sync = sync;
-                host::combine(ca);
+                host::run(ca);
 
                 if (c.backward) {
                     std::vector<uint16_t> recv_g(size_t(nvs * H), DeviceCase::kCanary);
@@ -170,7 +170,7 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                     db.topk_weights = nullptr;
                     db.recv_x = recv_g.data();
                     db.recv_w = nullptr;
-                    host::dispatch(db);
+                    host::run(db);
                     o.recv_gx = std::move(recv_g);
                     // combine_grad over the backward rows; y = the forward dispatch's rows when they are separate
                     // (their rows past the last group end hold NaN canaries that must not be read), weights = recv_w.
@@ -185,13 +185,13 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                     o.grad_w.assign(size_t(nvs), 0.0f);
                     gg.grad_y = o.grad_y.data();
                     gg.grad_weights = o.grad_w.data();
-                    host::combine_grad(gg);
+                    host::run(gg);
                     o.gx.assign(size_t(s * H), 0);
                     CombineArgs cb = ca;
                     cb.y = in.gy[r].data();
                     cb.weights = nullptr;
                     cb.out = o.gx.data();
-                    host::combine(cb);
+                    host::run(cb);
                 }
 
                 o.grads = in.grads[r];
@@ -204,7 +204,7 @@ std::vector<RankOutputs> run_host(const CaseSpec& c, const Layout& l, const Step
                 ga.grads = o.grads.data();
                 for (int p = 0; p < R; ++p) ga.reduce_pools[p] = reinterpret_cast<float*>(red.peers[p]);
                 ga.sync = sync;
-                host::grad_reduce(ga);
+                host::run(ga);
                 // Every rank must be done reading every pool before any copy-out / release.
                 sync::host::barrier(sync, sync::kOpNone);
                 o.red_pool.assign(reinterpret_cast<float*>(red.local), reinterpret_cast<float*>(red.local) + pe);

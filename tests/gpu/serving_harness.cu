@@ -113,7 +113,7 @@ std::vector<ServingOutputs> run_serving_host(const ServingSpec& spec, const Layo
         da.recv_w = o.recv_w.data();
         da.sync = sync;
         check_dispatch_args(da, s);
-        host::dispatch(da);
+        host::run(da);
 
         if (spec.prefetch) {  // every projection in one op, as ExpertPools::prefetch runs it
             PrefetchArgs fa{};
@@ -135,7 +135,7 @@ std::vector<ServingOutputs> run_serving_host(const ServingSpec& spec, const Layo
             }
             fa.sync = sync;
             check_prefetch_args(fa);
-            host::prefetch(fa);
+            host::run(fa);
         }
 
         o.out.assign(size_t((s + DeviceCase::kCanaryRows) * H), kOutCanary);
@@ -149,7 +149,7 @@ std::vector<ServingOutputs> run_serving_host(const ServingSpec& spec, const Layo
         ca.out = s > 0 ? o.out.data() : nullptr;
         ca.sync = sync;
         check_combine_args(ca, s);
-        host::combine(ca);
+        host::run(ca);
 
         sync::host::barrier(sync, sync::kOpNone);  // every rank is done with every region
         const uint16_t* recv = region_at<const uint16_t>(reg.local, sym.recv_x_offset);

@@ -18,8 +18,7 @@
 #include "common/fp8.hpp"
 #include "device_test_util.hpp"
 #include "gpu_harness.hpp"
-#include "host/dispatch_fp8.hpp"
-#include "kernels/dispatch/dispatch_fp8.cuh"
+#include "ops/dispatch_fp8_args.hpp"
 #include "planner/planner.hpp"
 #include "sync/barrier_host.hpp"
 
@@ -336,7 +335,7 @@ std::vector<RankResult> run_host_fp8(const CaseSpec& c, const Layout& l, const I
                         a.recv_x = o.q.data() + at * H;
                         a.recv_scales = o.scales.data() + at * nb;
                     }
-                    host::dispatch_fp8(a);
+                    host::run(a);
                     if (!c.separate_recv) {
                         std::memcpy(o.q.data(), a.recv_x, size_t(nvs) * H);
                         std::memcpy(o.scales.data(), a.recv_scales, size_t(nvs) * nb * 4);
@@ -352,7 +351,7 @@ std::vector<RankResult> run_host_fp8(const CaseSpec& c, const Layout& l, const I
                 for (int p = 0; p < R; ++p) da.peers[p] = reg.peers[p];
                 da.recv_x = recv16.data();
                 da.sync = sync;
-                host::dispatch(da);
+                host::run(da);
                 std::vector<uint8_t> xq(size_t(s) * H);
                 std::vector<float> xs(size_t(s) * nb);
                 quantize_fp8_rows(in.x[r].data(), s, H, mode, xq.data(), xs.data());
@@ -557,7 +556,7 @@ bool run_case(const CaseSpec& c) {
         for (int r = 0; r < l.num_ranks; ++r) {
             const sync::WaitRecord& w = group.wait_record(r);
             if (w.code != 0) {
-                g_first = "wait failed: op " + std::string(sync::host::op_name(sync::OpId(w.op))) + " rank " +
+                g_first = "wait failed: op " + std::string(sync::op_name(sync::OpId(w.op))) + " rank " +
                           std::to_string(w.rank) + " peer " + std::to_string(w.peer);
                 return false;
             }

@@ -1,10 +1,10 @@
 #include "common/bf16.hpp"
 #include "common/check.hpp"
-#include "kernels/combine/combine.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/groups.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/vector.cuh"
+#include "ops/combine_args.hpp"
 
 namespace flatep::kernels {
 
@@ -200,8 +200,6 @@ void launch(const CombineArgs& a, cudaStream_t stream, int num_sms) {
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 
-void preload_combine_kernels() {
-    preload_kernels(combine_partial_kernel<true>, combine_partial_kernel<false>, combine_pull_kernel);
-}
+FLATEP_PRELOAD_KERNELS(combine_partial_kernel<true>, combine_partial_kernel<false>, combine_pull_kernel);
 
 }  // namespace flatep::kernels

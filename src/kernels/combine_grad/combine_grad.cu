@@ -1,10 +1,10 @@
 #include "common/bf16.hpp"
 #include "common/check.hpp"
-#include "kernels/combine_grad/combine_grad.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/groups.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/vector.cuh"
+#include "ops/combine_grad_args.hpp"
 
 namespace flatep::kernels {
 
@@ -107,9 +107,7 @@ void launch(const CombineGradArgs& a, cudaStream_t stream, int num_sms) {
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 
-void preload_combine_grad_kernels() {
-    preload_kernels(combine_grad_kernel<true, true>, combine_grad_kernel<true, false>,
-                    combine_grad_kernel<false, true>);
-}
+FLATEP_PRELOAD_KERNELS(combine_grad_kernel<true, true>, combine_grad_kernel<true, false>,
+                       combine_grad_kernel<false, true>);
 
 }  // namespace flatep::kernels

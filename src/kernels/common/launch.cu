@@ -10,20 +10,27 @@ namespace {
 
 __global__ void barrier_kernel(sync::SyncArgs sync, int op) { sync::device::block_barrier(sync, op, threadIdx.x); }
 
+// The preload functions of the kernel files linked into this binary, one per file (FLATEP_PRELOAD_KERNELS in
+// launch.cuh: why registering from static initialisers is safe). Filled before main (or while the library loads),
+// only read afterwards.
+std::vector<void (*)()>& preloads() {
+    static std::vector<void (*)()> registered;
+    return registered;
+}
+
 }  // namespace
 
-void preload_barrier_kernels() { preload_kernels(barrier_kernel); }
+FLATEP_PRELOAD_KERNELS(barrier_kernel);
+
+bool register_preload(void (*preload)()) {
+    preloads().push_back(preload);
+    return true;
+}
+
+int registered_preloads() { return int(preloads().size()); }
 
 void preload_all_kernels() {
-    preload_barrier_kernels();
-    preload_plan_kernels();
-    preload_dispatch_kernels();
-    preload_combine_kernels();
-    preload_prefetch_kernels();
-    preload_grad_reduce_kernels();
-    preload_entry_values_kernels();
-    preload_combine_grad_kernels();
-    preload_write_grads_kernels();
+    for (void (*preload)() : preloads()) preload();
 }
 
 void launch_barrier(const sync::SyncArgs& sync, int op, cudaStream_t stream) {

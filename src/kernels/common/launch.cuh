@@ -34,24 +34,17 @@ PerRank<T> per_rank(const char* op, T* const* ptrs, int num_ranks) {
     return out;
 }
 
-// Host: each op's kernels loaded now (preload_all_kernels, kernels/common/preload.hpp, calls them all).
-void preload_barrier_kernels();
-void preload_plan_kernels();
-void preload_dispatch_kernels();
-void preload_combine_kernels();
-void preload_prefetch_kernels();
-void preload_grad_reduce_kernels();
-void preload_entry_values_kernels();
-void preload_combine_grad_kernels();
-void preload_write_grads_kernels();
-
-// Host: loads the given kernels now (cudaFuncGetAttributes loads a kernel's module); each op's preload_* calls it.
+// Host: loads the given kernels now (cudaFuncGetAttributes loads a kernel's module); FLATEP_PRELOAD_KERNELS calls it.
 template <class... Kernels>
 void preload_kernels(Kernels... kernels) {
     const void* const list[] = {reinterpret_cast<const void*>(kernels)...};
     cudaFuncAttributes attr{};
     for (const void* kernel : list) FLATEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
 }
+
+// Host: adds `preload` to the functions preload_all_kernels (kernels/common/preload.hpp) calls; returns true. Only
+// FLATEP_PRELOAD_KERNELS calls it.
+bool register_preload(void (*preload)());
 
 // Host: a one-block kernel running block_barrier on `stream` (between two kernels of an op).
 void launch_barrier(const sync::SyncArgs& sync, int op, cudaStream_t stream);
@@ -70,3 +63,22 @@ int grid_blocks(int num_sms, int64_t work_blocks, int blocks_per_sm);
 void* scratch_buffer(int key, size_t bytes, cudaStream_t stream);
 
 }  // namespace flatep::kernels
+
+// FLATEP_PRELOAD_KERNELS(kernel, ...): one line at namespace scope of every .cu of src/kernels, after its kernels,
+// naming each kernel (each template instance) the file launches: preload_all_kernels then loads them, with no list
+// kept by hand. Registering from a static initialiser is safe:
+//  * the registry is a function-local static of launch.cu, built on its first use, so a registration finds it
+//    constructed whatever order the files' static initialisers run in;
+//  * registering only stores a function pointer (no CUDA call before main or while a library loads); the kernels are
+//    loaded later, when preload_all_kernels runs inside a context (the runtime's device backend, LocalDeviceGroup);
+//  * the kernels library is static, so a binary holds a .cu's object (and its registration) only when it references
+//    it; every binary that launches one of the file's kernels does, through the file's launcher, and a file that is
+//    not linked in has no kernel that could be launched.
+// One use per file (a second is a redefinition); tests/gpu/preload_registry_main.cpp checks that every file
+// registered.
+#define FLATEP_PRELOAD_KERNELS(...)                                                                   \
+    namespace {                                                                                       \
+    [[maybe_unused]] const bool preload_registered =                                                  \
+        ::flatep::kernels::register_preload([] { ::flatep::kernels::preload_kernels(__VA_ARGS__); }); \
+    }                                                                                                 \
+    static_assert(true, "FLATEP_PRELOAD_KERNELS ends with a semicolon")

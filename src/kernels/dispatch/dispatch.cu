@@ -3,9 +3,8 @@
 #include "kernels/common/groups.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/vector.cuh"
-#include "kernels/dispatch/dispatch.cuh"
-#include "kernels/dispatch/dispatch_fp8.cuh"
 #include "kernels/dispatch/token_entries.cuh"
+#include "ops/dispatch_args.hpp"
 
 namespace flatep::kernels {
 
@@ -121,9 +120,6 @@ void launch(const DispatchArgs& a, cudaStream_t stream, int num_sms) {
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 
-void preload_dispatch_kernels() {
-    preload_kernels(dispatch_push_kernel, dispatch_fanout_kernel);
-    preload_dispatch_fp8_kernels();  // the FP8 dispatch's kernels (dispatch_fp8.cu)
-}
+FLATEP_PRELOAD_KERNELS(dispatch_push_kernel, dispatch_fanout_kernel);
 
 }  // namespace flatep::kernels

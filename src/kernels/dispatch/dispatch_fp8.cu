@@ -4,8 +4,8 @@
 #include "kernels/common/groups.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/vector.cuh"
-#include "kernels/dispatch/dispatch_fp8.cuh"
 #include "kernels/dispatch/token_entries.cuh"
+#include "ops/dispatch_fp8_args.hpp"
 
 namespace flatep::kernels {
 
@@ -216,8 +216,6 @@ void launch(const DispatchFp8Args& a, cudaStream_t stream, int num_sms) {
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 
-void preload_dispatch_fp8_kernels() {
-    preload_kernels(dispatch_fp8_push_kernel<true>, dispatch_fp8_push_kernel<false>, dispatch_fp8_fanout_kernel);
-}
+FLATEP_PRELOAD_KERNELS(dispatch_fp8_push_kernel<true>, dispatch_fp8_push_kernel<false>, dispatch_fp8_fanout_kernel);
 
 }  // namespace flatep::kernels

@@ -2,7 +2,7 @@
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/groups.cuh"
 #include "kernels/common/launch.cuh"
-#include "kernels/entry_values/entry_values.cuh"
+#include "ops/entry_values_args.hpp"
 
 namespace flatep::kernels {
 
@@ -51,6 +51,6 @@ void launch(const EntryValuesArgs& a, cudaStream_t stream, int num_sms) {
 
 namespace flatep::kernels {
 
-void preload_entry_values_kernels() { preload_kernels(entry_values_publish_kernel, entry_values_pull_kernel); }
+FLATEP_PRELOAD_KERNELS(entry_values_publish_kernel, entry_values_pull_kernel);
 
 }  // namespace flatep::kernels

@@ -3,8 +3,8 @@
 #include "kernels/common/launch.cuh"
 #include "kernels/common/owned_slots.cuh"
 #include "kernels/common/vector.cuh"
-#include "kernels/grad_reduce/grad_reduce.cuh"
 #include "layout/layout.hpp"
+#include "ops/grad_reduce_args.hpp"
 
 namespace flatep::kernels {
 
@@ -168,6 +168,6 @@ void launch(const GradReduceArgs& a, cudaStream_t stream, int num_sms) {
     launch_barrier(a.sync, sync::kOpGradReduce, stream);
 }
 
-void preload_grad_reduce_kernels() { preload_kernels(grad_reduce_kernel); }
+FLATEP_PRELOAD_KERNELS(grad_reduce_kernel);
 
 }  // namespace flatep::kernels

@@ -268,6 +268,6 @@ void launch_plan_routes(const PlanArgs& a, void* workspace, cudaStream_t stream,
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 
-void preload_plan_kernels() { preload_kernels(histogram_kernel, allgather_kernel, route_kernel, unpack_kernel); }
+FLATEP_PRELOAD_KERNELS(histogram_kernel, allgather_kernel, route_kernel, unpack_kernel);
 
 }  // namespace flatep::kernels

@@ -3,8 +3,8 @@
 #include "kernels/common/launch.cuh"
 #include "kernels/common/owned_slots.cuh"
 #include "kernels/common/vector.cuh"
-#include "kernels/prefetch/prefetch.cuh"
 #include "layout/layout.hpp"
+#include "ops/prefetch_args.hpp"
 
 namespace flatep::kernels {
 
@@ -156,6 +156,6 @@ void launch(const PrefetchArgs& a, cudaStream_t stream, int num_sms) {
     launch_barrier(a.sync, sync::kOpPrefetch, stream);
 }
 
-void preload_prefetch_kernels() { preload_kernels(prefetch_push_kernel, prefetch_pull_kernel); }
+FLATEP_PRELOAD_KERNELS(prefetch_push_kernel, prefetch_pull_kernel);
 
 }  // namespace flatep::kernels

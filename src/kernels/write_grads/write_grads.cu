@@ -3,7 +3,7 @@
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/vector.cuh"
-#include "kernels/write_grads/write_grads.cuh"
+#include "ops/write_grads_args.hpp"
 
 namespace flatep::kernels {
 
@@ -102,9 +102,7 @@ void launch(const WriteGradsArgs& a, cudaStream_t stream, int num_sms) {
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 
-void preload_write_grads_kernels() {
-    preload_kernels(write_grads_kernel<uint16_t, true>, write_grads_kernel<uint16_t, false>,
-                    write_grads_kernel<float, true>, write_grads_kernel<float, false>);
-}
+FLATEP_PRELOAD_KERNELS(write_grads_kernel<uint16_t, true>, write_grads_kernel<uint16_t, false>,
+                       write_grads_kernel<float, true>, write_grads_kernel<float, false>);
 
 }  // namespace flatep::kernels
