@@ -70,6 +70,35 @@ def _has_grouped_mm(x):
     return x.is_cuda and hasattr(torch, "_grouped_mm")
 
 
+#: Groups one torch._grouped_mm call takes (more raise "Can't process more than 1024 groups"). A serving weights view
+#: has R*Q + B groups, above it when experts are small (Q follows the mapping granularity) or E > 1024 - B.
+MAX_GROUPS = 1024
+
+
+def grouped_mm(x, w, offs, mm=None, max_groups=MAX_GROUPS):
+    """torch._grouped_mm(x, w, offs=offs) for any number of groups w.shape[0]: above max_groups, one call per run of
+    max_groups groups, each on its rows moved to the front (a gather at the run's first row, read on the device) and
+    its output moved back (a gather and a where): no host sync, static shapes, so graph capture still works. Rows past
+    the last group end are left unwritten by torch._grouped_mm; here they are zero when chunked. mm: the grouped GEMM
+    (tests pass a reference of the same contract)."""
+    mm = torch._grouped_mm if mm is None else mm
+    num_groups = w.shape[0]
+    if num_groups <= max_groups:
+        return mm(x, w, offs=offs)
+    n = x.shape[0]
+    rows = torch.arange(n, device=x.device)
+    out = torch.zeros(n, w.shape[-1], dtype=x.dtype, device=x.device)
+    for first in range(0, num_groups, max_groups):
+        last = min(num_groups, first + max_groups)
+        start = offs[first - 1].long() if first > 0 else torch.zeros((), dtype=torch.long, device=x.device)
+        ends = offs[first:last] - start.to(offs.dtype)
+        y = mm(x.index_select(0, (rows + start).clamp_(max=max(n - 1, 0))), w[first:last], offs=ends)
+        back = y.index_select(0, (rows - start).clamp_(min=0))
+        mine = (rows >= start) & (rows < start + ends[-1].long())
+        out = torch.where(mine.unsqueeze(1), back, out)
+    return out
+
+
 def _past_end(num_rows, offs):
     """[num_rows, 1] bool on offs' device: rows at or past the last group end offs[-1] (read on the device)."""
     return torch.arange(num_rows, device=offs.device).unsqueeze(1) >= offs[-1]
@@ -89,9 +118,9 @@ def grouped_ffn(x, w1, w2, cu_seqlens, activation=None):
     activation = _activation_of(w1, w2, activation)
     if _has_grouped_mm(x) and w1.dtype == _BF16:
         offs = cu_seqlens.to(device=x.device, dtype=torch.int32)
-        h = torch._grouped_mm(x, w1, offs=offs)
+        h = grouped_mm(x, w1, offs)
         a = activate(h, activation)
-        y = torch._grouped_mm(a, w2, offs=offs)
+        y = grouped_mm(a, w2, offs)
         return _zero_past_end(y, offs)
     ends = [int(e) for e in cu_seqlens.tolist()]
     pieces, start = [], 0
@@ -123,9 +152,9 @@ def ffn_forward(x, w1, w2, cu_seqlens, activation, save):
     n, cols, ffn = x.shape[0], w1.shape[-1], w2.shape[-2]
     if _has_grouped_mm(x) and w1.dtype == _BF16:
         offs = cu_seqlens.to(device=x.device, dtype=torch.int32)
-        h = torch._grouped_mm(x, w1, offs=offs)
+        h = grouped_mm(x, w1, offs)
         a = activate(h, activation)
-        y = _zero_past_end(torch._grouped_mm(a, w2, offs=offs), offs)
+        y = _zero_past_end(grouped_mm(a, w2, offs), offs)
     else:  # the loop of grouped_ffn over fp32 copies of each group's weights (what the eager path's copies hold)
         y = torch.zeros(n, w2.shape[-1], dtype=_BF16, device=x.device)
         h = torch.zeros(n if save else 0, cols, dtype=_BF16, device=x.device)
