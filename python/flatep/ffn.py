@@ -70,9 +70,10 @@ def _has_grouped_mm(x):
     return x.is_cuda and hasattr(torch, "_grouped_mm")
 
 
-#: Groups one torch._grouped_mm call takes (more raise "Can't process more than 1024 groups"). A serving weights view
-#: has R*Q + B groups, above it when experts are small (Q follows the mapping granularity) or E > 1024 - B.
-MAX_GROUPS = 1024
+#: Groups one torch._grouped_mm call takes: it checks group_count < 1024 ("Can't process more than 1024 groups"). A
+#: serving weights view has R*Q + B groups, above it when experts are small (Q follows the mapping granularity) or
+#: when E + B > 1023.
+MAX_GROUPS = 1023
 
 
 def grouped_mm(x, w, offs, mm=None, max_groups=MAX_GROUPS):
