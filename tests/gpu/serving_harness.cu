@@ -206,6 +206,7 @@ void ServingDevice::upload(const ServingInputs& in) {
     const int R = layout_.num_ranks;
     const int64_t H = layout_.hidden, nvs = layout_.num_recv_rows;
     group_.synchronize();
+    marks_set_ = false;  // the upload may write receive rows: the next dispatch trusts no mark
     for (int r = 0; r < R; ++r) {
         PerRank& p = ranks_[r];
         const int64_t s = spec_.tokens[r];
@@ -267,10 +268,12 @@ void ServingDevice::enqueue_dispatch() {
         for (int p = 0; p < layout_.num_ranks; ++p) a.peers[p] = regions_[r].peers[p];
         a.recv_x = ranks_[r].recv_x;
         a.recv_w = ranks_[r].recv_w;
+        a.marks_valid = spec_.trust_marks && marks_set_;
         a.sync = sync(r);
         check_dispatch_args(a, spec_.tokens[r]);
         kernels::launch(a, group_.stream(r), group_.num_sms());
     }
+    marks_set_ = true;  // stream order: the next dispatch of every rank sees the marks this one wrote
 }
 
 PrefetchArgs ServingDevice::prefetch_args(int r, int first, int count, bool push) const {

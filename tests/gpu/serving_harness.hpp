@@ -44,6 +44,10 @@ struct ServingSpec {
     bool weighted = true;
     bool prefetch = true;        // the step pulls the slots (the owner planner's step has none to pull)
     bool prefetch_push = false;  // push instead of pull (training's prefetch; B = epn only)
+    // Dispatch trusts the receive region's row marks once a dispatch since the last upload set them, as a Buffer does
+    // (DispatchArgs::marks_valid: padding rows already zero are not zeroed again). Off: every dispatch zeroes every
+    // padding row (the tests' setting, which trusts nothing).
+    bool trust_marks = false;
 };
 
 // Inputs of one step (identical on both backends).
@@ -126,6 +130,7 @@ class ServingDevice {
     DevicePools& pools_;
     std::vector<SymmetricRegion> regions_;
     std::vector<PerRank> ranks_;
+    bool marks_set_ = false;  // a dispatch since the last upload marked every rank's receive rows
 };
 
 }  // namespace flatep::gpu_test
