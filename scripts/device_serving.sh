@@ -5,8 +5,9 @@
 #
 #   build          scripts/device_suite.sh's build step (test_gpu_serving, ipc mains, flatep._C, the benchmarks)
 #   serving        build-cuda/tests/gpu/test_gpu_serving: serving steps bitwise against the CPU backend
-#   pytest         tests/python/test_gpu_serving.py (nn.MoE serving and owner on CUDA virtual ranks, graph replay)
-#                  and examples/serve_moe.py --device cuda
+#   pytest         the cuda cases of tests/python/test_gpu_serving.py (nn.MoE serving and owner on CUDA virtual ranks,
+#                  graph replay), test_serving_processes.py (serving on 4 processes sharing the GPU: views of more
+#                  than 1023 groups) and test_example.py's serve_moe.py --device cuda
 #   bench_deepep   build-cuda/benchmarks/serving_bench --preset deepep     serving_bench_deepep.csv
 #   serving_step   benchmarks/serving_step.py --preset deepep --ffn 1536   serving_step_deepep.csv (nn.MoE serving step
 #                  with the expert GEMM, per-rank CUDA graphs; F=1536: B=epn is the training layout, whose fp32
@@ -53,8 +54,8 @@ run() {
 run build 300 env SUITE_STEPS=build OUT="$LOGS/build" scripts/device_suite.sh
 export PYTHONPATH="$PWD/python:$PWD/build-cuda/python${PYTHONPATH:+:$PYTHONPATH}"
 run serving 150 build-cuda/tests/gpu/test_gpu_serving
-run pytest 150 "$PY" -m pytest -q -p no:cacheprovider tests/python/test_gpu_serving.py tests/python/test_example.py \
-    -k "serving or serve or equals or replays"
+run pytest 200 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/python/test_gpu_serving.py \
+    tests/python/test_serving_processes.py tests/python/test_example.py -k "serving or serve or equals or replays"
 run bench_deepep 120 build-cuda/benchmarks/serving_bench --preset deepep --csv "$LOGS/serving_bench_deepep.csv"
 run serving_step 150 "$PY" benchmarks/serving_step.py --preset deepep --ffn 1536 --iters 10 \
     --csv "$LOGS/serving_step_deepep.csv"
