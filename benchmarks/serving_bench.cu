@@ -214,13 +214,7 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
                 return bench::time_ranks_graph(group, o.iters, o.warmup, 1, op);
             };
             // The step pulls the bf16 projection only (the pools also hold the FP8 pair the prefetch rows time).
-            row("step", timed([&] {
-                    dev.enqueue_plan();
-                    dev.enqueue_dispatch();
-                    if (!m.owner) dev.enqueue_prefetch(0, 1);
-                    dev.enqueue_combine();
-                }),
-                m.owner ? 0 : bytes[0]);
+            row("step", timed([&] { dev.enqueue_step(/*prefetch_count=*/1); }), m.owner ? 0 : bytes[0]);
             row("plan", timed([&] { dev.enqueue_plan(); }), 0);
             row("dispatch", timed([&] { dev.enqueue_dispatch(); }), 0);  // the step's plan, replayed alone
             row("combine", timed([&] { dev.enqueue_combine(); }), 0);

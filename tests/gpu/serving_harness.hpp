@@ -98,7 +98,8 @@ class ServingDevice {
     // carried several, kept for the benchmark's A/B).
     void enqueue_prefetch(int first = 0, int count = -1, bool push = false, bool op_per_projection = false);
     void enqueue_combine();
-    void enqueue_step();  // plan, dispatch, prefetch (when spec.prefetch), combine
+    // plan, dispatch, prefetch of projections [0, prefetch_count) (-1: all; when spec.prefetch), combine
+    void enqueue_step(int prefetch_count = -1);
     std::vector<ServingOutputs> download();
     // rank r's plan (host copy of its global part and its own part).
     std::vector<int32_t> download_plan(int rank) const;
