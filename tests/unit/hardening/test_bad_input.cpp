@@ -21,6 +21,7 @@
 #include "flatep/expert_pools.hpp"
 #include "flatep/ipc.hpp"
 #include "layout/layout.hpp"
+#include "ops/prefetch_args.hpp"
 #include "planner/planner.hpp"
 #include "transport/local_host.hpp"
 #include "unit/host/rank_threads.hpp"
@@ -569,6 +570,49 @@ TEST(BadInput, CheckPlanOwnerRule) {
     ASSERT_EQ(plan.view.alloc[0 * 4 + 0], 3);
     plan.view.alloc[0 * 4 + 0] = 0, plan.view.alloc[1 * 4 + 0] = 3;  // expert 0's entries moved off its home rank
     EXPECT_EQ(planner::check_plan(l, plan.view), "owner: alloc[1][0] = 3, expected 0 (home rank 0)");
+}
+
+// prefetch's contract (check_prefetch_args, run by ExpertPools::prefetch before either backend): the rows an op of
+// several projections adds. A pull of 2 projections of 32-byte experts on 2 ranks, B = 1, is valid; each row breaks
+// one field.
+TEST(BadInput, PrefetchArgsContract) {
+    alignas(16) static uint8_t own[2][2][64], slots[2][32];
+    static const int32_t slot_expert[4] = {2, -1, 0, -1};
+    auto valid = [] {
+        PrefetchArgs a{};
+        a.num_ranks = 2, a.experts_per_rank = 2, a.num_slots = 1, a.slot_expert = slot_expert, a.pull = true;
+        a.num_projections = 2;
+        for (int p = 0; p < 2; ++p) {
+            a.projections[p].expert_bytes = 32;
+            a.projections[p].slot_pools[0] = slots[p];
+            for (int r = 0; r < 2; ++r) a.projections[p].owners[r] = own[p][r];
+        }
+        return a;
+    };
+    auto row = [&](const std::string& input, const std::string& message, std::function<void(PrefetchArgs&)> change) {
+        return Row{"prefetch Args: " + input, ErrorCategory::kInvalidArgument, message, [valid, change] {
+                       PrefetchArgs a = valid();
+                       change(a);
+                       check_prefetch_args(a);
+                   }};
+    };
+    EXPECT_NO_THROW(check_prefetch_args(valid()));
+    const std::string max = std::to_string(kMaxPrefetchProjections);
+    const std::vector<Row> rows = {
+        row("num_projections = 0", "prefetch: num_projections must be in [1, " + max + "], got 0",
+            [](PrefetchArgs& a) { a.num_projections = 0; }),
+        row("num_projections = kMaxPrefetchProjections + 1",
+            "prefetch: num_projections must be in [1, " + max + "], got " + std::to_string(kMaxPrefetchProjections + 1),
+            [](PrefetchArgs& a) { a.num_projections = kMaxPrefetchProjections + 1; }),
+        row("the second projection's expert_bytes = 24",
+            "prefetch: projection 1: expert_bytes must be a positive multiple of 16, got 24",
+            [](PrefetchArgs& a) { a.projections[1].expert_bytes = 24; }),
+        row("the second projection's owner weights of rank 1 null (pull)", "prefetch: an owner's weights is null",
+            [](PrefetchArgs& a) { a.projections[1].owners[1] = nullptr; }),
+        row("the second projection's slot pool null (pull, B = 1)", "prefetch: a slot pool is null",
+            [](PrefetchArgs& a) { a.projections[1].slot_pools[0] = nullptr; }),
+    };
+    EXPECT_EQ(check_rows(rows), "");
 }
 
 TEST(BadInput, LaunchersAndTransports) {
