@@ -9,7 +9,10 @@
 //   prefetch  the pull of the plan's slots, per mode: bf16 weights; FP8 weights (1 byte) with their fp32 scales of
 //             1x128 blocks as a companion projection, in one op (as ExpertPools moves a layer) and, for the A/B, in
 //             one op per projection (fp8_op_per_projection: two barriers); at B = epn also the training's push of
-//             the same slots. Bytes: what the busiest rank pulls into its slots.
+//             the same slots; the pull's barrier alone (prefetch.barrier: an op with no slot to fill, the op's fixed
+//             part). Bytes: what the busiest rank pulls into its slots.
+//   step.no_prefetch, step.fp8  the balanced step without its prefetch, and with the FP8 pair pulled instead of bf16:
+//             the prefetch's cost inside a step (the graph's own launch not counted twice).
 //   slot_memory  bytes of one rank's slot pool per projection at B and at epn (bf16 and FP8 + scales).
 // The table ends with the ratios the issues target: owner decode step / balanced at B (s = 128: at most 0.6), FP8
 // prefetch / bf16 (at most 0.55), and B against epn. Timings are medians of --iters replays after --warmup.
@@ -223,6 +226,19 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
                 row("prefetch.fp8", timed([&] { dev.enqueue_prefetch(1, 2); }), bytes[1] + bytes[2]);
                 row("prefetch.fp8_op_per_projection",
                     timed([&] { dev.enqueue_prefetch(1, 2, false, /*op_per_projection=*/true); }), bytes[1] + bytes[2]);
+                // The prefetch's cost inside a step: the step without it, and with the FP8 pair instead of bf16.
+                row("step.no_prefetch", timed([&] { dev.enqueue_step(/*prefetch_count=*/0); }), 0);
+                row("step.fp8", timed([&] { dev.enqueue_step(/*prefetch_count=*/2, /*prefetch_first=*/1); }),
+                    bytes[1] + bytes[2]);
+                // The pull's fixed part: its barrier alone (an op with no slot to fill).
+                row("prefetch.barrier", timed([&] {
+                        for (int r = 0; r < R; ++r) {
+                            PrefetchArgs a = dev.prefetch_args(r, 0, 1, false);
+                            a.num_slots = 0;
+                            kernels::launch(a, group.stream(r), group.num_sms());
+                        }
+                    }),
+                    0);
                 if (m.num_slots < 0)
                     row("prefetch_push.bf16", timed([&] { dev.enqueue_prefetch(0, 1, /*push=*/true); }), bytes[0]);
             }
@@ -251,6 +267,17 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
                     "(before: two ops)");
         print_ratio(("FP8 prefetch bytes / bf16, " + mode + " at s=S").c_str(),
                     report.bytes(c, S, mode, "prefetch.fp8"), report.bytes(c, S, mode, "prefetch.bf16"), "");
+        // In the step: (step.fp8 - step.no_prefetch) / (step - step.no_prefetch), the prefetch's share of a step.
+        const double none = report.us(c, S, mode, "step.no_prefetch");
+        if (none > 0)
+            print_ratio(("FP8 / bf16 prefetch's cost in the step, " + mode + " at s=S").c_str(),
+                        report.us(c, S, mode, "step.fp8") - none, report.us(c, S, mode, "step") - none, "");
+        // The floor the op's fixed part leaves: FP8 copying at bf16's rate per byte, plus the barrier's time.
+        const double bar = report.us(c, S, mode, "prefetch.barrier"), bf = report.us(c, S, mode, "prefetch.bf16");
+        const double bytes_ratio = report.bytes(c, S, mode, "prefetch.fp8") / report.bytes(c, S, mode, "prefetch.bf16");
+        if (bar > 0 && bf > bar)
+            print_ratio(("FP8 / bf16 floor: barrier + bf16's copy rate, " + mode + " at s=S").c_str(),
+                        bar + (bf - bar) * bytes_ratio, bf, "");
     }
     print_ratio(("prefetch " + bm + " / balanced_bepn at s=S").c_str(), report.us(c, S, bm, "prefetch.bf16"),
                 report.us(c, S, "balanced_bepn", "prefetch.bf16"), "");

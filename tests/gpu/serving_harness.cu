@@ -325,10 +325,10 @@ void ServingDevice::enqueue_combine() {
     }
 }
 
-void ServingDevice::enqueue_step(int prefetch_count) {
+void ServingDevice::enqueue_step(int prefetch_count, int prefetch_first) {
     enqueue_plan();
     enqueue_dispatch();
-    if (spec_.prefetch) enqueue_prefetch(0, prefetch_count, spec_.prefetch_push);
+    if (spec_.prefetch && prefetch_count != 0) enqueue_prefetch(prefetch_first, prefetch_count, spec_.prefetch_push);
     enqueue_combine();
 }
 

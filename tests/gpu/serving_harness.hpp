@@ -98,8 +98,9 @@ class ServingDevice {
     // carried several, kept for the benchmark's A/B).
     void enqueue_prefetch(int first = 0, int count = -1, bool push = false, bool op_per_projection = false);
     void enqueue_combine();
-    // plan, dispatch, prefetch of projections [0, prefetch_count) (-1: all; when spec.prefetch), combine
-    void enqueue_step(int prefetch_count = -1);
+    // plan, dispatch, prefetch of projections [prefetch_first, prefetch_first + prefetch_count) in one op (count -1:
+    // all from prefetch_first; 0: none; when spec.prefetch), combine
+    void enqueue_step(int prefetch_count = -1, int prefetch_first = 0);
     std::vector<ServingOutputs> download();
     // rank r's plan (host copy of its global part and its own part).
     std::vector<int32_t> download_plan(int rank) const;

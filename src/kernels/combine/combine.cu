@@ -195,7 +195,7 @@ void launch(const CombineArgs& a, cudaStream_t stream, int num_sms) {
     }
     FLATEP_CUDA_CHECK_LAUNCH();
     launch_barrier(a.sync, sync::kOpCombine, stream);  // every partial is written
-    const int pull_blocks = grid_blocks(num_sms, ceil_div(l.num_tokens, kWarps), 4);
+    const int pull_blocks = token_blocks(num_sms, l.num_tokens, kWarps);
     combine_pull_kernel<<<pull_blocks, kThreads, 0, stream>>>(l, a.plan, sym, peers, a.out);
     FLATEP_CUDA_CHECK_LAUNCH();
 }

@@ -59,6 +59,11 @@ int grid_blocks(int num_sms, int64_t work_blocks, int blocks_per_sm) {
     return n < 1 ? 1 : int(n);
 }
 
+int token_blocks(int num_sms, int layout_tokens, int warps_per_block) {
+    const int64_t for_tokens = (int64_t(layout_tokens) + warps_per_block - 1) / warps_per_block;
+    return grid_blocks(num_sms, for_tokens > device_sm_count() ? for_tokens : device_sm_count(), 4);
+}
+
 void* scratch_buffer(int key, size_t bytes, cudaStream_t stream) {
     struct Entry {
         int key, device;

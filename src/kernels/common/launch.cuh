@@ -57,6 +57,12 @@ int device_sm_count();
 // argument of its launch (never from its Args): the one way the budget travels.
 int grid_blocks(int num_sms, int64_t work_blocks, int blocks_per_sm);
 
+// Host: blocks for a kernel that gives each of a call's tokens a warp, or row_slices warps when the grid has more
+// warps than the call has tokens: warps for the layout's S tokens and at least one block a multiprocessor (four
+// blocks an SM at most), under the budget num_sms. Without the floor a layout sized for decode (S = 128: 8 blocks of
+// 16 warps) left each token's row to one warp.
+int token_blocks(int num_sms, int layout_tokens, int warps_per_block);
+
 // Host: a device scratch buffer of at least `bytes`, owned by the kernels library, one per (key, device); grows
 // on demand. Must first be called outside stream capture (allocation is not capturable); throws if it would need
 // to grow while `stream` is capturing.

@@ -108,7 +108,7 @@ void launch(const DispatchArgs& a, cudaStream_t stream, int num_sms) {
     const SymmetricLayout sym = make_symmetric_layout(l);
     const PeerPointers peers = per_rank("dispatch", a.peers, l.num_ranks);
     launch_barrier(a.sync, sync::kOpDispatch, stream);  // destinations are done with the previous contents
-    const int push_blocks = grid_blocks(num_sms, ceil_div(l.num_tokens, kWarps), 4);
+    const int push_blocks = token_blocks(num_sms, l.num_tokens, kWarps);
     dispatch_push_kernel<<<push_blocks, kThreads, 0, stream>>>(l, a.x, a.topk_weights, a.plan, sym, peers);
     FLATEP_CUDA_CHECK_LAUNCH();
     launch_barrier(a.sync, sync::kOpDispatch, stream);  // every source's rows and weights have landed
