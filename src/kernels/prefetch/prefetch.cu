@@ -104,13 +104,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // The copy plan of a grid of `blocks`: chunk16 an expert's share (all projections) of one block in whole 512-byte
-// lines (32 words), so that every block copies about the same number of words whatever the number of experts.
+// lines (32 words), so that every block copies about the same number of words whatever the number of experts. Each
+// projection's last chunk is shorter, so up to P - 1 chunks more than total / chunk16 can come out: chunk16 is sized
+// for blocks - (P - 1) chunks, which keeps an expert's chunks of all projections within `blocks` (sum over p of
+// ceil(n16[p] / chunk16) < total16 / chunk16 + P). Sized for `blocks`, FP8 weights and their scales made 33 chunks
+// for 32 blocks and one block copied two, a third more time for the op on 8 virtual ranks of an H200.
 CopyPlan copy_plan(const PrefetchArgs& a, int blocks) {
     CopyPlan c{};
     c.num_projections = a.num_projections;
     int64_t total16 = 0;
     for (int p = 0; p < a.num_projections; ++p) total16 += a.projections[p].expert_bytes / 16;
-    c.chunk16 = max_of<int64_t>(32, round_up<int64_t>(ceil_div<int64_t>(total16, blocks), 32));
+    const int64_t shares = max_of<int64_t>(1, int64_t(blocks) - (a.num_projections - 1));
+    c.chunk16 = max_of<int64_t>(32, round_up<int64_t>(ceil_div<int64_t>(total16, shares), 32));
     for (int p = 0; p < a.num_projections; ++p) {
         const PrefetchProjection& pr = a.projections[p];
         c.n16[p] = pr.expert_bytes / 16;
