@@ -3,6 +3,7 @@
 #include "kernels/common/launch.cuh"
 #include "kernels/common/owned_slots.cuh"
 #include "kernels/common/vector.cuh"
+#include "kernels/prefetch/chunks.hpp"
 #include "layout/layout.hpp"
 #include "ops/prefetch_args.hpp"
 
@@ -103,23 +104,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 }
 
-// The copy plan of a grid of `blocks`: chunk16 an expert's share (all projections) of one block in whole 512-byte
-// lines (32 words), so that every block copies about the same number of words whatever the number of experts. Each
-// projection's last chunk is shorter, so up to P - 1 chunks more than total / chunk16 can come out: chunk16 is sized
-// for blocks - (P - 1) chunks, which keeps an expert's chunks of all projections within `blocks` (sum over p of
-// ceil(n16[p] / chunk16) < total16 / chunk16 + P). Sized for `blocks`, FP8 weights and their scales made 33 chunks
-// for 32 blocks and one block copied two, a third more time for the op on 8 virtual ranks of an H200.
+// The copy plan of a grid of `blocks`: the chunks of prefetch_chunks (kernels/prefetch/chunks.hpp) and every
+// projection's pointers.
 CopyPlan copy_plan(const PrefetchArgs& a, int blocks) {
     CopyPlan c{};
     c.num_projections = a.num_projections;
-    int64_t total16 = 0;
-    for (int p = 0; p < a.num_projections; ++p) total16 += a.projections[p].expert_bytes / 16;
-    const int64_t shares = max_of<int64_t>(1, int64_t(blocks) - (a.num_projections - 1));
-    c.chunk16 = max_of<int64_t>(32, round_up<int64_t>(ceil_div<int64_t>(total16, shares), 32));
+    for (int p = 0; p < a.num_projections; ++p) c.n16[p] = a.projections[p].expert_bytes / 16;
+    const PrefetchChunks chunks = prefetch_chunks(c.n16, a.num_projections, blocks);
+    c.chunk16 = chunks.chunk16;
+    for (int p = 0; p <= a.num_projections; ++p) c.first_chunk[p] = chunks.first_chunk[p];
     for (int p = 0; p < a.num_projections; ++p) {
         const PrefetchProjection& pr = a.projections[p];
-        c.n16[p] = pr.expert_bytes / 16;
-        c.first_chunk[p + 1] = c.first_chunk[p] + int32_t(ceil_div<int64_t>(c.n16[p], c.chunk16));
         if (a.pull) {
             c.mine[p] = pr.slot_pools[a.rank];
             for (int r = 0; r < a.num_ranks; ++r) c.peers[p].ptr[r] = const_cast<uint8_t*>(pr.owners[r]);
