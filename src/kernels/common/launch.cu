@@ -60,8 +60,8 @@ int grid_blocks(int num_sms, int64_t work_blocks, int blocks_per_sm) {
 }
 
 int token_blocks(int num_sms, int layout_tokens, int warps_per_block) {
-    const int64_t for_tokens = (int64_t(layout_tokens) + warps_per_block - 1) / warps_per_block;
-    return grid_blocks(num_sms, for_tokens > device_sm_count() ? for_tokens : device_sm_count(), 4);
+    return grid_blocks(num_sms, max_of<int64_t>(ceil_div<int64_t>(layout_tokens, warps_per_block), device_sm_count()),
+                       4);
 }
 
 void* scratch_buffer(int key, size_t bytes, cudaStream_t stream) {

@@ -37,12 +37,10 @@ FLATEP_DEVICE void copy_range(const uint4* src, uint4* dst, int64_t begin, int64
 
 // What one op copies, as the kernels see it: per projection p, the words of one expert (n16[p]), this rank's side
 // (push: its own experts; pull: its slot pool) and every rank's other side (push: the slot pools; pull: the owners'
-// experts). An expert's words of all projections are cut into chunks of chunk16 words (a projection's last chunk is
-// shorter): projection p holds the chunks [first_chunk[p], first_chunk[p + 1]) of an expert's first_chunk[P].
+// experts), and how an expert's words of all projections are cut into chunks (kernels/prefetch/chunks.hpp).
 struct CopyPlan {
     int num_projections;
-    int64_t chunk16;
-    int32_t first_chunk[kMaxPrefetchProjections + 1];
+    PrefetchChunks chunks;
     int64_t n16[kMaxPrefetchProjections];
     uint8_t* mine[kMaxPrefetchProjections];
     PerRank<uint8_t> peers[kMaxPrefetchProjections];
@@ -53,10 +51,10 @@ struct CopyPlan {
 template <class Src, class Dst>
 FLATEP_DEVICE void copy_chunk(const CopyPlan& c, int chunk, Src src_of, Dst dst_of, int tid) {
     int p = 0;
-    while (p + 1 < c.num_projections && chunk >= c.first_chunk[p + 1]) ++p;
-    const int64_t begin = int64_t(chunk - c.first_chunk[p]) * c.chunk16;
+    while (p + 1 < c.num_projections && chunk >= c.chunks.first_chunk[p + 1]) ++p;
+    const int64_t begin = int64_t(chunk - c.chunks.first_chunk[p]) * c.chunks.chunk16;
     copy_range(reinterpret_cast<const uint4*>(src_of(p)), reinterpret_cast<uint4*>(dst_of(p)), begin,
-               min_of(begin + c.chunk16, c.n16[p]), tid);
+               min_of(begin + c.chunks.chunk16, c.n16[p]), tid);
 }
 
 // The rank's replicas (the slots holding one of its experts, listed once per block in ascending (rank, slot) order),
@@ -73,7 +71,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // More replicas of this rank's experts than the list holds: the items walk the whole table instead.
     const bool all_listed = count <= kMaxListed;
     const int num_replicas = all_listed ? count : num_slots;
-    const int chunks = c.first_chunk[c.num_projections];
+    const int chunks = c.chunks.first_chunk[c.num_projections];
     for (int64_t item = blockIdx.x; item < int64_t(num_replicas) * chunks; item += gridDim.x) {
         const int i = all_listed ? owned.listed[item / chunks] : int(item / chunks);
         const int expert = slot_expert[i];
@@ -91,7 +89,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 __global__ void __launch_bounds__(kThreads, 1)
     prefetch_pull_kernel(int rank, int epn, int num_slots, const int32_t* slot_expert, CopyPlan c) {
     const int tid = threadIdx.x;
-    const int chunks = c.first_chunk[c.num_projections];
+    const int chunks = c.chunks.first_chunk[c.num_projections];
     for (int64_t item = blockIdx.x; item < int64_t(num_slots) * chunks; item += gridDim.x) {
         const int j = int(item / chunks);
         const int expert = slot_expert[rank * epn + j];
@@ -110,9 +108,7 @@ CopyPlan copy_plan(const PrefetchArgs& a, int blocks) {
     CopyPlan c{};
     c.num_projections = a.num_projections;
     for (int p = 0; p < a.num_projections; ++p) c.n16[p] = a.projections[p].expert_bytes / 16;
-    const PrefetchChunks chunks = prefetch_chunks(c.n16, a.num_projections, blocks);
-    c.chunk16 = chunks.chunk16;
-    for (int p = 0; p <= a.num_projections; ++p) c.first_chunk[p] = chunks.first_chunk[p];
+    c.chunks = prefetch_chunks(c.n16, a.num_projections, blocks);
     for (int p = 0; p < a.num_projections; ++p) {
         const PrefetchProjection& pr = a.projections[p];
         if (a.pull) {
