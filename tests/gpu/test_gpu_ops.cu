@@ -383,6 +383,11 @@ int main(int argc, char** argv) {
         s.routing = RoutingKind::kBadIds;
         s.sigma = 2.0;
         add(s);
+        // More entries than counts_kernel takes in one block (8192): the general path's histogram over segments,
+        // all-gather and routing over several blocks, with bad ids (r8_greedy_bad_ids takes the one-block path)
+        s.name = "r8_greedy_bad_ids_segments";
+        s.config = make_config(8, 64, 2048, 8, 128, 32);
+        add(s);
         s = CaseSpec{};
         s.name = "r8_one_expert_k1";
         s.config = make_config(8, 64, 512, 1, 128, 32);

@@ -1,5 +1,7 @@
 // CUDA plan op, the kernels' part (see plan.cuh): histogram, all-gather of the counts, routing with the chain push,
 // and unpack. The planner runs between the two halves (planner/gpu_planner.cuh; the runtime wires the launches).
+// A decode-sized call takes fewer launches: counts_kernel does the histogram and the all-gather in one block, and a
+// routing of one block runs the barrier after it itself (the same values, fewer nodes on a step's critical path).
 #include "common/check.hpp"
 #include "common/cuda.hpp"
 #include "kernels/common/groups.cuh"
@@ -14,6 +16,8 @@ namespace {
 constexpr int kRouteThreads = 256;  // 8 warps per routing block
 constexpr int kRouteWarps = kRouteThreads / 32;
 constexpr int kSegmentEntries = 2048;  // entries (whole tokens) per routing segment, at most
+constexpr int kFusedEntries = 8192;    // a call of at most this many entries counts in one block (counts_kernel)
+constexpr int kCountsThreads = 512;
 
 // Workspace (int32 words, every array 64-word aligned).
 struct PlanWorkspace {
@@ -84,6 +88,27 @@ FLATEP_DEVICE WarpRange warp_range(const Layout& l, int seg_tokens, int num_toke
     return WarpRange{begin, min_of<int64_t>(begin + per_warp, e1)};
 }
 
+// Segment b's histogram into `hist` [E] (shared memory), by the block: zeroed, then counted; an entry whose expert id
+// is out of range lowers *first_bad to its (flat index << 32 | value) instead. Ends with a block barrier: hist is
+// complete when it returns.
+FLATEP_DEVICE void count_segment(const Layout& l, const void* topk_idx, int index_bytes, int num_tokens, int seg_tokens,
+                                 int b, int32_t* hist, unsigned long long* first_bad) {
+    const int E = l.num_experts;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
+    __syncthreads();
+    const int64_t t0 = int64_t(b) * seg_tokens;
+    const int64_t t1 = min_of<int64_t>(t0 + seg_tokens, num_tokens);
+    for (int64_t i = t0 * l.topk + threadIdx.x; i < t1 * l.topk; i += blockDim.x) {
+        const int64_t id = read_expert(topk_idx, index_bytes, i);
+        if (id >= 0 && id < E) {
+            atomicAdd(&hist[id], 1);
+        } else {
+            atomicMin(first_bad, (static_cast<unsigned long long>(i) << 32) | uint32_t(clamp_to_int32(id)));
+        }
+    }
+    __syncthreads();
+}
+
 // ------------------------------------------------------------------------------------------------------------
 // 1. Histogram: per-segment counts (for the deterministic per-expert index of routing) and the rank's total.
 __global__ void histogram_kernel(Layout l, const void* topk_idx, int index_bytes, int num_tokens, int seg_tokens,
@@ -92,19 +117,7 @@ __global__ void histogram_kernel(Layout l, const void* topk_idx, int index_bytes
     const int E = l.num_experts;
     const int nseg = ceil_div(l.num_tokens, seg_tokens);
     for (int b = blockIdx.x; b < nseg; b += gridDim.x) {
-        for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
-        __syncthreads();
-        const int64_t t0 = int64_t(b) * seg_tokens;
-        const int64_t t1 = min_of<int64_t>(t0 + seg_tokens, num_tokens);
-        for (int64_t i = t0 * l.topk + threadIdx.x; i < t1 * l.topk; i += blockDim.x) {
-            const int64_t id = read_expert(topk_idx, index_bytes, i);
-            if (id >= 0 && id < E) {
-                atomicAdd(&hist[id], 1);
-            } else {
-                atomicMin(ws.first_bad, (static_cast<unsigned long long>(i) << 32) | uint32_t(clamp_to_int32(id)));
-            }
-        }
-        __syncthreads();
+        count_segment(l, topk_idx, index_bytes, num_tokens, seg_tokens, b, hist, ws.first_bad);
         for (int e = threadIdx.x; e < E; e += blockDim.x) {
             const int32_t c = hist[e];
             ws.seg_counts[int64_t(b) * E + e] = c;
@@ -114,9 +127,11 @@ __global__ void histogram_kernel(Layout l, const void* topk_idx, int index_bytes
     }
 }
 
-// 2. All-gather of the counts: row `rank` of every peer's tpe_all region, barrier, copy into the plan.
-__global__ void allgather_kernel(Layout l, int rank, SymmetricLayout sym, PeerPointers peers, PlanView p,
-                                 const int32_t* tpe_local, sync::SyncArgs sync, int num_tokens, PlannerKind kind) {
+// 2. All-gather of the counts: row `rank` of every peer's tpe_all region, barrier, copy into the plan. Run by every
+// thread of one block; `counts` [E] is this rank's histogram.
+FLATEP_DEVICE void publish_counts(const Layout& l, int rank, const SymmetricLayout& sym, const PeerPointers& peers,
+                                  const PlanView& p, const int32_t* counts, const sync::SyncArgs& sync, int num_tokens,
+                                  PlannerKind kind) {
     const int R = l.num_ranks, E = l.num_experts;
     if (threadIdx.x == 0) {
         p.header[kHeaderNumTokens] = num_tokens;
@@ -124,11 +139,43 @@ __global__ void allgather_kernel(Layout l, int rank, SymmetricLayout sym, PeerPo
     }
     for (int64_t i = threadIdx.x; i < int64_t(R) * E; i += blockDim.x) {
         const int d = int(i / E), e = int(i % E);
-        region_at<int32_t>(peers.ptr[d], sym.tpe_all_offset)[int64_t(rank) * E + e] = tpe_local[e];
+        region_at<int32_t>(peers.ptr[d], sym.tpe_all_offset)[int64_t(rank) * E + e] = counts[e];
     }
     sync::device::block_barrier(sync, sync::kOpPlan, threadIdx.x);
     const int32_t* all = region_at<const int32_t>(peers.ptr[rank], sym.tpe_all_offset);
     for (int64_t i = threadIdx.x; i < int64_t(R) * E; i += blockDim.x) p.tpe_all[i] = all[i];
+}
+
+__global__ void allgather_kernel(Layout l, int rank, SymmetricLayout sym, PeerPointers peers, PlanView p,
+                                 const int32_t* tpe_local, sync::SyncArgs sync, int num_tokens, PlannerKind kind) {
+    publish_counts(l, rank, sym, peers, p, tpe_local, sync, num_tokens, kind);
+}
+
+// 1 and 2 in one block, for a call of at most kFusedEntries entries (decode): the segments' histograms one after the
+// other in shared memory, the rank's total beside them, the first bad expert id kept in shared memory, then the
+// all-gather. One kernel where the general path runs two memsets, the histogram and the all-gather: at s = 128 on
+// 8 virtual ranks each node is a launch on the op's critical path.
+__global__ void counts_kernel(Layout l, int rank, const void* topk_idx, int index_bytes, int num_tokens, int seg_tokens,
+                              SymmetricLayout sym, PeerPointers peers, PlanView p, PlanWorkspace ws,
+                              sync::SyncArgs sync, PlannerKind kind) {
+    extern __shared__ int32_t counts_smem[];  // [E] the segment's histogram, [E] the rank's total
+    __shared__ unsigned long long bad_s;
+    const int E = l.num_experts;
+    int32_t* hist = counts_smem;
+    int32_t* total = counts_smem + E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) total[e] = 0;
+    if (threadIdx.x == 0) bad_s = ~0ull;
+    const int last_seg = ceil_div(num_tokens, seg_tokens);
+    for (int b = 0; b < last_seg; ++b) {
+        count_segment(l, topk_idx, index_bytes, num_tokens, seg_tokens, b, hist, &bad_s);
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            ws.seg_counts[int64_t(b) * E + e] = hist[e];
+            total[e] += hist[e];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) *ws.first_bad = bad_s;  // read by unpack_kernel, after the routing's barrier
+    publish_counts(l, rank, sym, peers, p, total, sync, num_tokens, kind);
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -137,7 +184,8 @@ __global__ void allgather_kernel(Layout l, int rank, SymmetricLayout sym, PeerPo
 // the segment + earlier lanes (match_any) + earlier steps of the warp. Then the chain push per token.
 __global__ void __launch_bounds__(kRouteThreads)
     route_kernel(Layout l, int rank, const void* topk_idx, int index_bytes, int num_tokens, int seg_tokens,
-                 SymmetricLayout sym, PeerPointers peers, PlanView p, PlanWorkspace ws) {
+                 SymmetricLayout sym, PeerPointers peers, PlanView p, PlanWorkspace ws, sync::SyncArgs sync,
+                 bool barrier_after) {
     extern __shared__ int32_t warp_hist[];  // [kRouteWarps][E]
     __shared__ int32_t seg_rank[kSegmentEntries];
     __shared__ int32_t seg_row[kSegmentEntries];
@@ -199,6 +247,9 @@ __global__ void __launch_bounds__(kRouteThreads)
             push_token_chains(sym, peers.ptr, seg_rank + (t - t0) * K, seg_row + (t - t0) * K, K);
         __syncthreads();
     }
+    // A grid of one block (a call of one segment) meets the peers itself: the barrier node the launch would add
+    // after it is one more launch on a decode step's critical path.
+    if (barrier_after) sync::device::block_barrier(sync, sync::kOpPlan, threadIdx.x);
 }
 
 // 5. Unpack: the staging of the real rows of every group into the plan (classify_row); -1 elsewhere. And the status
@@ -238,6 +289,14 @@ void launch_plan_counts(const PlanArgs& a, void* workspace, cudaStream_t stream,
     const int nseg = num_segments(l);
     const int E = l.num_experts;
 
+    if (int64_t(a.num_tokens) * l.topk <= kFusedEntries) {
+        const size_t smem = 2 * sizeof(int32_t) * size_t(E);
+        allow_smem(reinterpret_cast<const void*>(counts_kernel), smem);
+        counts_kernel<<<1, kCountsThreads, smem, stream>>>(l, a.rank, a.topk_idx, a.index_bytes, a.num_tokens,
+                                                           seg_tokens, sym, peers, a.plan, ws, a.sync, a.planner);
+        FLATEP_CUDA_CHECK_LAUNCH();
+        return;
+    }
     FLATEP_CUDA_CHECK(cudaMemsetAsync(ws.tpe_local, 0, sizeof(int32_t) * E, stream));
     FLATEP_CUDA_CHECK(cudaMemsetAsync(ws.first_bad, 0xff, sizeof(unsigned long long), stream));
     const int hist_blocks = grid_blocks(num_sms, nseg, 4);
@@ -253,21 +312,23 @@ void launch_plan_routes(const PlanArgs& a, void* workspace, cudaStream_t stream,
     const Layout& l = a.layout;
     const auto [ws, sym, peers, seg_tokens] = plan_launch(a, workspace);
     const int E = l.num_experts;
+    bool met = false;  // the barrier ran in the routing's only block
     if (a.num_tokens > 0) {
         const size_t smem = sizeof(int32_t) * size_t(kRouteWarps) * E;
         allow_smem(reinterpret_cast<const void*>(route_kernel), smem);
         const int route_blocks = grid_blocks(num_sms, ceil_div(a.num_tokens, seg_tokens), 2);
+        met = route_blocks == 1 && a.sync.num_ranks > 1;
         route_kernel<<<route_blocks, kRouteThreads, smem, stream>>>(l, a.rank, a.topk_idx, a.index_bytes, a.num_tokens,
-                                                                    seg_tokens, sym, peers, a.plan, ws);
+                                                                    seg_tokens, sym, peers, a.plan, ws, a.sync, met);
         FLATEP_CUDA_CHECK_LAUNCH();
     }
-    launch_barrier(a.sync, sync::kOpPlan, stream);
+    if (!met) launch_barrier(a.sync, sync::kOpPlan, stream);
     const int unpack_blocks = grid_blocks(num_sms, ceil_div(l.num_recv_rows, 256), 8);
     unpack_kernel<<<unpack_blocks, 256, 0, stream>>>(l, a.rank, sym, peers, a.plan, ws, a.sync.status,
                                                      a.sync.host_status);
     FLATEP_CUDA_CHECK_LAUNCH();
 }
 
-FLATEP_PRELOAD_KERNELS(histogram_kernel, allgather_kernel, route_kernel, unpack_kernel);
+FLATEP_PRELOAD_KERNELS(histogram_kernel, allgather_kernel, counts_kernel, route_kernel, unpack_kernel);
 
 }  // namespace flatep::kernels

@@ -2,7 +2,9 @@
 // memory before the planner, the routing of this rank's entries in (token, k) order with the push of the row-chain
 // metadata to the destinations, and the unpack after it. The planner between them is planner/gpu_planner.cuh; the
 // runtime wires the launches (runtime/device_ops.cpp: device::launch_plan). Kernels, in order:
-// histogram -> all-gather + barrier -> [planner] -> routing + chain push -> barrier -> chain unpack.
+// histogram -> all-gather + barrier -> [planner] -> routing + chain push -> barrier -> chain unpack. A call of at
+// most 8192 entries runs the histogram and the all-gather as one kernel, and a routing grid of one block meets the
+// peers itself: the kernels' part of a decode call is three launches a rank where a prefill call's is seven.
 // No host synchronisation: graph-capturable.
 #pragma once
 
