@@ -37,7 +37,7 @@ FLATEP_DEVICE void copy_range(const uint4* src, uint4* dst, int64_t begin, int64
 
 // What one op copies, as the kernels see it: per projection p, the words of one expert (n16[p]), this rank's side
 // (push: its own experts; pull: its slot pool) and every rank's other side (push: the slot pools; pull: the owners'
-// experts), and how an expert's words of all projections are cut into chunks (kernels/prefetch/chunks.hpp).
+// experts), and how the push cuts an expert's words of all projections into chunks (kernels/prefetch/chunks.hpp).
 struct CopyPlan {
     int num_projections;
     PrefetchChunks chunks;
@@ -83,22 +83,40 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 }
 
-// Serving's pull: this rank's B slots, each cut into the chunks of every projection, the items slot * chunks + chunk
-// dealt to the blocks round-robin; a slot without an expert this step is skipped. Reads the owners' memory, writes
-// only this rank's slot pools.
+// Serving's pull: the words of this rank's filled slots (listed once per block, ascending j), all projections of a
+// slot one after the other, as one stream cut evenly over the grid in whole 512-byte lines: each block copies one
+// contiguous range, whatever the number of filled slots and projections. Before, the items slot * chunks + chunk
+// were dealt round-robin: every block walked all B slots of the table (at B = epn = 112, 112 reads of the table a
+// block, most of them empty slots), and an FP8 slot's scales took a block of their own. Reads the owners' memory,
+// writes only this rank's slot pools. More slots than the list holds are taken kMaxListed at a time.
 __global__ void __launch_bounds__(kThreads, 1)
     prefetch_pull_kernel(int rank, int epn, int num_slots, const int32_t* slot_expert, CopyPlan c) {
+    __shared__ OwnedSlots<kThreads, kMaxListed> filled;
     const int tid = threadIdx.x;
-    const int chunks = c.chunks.first_chunk[c.num_projections];
-    for (int64_t item = blockIdx.x; item < int64_t(num_slots) * chunks; item += gridDim.x) {
-        const int j = int(item / chunks);
-        const int expert = slot_expert[rank * epn + j];
-        if (expert < 0) continue;
-        const int home = home_rank(expert, epn);
-        const int64_t local = local_expert(expert, epn);
-        copy_chunk(
-            c, int(item % chunks), [&](int p) { return c.peers[p].ptr[home] + local * c.n16[p] * 16; },
-            [&](int p) { return c.mine[p] + int64_t(j) * c.n16[p] * 16; }, tid);
+    const int32_t* mine = slot_expert + int64_t(rank) * epn;
+    int64_t slot16 = 0;  // words of one slot, all projections
+    for (int p = 0; p < c.num_projections; ++p) slot16 += c.n16[p];
+    for (int first = 0; first < num_slots; first += kMaxListed) {
+        const int window = min_of(kMaxListed, num_slots - first);
+        const int count = list_slots(
+            filled, window, [&](int i) { return mine[first + i] >= 0; }, tid);
+        const int64_t words = int64_t(count) * slot16;
+        const int64_t lines = ceil_div<int64_t>(words, 32);
+        int64_t at = lines * blockIdx.x / gridDim.x * 32;
+        const int64_t end = min_of<int64_t>(lines * (blockIdx.x + 1) / gridDim.x * 32, words);
+        while (at < end) {
+            const int k = int(at / slot16);
+            int64_t w = at - int64_t(k) * slot16;  // word of the slot's stream: projection p's words follow p - 1's
+            int p = 0;
+            while (w >= c.n16[p]) w -= c.n16[p++];
+            const int64_t n = min_of<int64_t>(c.n16[p] - w, end - at);
+            const int j = first + filled.listed[k];
+            const int expert = mine[j];
+            const uint8_t* src = c.peers[p].ptr[home_rank(expert, epn)] + local_expert(expert, epn) * c.n16[p] * 16;
+            uint8_t* dst = c.mine[p] + int64_t(j) * c.n16[p] * 16;
+            copy_range(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst), w, w + n, tid);
+            at += n;
+        }
     }
 }
 
