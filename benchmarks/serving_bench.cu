@@ -15,10 +15,13 @@
 //             the prefetch's cost inside a step (the graph's own launch not counted twice).
 //   slot_memory  bytes of one rank's slot pool per projection at B and at epn (bf16 and FP8 + scales).
 // The table ends with the ratios the issues target: owner decode step / balanced at B (s = 128: at most 0.6), FP8
-// prefetch / bf16 (at most 0.55), and B against epn. Timings are medians of --iters replays after --warmup.
+// prefetch / bf16 (at most 0.55), and B against epn. Timings are medians of --iters replays after --warmup; with
+// --batch N a replay holds N calls of the row's op (each forked to and joined from every rank's stream) and the time
+// is the replay's / N, so the graph's own launch is shared as a step's graph of every layer shares it.
 //
 //   serving_bench [--preset deepep,k3] [shape and skew flags] [--tokens-per-call 1,16,128,512,S] [--slots 4]
-//                 [--owner-tokens 512] [--ffn 2048] [--iters 20] [--warmup 3] [--num-sms 0] [--csv serving_bench.csv]
+//                 [--owner-tokens 512] [--ffn 2048] [--iters 20] [--warmup 3] [--batch 1] [--num-sms 0]
+//                 [--csv serving_bench.csv]
 //   serving_bench --quick     tiny shapes (E=64, H=512, F=256, S=256), a smoke of every row in seconds
 //
 // Defaults: DeepEP's shape (E=256, H=7168, K=8, uniform routing) and Kimi K3's (E=896, H=7168, K=8, maxvio 1), both
@@ -51,6 +54,7 @@ struct Options {
     int num_slots = 4;
     int owner_tokens = 512;
     int num_sms = 0;
+    int batch = 1;
     bool quick = false;
 };
 
@@ -91,8 +95,9 @@ std::vector<int> slots_used(const Layout& l, const std::vector<int32_t>& plan) {
 
 class Report {
   public:
-    explicit Report(const std::string& path)
-        : csv_(path, {"config",
+    Report(const std::string& path, int batch)
+        : batch_(batch),
+          csv_(path, {"config",
                       "shape",
                       "s",
                       "mode",
@@ -111,7 +116,8 @@ class Report {
                       "ffn",
                       "B",
                       "sigma",
-                      "max_blocks"}) {
+                      "max_blocks",
+                      "batch"}) {
         std::printf("%-8s %-32s %5s %-14s %-16s %10s %10s %13s\n", "config", "shape", "s", "mode", "op", "graph_us",
                     "min_us", "MB_rank_max");
     }
@@ -130,7 +136,7 @@ class Report {
         csv_.row(r.c->preset, label(r.c->shape), r.s, r.mode, r.op, bench::fixed(r.t.median_us, 2),
                  bench::fixed(r.t.min_us, 2), bench::fixed(r.bytes_max, 0), bench::fixed(r.bytes_mean, 0), r.used_max,
                  r.used_total, r.l->num_ranks, r.l->num_tokens, r.l->num_experts, r.l->hidden, r.l->topk,
-                 r.c->shape.ffn, r.l->num_slots, sigma, max_blocks);
+                 r.c->shape.ffn, r.l->num_slots, sigma, max_blocks, batch_);
         median_[key(*r.c, r.s, r.mode, r.op)] = r.t.median_us;
         bytes_[key(*r.c, r.s, r.mode, r.op)] = r.bytes_max;
         std::fflush(stdout);
@@ -149,6 +155,7 @@ class Report {
     static std::string key(const bench::Case& c, int s, const std::string& mode, const std::string& op) {
         return c.preset + "|" + label(c.shape) + "|" + std::to_string(s) + "|" + mode + "|" + op;
     }
+    int batch_;
     bench::CsvWriter csv_;
     std::map<std::string, double> median_, bytes_;
 };
@@ -214,7 +221,7 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
                 report.add(r, sigma, group.num_sms());
             };
             auto timed = [&](const std::function<void()>& op) {
-                return bench::time_ranks_graph(group, o.iters, o.warmup, 1, op);
+                return bench::time_ranks_graph(group, o.iters, o.warmup, o.batch, op);
             };
             // The step pulls the bf16 projection only (the pools also hold the FP8 pair the prefetch rows time).
             row("step", timed([&] { dev.enqueue_step(/*prefetch_count=*/1); }), m.owner ? 0 : bytes[0]);
@@ -299,6 +306,10 @@ int main(int argc, char** argv) {
     flags.add("--tokens-per-call", &o.tokens_per_call, "s: tokens each rank passes, a list (default 1,16,128,512,S)");
     flags.add("--slots", &o.num_slots, "B: replica slots per rank of the serving rows (B = epn rows run too)", 0, 4096);
     flags.add("--owner-tokens", &o.owner_tokens, "S of the owner planner's layout (capacity R*S*K rows)", 1, 1 << 20);
+    flags.add("--batch", &o.batch,
+              "ops a graph replay holds (the time is the replay's / batch): 1 charges the graph's launch to the op, "
+              "more share it, as a step's graph of every layer's ops does",
+              1, 64);
     flags.add("--num-sms", &o.num_sms, "every rank's SM budget: blocks per launch at most (0: twice SMs / R)", 0, 2048);
     flags.add_switch("--quick", &o.quick, "tiny shapes (E=64, H=512, F=256, S=256, s 1,16,64,256): a smoke test");
     flags.parse(argc, argv);
@@ -340,7 +351,7 @@ int main(int argc, char** argv) {
     }
     bench::SigmaTable sigmas(/*bisection_ranks=*/8);
     sigmas.prepare(cases, {42});
-    Report report(o.csv);
+    Report report(o.csv, o.batch);
     for (const bench::Case& c : cases) {
         std::vector<int> calls = o.tokens_per_call;
         if (calls.empty()) {

@@ -17,6 +17,10 @@
 #   bench_k3       build-cuda/benchmarks/serving_bench --preset k3         serving_bench_k3.csv
 #   serving_step_k3  benchmarks/serving_step.py --preset k3 (F=512)        serving_step_k3.csv
 #   ops_k3         build-cuda/benchmarks/ops_bench --preset k3 --ffn 512 --maxvio 1,20 --iters 15   ops_k3.csv
+#   ops_quick      build-cuda/tests/gpu/test_gpu_ops --quick: every small op case bitwise against the CPU backend
+#   ops_prefill    test_gpu_ops --case r8_moonep_s8192_e384_h7168_k8: the plan's general path at scale
+#   fp8            build-cuda/tests/gpu/test_gpu_fp8
+#   bench_deepep_b4, bench_k3_b4   serving_bench --batch 4 (four calls of each op a graph replay)
 #
 #   OUT=/tmp/out scripts/device_serving.sh
 #   SERVING_STEPS="build serving" scripts/device_serving.sh
@@ -65,6 +69,12 @@ run bench_k3 120 build-cuda/benchmarks/serving_bench --preset k3 --csv "$LOGS/se
 run serving_step_k3 150 "$PY" benchmarks/serving_step.py --preset k3 --iters 10 --csv "$LOGS/serving_step_k3.csv"
 run ops_k3 60 build-cuda/benchmarks/ops_bench --preset k3 --ffn 512 --maxvio 1,20 --iters 15 \
     --csv "$LOGS/ops_k3_h200_8virtual.csv"
+run ops_quick 240 build-cuda/tests/gpu/test_gpu_ops --quick
+run ops_prefill 90 build-cuda/tests/gpu/test_gpu_ops --case r8_moonep_s8192_e384_h7168_k8
+run fp8 120 build-cuda/tests/gpu/test_gpu_fp8
+run bench_deepep_b4 150 build-cuda/benchmarks/serving_bench --preset deepep --batch 4 \
+    --csv "$LOGS/serving_bench_deepep_batch4.csv"
+run bench_k3_b4 150 build-cuda/benchmarks/serving_bench --preset k3 --batch 4 --csv "$LOGS/serving_bench_k3_batch4.csv"
 echo "device_serving: $( ((FAILED)) && echo FAILED || echo 'all passed') in $((SECONDS - START)) s" | tee -a "$SUMMARY"
 pack
 exit "$FAILED"
