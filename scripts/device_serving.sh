@@ -17,6 +17,8 @@
 #   bench_k3       build-cuda/benchmarks/serving_bench --preset k3         serving_bench_k3.csv
 #   serving_step_k3  benchmarks/serving_step.py --preset k3 (F=512)        serving_step_k3.csv
 #   ops_k3         build-cuda/benchmarks/ops_bench --preset k3 --ffn 512 --maxvio 1,20 --iters 15   ops_k3.csv
+#   ffn_rows       the cuda cases of tests/python/test_gpu_ffn_rows.py and test_grouped.py: the FFN's bounded
+#                  activation and zeroing kernels bitwise against the torch ops, grouped_ffn with them, graph replay
 #   ops_quick      build-cuda/tests/gpu/test_gpu_ops --quick: every small op case bitwise against the CPU backend
 #   ops_prefill    test_gpu_ops --case r8_moonep_s8192_e384_h7168_k8: the plan's general path at scale
 #   fp8            build-cuda/tests/gpu/test_gpu_fp8
@@ -60,6 +62,8 @@ export PYTHONPATH="$PWD/python:$PWD/build-cuda/python${PYTHONPATH:+:$PYTHONPATH}
 run serving 150 build-cuda/tests/gpu/test_gpu_serving
 run pytest 200 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/python/test_gpu_serving.py \
     tests/python/test_serving_processes.py tests/python/test_example.py -k "serving or serve or equals or replays"
+run ffn_rows 120 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/python/test_gpu_ffn_rows.py \
+    tests/python/test_grouped.py
 run bench_deepep 120 build-cuda/benchmarks/serving_bench --preset deepep --csv "$LOGS/serving_bench_deepep.csv"
 run serving_step 150 "$PY" benchmarks/serving_step.py --preset deepep --ffn 1536 --iters 10 \
     --csv "$LOGS/serving_step_deepep.csv"

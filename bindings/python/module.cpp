@@ -16,6 +16,7 @@
 
 #include "common/check.hpp"
 #include "common/env.hpp"
+#include "flatep/ffn.hpp"
 #include "flatep/flatep.hpp"
 #include "flatep/ipc.hpp"
 #include "layout/layout.hpp"
@@ -446,6 +447,39 @@ void bind_pools(py::module_& m) {
         .def("reduce_pool", [](const ExpertPools& p, int q) { return reinterpret_cast<uintptr_t>(p.reduce_pool(q)); });
 }
 
+// The expert FFN's elementwise steps (include/flatep/ffn.hpp), only in a build with CUDA: flatep.ffn checks the
+// tensors (bf16, contiguous, shapes, one CUDA device) and passes their data pointers, the address of cu_seqlens' last
+// element as `end` and torch's current stream.
+void bind_ffn(py::module_& m) {
+#ifdef FLATEP_WITH_CUDA
+    using Release = py::call_guard<py::gil_scoped_release>;
+    m.def(
+        "activate_rows",
+        [](uintptr_t h, uintptr_t a, int64_t rows, int64_t ffn, bool swiglu, uintptr_t end, uintptr_t stream,
+           int num_sms) {
+            activate_rows(as_ptr<const uint16_t>(h), as_ptr<uint16_t>(a), rows, ffn,
+                          swiglu ? FfnActivation::kSwiglu : FfnActivation::kSilu, as_ptr<const int32_t>(end),
+                          launch_of(stream, num_sms));
+        },
+        py::arg("h"), py::arg("a"), py::arg("rows"), py::arg("ffn"), py::arg("swiglu"), py::arg("end"), py::kw_only(),
+        py::arg("stream") = 0, py::arg("num_sms") = -1, Release(),
+        "flatep::activate_rows on device pointers: a [rows][ffn] bf16 = silu(gate) * up (swiglu, h [rows][2*ffn]) or "
+        "silu(h) (h [rows][ffn]) on the rows below *end (int32, read on the device), zero on the others. See "
+        "flatep.ffn.activate_rows.");
+    m.def(
+        "zero_rows_from_end",
+        [](uintptr_t y, int64_t rows, int64_t cols, uintptr_t end, uintptr_t stream, int num_sms) {
+            zero_rows_from_end(as_ptr<uint16_t>(y), rows, cols, as_ptr<const int32_t>(end), launch_of(stream, num_sms));
+        },
+        py::arg("y"), py::arg("rows"), py::arg("cols"), py::arg("end"), py::kw_only(), py::arg("stream") = 0,
+        py::arg("num_sms") = -1, Release(),
+        "flatep::zero_rows_from_end on device pointers: rows [*end, rows) of y [rows][cols] bf16 set to zero. See "
+        "flatep.ffn.zero_rows_from_end.");
+#else
+    (void)m;
+#endif
+}
+
 void bind_routing(py::module_& m) {
     py::module_ r = m.def_submodule("routing", "Routing generator of design §9 (src/routing/routing.hpp).");
     r.def("popularity", &routing::popularity, py::arg("num_experts"), py::arg("sigma"), py::arg("seed"));
@@ -490,6 +524,7 @@ PYBIND11_MODULE(_C, m) {
     flatep::bind_plan(m);
     flatep::bind_buffer(m);
     flatep::bind_pools(m);
+    flatep::bind_ffn(m);
     flatep::bind_routing(m);
 #ifdef FLATEP_WITH_CUDA
     m.attr("has_cuda") = true;

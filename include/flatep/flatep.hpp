@@ -5,6 +5,7 @@
 #include "flatep/config.hpp"
 #include "flatep/error.hpp"
 #include "flatep/expert_pools.hpp"
+#include "flatep/ffn.hpp"
 #include "flatep/launch.hpp"
 #include "flatep/transport.hpp"
 #include "flatep/types.hpp"

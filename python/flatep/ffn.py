@@ -5,11 +5,17 @@ path): per expert group of receive rows,
     activation="silu":   h = x @ W1, W1 [H, F];               a = silu(h);                    y = a @ W2
 
 with h, a and y rounded to bf16 (fp32 accumulation), as a bf16 grouped GEMM gives them (see expert_ffn). Everything
-here is importable from flatep.nn too.
+here is importable from flatep.nn too. On a GPU, activate_rows and zero_rows_from_end are the same activation and
+zeroing as CUDA kernels bounded by the last group end (read on the device); grouped_ffn uses them where autograd
+records nothing.
 """
 
 import torch
 import torch.nn.functional as F
+
+from . import _C
+from ._tensors import shape_text
+from .launch import device_guard, stream_handle
 
 _BF16 = torch.bfloat16
 
@@ -112,14 +118,119 @@ def _zero_past_end(y, offs):
     return y.masked_fill_(_past_end(y.shape[0], offs), 0)
 
 
+def _tensor_arg(op, name, value):
+    """Raises the one-line ValueError naming `op` and `name` unless `value` is a torch.Tensor (before any other check
+    reads its attributes)."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _check_rows_args(op, rows, rows_name, cu_seqlens, *others):
+    """The checks activate_rows and zero_rows_from_end share, in an order that touches no device: `rows` (and each
+    (name, tensor) of `others`, already shape-checked by the caller) bf16, 2-D and contiguous; cu_seqlens a 1-D int32
+    tensor with at least one group end; then every tensor on one CUDA device (rows'). One-line ValueErrors naming the
+    argument and the value."""
+    for name, t in ((rows_name, rows),) + others:
+        if t.dtype != _BF16:
+            raise ValueError(f"{op}: {name} must be bfloat16, got {str(t.dtype).replace('torch.', '')}")
+        if t.dim() != 2:
+            raise ValueError(f"{op}: {name} must be 2-D, got shape {shape_text(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous (row-major), got strides {tuple(t.stride())} for "
+                             f"shape {shape_text(t.shape)}")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"{op}: cu_seqlens must be int32, got {str(cu_seqlens.dtype).replace('torch.', '')}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"{op}: cu_seqlens must be 1-D with at least one group end, got shape "
+                         f"{shape_text(cu_seqlens.shape)}")
+    device = rows.device
+    if device.type != "cuda":
+        raise ValueError(f"{op}: {rows_name} must be on a CUDA device, got {device}")
+    for name, t in others + (("cu_seqlens", cu_seqlens),):
+        if t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device}, but {rows_name} is on {device}; pass all on one device")
+    if not _C.has_cuda:
+        raise RuntimeError(f"{op}: flatep._C was built without CUDA (flatep._C.has_cuda is False)")
+    return device
+
+
+def _end_address(cu_seqlens):
+    """The device address of cu_seqlens' last element (the last group end), which the kernels read."""
+    return cu_seqlens.data_ptr() + (cu_seqlens.shape[0] - 1) * cu_seqlens.stride(0) * cu_seqlens.element_size()
+
+
+def activate_rows(h, cu_seqlens, activation, out=None):
+    """activate(h, activation) on the rows below the last group end cu_seqlens[-1], read on the device, and zero on
+    the others, in one CUDA kernel (flatep::activate_rows): h [n, 2F] (swiglu) or [n, F] (silu) bf16, contiguous;
+    cu_seqlens [G] int32 on h's device (only its last element is read); out: a contiguous [n, F] bf16 tensor to write
+    (None: a new one) -> out. Rows below the end are bitwise activate's (silu(x) = x / (1 + exp(-x)) in fp32, as
+    torch's CUDA silu, times up in fp32, one rounding to bf16); rows past it are written as zero without reading h.
+    Enqueued on the current stream, no host sync: graph-capturable, and a replay reads cu_seqlens' value then. Bad
+    arguments raise a one-line ValueError before anything touches the device."""
+    op = "activate_rows"
+    activation = check_activation(op, activation)
+    h = _tensor_arg(op, "h", h)
+    cu_seqlens = _tensor_arg(op, "cu_seqlens", cu_seqlens)
+    cols = h.shape[-1] if h.dim() == 2 else None
+    ffn = None if cols is None else (cols // 2 if activation == "swiglu" else cols)
+    if cols is not None and (ffn < 1 or (activation == "swiglu" and cols % 2)):
+        want = ("an even number >= 2 of columns (2F: gate, then up)" if activation == "swiglu"
+                else "a column or more (F)")
+        raise ValueError(f"{op}: h must have {want} for {activation}, got shape {shape_text(h.shape)}")
+    others = ()
+    if out is not None:
+        out = _tensor_arg(op, "out", out)
+        if h.dim() == 2 and tuple(out.shape) != (h.shape[0], ffn):
+            raise ValueError(f"{op}: out must have shape {shape_text((h.shape[0], ffn))} ([n, F] for h of shape "
+                             f"{shape_text(h.shape)}), got {shape_text(out.shape)}")
+        others = (("out", out),)
+    device = _check_rows_args(op, h, "h", cu_seqlens, *others)
+    if out is None:
+        out = torch.empty(h.shape[0], ffn, dtype=_BF16, device=device)
+    with device_guard(device):
+        _C.activate_rows(h.data_ptr(), out.data_ptr(), h.shape[0], ffn, activation == "swiglu",
+                         _end_address(cu_seqlens), stream=stream_handle(device))
+    return out
+
+
+def zero_rows_from_end(y, cu_seqlens):
+    """y's rows at and past the last group end cu_seqlens[-1] (read on the device) set to zero in place, the rows
+    below it untouched, in one CUDA kernel (flatep::zero_rows_from_end): y [n, H] bf16, contiguous; cu_seqlens [G]
+    int32 on y's device -> y. The work is the zero stores only (_zero_past_end's masked_fill reads and writes every
+    row). Current stream, no host sync, graph-capturable; bad arguments raise a one-line ValueError first."""
+    op = "zero_rows_from_end"
+    y = _tensor_arg(op, "y", y)
+    cu_seqlens = _tensor_arg(op, "cu_seqlens", cu_seqlens)
+    device = _check_rows_args(op, y, "y", cu_seqlens)
+    with device_guard(device):
+        _C.zero_rows_from_end(y.data_ptr(), y.shape[0], y.shape[1], _end_address(cu_seqlens),
+                              stream=stream_handle(device))
+    return y
+
+
+def _records_grad(*tensors):
+    """Whether autograd would record an operation on these tensors."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def grouped_ffn(x, w1, w2, cu_seqlens, activation=None):
     """Grouped expert FFN over receive rows: x [NvS, H] bf16, w1 [G, H, 2F] (swiglu) or [G, H, F] (silu),
     w2 [G, F, H], cu_seqlens [G] int32 (inclusive group ends) -> [NvS, H] bf16; rows past the last group end are
-    zero. activation: as expert_ffn (None: from the shapes)."""
+    zero. activation: as expert_ffn (None: from the shapes).
+
+    On a GPU with torch._grouped_mm: two grouped GEMMs. When autograd records nothing (serving: no_grad or
+    inference_mode), the activation and the zeroing of y's rows past the end are the kernels activate_rows and
+    zero_rows_from_end, whose work is bounded by the end read on the device (NvS is the receive capacity: ~8x the
+    real rows for the owner planner); the values are bitwise those of the torch ops autograd differentiates, which
+    run otherwise."""
     activation = _activation_of(w1, w2, activation)
     if _has_grouped_mm(x) and w1.dtype == _BF16:
         offs = cu_seqlens.to(device=x.device, dtype=torch.int32)
         h = grouped_mm(x, w1, offs)
+        if _C.has_cuda and not _records_grad(x, w1, w2) and h.is_contiguous():
+            y = grouped_mm(activate_rows(h, offs, activation), w2, offs)
+            return zero_rows_from_end(y, offs) if y.is_contiguous() else _zero_past_end(y, offs)
         a = activate(h, activation)
         y = grouped_mm(a, w2, offs)
         return _zero_past_end(y, offs)

@@ -4,6 +4,7 @@
 // Run: build-cuda/tests/gpu/preload_registry_main
 #include <cstdio>
 
+#include "flatep/ffn.hpp"
 #include "kernels/common/preload.hpp"
 #include "runtime/backend.hpp"
 
@@ -17,8 +18,14 @@ int main() {
     // every kernel file.
     auto* volatile buffer_backend = &flatep::runtime::make_device_buffer_backend;
     auto* volatile pools_backend = &flatep::runtime::make_device_pools_backend;
+    // The expert FFN's row kernels (kernels/ffn_rows) are no op of either backend: a program links them when it calls
+    // flatep::activate_rows or zero_rows_from_end, as flatep._C does (the Python FFN), and registers them then.
+    auto* volatile activate = &flatep::activate_rows;
+    auto* volatile zero_rows = &flatep::zero_rows_from_end;
     (void)buffer_backend;
     (void)pools_backend;
+    (void)activate;
+    (void)zero_rows;
     const int registered = flatep::kernels::registered_preloads();
     if (registered != FLATEP_KERNEL_FILES) {
         std::fprintf(stderr,

@@ -121,7 +121,10 @@ def test_the_layering_issue_45_asks_for():
     assert "flatep.virtual" not in graph["flatep.distributed"]
     assert "flatep.distributed" not in graph["flatep.virtual"]
     assert graph["flatep.launch"] <= {"flatep._tensors"}
-    assert graph["flatep.ffn"] == set() and graph["flatep._bootstrap"] == set()
+    # the FFN reaches only what lies below it: the extension (its CUDA row kernels), the argument checks' text and
+    # the stream plumbing (none of them imports anything of the package but _tensors)
+    assert graph["flatep.ffn"] <= {"flatep._C", "flatep._tensors", "flatep.launch"}
+    assert graph["flatep._bootstrap"] == set()
 
 
 def _write(root, files):

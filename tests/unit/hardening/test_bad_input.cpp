@@ -19,6 +19,7 @@
 #include "flatep/buffer.hpp"
 #include "flatep/error.hpp"
 #include "flatep/expert_pools.hpp"
+#include "flatep/ffn.hpp"
 #include "flatep/ipc.hpp"
 #include "layout/layout.hpp"
 #include "ops/prefetch_args.hpp"
@@ -629,6 +630,41 @@ TEST(BadInput, LaunchersAndTransports) {
          "socket rendezvous: rank 2 outside [0, 2)", [] { make_socket_bootstrap("job", 2, 2, 1.0); }},
         {"make_ipc_transport: bootstrap = nullptr", ErrorCategory::kInvalidArgument, "ipc transport: bootstrap is null",
          [] { make_ipc_transport(nullptr, MemoryKind::kHost, 1.0); }},
+    };
+    EXPECT_EQ(check_rows(rows), "");
+}
+
+// The expert FFN's row kernels (include/flatep/ffn.hpp): every refusal comes before a launch, so the rows run in any
+// build (host addresses stand in for device memory; nothing is read).
+TEST(BadInput, FfnRows) {
+    static uint16_t rows_buf[16];
+    static int32_t end_word = 0;
+    const int32_t* end = &end_word;
+    auto activate = [](int64_t rows, int64_t ffn, FfnActivation act, const int32_t* at, const uint16_t* h,
+                       int num_sms) {
+        return [=] { activate_rows(h, rows_buf, rows, ffn, act, at, Launch{nullptr, num_sms}); };
+    };
+    const FfnActivation swiglu = FfnActivation::kSwiglu;
+    const std::vector<Row> rows = {
+        {"activate_rows: rows = -1", ErrorCategory::kInvalidArgument, "activate_rows: rows must be >= 0, got -1",
+         activate(-1, 8, swiglu, end, rows_buf, 0)},
+        {"activate_rows: ffn = 0", ErrorCategory::kInvalidArgument, "activate_rows: ffn must be >= 1, got 0",
+         activate(1, 0, swiglu, end, rows_buf, 0)},
+        {"activate_rows: end = nullptr", ErrorCategory::kInvalidArgument,
+         "activate_rows: end is null; pass the device address of the last group end (int32)",
+         activate(1, 8, swiglu, nullptr, rows_buf, 0)},
+        {"activate_rows: activation = 7", ErrorCategory::kInvalidArgument,
+         "activate_rows: activation must be FfnActivation::kSwiglu (0) or kSilu (1), got 7",
+         activate(1, 8, static_cast<FfnActivation>(7), end, rows_buf, 0)},
+        {"activate_rows: h = nullptr with rows = 1", ErrorCategory::kInvalidArgument,
+         "activate_rows: h and a must be set when rows > 0", activate(1, 8, swiglu, end, nullptr, 0)},
+        {"activate_rows: num_sms = -2", ErrorCategory::kInvalidArgument,
+         "activate_rows: num_sms (the most thread blocks one launch uses, 0 = no cap) must be in [0, 1048576], got -2",
+         activate(1, 8, swiglu, end, rows_buf, -2)},
+        {"zero_rows_from_end: cols = 0", ErrorCategory::kInvalidArgument,
+         "zero_rows_from_end: cols must be >= 1, got 0", [end] { zero_rows_from_end(rows_buf, 1, 0, end); }},
+        {"zero_rows_from_end: y = nullptr with rows = 2", ErrorCategory::kInvalidArgument,
+         "zero_rows_from_end: y must be set when rows > 0", [end] { zero_rows_from_end(nullptr, 2, 8, end); }},
     };
     EXPECT_EQ(check_rows(rows), "");
 }
