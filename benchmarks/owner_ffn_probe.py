@@ -11,7 +11,6 @@ costs the FFN, phase by phase (first grouped GEMM, activation, second grouped GE
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -20,6 +19,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
 from flatep import ffn  # noqa: E402
+
+sys.path.insert(0, HERE)
+import moe_fp8  # noqa: E402  (its CUDA-event timer)
 
 BF16 = torch.bfloat16
 
@@ -39,18 +41,8 @@ def parse_args(argv=None):
 
 
 def timed(fn, reps, warmup):
-    """Median of `reps` CUDA-event timings of fn() in microseconds, after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3)
-    return statistics.median(times)
+    """Median of `reps` CUDA-event timings of fn() in microseconds, after `warmup` calls (moe_fp8's timer)."""
+    return moe_fp8.timed(fn, reps, warmup) * 1e3
 
 
 def main(argv=None):
