@@ -1,4 +1,4 @@
-// How the prefetch kernels cut an expert's words of every projection into chunks (kernels/prefetch/chunks.hpp), over
+// How the push prefetch cuts an expert's words of every projection into chunks (kernels/prefetch/chunks.hpp), over
 // the layer shapes the pools move and every grid of 1 to 300 blocks: every word in exactly one chunk, no chunk empty,
 // chunks in whole 512-byte lines, at most one chunk a block once the grid has a block per projection, and no block
 // given more than its share. Needs no GPU (host code of the kernels library).

@@ -286,9 +286,7 @@ void* prepare_plan(const PlanArgs& a, size_t workspace_bytes, cudaStream_t strea
 void launch_plan_counts(const PlanArgs& a, void* workspace, cudaStream_t stream, int num_sms) {
     const Layout& l = a.layout;
     const auto [ws, sym, peers, seg_tokens] = plan_launch(a, workspace);
-    const int nseg = num_segments(l);
     const int E = l.num_experts;
-
     if (int64_t(a.num_tokens) * l.topk <= kFusedEntries) {
         const size_t smem = 2 * sizeof(int32_t) * size_t(E);
         allow_smem(reinterpret_cast<const void*>(counts_kernel), smem);
@@ -299,7 +297,7 @@ void launch_plan_counts(const PlanArgs& a, void* workspace, cudaStream_t stream,
     }
     FLATEP_CUDA_CHECK(cudaMemsetAsync(ws.tpe_local, 0, sizeof(int32_t) * E, stream));
     FLATEP_CUDA_CHECK(cudaMemsetAsync(ws.first_bad, 0xff, sizeof(unsigned long long), stream));
-    const int hist_blocks = grid_blocks(num_sms, nseg, 4);
+    const int hist_blocks = grid_blocks(num_sms, num_segments(l), 4);
     histogram_kernel<<<hist_blocks, 256, sizeof(int32_t) * E, stream>>>(l, a.topk_idx, a.index_bytes, a.num_tokens,
                                                                         seg_tokens, ws);
     FLATEP_CUDA_CHECK_LAUNCH();

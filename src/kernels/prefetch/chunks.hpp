@@ -1,5 +1,6 @@
-// Host, plain C++ (no device code, so a test without a GPU includes it): how the prefetch kernels cut an expert's
-// words of every projection into chunks, one a block.
+// Host, plain C++ (no device code, so a test without a GPU includes it): how the push prefetch (training's) cuts an
+// expert's words of every projection into chunks, one a block. Serving's pull cuts its filled slots' words as one
+// stream over the grid instead (prefetch.cu) and uses no chunks.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +23,8 @@ struct PrefetchChunks {
 // ceil(n16[p] / chunk16) is below total16 / chunk16 + P), so chunk16 is sized for blocks - (P - 1) shares: then an
 // expert's chunks number at most `blocks` whenever blocks >= P. Sized for `blocks` shares, FP8 weights and their
 // scales made 33 chunks for 32 blocks and one block copied two, a third more time for the op on 8 virtual ranks of
-// an H200. n16: words of one expert per projection; num_projections in [1, kMaxPrefetchProjections]; blocks >= 1.
+// an H200 (seen in the pull, which then used these chunks too). n16: words of one expert per projection;
+// num_projections in [1, kMaxPrefetchProjections]; blocks >= 1.
 inline PrefetchChunks prefetch_chunks(const int64_t* n16, int num_projections, int blocks) {
     PrefetchChunks c{};
     int64_t total16 = 0;

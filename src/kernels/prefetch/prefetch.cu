@@ -120,13 +120,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 }
 
-// The copy plan of a grid of `blocks`: the chunks of prefetch_chunks (kernels/prefetch/chunks.hpp) and every
-// projection's pointers.
+// The copy plan of a grid of `blocks`: every projection's pointers and, for the push, the chunks of prefetch_chunks
+// (kernels/prefetch/chunks.hpp; the pull cuts its slots' words over the grid itself and leaves them empty).
 CopyPlan copy_plan(const PrefetchArgs& a, int blocks) {
     CopyPlan c{};
     c.num_projections = a.num_projections;
     for (int p = 0; p < a.num_projections; ++p) c.n16[p] = a.projections[p].expert_bytes / 16;
-    c.chunks = prefetch_chunks(c.n16, a.num_projections, blocks);
+    if (!a.pull) c.chunks = prefetch_chunks(c.n16, a.num_projections, blocks);
     for (int p = 0; p < a.num_projections; ++p) {
         const PrefetchProjection& pr = a.projections[p];
         if (a.pull) {
