@@ -1,6 +1,7 @@
 // Serving and decode on R virtual ranks of one GPU (issues 43 and 47), at the kernel level (tests/gpu's serving
 // harness: the library's kernels on LocalDeviceGroup streams, no Buffer). Per shape and tokens per call s:
-//   step      plan + dispatch + pull prefetch of the B slots (bf16 weights, one projection) + combine, every rank's
+//   step      plan + dispatch + pull prefetch of the B slots (bf16 weights, one projection; plan-ordered, without
+//             its barrier, as flatep.nn.MoE serves: PrefetchArgs::plan_ordered) + combine, every rank's
 //             stream replayed as one CUDA graph (forked from and joined into rank 0's; each rank's part is what a
 //             captured step of one rank runs). The expert GEMM is left out: combine reads fixed expert outputs.
 //             Modes: the owner planner (no replicas, no prefetch; its layout sized for decode, S = --owner-tokens,
@@ -10,7 +11,9 @@
 //             1x128 blocks as a companion projection, in one op (as ExpertPools moves a layer) and, for the A/B, in
 //             one op per projection (fp8_op_per_projection: two barriers); at B = epn also the training's push of
 //             the same slots; the pull's barrier alone (prefetch.barrier: an op with no slot to fill, the op's fixed
-//             part). Bytes: what the busiest rank pulls into its slots.
+//             part); and bf16 and FP8 plan-ordered (prefetch.bf16.plan_ordered, prefetch.fp8.plan_ordered: no
+//             barrier; the plan op's met every rank after its weights were written). Bytes: what the busiest rank
+//             pulls into its slots.
 //   step.no_prefetch, step.fp8  the balanced step without its prefetch, and with the FP8 pair pulled instead of bf16:
 //             the prefetch's cost inside a step (the graph's own launch not counted twice).
 //   slot_memory  bytes of one rank's slot pool per projection at B and at epn (bf16 and FP8 + scales).
@@ -201,7 +204,8 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
             spec.planner = m.planner;
             spec.tokens.assign(size_t(R), s);
             spec.prefetch = !m.owner;
-            spec.trust_marks = true;  // as a Buffer's dispatch: padding rows zeroed once, not every call
+            spec.plan_ordered = !m.owner;  // the pull as nn.MoE serves
+            spec.trust_marks = true;       // as a Buffer's dispatch: padding rows zeroed once, not every call
             ServingDevice dev(spec, l, group, pools);
             fill_inputs(dev, l, s, sigma);
             dev.enqueue_step();  // eager once: the plans the rows below count, the kernels loaded
@@ -229,10 +233,15 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
             row("dispatch", timed([&] { dev.enqueue_dispatch(); }), 0);  // the step's plan, replayed alone
             row("combine", timed([&] { dev.enqueue_combine(); }), 0);
             if (!m.owner) {
+                // The pull with its barrier (the op's default), then plan-ordered.
+                dev.set_plan_ordered(false);
                 row("prefetch.bf16", timed([&] { dev.enqueue_prefetch(0, 1); }), bytes[0]);
                 row("prefetch.fp8", timed([&] { dev.enqueue_prefetch(1, 2); }), bytes[1] + bytes[2]);
                 row("prefetch.fp8_op_per_projection",
                     timed([&] { dev.enqueue_prefetch(1, 2, false, /*op_per_projection=*/true); }), bytes[1] + bytes[2]);
+                dev.set_plan_ordered(spec.plan_ordered);
+                row("prefetch.bf16.plan_ordered", timed([&] { dev.enqueue_prefetch(0, 1); }), bytes[0]);
+                row("prefetch.fp8.plan_ordered", timed([&] { dev.enqueue_prefetch(1, 2); }), bytes[1] + bytes[2]);
                 // The prefetch's cost inside a step: the step without it, and with the FP8 pair instead of bf16.
                 row("step.no_prefetch", timed([&] { dev.enqueue_step(/*prefetch_count=*/0); }), 0);
                 row("step.fp8", timed([&] { dev.enqueue_step(/*prefetch_count=*/2, /*prefetch_first=*/1); }),
@@ -242,6 +251,7 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
                         for (int r = 0; r < R; ++r) {
                             PrefetchArgs a = dev.prefetch_args(r, 0, 1, false);
                             a.num_slots = 0;
+                            a.plan_ordered = false;
                             kernels::launch(a, group.stream(r), group.num_sms());
                         }
                     }),
@@ -269,6 +279,11 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
     for (const std::string& mode : {bm, std::string("balanced_bepn")}) {
         print_ratio(("FP8 prefetch / bf16 prefetch, " + mode + " at s=S").c_str(),
                     report.us(c, S, mode, "prefetch.fp8"), report.us(c, S, mode, "prefetch.bf16"), "(target <= 0.55)");
+        print_ratio(("FP8 / bf16 prefetch, plan-ordered (no barrier), " + mode + " at s=S").c_str(),
+                    report.us(c, S, mode, "prefetch.fp8.plan_ordered"),
+                    report.us(c, S, mode, "prefetch.bf16.plan_ordered"), "(target <= 0.55)");
+        print_ratio(("bf16 prefetch, plan-ordered / with its barrier, " + mode + " at s=S").c_str(),
+                    report.us(c, S, mode, "prefetch.bf16.plan_ordered"), report.us(c, S, mode, "prefetch.bf16"), "");
         print_ratio(("FP8 prefetch, one op per projection / bf16, " + mode + " at s=S").c_str(),
                     report.us(c, S, mode, "prefetch.fp8_op_per_projection"), report.us(c, S, mode, "prefetch.bf16"),
                     "(before: two ops)");

@@ -404,10 +404,10 @@ void bind_pools(py::module_& m) {
         .def("register_layer", &ExpertPools::register_layer, Release())
         .def(
             "prefetch",
-            [](ExpertPools& p, const Plan& plan, const ExpertLayer& layer, uintptr_t stream, int num_sms) {
-                p.prefetch(plan, layer, launch_of(stream, num_sms));
-            },
-            py::arg("plan"), py::arg("layer"), py::kw_only(), py::arg("stream") = 0, py::arg("num_sms") = -1, Release())
+            [](ExpertPools& p, const Plan& plan, const ExpertLayer& layer, uintptr_t stream, int num_sms,
+               bool plan_ordered) { p.prefetch(plan, layer, launch_of(stream, num_sms), plan_ordered); },
+            py::arg("plan"), py::arg("layer"), py::kw_only(), py::arg("stream") = 0, py::arg("num_sms") = -1,
+            py::arg("plan_ordered") = false, Release())
         .def(
             "reduce_grad",
             [](ExpertPools& p, const Plan& plan, const ExpertLayer& layer, uintptr_t stream, int num_sms) {

@@ -297,16 +297,17 @@ if AVAILABLE:
     @torch.library.custom_op("flatep::prefetch", mutates_args=("weights",))
     def prefetch_op(
         pools_id: int, layer: int, handle: Tensor, storage: Tensor, weights: List[Tensor], stream: int, num_sms: int,
+        plan_ordered: bool = False,
     ) -> None:
         p = _object(pools_id, "ExpertPools")
         ex = p.layers[layer]
         with p._launch("prefetch", _stream(p, stream), None, num_sms) as launch:
-            p._prefetch_raw(_OpPlan(handle, storage), ex, num_sms=launch.num_sms)
+            p._prefetch_raw(_OpPlan(handle, storage), ex, num_sms=launch.num_sms, plan_ordered=plan_ordered)
             _sync_views(weights, ex._weights)
         launch.finish(False, (storage,), ())
 
     @prefetch_op.register_fake
-    def _(pools_id, layer, handle, storage, weights, stream, num_sms):
+    def _(pools_id, layer, handle, storage, weights, stream, num_sms, plan_ordered=False):
         return None
 
     @torch.library.custom_op("flatep::reduce_grad", mutates_args=("grads",))

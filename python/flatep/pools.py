@@ -31,8 +31,8 @@ are padding the mapping granularity needs: readable, unspecified values, empty g
 rank's B slots at rows [R*Q, R*Q + B). A plan of a Buffer built with the pools' num_slots and view_stride has one
 group per view row (cu_seqlens [view_rows]), so a grouped GEMM over the view with offs = cu_seqlens reads every
 replica beyond the B slots straight from its owner's memory; ``prefetch`` pulls the B slotted experts from their owners
-(one barrier). Serving pools are forward-only (``grads`` / ``own_grads`` are None; reduce_grad and write_grads refuse)
-and register_layer is collective there.
+(one barrier, or none with ``plan_ordered=True``, which flatep.nn.MoE passes). Serving pools are forward-only
+(``grads`` / ``own_grads`` are None; reduce_grad and write_grads refuse) and register_layer is collective there.
 
 Weights other than bf16 (e.g. FP8): a projection may be given as (rows, cols, dtype) with dtype torch.float8_e4m3fn
 (or torch.uint8 for e4m3 bytes on a torch without it), torch.float32 (e.g. per-block scales of an e4m3 projection) or
@@ -247,9 +247,10 @@ class ExpertPools:
 
     # raw ops (no checks; flatep.ops calls them inside its OpLaunch): on the current stream, with SM budget num_sms
     # (-1: the pools')
-    def _prefetch_raw(self, plan, layer, *, num_sms=-1):
+    def _prefetch_raw(self, plan, layer, *, num_sms=-1, plan_ordered=False):
         with device_guard(self.device):
-            self._pools.prefetch(plan._plan, layer._layer, stream=stream_handle(self.device), num_sms=num_sms)
+            self._pools.prefetch(plan._plan, layer._layer, stream=stream_handle(self.device), num_sms=num_sms,
+                                 plan_ordered=plan_ordered)
 
     def _reduce_grad_raw(self, plan, layer, *, num_sms=-1):
         with device_guard(self.device):
@@ -278,17 +279,30 @@ class ExpertPools:
         code = _ops.stream_code(op, self, stream, previous_event, async_finish)
         return code, check_num_sms(op, num_sms)
 
-    def prefetch(self, plan, layer=None, *, stream=None, previous_event=None, async_finish=False, num_sms=None):
+    def prefetch(self, plan, layer=None, *, stream=None, previous_event=None, async_finish=False, num_sms=None,
+                 plan_ordered=False):
         """Collective: owners push this step's replicas (plan.slot_expert of every rank) of every projection into the
-        slot pools, i.e. into every layer's weights(p)[epn:]. Call after writing own_weights and before the GEMM.
-        Returns None (with async_finish=True: the EventHandle; the GEMM's stream waits for it)."""
+        slot pools, i.e. into every layer's weights(p)[epn:] (serving: each rank pulls its B slotted experts from their
+        owners). Call after writing own_weights and before the GEMM. Returns None (with async_finish=True: the
+        EventHandle; the GEMM's stream waits for it).
+
+        plan_ordered=True (serving pools only; every rank alike): the pull takes no barrier of its own, since the plan
+        op that made `plan` met every rank after its last write of its own weights. The caller promises that no rank
+        writes its layer's own weights from that plan op until the next Buffer op after this prefetch (the step's
+        combine): write weights between steps. flatep.nn.MoE's serving layers pass it."""
         layer = self._resolve("prefetch", plan, layer)
+        if not isinstance(plan_ordered, bool):
+            raise ValueError(f"prefetch: plan_ordered must be a bool, got {plan_ordered!r}")
+        if plan_ordered and not self.serving:
+            raise ValueError("prefetch: plan_ordered=True needs serving pools (num_slots < epn): training's push "
+                             f"needs its two barriers; these pools have num_slots={self.num_slots}")
         if _ops.compiling():
             code, num_sms = self._op_args("prefetch", stream, previous_event, async_finish, num_sms)
-            _ops.prefetch_op(self._op_id, layer._index, plan._handle, plan._storage, layer._weights, code, num_sms)
+            _ops.prefetch_op(self._op_id, layer._index, plan._handle, plan._storage, layer._weights, code, num_sms,
+                             plan_ordered)
             return None
-        return self._run("prefetch", lambda n: self._prefetch_raw(plan, layer, num_sms=n), stream, previous_event,
-                         async_finish, num_sms, (plan._storage,))
+        return self._run("prefetch", lambda n: self._prefetch_raw(plan, layer, num_sms=n, plan_ordered=plan_ordered),
+                         stream, previous_event, async_finish, num_sms, (plan._storage,))
 
     def reduce_grad(self, plan, layer=None, *, stream=None, previous_event=None, async_finish=False, num_sms=None):
         """Collective: adds the replicas' gradients (grads(p)[epn:] of every rank) into the owners' own_grads(p) in

@@ -11,7 +11,7 @@ namespace flatep::host {
 void run(const PrefetchArgs& a) {
     const int epn = a.experts_per_rank;
     if (a.pull) {
-        sync::host::barrier(a.sync, sync::kOpPrefetch);  // the owners' weights are final
+        if (!a.plan_ordered) sync::host::barrier(a.sync, sync::kOpPrefetch);  // the owners' weights are final
         for (int p = 0; p < a.num_projections; ++p) {
             const PrefetchProjection& pr = a.projections[p];
             for (int j = 0; j < a.num_slots; ++j) {

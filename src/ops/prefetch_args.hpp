@@ -34,6 +34,10 @@ struct PrefetchArgs {
     // Pull (serving): every rank copies the experts of its own slots from their owners' memory; one barrier (the
     // owners' weights are final); no rank writes another's memory.
     bool pull;
+    // Pull only: no barrier of its own. The plan op that made slot_expert met every rank after that rank's last write
+    // of its own weights, so the owners' weights are already final for this pull; the caller promises that no owner
+    // writes them between that plan op and this step's next collective op (serving writes weights between steps).
+    bool plan_ordered;
     int num_projections;  // in [1, kMaxPrefetchProjections]
     PrefetchProjection projections[kMaxPrefetchProjections];
     sync::SyncArgs sync;
@@ -49,6 +53,9 @@ inline void check_prefetch_args(const PrefetchArgs& a) {
     FLATEP_CHECK(a.num_projections >= 1 && a.num_projections <= kMaxPrefetchProjections,
                  "prefetch: num_projections must be in [1, ", kMaxPrefetchProjections, "], got ", a.num_projections);
     check_given("prefetch", "slot_expert", a.slot_expert);
+    FLATEP_CHECK(a.pull || !a.plan_ordered,
+                 "prefetch: plan_ordered must be false for a push (training's prefetch needs its two barriers), got "
+                 "true");
     for (int p = 0; p < a.num_projections; ++p) {
         const PrefetchProjection& pr = a.projections[p];
         FLATEP_CHECK(pr.expert_bytes > 0 && pr.expert_bytes % 16 == 0, "prefetch: projection ", p,
@@ -67,9 +74,10 @@ inline void check_prefetch_args(const PrefetchArgs& a) {
 
 namespace host {
 
-// The CPU twin (src/host/prefetch.cpp). Runs rank args.rank's part; collective. barrier; for every rank d and
-// slot j whose expert slot_expert[d][j] is owned by this rank, copy that expert's weights into d's slot pool at
-// slot j; barrier.
+// The CPU twin (src/host/prefetch.cpp). Runs rank args.rank's part. Push (collective): barrier; for every rank d
+// and slot j whose expert slot_expert[d][j] is owned by this rank, copy that expert's weights into d's slot pool at
+// slot j; barrier. Pull: barrier unless plan_ordered; for every slot j of this rank holding an expert, copy it from
+// its owner's weights.
 void run(const PrefetchArgs& args);
 
 }  // namespace host
@@ -77,8 +85,9 @@ void run(const PrefetchArgs& args);
 namespace kernels {
 
 // The CUDA launcher (src/kernels/prefetch): same contract and outputs as host::run (a bitwise copy).
-// Collective. Kernels: entry barrier (destinations are done with their previous slots) -> owner push of every
+// Push (collective): entry barrier (destinations are done with their previous slots) -> owner push of every
 // replicated expert of this rank into the slot of each rank hosting it -> exit barrier (every slot is filled).
+// Pull: barrier unless plan_ordered -> this rank's filled slots copied from their owners.
 void launch(const PrefetchArgs& args, CUstream_st* stream, int num_sms);
 
 }  // namespace kernels

@@ -339,7 +339,7 @@ sync::SyncArgs pool_sync(const SymmetricRegion& region, uint64_t* epoch, int ran
 }
 }  // namespace
 
-void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer, const Launch& launch) {
+void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer, const Launch& launch, bool plan_ordered) {
     const Launch run = enter(plan, layer, "prefetch", launch);
     const int R = transport_->num_ranks();
     // Every projection in one op (one barrier for a pull, two for a push), kMaxPrefetchProjections at a time.
@@ -351,6 +351,7 @@ void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer, const Lau
         args.num_slots = num_slots_;
         args.slot_expert = plan.data().op_view().slot_expert;  // [R][epn]
         args.pull = serving();
+        args.plan_ordered = plan_ordered;
         args.num_projections = std::min(kMaxPrefetchProjections, num_projections() - first);
         for (int i = 0; i < args.num_projections; ++i) {
             const int p = first + i;

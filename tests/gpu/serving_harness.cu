@@ -123,6 +123,7 @@ std::vector<ServingOutputs> run_serving_host(const ServingSpec& spec, const Layo
             fa.num_slots = B;
             fa.slot_expert = plan.view.slot_expert;
             fa.pull = !spec.prefetch_push;
+            fa.plan_ordered = fa.pull && spec.plan_ordered;
             fa.num_projections = P;
             for (int p = 0; p < P; ++p) {
                 PrefetchProjection& pp = fa.projections[p];
@@ -285,6 +286,7 @@ PrefetchArgs ServingDevice::prefetch_args(int r, int first, int count, bool push
     a.num_slots = layout_.num_slots;
     a.slot_expert = make_plan_view(layout_, ranks_[r].plan).slot_expert;
     a.pull = !push;
+    a.plan_ordered = !push && spec_.plan_ordered;
     a.num_projections = count;
     for (int i = 0; i < count; ++i) {
         const int projection = first + i;

@@ -44,6 +44,7 @@ struct ServingSpec {
     bool weighted = true;
     bool prefetch = true;        // the step pulls the slots (the owner planner's step has none to pull)
     bool prefetch_push = false;  // push instead of pull (training's prefetch; B = epn only)
+    bool plan_ordered = false;   // the pull without its barrier (PrefetchArgs::plan_ordered), as nn.MoE serves
     // Dispatch trusts the receive region's row marks once a dispatch since the last upload set them, as a Buffer does
     // (DispatchArgs::marks_valid: padding rows already zero are not zeroed again). Off: every dispatch zeroes every
     // padding row (the tests' setting, which trusts nothing).
@@ -97,6 +98,8 @@ class ServingDevice {
     // ExpertPools::prefetch moves a layer, or in one op per projection (op_per_projection: the form before one op
     // carried several, kept for the benchmark's A/B).
     void enqueue_prefetch(int first = 0, int count = -1, bool push = false, bool op_per_projection = false);
+    // Later pulls with (or without) their barrier: spec.plan_ordered from now on.
+    void set_plan_ordered(bool plan_ordered) { spec_.plan_ordered = plan_ordered; }
     void enqueue_combine();
     // plan, dispatch, prefetch of projections [prefetch_first, prefetch_first + prefetch_count) in one op (count -1:
     // all from prefetch_first; 0: none; when spec.prefetch), combine

@@ -310,11 +310,20 @@ std::vector<Entry> make_cases() {
     e.spec.planner = PlannerKind::kBalanced;
     e.spec.weighted = true;
     cases.push_back(e);
+    // The pull without its barrier, ordered by the plan op's (as nn.MoE serves): the same slots, bitwise.
+    e = Entry{};
+    e.spec.name = "serving_b4_balanced_plan_ordered";
+    e.spec.config = serving_config(8, 256, 128, 8, 128, 8, 4);
+    e.spec.tokens = ragged;
+    e.spec.plan_ordered = true;
+    e.needs_overflow = true;
+    cases.push_back(e);
     // Graph-captured steps replayed with new routing.
     e = Entry{};
     e.spec.name = "serving_b4_balanced_graph";
     e.spec.config = serving_config(8, 256, 128, 8, 128, 8, 4);
     e.spec.tokens = ragged;
+    e.spec.plan_ordered = true;  // replays: each step's pull reads the weights after that step's plan
     e.graph = true;
     e.needs_overflow = true;
     cases.push_back(e);

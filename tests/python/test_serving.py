@@ -181,7 +181,7 @@ def test_fp8_weights_and_scales_prefetched_bytewise(num_slots):
     def step(r):
         pools, buffer, layer = made[r]
         plan = buffer.plan(idx[r])
-        pools.prefetch(plan, layer)
+        pools.prefetch(plan, layer, plan_ordered=pools.serving)  # serving: the pull ordered by the plan op's barrier
         with pytest.raises(ValueError, match=r"reduce_grad: these pools are forward-only"):
             pools.reduce_grad(plan, layer)
         return plan
@@ -318,6 +318,12 @@ def test_errors_name_the_argument_and_the_value():
     with pytest.raises(ValueError, match=r"^prefetch: plan has num_slots=2 view_stride=\d+ but the pools have"):
         pools.prefetch(other.plan(torch.zeros(3, 1, dtype=torch.long)), layer)
     serving_plan = moe.buffer.plan(torch.zeros(3, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^prefetch: plan_ordered must be a bool, got 1$"):
+        pools.prefetch(serving_plan, layer, plan_ordered=1)
+    training_pools = flatep.ExpertPools(ranks[0], 4, [(8, 8)])
+    with pytest.raises(ValueError, match=r"^prefetch: plan_ordered=True needs serving pools \(num_slots < epn\): "
+                                         r"training's push needs its two barriers; these pools have num_slots=4$"):
+        training_pools.prefetch(plan, training_pools.register_layer(), plan_ordered=True)
     with pytest.raises(ValueError, match=r"^write_grads: these pools are forward-only \(serving: num_slots=2 < epn=4\)"):
         pools.write_grads(serving_plan, layer, 0, torch.zeros(2 * 4, H, 2 * F))
     with pytest.raises(ValueError, match=r"^view_row: the serving view's rows"):

@@ -148,7 +148,8 @@ int copy_blocks(const PrefetchArgs& a, int copies, int num_sms) {
 }
 
 void launch_pull(const PrefetchArgs& a, cudaStream_t stream, int num_sms) {
-    launch_barrier(a.sync, sync::kOpPrefetch, stream);  // the owners' weights are final
+    // The owners' weights are final (plan_ordered: the plan op's barriers met every rank after its writes).
+    if (!a.plan_ordered) launch_barrier(a.sync, sync::kOpPrefetch, stream);
     if (a.num_slots == 0) return;
     const int blocks = copy_blocks(a, a.num_slots, num_sms);
     prefetch_pull_kernel<<<blocks, kThreads, 0, stream>>>(a.rank, a.experts_per_rank, a.num_slots, a.slot_expert,

@@ -3,8 +3,10 @@
 // geometry of the view, and forward-only refusals.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include "common/bf16.hpp"
@@ -131,6 +133,59 @@ TEST_P(ServingPools, ViewReadsOwnersInPlaceAndPullFillsTheSlots) {
 INSTANTIATE_TEST_SUITE_P(Slots, ServingPools,
                          ::testing::Values(ServingCase{4, 4, 0, 24, 3}, ServingCase{4, 4, 1, 24, 3},
                                            ServingCase{4, 4, 3, 24, 3}, ServingCase{2, 8, 2, 32, 4}));
+
+// prefetch(plan_ordered = true): the pull has no barrier of its own, so what orders it after the owners' writes is
+// the plan op's barrier. Rank 1 (every replica's owner: the hot experts are its own) writes new weights late, just
+// before its plan op; the other ranks plan at once and pull: they must read the new weights, never the old ones.
+// Two steps, new weights each time. The push refuses plan_ordered.
+TEST(ServingPools, PlanOrderedPullSeesWeightsWrittenBeforeThePlan) {
+    const int R = 4, epn = 4, E = R * epn, B = 2, S = 24, K = 3;
+    const std::vector<ProjectionShape> shapes = {{4, 8}};
+    const int64_t n = shapes[0].elems();
+    transport::LocalHostWorld world(R, 20.0);
+    std::vector<int> pulled(R, 0);
+    const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
+        ExpertPools pools(world.transport(rank), epn, shapes, B);
+        Config config{
+            .num_ranks = R, .rank = rank, .num_experts = E, .num_tokens = S, .topk = K, .hidden = 8, .align = 1};
+        config.num_slots = B;
+        config.view_stride = pools.view_stride();
+        Buffer buffer(config, world.transport(rank));
+        ExpertLayer layer = pools.register_layer();
+        // Every token of every rank goes to rank 1's experts 4, 5, 6: rank 1 overflows, the others take replicas.
+        std::vector<int32_t> idx(size_t(S) * K);
+        for (int t = 0; t < S; ++t)
+            for (int k = 0; k < K; ++k) idx[size_t(t) * K + k] = epn + k;
+        for (int step = 1; step <= 2; ++step) {
+            if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the late owner
+            for (int l = 0; l < epn; ++l)
+                for (int64_t i = 0; i < n; ++i) layer.own_weights(0)[l * n + i] = key(rank * epn + l, step, i);
+            const Plan plan = buffer.plan(idx.data(), 4, S);
+            pools.prefetch(plan, layer, {}, /*plan_ordered=*/true);
+            const std::span<const int32_t> se = plan.slot_expert(rank);
+            for (int j = 0; j < B; ++j) {
+                if (se[j] < 0) continue;
+                ++pulled[rank];
+                const uint16_t* slot = pools.slot_pool(0) + j * n;
+                for (int64_t i = 0; i < n; ++i)
+                    ASSERT_EQ(slot[i], key(se[j], step, i)) << "step " << step << " rank " << rank << " slot " << j;
+            }
+        }
+    });
+    ASSERT_EQ(failures(errors), "");
+    EXPECT_GT(pulled[0] + pulled[2] + pulled[3], 0)
+        << "no rank pulled one of rank 1's experts: the test checks nothing";
+
+    transport::LocalHostWorld one(1, 10.0);
+    ExpertPools training(one.transport(0), 4, {{4, 8}});  // B = epn: the push
+    Config config{.num_ranks = 1, .rank = 0, .num_experts = 4, .num_tokens = 4, .topk = 1, .hidden = 8, .align = 1};
+    Buffer buffer(config, one.transport(0));
+    ExpertLayer layer = training.register_layer();
+    std::vector<int32_t> idx = {0, 1, 2, 3};
+    const Plan plan = buffer.plan(idx.data(), 4, 4);
+    EXPECT_EQ(error_message([&] { training.prefetch(plan, layer, {}, true); }),
+              "prefetch: plan_ordered must be false for a push (training's prefetch needs its two barriers), got true");
+}
 
 TEST(ServingPools, PlanAndPoolsMustAgreeOnSlotsAndStride) {
     transport::LocalHostWorld world(1, 10.0);
