@@ -608,7 +608,9 @@ class MoE(torch.nn.Module):
                              "at construction or run one eager forward first")
 
     def _experts(self, plan, recv_x):
-        if self.serving:
+        # Serving pools, and the training layout's inference (autograd records nothing, eager): the FFN without an
+        # autograd graph, whose activation and zeroing stop at the last group end (flatep.ffn.grouped_ffn).
+        if self.serving or (not torch.is_grad_enabled() and not _ops.compiling()):
             return serving_experts(self.pools, self.expert_layer, plan, recv_x, self.activation)
         if _ops.compiling():
             return _experts_compiled(self, plan, recv_x)

@@ -170,3 +170,43 @@ def test_inference_step_replays_as_one_cuda_graph_per_rank_bitwise():
                                                    chunks=counts)
         assert rel_err(torch.cat(want), ref) < TOL, planner
     testing.release_all()
+
+
+@pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_training_layout_inference_is_its_autograd_forward_bitwise(device_type, monkeypatch):
+    """nn.MoE in the training layout (B = epn) under torch.no_grad() takes the serving FFN (no autograd graph; on a
+    GPU the activation and zeroing kernels bounded by the last group end), and its output is bitwise the forward that
+    records autograd, on ragged ranks with an empty one."""
+    if device_type == "cuda" and CUDA_SKIP is not None:
+        pytest.skip(f"cuda: {CUDA_SKIP}")
+    import flatep
+    from flatep import testing, virtual
+
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    calls = []
+    real = flatep.nn.serving_experts
+    monkeypatch.setattr(flatep.nn, "serving_experts", lambda *a: calls.append(1) or real(*a))
+    xs, idx = inputs(COUNTS, 11)
+    ranks = virtual.virtual_ranks(R, device, timeout_s=60)
+    moes = virtual.run_threads(R, lambda r: flatep.nn.MoE(H, F, E, K, ranks[r], num_tokens=S, align=8, seed=3,
+                                                          device=device))
+    streams = [torch.cuda.Stream(device) if device.type == "cuda" else None for _ in range(R)]
+
+    def run(r, grad):
+        with torch.enable_grad() if grad else torch.no_grad():
+            x = xs[r].to(device).requires_grad_(grad)
+            if streams[r] is None:
+                return moes[r](x, idx[r]).detach().clone()
+            with torch.cuda.stream(streams[r]):
+                out = moes[r](x, idx[r].to(device)).detach().cpu()
+                streams[r].synchronize()
+                return out
+
+    recorded = virtual.run_threads(R, lambda r: run(r, True))
+    assert not calls, "the forward that records autograd must keep the autograd function"
+    inference = virtual.run_threads(R, lambda r: run(r, False))
+    testing.release_all()
+    assert len(calls) == R, "no_grad: every rank's experts through serving_experts"
+    for r in range(R):
+        assert torch.equal(recorded[r].view(torch.int16), inference[r].view(torch.int16)), f"rank {r}"
+    assert any(o.shape[0] > 0 and o.abs().max() > 0 for o in inference)
