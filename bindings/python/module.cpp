@@ -300,34 +300,34 @@ void bind_buffer(py::module_& m) {
         .def(
             "dispatch",
             [](Buffer& b, const Plan& plan, uintptr_t x, uintptr_t topk_weights, uintptr_t recv_x, uintptr_t recv_w,
-               uintptr_t stream, int num_sms) {
+               uintptr_t stream, int num_sms, bool plan_ordered) {
                 b.dispatch(plan, as_ptr<const uint16_t>(x), as_ptr<const float>(topk_weights), as_ptr<uint16_t>(recv_x),
-                           as_ptr<float>(recv_w), launch_of(stream, num_sms));
+                           as_ptr<float>(recv_w), launch_of(stream, num_sms), plan_ordered);
             },
             py::arg("plan"), py::arg("x"), py::arg("topk_weights"), py::arg("recv_x"), py::arg("recv_w"), py::kw_only(),
-            py::arg("stream") = 0, py::arg("num_sms") = -1, Release())
+            py::arg("stream") = 0, py::arg("num_sms") = -1, py::arg("plan_ordered") = false, Release())
         .def(
             "dispatch_fp8",
             [](Buffer& b, const Plan& plan, uintptr_t x_bf16, uintptr_t x_fp8, uintptr_t x_scales,
                uintptr_t topk_weights, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_w, bool ue8m0,
-               uintptr_t stream, int num_sms) {
+               uintptr_t stream, int num_sms, bool plan_ordered) {
                 b.dispatch_fp8(plan, as_ptr<const uint16_t>(x_bf16), as_ptr<const uint8_t>(x_fp8),
                                as_ptr<const float>(x_scales), as_ptr<const float>(topk_weights),
                                as_ptr<uint8_t>(recv_x), as_ptr<float>(recv_scales), as_ptr<float>(recv_w),
-                               ue8m0 ? Fp8Scale::kUe8m0 : Fp8Scale::kFloat, launch_of(stream, num_sms));
+                               ue8m0 ? Fp8Scale::kUe8m0 : Fp8Scale::kFloat, launch_of(stream, num_sms), plan_ordered);
             },
             py::arg("plan"), py::arg("x_bf16"), py::arg("x_fp8"), py::arg("x_scales"), py::arg("topk_weights"),
             py::arg("recv_x"), py::arg("recv_scales"), py::arg("recv_w"), py::arg("ue8m0"), py::kw_only(),
-            py::arg("stream") = 0, py::arg("num_sms") = -1, Release())
+            py::arg("stream") = 0, py::arg("num_sms") = -1, py::arg("plan_ordered") = false, Release())
         .def(
             "combine",
             [](Buffer& b, const Plan& plan, uintptr_t y, uintptr_t weights, uintptr_t out, uintptr_t stream,
-               int num_sms) {
+               int num_sms, bool plan_ordered) {
                 b.combine(plan, as_ptr<const uint16_t>(y), as_ptr<const float>(weights), as_ptr<uint16_t>(out),
-                          launch_of(stream, num_sms));
+                          launch_of(stream, num_sms), plan_ordered);
             },
             py::arg("plan"), py::arg("y"), py::arg("weights"), py::arg("out"), py::kw_only(), py::arg("stream") = 0,
-            py::arg("num_sms") = -1, Release())
+            py::arg("num_sms") = -1, py::arg("plan_ordered") = false, Release())
         .def(
             "entry_values",
             [](Buffer& b, const Plan& plan, uintptr_t row_values, uintptr_t out, uintptr_t stream, int num_sms) {

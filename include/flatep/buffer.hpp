@@ -122,8 +122,13 @@ class Buffer {
     // symmetric_recv_x()); recv_w: [NvS] fp32 out or null. Real rows get their token row and weight, padding rows
     // inside a group's padded range are zero with weight 0, rows past the last group end are not written.
     // A rank that passes no tokens (num_tokens 0) may pass null x (and null out / combine, entry_values).
+    // plan_ordered (every rank alike): no entry barrier. The plan op that made `plan`, stream-ordered before this call
+    // on every rank, met every rank after its earlier reads of the receive region, so none can still be reading it.
+    // The caller promises that this is the first op on this Buffer since that plan op, and that whatever read the
+    // region before (the previous step's FFN on zero-copy rows, say) is stream-ordered before that plan op on every
+    // rank. An inference step (plan, dispatch, expert FFN, combine on one stream) keeps it.
     void dispatch(const Plan& plan, const uint16_t* x, const float* topk_weights, uint16_t* recv_x, float* recv_w,
-                  const Launch& launch = {});
+                  const Launch& launch = {}, bool plan_ordered = false);
 
     // dispatch of FP8 rows (design §6, "FP8 rows"): the same plan, receive layout and weights, with each row moved as
     // H e4m3 bytes plus H/128 fp32 scales (x ~= e4m3(q) * scale per block of 128 channels). H must be a multiple of
@@ -134,14 +139,18 @@ class Buffer {
     // recv_x: [NvS][H] e4m3 out, recv_scales: [NvS][H/128] fp32 out (either may be symmetric_recv_x_fp8() /
     // symmetric_recv_scales() to skip the copy-out), recv_w: [NvS] fp32 out or null. Real rows get their token's
     // e4m3 row, scales and weight; padding rows inside a group's padded range get zero bytes, zero scales and weight
-    // 0; rows past the last group end are not written. Both backends give the same bits.
+    // 0; rows past the last group end are not written. Both backends give the same bits. plan_ordered: as dispatch's.
     void dispatch_fp8(const Plan& plan, const uint16_t* x_bf16, const uint8_t* x_fp8, const float* x_scales,
                       const float* topk_weights, uint8_t* recv_x, float* recv_scales, float* recv_w,
-                      Fp8Scale scale_mode = Fp8Scale::kFloat, const Launch& launch = {});
+                      Fp8Scale scale_mode = Fp8Scale::kFloat, const Launch& launch = {}, bool plan_ordered = false);
 
     // y: [NvS][H] bf16 expert outputs; weights: [NvS] fp32 per-row weights (weighted combine) or null;
     // out: [s][H] bf16, the sum of each token's K rows (design §6 numerics).
-    void combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out, const Launch& launch = {});
+    // plan_ordered (every rank alike): no entry barrier. This step's plan op and dispatch (a plan_ordered one or not),
+    // stream-ordered before this call on every rank, met every rank after its previous combine's reads of the
+    // partials; the caller promises that no other op ran on this Buffer between that dispatch and this combine.
+    void combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out, const Launch& launch = {},
+                 bool plan_ordered = false);
 
     // Local (not collective) rest of a weighted combine's backward, after the output gradient was dispatched back to
     // the rows (dispatch(plan, grad_out, nullptr, rows, nullptr)). For every receive row i in [0, NvS) of this rank:

@@ -19,8 +19,9 @@ void run(const CombineArgs& a, OpStats* stats) {
     const SymmetricLayout sym = make_symmetric_layout(l);
     std::vector<float> acc(H);
 
-    // The entry barrier keeps us from overwriting partials a source may still be pulling in its previous combine.
-    sync::host::barrier(a.sync, sync::kOpCombine);
+    // The entry barrier keeps us from overwriting partials a source may still be pulling in its previous combine
+    // (plan_ordered: this step's plan and dispatch met every rank after that combine).
+    if (!a.plan_ordered) sync::host::barrier(a.sync, sync::kOpCombine);
 
     // Destination side: one fp32 partial per chain, terms in ascending k, rounded to bf16.
     auto* partial = region_at<uint16_t>(a.peers[a.rank], sym.partial_offset);
@@ -43,7 +44,7 @@ void run(const CombineArgs& a, OpStats* stats) {
             if (stats != nullptr) ++stats->partials_written;
         }
     }
-    sync::host::barrier(a.sync, sync::kOpCombine);
+    sync::host::barrier(a.sync, a.plan_ordered ? sync::kOpCombineOrdered : sync::kOpCombine);
 
     // Source side: pull one partial per destination, add in ascending destination rank, round once.
     for (int t = 0; t < num_tokens; ++t) {

@@ -17,8 +17,9 @@ void run(const DispatchArgs& a, OpStats* stats) {
     const SymmetricLayout sym = make_symmetric_layout(l);
     const size_t row_bytes = size_t(l.row_bytes());
 
-    // The entry barrier keeps us from overwriting rows a destination may still be reading in its previous op.
-    sync::host::barrier(a.sync, sync::kOpDispatch);
+    // The entry barrier keeps us from overwriting rows a destination may still be reading in its previous op
+    // (plan_ordered: this step's plan op met every rank after those reads).
+    if (!a.plan_ordered) sync::host::barrier(a.sync, sync::kOpDispatch);
 
     // Source side: one row per (token, destination) at the chain head, one weight per entry.
     push_token_rows(l, p, num_tokens, a.topk_weights, a.peers, sym.recv_w_offset, [&](int t, int d, int32_t row) {
@@ -28,7 +29,7 @@ void run(const DispatchArgs& a, OpStats* stats) {
             if (d != a.rank) ++stats->rows_pushed_remote;
         }
     });
-    sync::host::barrier(a.sync, sync::kOpDispatch);
+    sync::host::barrier(a.sync, a.plan_ordered ? sync::kOpDispatchOrdered : sync::kOpDispatch);
 
     // Destination side: fan out from the chain heads, carry weights, zero padding.
     const auto* sym_x = region_at<const uint16_t>(a.peers[a.rank], sym.recv_x_offset);

@@ -20,7 +20,8 @@ void run(const DispatchFp8Args& a, OpStats* stats) {
     const int64_t scales_offset = fp8_recv_scales_offset(l, sym);
     const size_t scale_bytes = size_t(num_blocks) * sizeof(float);
 
-    sync::host::barrier(a.sync, sync::kOpDispatchFp8);  // destinations are done reading their previous contents
+    // Destinations are done reading their previous contents (plan_ordered: this step's plan op met every rank after).
+    if (!a.plan_ordered) sync::host::barrier(a.sync, sync::kOpDispatchFp8);
 
     // Source side: one row per (token, destination) at the chain head, one weight per entry. bf16 rows are quantised
     // once, into the first destination's row, and copied from there to the others.
@@ -48,7 +49,8 @@ void run(const DispatchFp8Args& a, OpStats* stats) {
             if (d != a.rank) ++stats->rows_pushed_remote;
         }
     });
-    sync::host::barrier(a.sync, sync::kOpDispatchFp8);  // every source's rows, scales and weights have landed
+    // Every source's rows, scales and weights have landed.
+    sync::host::barrier(a.sync, a.plan_ordered ? sync::kOpDispatchFp8Ordered : sync::kOpDispatchFp8);
 
     // Destination side: fan out from the chain heads, carry weights, zero padding.
     const uint8_t* sym_x = a.peers[a.rank] + fp8_recv_x_offset(sym);

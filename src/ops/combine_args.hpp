@@ -21,6 +21,10 @@ struct CombineArgs {
     PlanView plan;
     uint8_t* peers[kMaxRanks];
     uint16_t* out;  // [s][H] bf16 out, one row per token of this rank
+    // No entry barrier. This step's plan op and dispatch (stream-ordered before this combine on every rank) met every
+    // rank after its previous combine's pulls of the partials, so none can still be reading this rank's partials; the
+    // caller promises that no combine of this plan ran before it.
+    bool plan_ordered;
     sync::SyncArgs sync;
 };
 
@@ -43,7 +47,8 @@ namespace host {
 //   source, per token t: acc = 0.0f; for d ascending with entries of t: acc += float(partial_d[head row of t on d]);
 //     out[t] = bf16(acc)   (a token without any valid entry gets a zero row)
 // src/host is compiled with -ffp-contract=off so the compiler never fuses the unweighted adds.
-// Runs rank args.rank's part; collective. Barriers: entry, then between the destination and source sides.
+// Runs rank args.rank's part; collective. Barriers: entry (none when plan_ordered), then between the destination and
+// source sides.
 void run(const CombineArgs& args, OpStats* stats = nullptr);
 
 }  // namespace host
@@ -51,9 +56,9 @@ void run(const CombineArgs& args, OpStats* stats = nullptr);
 namespace kernels {
 
 // The CUDA launcher (src/kernels/combine): same contract and outputs as host::run (bitwise).
-// Collective. Kernels: entry barrier -> partials on the destination (per chain head: fp32 sum of the chain's rows in
-// ascending k, fmaf when weighted, rounded to bf16 into the symmetric partial region) -> barrier -> pull on the
-// source (warp per token: one read per destination rank, fp32 sum in ascending rank, one bf16 rounding).
+// Collective. Kernels: entry barrier (none when plan_ordered) -> partials on the destination (per chain head: fp32 sum
+// of the chain's rows in ascending k, fmaf when weighted, rounded to bf16 into the symmetric partial region) -> barrier
+// -> pull on the source (warp per token: one read per destination rank, fp32 sum in ascending rank, one bf16 rounding).
 void launch(const CombineArgs& args, CUstream_st* stream, int num_sms);
 
 }  // namespace kernels

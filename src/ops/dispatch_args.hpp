@@ -26,6 +26,10 @@ struct DispatchArgs {
     // padding rows not marked zero already; otherwise (false: a region nobody has marked yet) it zeroes every padding
     // row and marks every row. The CPU twin zeroes every padding row either way (same outputs).
     bool marks_valid;
+    // No entry barrier. The plan op of this step (stream-ordered before this dispatch on every rank) met every rank
+    // after its previous reads of the receive region, so no destination can still be reading it; the caller promises
+    // that no op touched the region between that plan op and this dispatch (serving: plan, dispatch, FFN, combine).
+    bool plan_ordered;
     sync::SyncArgs sync;
 };
 
@@ -43,9 +47,9 @@ namespace host {
 
 // The CPU twin (src/host/dispatch.cpp; the source and destination sides it shares with dispatch_fp8 are in
 // host/dispatch.hpp). Runs rank args.rank's part; collective.
-//   barrier; source side: for each token and destination d, copy the bf16 row once to d's symmetric recv_x at the
-//   chain head row (dedup) and write every entry's weight (1 when topk_weights is null) to d's recv_w at its row;
-//   barrier; destination side: every real row r gets recv_x[r] = symmetric recv_x[row_head[r]] and
+//   barrier (none when plan_ordered); source side: for each token and destination d, copy the bf16 row once to d's
+//   symmetric recv_x at the chain head row (dedup) and write every entry's weight (1 when topk_weights is null) to d's
+//   recv_w at its row; barrier; destination side: every real row r gets recv_x[r] = symmetric recv_x[row_head[r]] and
 //   recv_w[r] = symmetric recv_w[r]; padding rows of every group are zero (weight 0); rows past the last group end
 //   are not touched. recv_x / recv_w may alias this rank's symmetric regions.
 void run(const DispatchArgs& args, OpStats* stats = nullptr);
@@ -55,9 +59,9 @@ void run(const DispatchArgs& args, OpStats* stats = nullptr);
 namespace kernels {
 
 // The CUDA launcher (src/kernels/dispatch): same contract and outputs as host::run (bitwise).
-// Collective. Kernels: entry barrier -> push (one 16-byte-vectorised store stream per (token, destination rank),
-// one weight per entry) -> barrier -> fan-out on the destination (duplicates copied from their chain head, the
-// copy-out when recv_x is not the symmetric region, weights, zeroed padding).
+// Collective. Kernels: entry barrier (none when plan_ordered) -> push (one 16-byte-vectorised store stream per (token,
+// destination rank), one weight per entry) -> barrier -> fan-out on the destination (duplicates copied from their chain
+// head, the copy-out when recv_x is not the symmetric region, weights, zeroed padding).
 void launch(const DispatchArgs& args, CUstream_st* stream, int num_sms);
 
 }  // namespace kernels

@@ -29,6 +29,7 @@ struct DispatchFp8Args {
     uint8_t* recv_x;            // [NvS][H] e4m3 out; may be this rank's symmetric FP8 rows (fp8_recv_x_offset)
     float* recv_scales;         // [NvS][H/128] fp32 out; may be this rank's symmetric scales (fp8_recv_scales_offset)
     float* recv_w;              // [NvS] fp32 out: routing weight per row, 0 on padding; may be null
+    bool plan_ordered;          // no entry barrier: as DispatchArgs::plan_ordered
     sync::SyncArgs sync;
 };
 
@@ -70,13 +71,13 @@ namespace host {
 
 // The CPU twin (src/host/dispatch_fp8.cpp). Runs rank args.rank's part; collective. The same steps as
 // host::run(const DispatchArgs&) with FP8 rows:
-//   barrier; source side: for each token and destination d, its e4m3 row and scales once into d's symmetric FP8
-//   rows at the chain head row (bf16 input: quantised by the design §6 rule into the first destination's row, then
-//   copied from there to the others; pre-quantised input: copied as given), every entry's weight (1 when topk_weights
-//   is null) into d's recv_w at its row;
-//   barrier; destination side: every real row r gets the e4m3 row and scales of its chain head and its weight;
-//   padding rows of every group get zero bytes, zero scales and weight 0; rows past the last group end are not
-//   touched. recv_x / recv_scales may alias this rank's symmetric FP8 rows and scales.
+//   barrier (none when plan_ordered); source side: for each token and destination d, its e4m3 row and scales once into
+//   d's symmetric FP8 rows at the chain head row (bf16 input: quantised by the design §6 rule into the first
+//   destination's row, then copied from there to the others; pre-quantised input: copied as given), every entry's
+//   weight (1 when topk_weights is null) into d's recv_w at its row; barrier; destination side: every real row r gets
+//   the e4m3 row and scales of its chain head and its weight; padding rows of every group get zero bytes, zero scales
+//   and weight 0; rows past the last group end are not touched. recv_x / recv_scales may alias this rank's symmetric
+//   FP8 rows and scales.
 void run(const DispatchFp8Args& args, OpStats* stats = nullptr);
 
 }  // namespace host
@@ -84,11 +85,11 @@ void run(const DispatchFp8Args& args, OpStats* stats = nullptr);
 namespace kernels {
 
 // The CUDA launcher (src/kernels/dispatch/dispatch_fp8.cu): same contract and outputs as host::run
-// (bitwise). Collective. Kernels: entry barrier -> push (warp per token: the bf16 row is quantised once, in registers,
-// then its e4m3 bytes and scales are stored to every destination rank's chain-head row; pre-quantised rows are copied
-// as they are; one weight per entry) -> barrier -> fan-out on the destination (duplicates copied from their chain
-// head, the copy-out when recv_x / recv_scales are not the symmetric region, weights, zeroed padding rows and
-// scales).
+// (bitwise). Collective. Kernels: entry barrier (none when plan_ordered) -> push (warp per token: the bf16 row is
+// quantised once, in registers, then its e4m3 bytes and scales are stored to every destination rank's chain-head row;
+// pre-quantised rows are copied as they are; one weight per entry) -> barrier -> fan-out on the destination (duplicates
+// copied from their chain head, the copy-out when recv_x / recv_scales are not the symmetric region, weights, zeroed
+// padding rows and scales).
 void launch(const DispatchFp8Args& args, CUstream_st* stream, int num_sms);
 
 }  // namespace kernels

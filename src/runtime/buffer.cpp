@@ -260,7 +260,7 @@ Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t
 }
 
 void Buffer::dispatch(const Plan& plan, const uint16_t* x, const float* topk_weights, uint16_t* recv_x, float* recv_w,
-                      const Launch& launch) {
+                      const Launch& launch, bool plan_ordered) {
     const Launch run = enter("dispatch", launch);
     check_plan(plan, "dispatch");
     auto args = op_args<DispatchArgs>(plan);
@@ -268,6 +268,7 @@ void Buffer::dispatch(const Plan& plan, const uint16_t* x, const float* topk_wei
     args.topk_weights = topk_weights;
     args.recv_x = recv_x;
     args.recv_w = recv_w;
+    args.plan_ordered = plan_ordered;
     check_dispatch_args(args, plan.num_tokens());
     backend_->dispatch(args, run);
     after_op(run);
@@ -275,7 +276,7 @@ void Buffer::dispatch(const Plan& plan, const uint16_t* x, const float* topk_wei
 
 void Buffer::dispatch_fp8(const Plan& plan, const uint16_t* x_bf16, const uint8_t* x_fp8, const float* x_scales,
                           const float* topk_weights, uint8_t* recv_x, float* recv_scales, float* recv_w,
-                          Fp8Scale scale_mode, const Launch& launch) {
+                          Fp8Scale scale_mode, const Launch& launch, bool plan_ordered) {
     const Launch run = enter("dispatch_fp8", launch);
     check_plan(plan, "dispatch_fp8");
     auto args = op_args<DispatchFp8Args>(plan);
@@ -287,18 +288,21 @@ void Buffer::dispatch_fp8(const Plan& plan, const uint16_t* x_bf16, const uint8_
     args.recv_x = recv_x;
     args.recv_scales = recv_scales;
     args.recv_w = recv_w;
+    args.plan_ordered = plan_ordered;
     check_dispatch_fp8_args(args, plan.num_tokens());
     backend_->dispatch_fp8(args, run);
     after_op(run);
 }
 
-void Buffer::combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out, const Launch& launch) {
+void Buffer::combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out, const Launch& launch,
+                     bool plan_ordered) {
     const Launch run = enter("combine", launch);
     check_plan(plan, "combine");
     auto args = op_args<CombineArgs>(plan);
     args.y = y;
     args.weights = weights;
     args.out = out;
+    args.plan_ordered = plan_ordered;
     check_combine_args(args, plan.num_tokens());
     backend_->combine(args, run);
     after_op(run);

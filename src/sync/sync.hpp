@@ -29,6 +29,11 @@ enum OpId : int32_t {
     kOpGradReduce = 5,
     kOpEntryValues = 6,
     kOpDispatchFp8 = 7,  // dispatch of FP8 rows: its own tag, so a rank in it never meets a peer in dispatch
+    // The barriers a plan-ordered op keeps (DispatchArgs::plan_ordered, ...: no entry barrier) carry their own tags,
+    // so a rank that skipped the entry barrier never meets a peer that did not (a mismatch on every rank).
+    kOpDispatchOrdered = 8,
+    kOpCombineOrdered = 9,
+    kOpDispatchFp8Ordered = 10,
 };
 
 // Name of an op as timeout and mismatch messages print it ("plan", "dispatch", ...).
@@ -50,6 +55,12 @@ constexpr const char* op_name(OpId op) {
             return "entry_values";
         case kOpDispatchFp8:
             return "dispatch_fp8";
+        case kOpDispatchOrdered:
+            return "dispatch (plan_ordered)";
+        case kOpCombineOrdered:
+            return "combine (plan_ordered)";
+        case kOpDispatchFp8Ordered:
+            return "dispatch_fp8 (plan_ordered)";
     }
     return "unknown op";
 }

@@ -186,7 +186,9 @@ void launch(const CombineArgs& a, cudaStream_t stream, int num_sms) {
     const SymmetricLayout sym = make_symmetric_layout(l);
     const PeerPointers peers = per_rank("combine", a.peers, l.num_ranks);
     auto* partial = region_at<uint16_t>(a.peers[a.rank], sym.partial_offset);
-    launch_barrier(a.sync, sync::kOpCombine, stream);  // sources are done pulling the previous partials
+    // Sources are done pulling the previous partials (plan_ordered: this step's plan and dispatch met every rank
+    // after).
+    if (!a.plan_ordered) launch_barrier(a.sync, sync::kOpCombine, stream);
     const int part_blocks = grid_blocks(num_sms, ceil_div(l.num_recv_rows, kWarps), 4);
     if (a.weights != nullptr) {
         combine_partial_kernel<true><<<part_blocks, kThreads, 0, stream>>>(l, a.rank, a.plan, a.y, a.weights, partial);
@@ -194,7 +196,7 @@ void launch(const CombineArgs& a, cudaStream_t stream, int num_sms) {
         combine_partial_kernel<false><<<part_blocks, kThreads, 0, stream>>>(l, a.rank, a.plan, a.y, nullptr, partial);
     }
     FLATEP_CUDA_CHECK_LAUNCH();
-    launch_barrier(a.sync, sync::kOpCombine, stream);  // every partial is written
+    launch_barrier(a.sync, a.plan_ordered ? sync::kOpCombineOrdered : sync::kOpCombine, stream);  // every partial
     const int pull_blocks = token_blocks(num_sms, l.num_tokens, kWarps);
     combine_pull_kernel<<<pull_blocks, kThreads, 0, stream>>>(l, a.plan, sym, peers, a.out);
     FLATEP_CUDA_CHECK_LAUNCH();

@@ -107,11 +107,13 @@ void launch(const DispatchArgs& a, cudaStream_t stream, int num_sms) {
     const Layout& l = a.layout;
     const SymmetricLayout sym = make_symmetric_layout(l);
     const PeerPointers peers = per_rank("dispatch", a.peers, l.num_ranks);
-    launch_barrier(a.sync, sync::kOpDispatch, stream);  // destinations are done with the previous contents
+    // Destinations are done with the previous contents (plan_ordered: this step's plan op met every rank after).
+    if (!a.plan_ordered) launch_barrier(a.sync, sync::kOpDispatch, stream);
     const int push_blocks = token_blocks(num_sms, l.num_tokens, kWarps);
     dispatch_push_kernel<<<push_blocks, kThreads, 0, stream>>>(l, a.x, a.topk_weights, a.plan, sym, peers);
     FLATEP_CUDA_CHECK_LAUNCH();
-    launch_barrier(a.sync, sync::kOpDispatch, stream);  // every source's rows and weights have landed
+    // Every source's rows and weights have landed.
+    launch_barrier(a.sync, a.plan_ordered ? sync::kOpDispatchOrdered : sync::kOpDispatch, stream);
     const int fan_blocks = grid_blocks(num_sms, ceil_div(l.num_recv_rows, kWarps), 4);
     dispatch_fanout_kernel<<<fan_blocks, kThreads, 0, stream>>>(
         l, a.rank, a.plan, region_at<const uint16_t>(a.peers[a.rank], sym.recv_x_offset),

@@ -199,14 +199,16 @@ void launch(const DispatchFp8Args& a, cudaStream_t stream, int num_sms) {
     const SymmetricLayout sym = make_symmetric_layout(l);
     const int64_t scales_offset = fp8_recv_scales_offset(l, sym);
     const PeerPointers peers = per_rank("dispatch_fp8", a.peers, l.num_ranks);
-    launch_barrier(a.sync, sync::kOpDispatchFp8, stream);  // destinations are done with the previous contents
+    // Destinations are done with the previous contents (plan_ordered: this step's plan op met every rank after).
+    if (!a.plan_ordered) launch_barrier(a.sync, sync::kOpDispatchFp8, stream);
     const int push_blocks = token_blocks(num_sms, l.num_tokens, kWarps);
     // An empty call (s = 0, no rows given) pushes nothing; the pre-quantised kernel then reads no row.
     auto push = a.x_bf16 != nullptr ? dispatch_fp8_push_kernel<true> : dispatch_fp8_push_kernel<false>;
     push<<<push_blocks, kThreads, 0, stream>>>(l, a.x_bf16, a.x_fp8, a.x_scales, a.topk_weights, a.scale_mode, a.plan,
                                                sym, scales_offset, peers);
     FLATEP_CUDA_CHECK_LAUNCH();
-    launch_barrier(a.sync, sync::kOpDispatchFp8, stream);  // every source's rows, scales and weights have landed
+    // Every source's rows, scales and weights have landed.
+    launch_barrier(a.sync, a.plan_ordered ? sync::kOpDispatchFp8Ordered : sync::kOpDispatchFp8, stream);
     const uint8_t* base = a.peers[a.rank];
     const int fan_blocks = grid_blocks(num_sms, ceil_div(l.num_recv_rows, kWarps), 4);
     dispatch_fp8_fanout_kernel<<<fan_blocks, kThreads, 0, stream>>>(

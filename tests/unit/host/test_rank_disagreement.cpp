@@ -127,7 +127,13 @@ TEST(RankDisagreement, DifferentOpsFailOnEveryRank) {
         const char* even;  // ranks 0 and 2
         const char* odd;   // rank 1
     };
-    const Pair pairs[] = {{"dispatch", "combine"}, {"combine", "entry_values"}, {"plan", "dispatch"}};
+    // Rank 1 plan-ordered (no entry barrier) where the others are not: the barrier a plan-ordered op keeps carries its
+    // own tag, so rank 1 never takes the others' entry barrier for its exit barrier and reads rows yet to land.
+    const Pair pairs[] = {{"dispatch", "combine"},
+                          {"combine", "entry_values"},
+                          {"plan", "dispatch"},
+                          {"dispatch", "dispatch (plan_ordered)"},
+                          {"combine", "combine (plan_ordered)"}};
     for (const Pair& pair : pairs) {
         LocalHostWorld world(kR, 10.0);
         std::vector<Outcome> got(kR);
@@ -142,6 +148,10 @@ TEST(RankDisagreement, DifferentOpsFailOnEveryRank) {
                 if (op == "dispatch") buffer.dispatch(plan, st.x.data(), nullptr, st.recv.data(), nullptr);
                 if (op == "combine") buffer.combine(plan, st.recv.data(), nullptr, st.out.data());
                 if (op == "entry_values") buffer.entry_values(plan, st.values.data(), st.per_entry.data());
+                if (op == "dispatch (plan_ordered)")
+                    buffer.dispatch(plan, st.x.data(), nullptr, st.recv.data(), nullptr, {}, true);
+                if (op == "combine (plan_ordered)")
+                    buffer.combine(plan, st.recv.data(), nullptr, st.out.data(), {}, true);
             });
         });
         ASSERT_EQ(failures(errors), "");
