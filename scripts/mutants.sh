@@ -65,7 +65,8 @@ args = parser.parse_args(sys.argv[2:])
 
 # Tests that cover an area: (ctest regex, pytest files). A mutant runs its area's tests first, the rest only if
 # those pass.
-HOST = "DataPlane|Buffer|ExpertPools|OrderedSums|EntryValues|ExpertIdBoundary|CombineGrad|PlanGeneration|BadInput"
+HOST = ("DataPlane|Buffer|ExpertPools|OrderedSums|EntryValues|ExpertIdBoundary|CombineGrad|PlanGeneration|BadInput"
+        "|RankDisagreement|PlanOrdered")
 AREAS = {
     "planner": ("^Planner|^FuzzRegression", []),
     "host": (HOST, []),

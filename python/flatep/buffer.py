@@ -65,6 +65,18 @@ def _records_grad(a, b):
     return torch.is_grad_enabled() and (a.requires_grad or (b is not None and b.requires_grad))
 
 
+def _check_plan_ordered(op, plan_ordered, tensors):
+    """plan_ordered as given (a bool); a one-line ValueError when it is not one, or when it is True for a call that
+    torch.compile traces or autograd records (their backward runs ops on the same plan, which need the barrier)."""
+    if not isinstance(plan_ordered, bool):
+        raise ValueError(f"{op}: plan_ordered must be a bool, got {plan_ordered!r}")
+    if plan_ordered and (_ops.compiling() or any(
+            isinstance(t, torch.Tensor) and torch.is_grad_enabled() and t.requires_grad for t in tensors)):
+        raise ValueError(f"{op}: plan_ordered=True is for eager inference (no torch.compile, no input requiring grad): "
+                         "a backward runs more ops on the same plan, which need the entry barrier")
+    return plan_ordered
+
+
 class Plan:
     """One step's plan, made by :meth:`Buffer.plan`. Valid for any number of later ops on the Buffer that made it
     (backward reuses the forward's plan), including after later ``plan()`` calls.
@@ -361,7 +373,7 @@ class Buffer:
         return OpLaunch(self.device, stream, previous_event, check_num_sms(op, num_sms), op)
 
     def dispatch(self, plan, x, topk_weights=None, *, fp8=False, ue8m0=False, stream=None, previous_event=None,
-                 async_finish=False, num_sms=None, zero_copy=False):
+                 async_finish=False, num_sms=None, zero_copy=False, plan_ordered=False):
         """Sends every token row to the rows of its K experts (collective; autograd-aware).
 
         Args:
@@ -396,19 +408,28 @@ class Buffer:
         rows past the last group end not written). Both backends give the same bits. Forward only: with autograd
         recording, x or topk_weights requiring grad raises (detach them or use torch.no_grad()); combine stays bf16,
         and its backward (a dispatch of the output gradient) stays bf16.
+
+        plan_ordered=True (eager inference; every rank alike): the op skips its entry barrier, a wait for the slowest
+        rank. The plan op that made ``plan`` already met every rank after its earlier reads of the receive region.
+        The caller promises that this is the first op on this Buffer since that plan op, and that whatever read the
+        region's rows before (an earlier step's expert FFN on zero_copy rows) ran before that plan op in stream
+        order on every rank: flatep.nn.MoE's inference forward (plan, dispatch, experts, combine) passes it.
         """
         if not isinstance(fp8, bool) or not isinstance(ue8m0, bool):
             raise ValueError(f"dispatch: fp8 and ue8m0 must be bools, got fp8={fp8!r}, ue8m0={ue8m0!r}")
+        ordered = _check_plan_ordered("dispatch", plan_ordered,
+                                      (x, topk_weights) if not isinstance(x, tuple) else (*x, topk_weights))
         if zero_copy is not False:
             return self._dispatch_zero_copy(plan, x, topk_weights, zero_copy, fp8, (stream, previous_event, num_sms),
-                                            async_finish)
+                                            async_finish, ordered)
         if fp8:
             if _ops.compiling():
                 raise ValueError("dispatch: fp8=True is not registered as a custom op yet (eager only)")
             if stream is None and previous_event is None and num_sms is None and not async_finish:
-                return self._dispatch_fp8(plan, x, topk_weights, ue8m0)
+                return self._dispatch_fp8(plan, x, topk_weights, ue8m0, plan_ordered=ordered)
             with self._launch("dispatch", stream, previous_event, num_sms) as launch:
-                (recv_q, recv_s), recv_w, cu = self._dispatch_fp8(plan, x, topk_weights, ue8m0, num_sms=launch.num_sms)
+                (recv_q, recv_s), recv_w, cu = self._dispatch_fp8(plan, x, topk_weights, ue8m0, num_sms=launch.num_sms,
+                                                                  plan_ordered=ordered)
             reads = (x if isinstance(x, torch.Tensor) else None, topk_weights, plan._storage)
             reads += tuple(x) if isinstance(x, tuple) else ()
             handle = launch.finish(async_finish, reads, (recv_q, recv_s, recv_w))
@@ -435,16 +456,16 @@ class Buffer:
         if _records_grad(x, topk_weights):
             recv_x, recv_w = DispatchFunction.apply(self, plan, x, topk_weights, launch)
         elif default:  # nothing to differentiate: skip autograd's bookkeeping (host time per op)
-            recv_x, recv_w = self._dispatch_raw(plan, x, topk_weights)
+            recv_x, recv_w = self._dispatch_raw(plan, x, topk_weights, plan_ordered=ordered)
         else:
             with launch:
-                recv_x, recv_w = self._dispatch_raw(plan, x, topk_weights, num_sms=launch.num_sms)
+                recv_x, recv_w = self._dispatch_raw(plan, x, topk_weights, num_sms=launch.num_sms, plan_ordered=ordered)
         if default:
             return recv_x, recv_w, plan.cu_seqlens
         handle = launch.finish(async_finish, (x, topk_weights, plan._storage), (recv_x, recv_w))
         return (recv_x, recv_w, plan.cu_seqlens, handle) if async_finish else (recv_x, recv_w, plan.cu_seqlens)
 
-    def _dispatch_zero_copy(self, plan, x, topk_weights, zero_copy, fp8, stream_args, async_finish):
+    def _dispatch_zero_copy(self, plan, x, topk_weights, zero_copy, fp8, stream_args, async_finish, plan_ordered):
         """dispatch(..., zero_copy=True): into the symmetric receive region (see dispatch)."""
         if zero_copy is not True:
             raise ValueError(f"dispatch: zero_copy must be a bool, got {zero_copy!r}")
@@ -464,7 +485,8 @@ class Buffer:
         recv_x, recv_w = self._region_views()
         with device_guard(self.device):
             self._live("dispatch").dispatch(plan._plan, address(x), address(topk_weights), address(recv_x),
-                                            address(recv_w), stream=stream_handle(self.device), num_sms=-1)
+                                            address(recv_w), stream=stream_handle(self.device), num_sms=-1,
+                                            plan_ordered=plan_ordered)
         return recv_x, recv_w, plan.cu_seqlens
 
     def _region_views(self):
@@ -477,7 +499,7 @@ class Buffer:
             )
         return self._symmetric_views
 
-    def _dispatch_fp8(self, plan, x, topk_weights, ue8m0, *, num_sms=-1):
+    def _dispatch_fp8(self, plan, x, topk_weights, ue8m0, *, num_sms=-1, plan_ordered=False):
         """dispatch(..., fp8=True): the checks, then _dispatch_fp8_raw."""
         self._check_plan("dispatch", plan)
         s, H = plan.num_tokens, self.hidden
@@ -506,9 +528,11 @@ class Buffer:
                         f"dispatch: fp8=True is forward-only (no autograd), but {name} requires grad; detach it or "
                         "run under torch.no_grad()"
                     )
-        return self._dispatch_fp8_raw(plan, x_bf16, x_q, x_scales, topk_weights, ue8m0, num_sms=num_sms)
+        return self._dispatch_fp8_raw(plan, x_bf16, x_q, x_scales, topk_weights, ue8m0, num_sms=num_sms,
+                                      plan_ordered=plan_ordered)
 
-    def _dispatch_fp8_raw(self, plan, x_bf16, x_q, x_scales, topk_weights, ue8m0=False, *, num_sms=-1):
+    def _dispatch_fp8_raw(self, plan, x_bf16, x_q, x_scales, topk_weights, ue8m0=False, *, num_sms=-1,
+                          plan_ordered=False):
         """FP8 dispatch without checks beyond the plan (no autograd): exactly one of x_bf16 [s, H] bf16 or (x_q [s, H]
         e4m3, x_scales [s, H/128] fp32), contiguous on this Buffer's device. Returns ((recv_q, recv_scales), recv_w,
         cu_seqlens) as dispatch(..., fp8=True)."""
@@ -520,10 +544,12 @@ class Buffer:
             self._live("dispatch").dispatch_fp8(
                 plan._plan, address(x_bf16), address(x_q), address(x_scales), address(topk_weights), address(recv_q),
                 address(recv_scales), address(recv_w), ue8m0, stream=stream_handle(self.device), num_sms=num_sms,
+                plan_ordered=plan_ordered,
             )
         return (_fp8.as_e4m3(recv_q), recv_scales), recv_w, plan.cu_seqlens
 
-    def combine(self, plan, y, weights=None, *, stream=None, previous_event=None, async_finish=False, num_sms=None):
+    def combine(self, plan, y, weights=None, *, stream=None, previous_event=None, async_finish=False, num_sms=None,
+                plan_ordered=False):
         """Sums each token's K expert-output rows back on its source rank (collective; autograd-aware).
 
         Args:
@@ -534,7 +560,12 @@ class Buffer:
             out: [s, H] bf16, out[t] = sum_k weight_row * y_row over token t's K rows (fp32 sums, design §6).
             With async_finish=True: (out, EventHandle) (see the class docstring: streams and events).
         Backward: grad_y = dispatch of grad_out times the row weight; grad_weights = <dispatched grad_out row, y row>.
+
+        plan_ordered=True (eager inference; every rank alike): the op skips its entry barrier. This step's plan op and
+        dispatch already met every rank after its previous combine read the partials; the caller promises that no
+        other op ran on this Buffer between that dispatch and this combine (flatep.nn.MoE's inference forward).
         """
+        ordered = _check_plan_ordered("combine", plan_ordered, (y, weights))
         self._check_plan("combine", plan)
         y = check_tensor("combine", "y", y, (torch.bfloat16,), (self.num_recv_rows, self.hidden), self.device)
         if weights is not None:
@@ -550,10 +581,10 @@ class Buffer:
         if _records_grad(y, weights):
             out = CombineFunction.apply(self, plan, y, weights, launch)
         elif default:
-            return self._combine_raw(plan, y, weights)
+            return self._combine_raw(plan, y, weights, plan_ordered=ordered)
         else:
             with launch:
-                out = self._combine_raw(plan, y, weights, num_sms=launch.num_sms)
+                out = self._combine_raw(plan, y, weights, num_sms=launch.num_sms, plan_ordered=ordered)
         if default:
             return out
         handle = launch.finish(async_finish, (y, weights, plan._storage), (out,))
@@ -621,7 +652,8 @@ class Buffer:
         if plan._buffer is not self:
             raise ValueError(f"{op}: plan was made by another Buffer; use the plan of this Buffer")
 
-    def _dispatch_raw(self, plan, x, topk_weights, want_weights=True, zero_fill=False, *, num_sms=-1):
+    def _dispatch_raw(self, plan, x, topk_weights, want_weights=True, zero_fill=False, *, num_sms=-1,
+                      plan_ordered=False):
         """Rows past the last group end stay unspecified (dispatch does not write them) unless zero_fill=True (for a
         gradient, which must be defined on every row). num_sms: the call's SM budget (-1: the Buffer's), as every raw
         op takes it."""
@@ -631,15 +663,15 @@ class Buffer:
         with device_guard(self.device):
             self._live("dispatch").dispatch(
                 plan._plan, address(x), address(topk_weights), address(recv_x), address(recv_w),
-                stream=stream_handle(self.device), num_sms=num_sms,
+                stream=stream_handle(self.device), num_sms=num_sms, plan_ordered=plan_ordered,
             )
         return recv_x, recv_w
 
-    def _combine_raw(self, plan, y, weights, *, num_sms=-1):
+    def _combine_raw(self, plan, y, weights, *, num_sms=-1, plan_ordered=False):
         out = torch.empty(plan.num_tokens, self.hidden, dtype=torch.bfloat16, device=self.device)
         with device_guard(self.device):
             self._live("combine").combine(plan._plan, address(y), address(weights), address(out),
-                                          stream=stream_handle(self.device), num_sms=num_sms)
+                                          stream=stream_handle(self.device), num_sms=num_sms, plan_ordered=plan_ordered)
         return out
 
     def _combine_grad_raw(self, plan, rows, y, weights, want_grad_y=True, want_grad_weights=True, *, num_sms=-1):

@@ -626,6 +626,9 @@ class MoE(torch.nn.Module):
         weights, idx = route(x, self.router.weight, self.topk, topk_idx)
         xb = x.to(_BF16)
         shared = None
+        # Inference (eager, autograd records nothing; serving layers always): dispatch and combine skip their entry
+        # barriers, since this call's plan op already met every rank after the last step's ops (Buffer.dispatch).
+        ordered = not _ops.compiling() and (self.serving or not torch.is_grad_enabled())
         if self.shared_ffn is not None and self._overlapped():
             # plan + dispatch on comm_stream (after the routing, in the current stream's order), the shared expert on
             # the current stream meanwhile; then the experts wait for the rows. The combine has no independent work
@@ -633,26 +636,26 @@ class MoE(torch.nn.Module):
             buffer, comm = self.buffer, self.buffer.comm_stream
             plan, planned = buffer.plan(idx, stream=comm, async_finish=True)
             recv_x, recv_w, _, arrived = buffer.dispatch(plan, xb, weights, stream=comm, previous_event=planned,
-                                                         async_finish=True)
+                                                         async_finish=True, plan_ordered=ordered)
             shared = self._shared(xb)
             arrived.current_stream_wait()
             y = self._experts(plan, recv_x)
-            out, done = buffer.combine(plan, y, recv_w, stream=comm, async_finish=True)
+            out, done = buffer.combine(plan, y, recv_w, stream=comm, async_finish=True, plan_ordered=ordered)
             done.current_stream_wait()
         else:
             plan = self.buffer.plan(idx)
             if self.shared_ffn is not None:
                 shared = self._shared(xb)
             if self.fp8 and self.serving:  # inference: the FP8 rows dequantised, then the experts on the view
-                (recv_q, recv_s), recv_w, _ = self.buffer.dispatch(plan, xb, weights, fp8=True)
+                (recv_q, recv_s), recv_w, _ = self.buffer.dispatch(plan, xb, weights, fp8=True, plan_ordered=ordered)
                 y = self._experts(plan, dequantize_rows(recv_q, recv_s))
             elif self.fp8:
                 self.buffer._check_plan("dispatch", plan)
                 y, recv_w = _FP8DispatchExpertsFunction.apply(self, plan, xb, weights, self.w1, self.w2)
             else:
-                recv_x, recv_w, _ = self.buffer.dispatch(plan, xb, weights)
+                recv_x, recv_w, _ = self.buffer.dispatch(plan, xb, weights, plan_ordered=ordered)
                 y = self._experts(plan, recv_x)
-            out = self.buffer.combine(plan, y, recv_w)
+            out = self.buffer.combine(plan, y, recv_w, plan_ordered=ordered)
         if shared is not None:
             out = add_shared(out, shared)
         if _ops.compiling():  # a Plan made while tracing holds the graph's tensors: none is kept on the module
