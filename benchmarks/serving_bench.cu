@@ -14,6 +14,12 @@
 //             part); and bf16 and FP8 plan-ordered (prefetch.bf16.plan_ordered, prefetch.fp8.plan_ordered: no
 //             barrier; the plan op's met every rank after its weights were written). Bytes: what the busiest rank
 //             pulls into its slots.
+//   step.ordered, dispatch.ordered, combine.ordered  dispatch and combine without their entry barriers, as
+//             flatep.nn.MoE serves (DispatchArgs / CombineArgs::plan_ordered: ordered by the step's plan op).
+//   plan.counts, plan.counts_planner  the plan op's first phases alone: the counts' histogram and all-gather, then
+//             the planner too (the plan is then incomplete; timing only).
+//   barrier.x3  three barriers in a row on every rank: against prefetch.barrier (one), what a barrier adds inside a
+//             chain of kernels.
 //   step.no_prefetch, step.fp8  the balanced step without its prefetch, and with the FP8 pair pulled instead of bf16:
 //             the prefetch's cost inside a step (the graph's own launch not counted twice).
 //   slot_memory  bytes of one rank's slot pool per projection at B and at epn (bf16 and FP8 + scales).
@@ -232,6 +238,28 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
             row("plan", timed([&] { dev.enqueue_plan(); }), 0);
             row("dispatch", timed([&] { dev.enqueue_dispatch(); }), 0);  // the step's plan, replayed alone
             row("combine", timed([&] { dev.enqueue_combine(); }), 0);
+            // Dispatch and combine without their entry barriers (DispatchArgs / CombineArgs::plan_ordered: the step's
+            // plan op met every rank after its previous step), in the step and alone.
+            dev.set_step_ordered(true);
+            row("step.ordered", timed([&] { dev.enqueue_step(/*prefetch_count=*/1); }), m.owner ? 0 : bytes[0]);
+            row("dispatch.ordered", timed([&] { dev.enqueue_dispatch(); }), 0);
+            row("combine.ordered", timed([&] { dev.enqueue_combine(); }), 0);
+            dev.set_step_ordered(false);
+            // The plan op's phases: the histogram and all-gather of the counts, then the planner too (the rest of the
+            // op's time is the routing and the unpack).
+            row("plan.counts", timed([&] { dev.enqueue_plan(1); }), 0);
+            row("plan.counts_planner", timed([&] { dev.enqueue_plan(2); }), 0);
+            // Three barriers in a row on every rank (what a barrier adds inside a chain of kernels; prefetch.barrier
+            // below is one).
+            auto barriers = [&](int n) {
+                for (int r = 0; r < R; ++r) {
+                    PrefetchArgs a = dev.prefetch_args(r, 0, 1, false);
+                    a.num_slots = 0;  // the pull's barrier, then nothing to copy
+                    a.plan_ordered = false;
+                    for (int i = 0; i < n; ++i) kernels::launch(a, group.stream(r), group.num_sms());
+                }
+            };
+            row("barrier.x3", timed([&] { barriers(3); }), 0);
             if (!m.owner) {
                 // The pull with its barrier (the op's default), then plan-ordered.
                 dev.set_plan_ordered(false);
@@ -247,15 +275,7 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
                 row("step.fp8", timed([&] { dev.enqueue_step(/*prefetch_count=*/2, /*prefetch_first=*/1); }),
                     bytes[1] + bytes[2]);
                 // The pull's fixed part: its barrier alone (an op with no slot to fill).
-                row("prefetch.barrier", timed([&] {
-                        for (int r = 0; r < R; ++r) {
-                            PrefetchArgs a = dev.prefetch_args(r, 0, 1, false);
-                            a.num_slots = 0;
-                            a.plan_ordered = false;
-                            kernels::launch(a, group.stream(r), group.num_sms());
-                        }
-                    }),
-                    0);
+                row("prefetch.barrier", timed([&] { barriers(1); }), 0);
                 if (m.num_slots < 0)
                     row("prefetch_push.bf16", timed([&] { dev.enqueue_prefetch(0, 1, /*push=*/true); }), bytes[0]);
             }
@@ -271,6 +291,9 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
         const std::string at = " at s=" + std::to_string(s);
         print_ratio(("owner step / " + bm + " step" + at).c_str(), report.us(c, s, "owner", "step"),
                     report.us(c, s, bm, "step"), s == 128 ? "(target <= 0.6)" : "");
+        print_ratio(("owner step.ordered / " + bm + " step.ordered" + at).c_str(),
+                    report.us(c, s, "owner", "step.ordered"), report.us(c, s, bm, "step.ordered"),
+                    s == 128 ? "(target <= 0.6)" : "");
         print_ratio(("owner plan / " + bm + " plan" + at).c_str(), report.us(c, s, "owner", "plan"),
                     report.us(c, s, bm, "plan"), "");
         print_ratio((bm + " step / balanced_bepn step" + at).c_str(), report.us(c, s, bm, "step"),

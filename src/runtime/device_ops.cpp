@@ -28,9 +28,6 @@ bool built_with_cuda() { return true; }
 namespace {
 cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
 
-// The plan op's workspace: the kernels' part, then the planner's at a 256-byte boundary.
-size_t plan_kernels_part(const Layout& l) { return (kernels::plan_kernels_workspace_bytes(l) + 255) / 256 * 256; }
-
 // Loads the planner's kernels on the current device before its first plan op there (once per device). The runtime's
 // device backend preloads them with the kernels' own; this covers the callers that only preload the kernels library
 // (tests and benchmarks on LocalDeviceGroup): its first plan op runs before any kernel of a peer spins.
@@ -44,6 +41,9 @@ void preload_planner_once() {
     loaded.fetch_or(bit, std::memory_order_acq_rel);
 }
 }  // namespace
+
+// The plan op's workspace: the kernels' part, then the planner's at a 256-byte boundary.
+size_t plan_kernels_part(const Layout& l) { return (kernels::plan_kernels_workspace_bytes(l) + 255) / 256 * 256; }
 
 size_t plan_workspace_bytes(const Layout& l) { return plan_kernels_part(l) + planner::planner_workspace_bytes(l); }
 
@@ -132,6 +132,7 @@ namespace {
 
 void launch_plan(const PlanArgs&, void*, int) { no_cuda(); }
 size_t plan_workspace_bytes(const Layout&) { no_cuda(); }
+size_t plan_kernels_part(const Layout&) { no_cuda(); }
 WaitRecordHost::WaitRecordHost() = default;
 WaitRecordHost::~WaitRecordHost() = default;
 std::string WaitRecordHost::failure_message() const { return ""; }

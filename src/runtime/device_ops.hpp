@@ -52,6 +52,9 @@ class WaitRecordHost {
 // tests and benchmarks call it directly.
 void launch_plan(const PlanArgs& args, void* stream, int num_sms);
 size_t plan_workspace_bytes(const Layout& layout);
+// Where the planner's part of that workspace starts (the kernels' part first, then the planner's at a 256-byte
+// boundary): for benchmarks that launch the plan op's halves themselves.
+size_t plan_kernels_part(const Layout& layout);
 
 // Waits for all work of the transport's device (construction-time only: e.g. the transport's zero-fill of new regions
 // runs on the legacy stream, which the ops' streams do not wait for).

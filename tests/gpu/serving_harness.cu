@@ -111,6 +111,7 @@ std::vector<ServingOutputs> run_serving_host(const ServingSpec& spec, const Layo
         for (int p = 0; p < R; ++p) da.peers[p] = reg.peers[p];
         da.recv_x = region_at<uint16_t>(reg.local, sym.recv_x_offset);
         da.recv_w = o.recv_w.data();
+        da.plan_ordered = spec.step_ordered;
         da.sync = sync;
         check_dispatch_args(da, s);
         host::run(da);
@@ -148,6 +149,7 @@ std::vector<ServingOutputs> run_serving_host(const ServingSpec& spec, const Layo
         ca.plan = plan.view;
         for (int p = 0; p < R; ++p) ca.peers[p] = reg.peers[p];
         ca.out = s > 0 ? o.out.data() : nullptr;
+        ca.plan_ordered = spec.step_ordered;
         ca.sync = sync;
         check_combine_args(ca, s);
         host::run(ca);
@@ -240,7 +242,7 @@ sync::SyncArgs ServingDevice::sync(int r) const {
     return group_.sync_args(r, regions_, sym_.barrier_offset, sym_.status_offset);
 }
 
-void ServingDevice::enqueue_plan() {
+void ServingDevice::enqueue_plan(int phases) {
     for (int r = 0; r < layout_.num_ranks; ++r) {
         PlanArgs a{};
         a.layout = layout_;
@@ -254,7 +256,15 @@ void ServingDevice::enqueue_plan() {
         a.sync = sync(r);
         a.workspace = ranks_[r].workspace;
         check_plan_args(a);
-        runtime::launch_plan(a, group_.stream(r), group_.num_sms());
+        if (phases >= 3) {
+            runtime::launch_plan(a, group_.stream(r), group_.num_sms());
+            continue;
+        }
+        uint8_t* ws = static_cast<uint8_t*>(a.workspace);
+        kernels::launch_plan_counts(a, ws, group_.stream(r), group_.num_sms());
+        if (phases >= 2)
+            planner::launch_planner(layout_, a.planner, a.plan, ws + runtime::plan_kernels_part(layout_),
+                                    planner::planner_engine(), group_.stream(r));
     }
 }
 
@@ -270,6 +280,7 @@ void ServingDevice::enqueue_dispatch() {
         a.recv_x = ranks_[r].recv_x;
         a.recv_w = ranks_[r].recv_w;
         a.marks_valid = spec_.trust_marks && marks_set_;
+        a.plan_ordered = spec_.step_ordered;
         a.sync = sync(r);
         check_dispatch_args(a, spec_.tokens[r]);
         kernels::launch(a, group_.stream(r), group_.num_sms());
@@ -321,6 +332,7 @@ void ServingDevice::enqueue_combine() {
         a.plan = make_plan_view(layout_, ranks_[r].plan);
         for (int p = 0; p < layout_.num_ranks; ++p) a.peers[p] = regions_[r].peers[p];
         a.out = ranks_[r].out;
+        a.plan_ordered = spec_.step_ordered;
         a.sync = sync(r);
         check_combine_args(a, spec_.tokens[r]);
         kernels::launch(a, group_.stream(r), group_.num_sms());

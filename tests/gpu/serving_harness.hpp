@@ -45,6 +45,8 @@ struct ServingSpec {
     bool prefetch = true;        // the step pulls the slots (the owner planner's step has none to pull)
     bool prefetch_push = false;  // push instead of pull (training's prefetch; B = epn only)
     bool plan_ordered = false;   // the pull without its barrier (PrefetchArgs::plan_ordered), as nn.MoE serves
+    // Dispatch and combine without their entry barriers (DispatchArgs / CombineArgs::plan_ordered), as nn.MoE serves.
+    bool step_ordered = false;
     // Dispatch trusts the receive region's row marks once a dispatch since the last upload set them, as a Buffer does
     // (DispatchArgs::marks_valid: padding rows already zero are not zeroed again). Off: every dispatch zeroes every
     // padding row (the tests' setting, which trusts nothing).
@@ -92,7 +94,9 @@ class ServingDevice {
 
     void upload(const ServingInputs& in);  // inputs into the device buffers, canaries around outputs (synchronous)
     // The ops of every rank on the rank streams (no host sync, capturable).
-    void enqueue_plan();
+    // phases < 3: only the plan op's first phases (1: histogram and all-gather of the counts; 2: and the planner), for
+    // the benchmark's breakdown; the plan is then incomplete.
+    void enqueue_plan(int phases = 3);
     void enqueue_dispatch();
     // Projections [first, first + count) (count -1: all from first) pulled (or pushed) in one op, as
     // ExpertPools::prefetch moves a layer, or in one op per projection (op_per_projection: the form before one op
@@ -100,6 +104,8 @@ class ServingDevice {
     void enqueue_prefetch(int first = 0, int count = -1, bool push = false, bool op_per_projection = false);
     // Later pulls with (or without) their barrier: spec.plan_ordered from now on.
     void set_plan_ordered(bool plan_ordered) { spec_.plan_ordered = plan_ordered; }
+    // Later dispatches and combines with (or without) their entry barriers: spec.step_ordered from now on.
+    void set_step_ordered(bool step_ordered) { spec_.step_ordered = step_ordered; }
     void enqueue_combine();
     // plan, dispatch, prefetch of projections [prefetch_first, prefetch_first + prefetch_count) in one op (count -1:
     // all from prefetch_first; 0: none; when spec.prefetch), combine

@@ -310,12 +310,14 @@ std::vector<Entry> make_cases() {
     e.spec.planner = PlannerKind::kBalanced;
     e.spec.weighted = true;
     cases.push_back(e);
-    // The pull without its barrier, ordered by the plan op's (as nn.MoE serves): the same slots, bitwise.
+    // The pull, dispatch and combine without their entry barriers, ordered by the plan op's (as nn.MoE serves): the
+    // same slots and rows, bitwise.
     e = Entry{};
     e.spec.name = "serving_b4_balanced_plan_ordered";
     e.spec.config = serving_config(8, 256, 128, 8, 128, 8, 4);
     e.spec.tokens = ragged;
     e.spec.plan_ordered = true;
+    e.spec.step_ordered = true;
     e.needs_overflow = true;
     cases.push_back(e);
     // Graph-captured steps replayed with new routing.
@@ -324,6 +326,7 @@ std::vector<Entry> make_cases() {
     e.spec.config = serving_config(8, 256, 128, 8, 128, 8, 4);
     e.spec.tokens = ragged;
     e.spec.plan_ordered = true;  // replays: each step's pull reads the weights after that step's plan
+    e.spec.step_ordered = true;  // and each step's dispatch and combine rewrite what the last step's ops read
     e.graph = true;
     e.needs_overflow = true;
     cases.push_back(e);
