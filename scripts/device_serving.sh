@@ -23,6 +23,8 @@
 #   ops_prefill    test_gpu_ops --case r8_moonep_s8192_e384_h7168_k8: the plan's general path at scale
 #   fp8            build-cuda/tests/gpu/test_gpu_fp8
 #   bench_deepep_b4, bench_k3_b4   serving_bench --batch 4 (four calls of each op a graph replay)
+#   probe          benchmarks/host_block_probe.py (which host calls wait for another stream's running kernel), then
+#                  test_streams.py's side-stream test alone, the first CUDA test of its process (it timed out so)
 #
 #   OUT=/tmp/out scripts/device_serving.sh
 #   SERVING_STEPS="build serving" scripts/device_serving.sh
@@ -64,21 +66,23 @@ run pytest 200 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/python/test_
     tests/python/test_serving_processes.py tests/python/test_example.py -k "serving or serve or equals or replays"
 run ffn_rows 120 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/python/test_gpu_ffn_rows.py \
     tests/python/test_grouped.py
-run bench_deepep 120 build-cuda/benchmarks/serving_bench --preset deepep --csv "$LOGS/serving_bench_deepep.csv"
+run bench_deepep 180 build-cuda/benchmarks/serving_bench --preset deepep --csv "$LOGS/serving_bench_deepep.csv"
 run serving_step 150 "$PY" benchmarks/serving_step.py --preset deepep --ffn 1536 --iters 10 \
     --csv "$LOGS/serving_step_deepep.csv"
 run ipc_buffer 90 build-cuda/tests/gpu/ipc_buffer_gpu_main 4
 run quickstart 60 "$PY" examples/quickstart.py --device cuda
-run bench_k3 120 build-cuda/benchmarks/serving_bench --preset k3 --csv "$LOGS/serving_bench_k3.csv"
+run bench_k3 180 build-cuda/benchmarks/serving_bench --preset k3 --csv "$LOGS/serving_bench_k3.csv"
 run serving_step_k3 150 "$PY" benchmarks/serving_step.py --preset k3 --iters 10 --csv "$LOGS/serving_step_k3.csv"
 run ops_k3 60 build-cuda/benchmarks/ops_bench --preset k3 --ffn 512 --maxvio 1,20 --iters 15 \
     --csv "$LOGS/ops_k3_h200_8virtual.csv"
 run ops_quick 240 build-cuda/tests/gpu/test_gpu_ops --quick
 run ops_prefill 90 build-cuda/tests/gpu/test_gpu_ops --case r8_moonep_s8192_e384_h7168_k8
 run fp8 120 build-cuda/tests/gpu/test_gpu_fp8
-run bench_deepep_b4 150 build-cuda/benchmarks/serving_bench --preset deepep --batch 4 \
+run bench_deepep_b4 200 build-cuda/benchmarks/serving_bench --preset deepep --batch 4 \
     --csv "$LOGS/serving_bench_deepep_batch4.csv"
-run bench_k3_b4 150 build-cuda/benchmarks/serving_bench --preset k3 --batch 4 --csv "$LOGS/serving_bench_k3_batch4.csv"
+run bench_k3_b4 200 build-cuda/benchmarks/serving_bench --preset k3 --batch 4 --csv "$LOGS/serving_bench_k3_batch4.csv"
+run probe 150 bash -c "\"$PY\" benchmarks/host_block_probe.py && \"$PY\" -m pytest -q -p no:cacheprovider -m cuda \
+    tests/python/test_streams.py -k side_stream_with_events"
 echo "device_serving: $( ((FAILED)) && echo FAILED || echo 'all passed') in $((SECONDS - START)) s" | tee -a "$SUMMARY"
 pack
 exit "$FAILED"

@@ -20,6 +20,9 @@
 #   pytest_cuda  python3 -m pytest tests/python -m cuda: the multi-process Python tests on cuda:0 (MoE output and
 #                gradients vs the dense reference, every op bitwise vs the CPU backend), train_moe on cuda, grouped_mm
 #                (all but test_gpu_virtual.py, which is the step above)
+#   pytest_cuda1, pytest_cuda2  (only when named) pytest_cuda in two halves, each within one device call: the test
+#                files up to test_gpu_zero_copy.py, then the rest (by 2026-12-04 the whole step needed more than the
+#                380 s a call leaves it after the build)
 #   train_cuda   examples/train_moe.py --device cuda, 4 processes on the GPU, slack mode
 #   soak         benchmarks/gpu_soak.py in the environment a user has (FLATEP_TIMEOUT_S and CUDA_MODULE_LOADING
 #                unset): 3000 steps on 4 virtual ranks driven by one thread, 1000 steps of 2 processes sharing the
@@ -42,7 +45,7 @@
 # FP8, whole-step-graph, MoonEP planner-sweep and torch.compile checks the full list takes longer than one 10-minute
 # device call; run it as three calls (each a fresh machine builds again, about 60-80 s):
 #   SUITE_STEPS="build gpu_ops gpu_fp8 serving ipc_gpu ipc_buffer ipc_pools step_graph virtual_gpu" scripts/device_suite.sh
-#   SUITE_STEPS="build pytest_cuda" scripts/device_suite.sh
+#   SUITE_STEPS="build pytest_cuda1" scripts/device_suite.sh, then the same with pytest_cuda2
 #   SUITE_STEPS="build train_cuda soak pytest_cpu" scripts/device_suite.sh
 # (On 2026-12-01, with the compile tests added, pytest_cuda ran past its old 360 s limit after 68 of its 72 tests:
 # the limit is now 500 s.)
@@ -68,7 +71,8 @@ JOBS=${SUITE_JOBS:-16}
 DEADLINE_S=${SUITE_DEADLINE_S:-540}
 PY=$(command -v "${PYTHON:-python3}" || true)
 DEFAULT_STEPS="build gpu_ops gpu_fp8 serving ipc_gpu ipc_buffer ipc_pools step_graph virtual_gpu pytest_cuda train_cuda soak pytest_cpu"
-ALL_STEPS="$DEFAULT_STEPS step_graph_repeat"  # the order steps run in; the last only when SUITE_STEPS names it
+# The order steps run in; the last three only when SUITE_STEPS names them.
+ALL_STEPS="$DEFAULT_STEPS step_graph_repeat pytest_cuda1 pytest_cuda2"
 STEPS=${SUITE_STEPS:-$DEFAULT_STEPS}
 
 export NCCL_NVLS_ENABLE=0
@@ -186,12 +190,24 @@ print("device 0:", torch.cuda.get_device_name(0))
 EOF
 }
 
-pytest_cuda() {
+# pytest_cuda_files [FILE...]: the cuda tests of these files (none: all of tests/python) but test_gpu_virtual.py.
+pytest_cuda_files() {
     cuda_preflight || return 1
     # A spawned test that hangs fails on its own after 240 s (flatep.testing.spawn) instead of using up the step;
     # -v names every test as it ends, so a step killed at its limit still shows how far it got.
-    FLATEP_SPAWN_TIMEOUT_S=${FLATEP_SPAWN_TIMEOUT_S:-240} "$PY" -m pytest tests/python -v -rs -m cuda -p no:cacheprovider \
-        --durations=15 --ignore=tests/python/test_gpu_virtual.py
+    FLATEP_SPAWN_TIMEOUT_S=${FLATEP_SPAWN_TIMEOUT_S:-240} "$PY" -m pytest "${@:-tests/python}" -v -rs -m cuda \
+        -p no:cacheprovider --durations=15 --ignore=tests/python/test_gpu_virtual.py
+}
+
+pytest_cuda() { pytest_cuda_files; }
+
+# The two halves of pytest_cuda: test files sorted by name, split after test_gpu_zero_copy.py.
+pytest_cuda_half() {
+    local LC_ALL=C f first=() second=()
+    for f in tests/python/test_*.py; do
+        if [[ $(basename "$f") < test_gpu_zz ]]; then first+=("$f"); else second+=("$f"); fi
+    done
+    if (($1 == 1)); then pytest_cuda_files "${first[@]}"; else pytest_cuda_files "${second[@]}"; fi
 }
 
 virtual_gpu() {
@@ -303,6 +319,8 @@ for step in $ALL_STEPS; do  # in this order, whatever the order of SUITE_STEPS
         step_graph) run_step step_graph 180 "$GPU_BIN"/step_graph_gpu_main 2 4 ;;
         virtual_gpu) run_step virtual_gpu 240 "$SELF" __run virtual_gpu ;;
         pytest_cuda) run_step pytest_cuda 500 "$SELF" __run pytest_cuda ;;
+        pytest_cuda1) run_step pytest_cuda1 500 "$SELF" __run pytest_cuda_half 1 ;;
+        pytest_cuda2) run_step pytest_cuda2 500 "$SELF" __run pytest_cuda_half 2 ;;
         soak) run_step soak 300 "$SELF" __run soak ;;
         pytest_cpu) run_step pytest_cpu 300 "$SELF" __run pytest_cpu ;;
         step_graph_repeat) run_step step_graph_repeat 600 "$SELF" __run step_graph_repeat ;;

@@ -1,0 +1,56 @@
+"""Which host calls wait for a kernel that is still running on another stream? (CUDA device only.)
+
+Virtual ranks driven from one thread (flatep.virtual) rely on no host call between two ranks' ops waiting for the
+device: a rank's kernel may spin until a peer this thread has yet to enqueue arrives. The CUDA programming guide
+lists device and page-locked memory allocation among the implicitly synchronising actions; this probe measures which
+calls a program like tests/python/test_streams.py makes actually block on this machine. Each probe starts a kernel
+that sleeps about one second on stream A, then times one call issued for stream B: well under a second means the
+call did not wait for A's kernel.
+
+    python3 benchmarks/host_block_probe.py          # one line per call: milliseconds, then BLOCKED or ok
+"""
+
+import os
+import time
+
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # as flatep.virtual sets them, before CUDA starts
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+import torch  # noqa: E402
+
+SLEEP_CYCLES = int(2e9)  # about one second at the H200's clock
+
+
+def main():
+    if not torch.cuda.is_available():
+        print("host_block_probe: no CUDA device")
+        return
+    dev = torch.device("cuda", 0)
+    a, b = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    torch.cuda.synchronize()
+
+    def probe(name, fn):
+        with torch.cuda.stream(a):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        time.sleep(0.05)  # A's kernel is running
+        t = time.perf_counter()
+        with torch.cuda.stream(b):
+            fn()
+        ms = (time.perf_counter() - t) * 1e3
+        torch.cuda.synchronize()
+        print(f"{name:58s} {ms:9.2f} ms  {'BLOCKED' if ms > 500 else 'ok'}", flush=True)
+
+    x = torch.ones(1000, device=dev)
+    probe("torch.empty(1000): the stream's first block (new segment)", lambda: torch.empty(1000, device=dev))
+    probe("torch.empty(1000) again (cached segment)", lambda: torch.empty(1000, device=dev))
+    probe("torch.empty of 64 MiB (new large segment)", lambda: torch.empty(16 << 20, device=dev))
+    probe("(x.float() * 1.5).to(bf16): kernels and small blocks", lambda: (x.float() * 1.5).to(torch.bfloat16))
+    probe("torch.cuda.Event().record()", lambda: torch.cuda.Event().record())
+    probe("torch.cuda.Stream(): a new stream", lambda: torch.cuda.Stream(dev))
+    probe("torch.empty of 1 MiB pinned host memory", lambda: torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True))
+    torch.cuda.empty_cache()
+    probe("torch.empty(1000) after empty_cache (new segment)", lambda: torch.empty(1000, device=dev))
+    probe("torch.cuda.empty_cache() (frees cached segments)", torch.cuda.empty_cache)
+
+
+if __name__ == "__main__":
+    main()
