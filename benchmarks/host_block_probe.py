@@ -2,12 +2,13 @@
 
 Virtual ranks driven from one thread (flatep.virtual) rely on no host call between two ranks' ops waiting for the
 device: a rank's kernel may spin until a peer this thread has yet to enqueue arrives. The CUDA programming guide
-lists device and page-locked memory allocation among the implicitly synchronising actions; this probe measures which
-calls a program like tests/python/test_streams.py makes actually block on this machine. Each probe starts a kernel
-that sleeps about one second on stream A, then times one call issued for stream B: well under a second means the
-call did not wait for A's kernel.
+lists device and page-locked memory allocation among the implicitly synchronising actions: work issued after such an
+action may not start on the device until the work issued before it is done, and the host call itself may wait. This
+probe measures both, for the calls a program like tests/python/test_streams.py makes. Each probe starts a kernel that
+sleeps about one second on stream A, times one call issued for stream B on the host, then enqueues a tiny kernel on B
+and checks, 0.3 s later, whether it has run: a call that made B's later work wait for A's kernel shows SERIALISED.
 
-    python3 benchmarks/host_block_probe.py          # one line per call: milliseconds, then BLOCKED or ok
+    python3 benchmarks/host_block_probe.py    # one line per call: host milliseconds, BLOCKED / ok, SERIALISED / ok
 """
 
 import os
@@ -36,10 +37,19 @@ def main():
         with torch.cuda.stream(b):
             fn()
         ms = (time.perf_counter() - t) * 1e3
+        with torch.cuda.stream(b):  # later work on B: does it run while A's kernel still sleeps?
+            torch.cuda._sleep(1000)
+            ran = torch.cuda.Event()
+            ran.record()
+        time.sleep(0.3)
+        serialised = ms < 500 and not ran.query()  # (a blocked call already waited A's kernel out)
         torch.cuda.synchronize()
-        print(f"{name:58s} {ms:9.2f} ms  {'BLOCKED' if ms > 500 else 'ok'}", flush=True)
+        print(f"{name:58s} {ms:9.2f} ms  {'BLOCKED' if ms > 500 else 'ok':8s} {'SERIALISED' if serialised else 'ok'}",
+              flush=True)
 
     x = torch.ones(1000, device=dev)
+    probe("nothing (the method's control: ok, ok)", lambda: None)
+    probe("torch.cuda.synchronize() (its other control: BLOCKED)", torch.cuda.synchronize)
     probe("torch.empty(1000): the stream's first block (new segment)", lambda: torch.empty(1000, device=dev))
     probe("torch.empty(1000) again (cached segment)", lambda: torch.empty(1000, device=dev))
     probe("torch.empty of 64 MiB (new large segment)", lambda: torch.empty(16 << 20, device=dev))

@@ -75,7 +75,8 @@ AREAS = {
     "transport": ("HostBarrier|LocalHost|BufferErrors", []),
     "python": ("", ["tests/python/test_dense_reference.py", "tests/python/test_object_caches.py",
                     "tests/python/test_autograd_paths.py", "tests/python/test_buffer.py",
-                    "tests/python/test_contract_edges.py", "tests/python/test_moe_activation.py"]),
+                    "tests/python/test_contract_edges.py", "tests/python/test_moe_activation.py",
+                    "tests/python/test_plan_ordered.py"]),
 }
 
 # Survivors accepted as equivalent: {id: why no input can tell it apart}.
