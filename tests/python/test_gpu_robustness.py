@@ -15,6 +15,7 @@ Reproduce on a GPU: python3 -m pytest -q tests/python/test_gpu_robustness.py
 """
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -137,6 +138,27 @@ def test_gpu_ranks_in_different_ops_fail_on_both():
     want = _mismatch_on_both(streams, "dispatch", "combine")
     for r in range(2):
         with torch.cuda.stream(streams[r]), pytest.raises(ValueError, match=want[r]):
+            bufs[r].plan(idx[r])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(CUDA_SKIP is not None, reason=f"cuda: {CUDA_SKIP}")
+def test_gpu_ranks_that_disagree_on_plan_ordered_fail_on_both():
+    """Rank 0 dispatches plan-ordered (no entry barrier), rank 1 not: the barrier rank 0 keeps carries its own tag, so
+    both fail at once with a mismatch, instead of rank 0 taking rank 1's entry barrier for its exit barrier."""
+    import torch
+
+    bufs, streams, idx, x = _two_virtual_buffers(timeout_s=10.0)
+    plans = []
+    for r in range(2):
+        with torch.cuda.stream(streams[r]):
+            plans.append(bufs[r].plan(idx[r]))
+    for r in range(2):
+        with torch.cuda.stream(streams[r]), torch.no_grad():
+            bufs[r].dispatch(plans[r], x[r], plan_ordered=r == 0)
+    want = _mismatch_on_both(streams, "dispatch (plan_ordered)", "dispatch")
+    for r in range(2):
+        with torch.cuda.stream(streams[r]), pytest.raises(ValueError, match=re.escape(want[r])):
             bufs[r].plan(idx[r])
 
 
