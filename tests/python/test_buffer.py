@@ -206,10 +206,18 @@ def test_routing_generator():
 
 
 def test_moe_single_rank_matches_dense():
+    """Within one bf16 ulp of the largest magnitude, as test_serving.py: the CPU GEMM may round a row differently with
+    the number of rows it is computed with (the layer's padded groups, the reference's exact ones), which flips one
+    bf16 rounding for about 1 input in 75 (seed 227 below is one; the test used to draw x unseeded and failed so)."""
     moe = flatep.nn.MoE(H, 24, E, K, align=8, seed=5)
     dense = flatep.testing.DenseMoE(H, 24, E, K, seed=5)
-    x = torch.randn(S, H)
-    assert torch.equal(moe(x), dense(x))
+    exact = 0
+    for seed in (0, 1, 2, 227):
+        x = torch.randn(S, H, generator=torch.Generator().manual_seed(seed))
+        got, want = moe(x).detach().float(), dense(x).detach().float()
+        assert (got - want).abs().max() <= 2.0**-7 * want.abs().max(), f"seed {seed}"
+        exact += int(torch.equal(got, want))
+    assert exact >= 3, "more than one input off by a rounding: not the GEMM's row order"
     assert moe.num_tokens == S and moe.last_plan.stats["loads"] == [S * K]
 
 
