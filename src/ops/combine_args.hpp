@@ -22,8 +22,9 @@ struct CombineArgs {
     uint8_t* peers[kMaxRanks];
     uint16_t* out;  // [s][H] bf16 out, one row per token of this rank
     // No entry barrier. This step's plan op and dispatch (stream-ordered before this combine on every rank) met every
-    // rank after its previous combine's pulls of the partials, so none can still be reading this rank's partials; the
-    // caller promises that no combine of this plan ran before it.
+    // rank after its previous combine's pulls of the partials, so none can still be reading this rank's partials. The
+    // caller promises that no other op ran on the Buffer between that dispatch and this combine (another combine
+    // between them, of this plan or another, would still be pulling).
     bool plan_ordered;
     sync::SyncArgs sync;
 };

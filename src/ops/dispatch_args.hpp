@@ -27,8 +27,10 @@ struct DispatchArgs {
     // row and marks every row. The CPU twin zeroes every padding row either way (same outputs).
     bool marks_valid;
     // No entry barrier. The plan op of this step (stream-ordered before this dispatch on every rank) met every rank
-    // after its previous reads of the receive region, so no destination can still be reading it; the caller promises
-    // that no op touched the region between that plan op and this dispatch (serving: plan, dispatch, FFN, combine).
+    // after its previous reads of the receive region, so no destination can still be reading it. The caller promises
+    // that this dispatch is the first op on the Buffer since that plan op, and that every earlier read of the region
+    // (an FFN on zero-copy rows) is stream-ordered before that plan op on every rank (serving: plan, dispatch, FFN,
+    // combine on one stream).
     bool plan_ordered;
     sync::SyncArgs sync;
 };

@@ -19,7 +19,8 @@ namespace {
 using testing::failures;
 using testing::run_ranks;
 
-// A token row's element i at `step`: which step, source rank and token wrote it shows.
+// A token row's element i at `step`: the thousands are the step (bf16 keeps them; the rest, rounded, only makes the
+// rows of one step differ).
 float row_value(int step, int rank, int token, int i) { return float(step * 1000 + rank * 100 + token * 8 + i % 8); }
 
 // Every token of every rank goes to rank 1's experts (owner planner: all rows land in rank 1's region). Each step
