@@ -16,9 +16,19 @@
 // (min(1, CPUs/R)), and the same statistics are printed for it: how many slow steps the machine makes on its own.
 // Prints the figures, appends one CSV row (--csv), exits 1 when a check fails. Not part of CI.
 //
+// --serving B (B in [0, epn)): a serving engine's steps instead, over serving pools of B slots and one layer, with
+// two Buffers over the same pools: a balanced one of S tokens (prefill: plan, dispatch, pull prefetch, combine; every
+// --prefill-every-th step) and an owner one of --decode-tokens (decode: plan, dispatch, combine). Every step runs its
+// dispatch, prefetch and combine plan-ordered (no entry barriers, as flatep.nn.MoE serves; odd steps read their rows
+// in place from the receive region, even steps from a copy), its "expert" adds the
+// first H weights of its group's row of the [R*Q+B] weights view to each received row (so replicas read in place and
+// pulled slots both count), and the replay runs the sampled steps again with every barrier: the hashes must match.
+// The step-time check then compares each step with the median of its own kind.
+//
 //   flatep-soak [--ranks 4] [--experts 32] [--tokens 64] [--topk 4] [--hidden 64] [--ffn 32] [--align 8]
 //               [--capacity-factor 1.0] [--steps 10000] [--warmup 200] [--replay-every 97] [--sigma-max 3.0]
 //               [--seed 1] [--max-step-ratio 3] [--timeout 30] [--baseline 1] [--csv soak.csv]
+//               [--serving -1] [--decode-tokens 8] [--prefill-every 4]
 // (benchmarks/common/flags.hpp: the flag set every driver shares; --warmup counts steps here.)
 #include <fcntl.h>
 #include <sched.h>
@@ -32,6 +42,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
+#include <memory>
+#include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -60,6 +74,11 @@ struct Options {
     double timeout_s = 30.0;
     bool baseline = true;
     std::string csv = "soak.csv";
+    int serving = -1;  // B: serving steps over B slots (-1: training steps)
+    int decode_tokens = 8;
+    int prefill_every = 4;
+    // Serving: whether step `step` is a prefill (the balanced Buffer) or a decode (the owner Buffer).
+    bool prefill(int step) const { return step % prefill_every == 0; }
 };
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -88,12 +107,19 @@ Options parse(int argc, char** argv) {
     flags.add("--max-step-ratio", &o.max_step_ratio, "fail a step slower than this times the median");
     flags.add("--timeout", &o.timeout_s, "timeout of every wait (s)");
     flags.add("--baseline", &baseline, "1: also run the no-FlatEP compute baseline", 0, 1);
+    flags.add("--serving", &o.serving, "B slots a rank: serving steps, prefill and decode (-1: training steps)", -1);
+    flags.add("--decode-tokens", &o.decode_tokens, "serving: S of the owner Buffer's decode steps", 1);
+    flags.add("--prefill-every", &o.prefill_every, "serving: every n-th step is a prefill, the others decode", 1);
     flags.add_csv(&o.csv);
     flags.parse(argc, argv);
     o.config = flags.validated(shape);
     o.ffn = shape.ffn;
     o.baseline = baseline != 0;
     if (o.warmup >= o.steps) usage_error("need --warmup < --steps");
+    const int epn = o.config.num_experts / o.config.num_ranks;
+    if (o.serving >= epn)
+        usage_error("--serving must be below experts per rank (" + std::to_string(epn) + "), got " +
+                    std::to_string(o.serving));
     return o;
 }
 
@@ -192,90 +218,232 @@ void run_baseline(double target_s, int count, double* loop_seconds) {
     }
 }
 
+// The wall time and run-queue delay of a step's ops (start() right before the first, stop() right after the last).
+class StepClock {
+  public:
+    explicit StepClock(const RunQueueDelay& run_queue) : run_queue_(run_queue) {}
+    void start() {
+        delay_ = run_queue_.seconds();
+        start_ = Clock::now();
+    }
+    void stop() {
+        seconds_ = std::chrono::duration<double>(Clock::now() - start_).count();
+        delay_ = run_queue_.seconds() - delay_;
+    }
+    double seconds() const { return seconds_; }
+    double delay() const { return delay_; }
+
+  private:
+    const RunQueueDelay& run_queue_;
+    Clock::time_point start_;
+    double seconds_ = 0, delay_ = 0;
+};
+
+// A step's inputs on one rank: a routing of popularity skew drawn per step, token rows and routing weights; every 7th
+// step a ragged token count in [0, max_tokens].
+struct StepInputs {
+    std::vector<int32_t> idx;
+    std::vector<float> topk_weights;
+    std::vector<uint16_t> x;
+    int s = 0;
+    uint64_t seed = 0;
+
+    void make(const Options& o, int step, int rank, int max_tokens) {
+        const flatep::Config& cfg = o.config;
+        const int K = cfg.topk, H = cfg.hidden;
+        idx.resize(size_t(max_tokens) * K);
+        topk_weights.resize(idx.size());
+        x.resize(size_t(max_tokens) * H);
+        seed = flatep::routing::mix64(o.seed * 0x9e3779b97f4a7c15ull + uint64_t(step));
+        const double sigma = flatep::routing::uniform(seed, 0) * o.sigma_max;
+        s = max_tokens;
+        if (step % 7 == 3)
+            s = int(flatep::routing::uniform(seed ^ uint64_t(rank + 1), 1) * (max_tokens + 1)) % (max_tokens + 1);
+        flatep::routing::sample_topk(flatep::routing::popularity(cfg.num_experts, sigma, seed), s, K, seed, rank,
+                                     idx.data());
+        for (size_t i = 0; i < size_t(s) * H; ++i)
+            x[i] = flatep::float_to_bf16(float(flatep::routing::uniform(seed + uint64_t(rank) * 7919, i) * 8.0 - 4.0));
+        for (size_t i = 0; i < size_t(s) * K; ++i)
+            topk_weights[i] = float(flatep::routing::uniform(seed + uint64_t(rank) * 104729, i));
+    }
+};
+
+// What a step's ops produced that the run checks: the hash of its outputs, and the plan's skew and replicas.
+struct StepResult {
+    uint64_t hash = 0;
+    double maxvio = 0;
+    long replicas = 0;
+};
+
+// Training steps: plan, dispatch, push prefetch, combine (weighted), reduce_grad. replay is not used (the replay runs
+// the same ops).
+std::function<StepResult(int, bool, StepClock&)> training_steps(const Options& o, int rank,
+                                                                const std::shared_ptr<flatep::Transport>& transport) {
+    using namespace flatep;
+    Config cfg = o.config;
+    cfg.rank = rank;
+    auto buffer = std::make_shared<Buffer>(cfg, transport);
+    const Layout& l = buffer->layout();
+    const int H = cfg.hidden, epn = l.experts_per_rank;
+    const ProjectionShape shape{H, o.ffn};
+    auto pools = std::make_shared<ExpertPools>(transport, epn, std::vector<ProjectionShape>{shape});
+    auto layer = std::make_shared<ExpertLayer>(pools->register_layer());
+    const int64_t expert_elems = shape.elems();
+    // Own weights: fixed for the run (a function of rank and local expert).
+    uint16_t* own_weights = layer->own_weights(0);
+    for (int64_t i = 0; i < epn * expert_elems; ++i)
+        own_weights[i] = float_to_bf16(float(routing::uniform(uint64_t(1000 + rank), uint64_t(i)) * 2.0 - 1.0));
+    auto in = std::make_shared<StepInputs>();
+    auto out = std::make_shared<std::vector<uint16_t>>(size_t(cfg.num_tokens) * H);
+    auto recv_x = std::make_shared<std::vector<uint16_t>>(size_t(l.num_recv_rows) * H);
+    auto recv_w = std::make_shared<std::vector<float>>(size_t(l.num_recv_rows));
+    return [=, &o](int step, bool, StepClock& clock) {
+        in->make(o, step, rank, cfg.num_tokens);
+        const int s = in->s;
+        // Gradients: own grads start at zero each step (steps stay independent); replica grads are a function of
+        // (step, rank, slot).
+        float* own_grads = layer->own_grads(0);
+        std::memset(own_grads, 0, sizeof(float) * size_t(epn * expert_elems));
+        float* slot_grads = layer->grads(0) + epn * expert_elems;
+
+        clock.start();
+        const Plan plan = buffer->plan(in->idx.data(), 4, s);
+        buffer->dispatch(plan, in->x.data(), in->topk_weights.data(), recv_x->data(), recv_w->data());
+        pools->prefetch(plan, *layer);
+        // "Expert compute": y = the received rows themselves, combined with the received routing weights.
+        buffer->combine(plan, recv_x->data(), recv_w->data(), out->data());
+        const std::span<const int32_t> slots = plan.slot_expert(rank);
+        for (int j = 0; j < epn; ++j) {
+            if (slots[j] < 0) continue;
+            for (int64_t i = 0; i < expert_elems; ++i)
+                slot_grads[j * expert_elems + i] = float(routing::uniform(in->seed + uint64_t(rank * epn + j), i));
+        }
+        pools->reduce_grad(plan, *layer);
+        buffer->check_status();
+        clock.stop();
+
+        uint64_t h = 0xcbf29ce484222325ull;
+        h = fnv(h, out->data(), sizeof(uint16_t) * size_t(s) * H);
+        const int32_t rows = plan.cu_seqlens(rank).back();
+        h = fnv(h, recv_x->data(), sizeof(uint16_t) * size_t(rows) * H);
+        h = fnv(h, recv_w->data(), sizeof(float) * size_t(rows));
+        h = fnv(h, plan.alloc().data(), plan.alloc().size_bytes());
+        const uint16_t* slot_weights = layer->weights(0) + epn * expert_elems;
+        for (int j = 0; j < epn; ++j)
+            if (slots[j] >= 0) h = fnv(h, slot_weights + j * expert_elems, sizeof(uint16_t) * size_t(expert_elems));
+        h = fnv(h, own_grads, sizeof(float) * size_t(epn * expert_elems));
+        return StepResult{h, routing::maxvio(plan.tpe_all().data(), cfg.num_ranks, cfg.num_experts),
+                          long(plan.stats().total_replicas)};
+    };
+}
+
+// Serving steps (--serving B): a prefill on the balanced Buffer (plan, dispatch, pull prefetch, combine) every
+// --prefill-every-th step, a decode on the owner Buffer (plan, dispatch, combine) otherwise, both over one layer of
+// serving pools; dispatch, prefetch and combine plan-ordered, or (replay) with their barriers.
+std::function<StepResult(int, bool, StepClock&)> serving_steps(const Options& o, int rank,
+                                                               const std::shared_ptr<flatep::Transport>& transport) {
+    using namespace flatep;
+    const int R = o.config.num_ranks, H = o.config.hidden, B = o.serving;
+    const int epn = o.config.num_experts / R;
+    const ProjectionShape shape{H, o.ffn};
+    auto pools = std::make_shared<ExpertPools>(transport, epn, std::vector<ProjectionShape>{shape}, B);
+    Config prefill_cfg = o.config;
+    prefill_cfg.rank = rank;
+    prefill_cfg.num_slots = B;
+    prefill_cfg.view_stride = pools->view_stride();
+    Config decode_cfg = prefill_cfg;
+    decode_cfg.num_tokens = o.decode_tokens;
+    auto prefill = std::make_shared<Buffer>(prefill_cfg, transport, PlannerKind::kBalanced);
+    auto decode = std::make_shared<Buffer>(decode_cfg, transport, PlannerKind::kOwner);
+    const int64_t view_rows = pools->view_rows();
+    for (const Buffer* b : {prefill.get(), decode.get()})
+        if (b->layout().num_groups() != view_rows)
+            throw std::runtime_error("flatep-soak: a serving layout has " + std::to_string(b->layout().num_groups()) +
+                                     " groups, the weights view " + std::to_string(view_rows) + " rows");
+    auto layer = std::make_shared<ExpertLayer>(pools->register_layer());
+    const int64_t expert_elems = shape.elems();
+    // Own weights: fixed for the run (a function of rank and local expert), written before the first plan op.
+    uint16_t* own_weights = layer->own_weights(0);
+    for (int64_t i = 0; i < epn * expert_elems; ++i)
+        own_weights[i] = float_to_bf16(float(routing::uniform(uint64_t(1000 + rank), uint64_t(i)) * 2.0 - 1.0));
+    const int64_t max_rows = std::max(prefill->layout().num_recv_rows, decode->layout().num_recv_rows);
+    auto in = std::make_shared<StepInputs>();
+    auto out = std::make_shared<std::vector<uint16_t>>(size_t(std::max(o.config.num_tokens, o.decode_tokens)) * H);
+    auto recv_x = std::make_shared<std::vector<uint16_t>>(size_t(max_rows) * H);
+    auto recv_w = std::make_shared<std::vector<float>>(size_t(max_rows));
+    auto y = std::make_shared<std::vector<uint16_t>>(size_t(max_rows) * H);
+    return [=, &o](int step, bool replay, StepClock& clock) {
+        const bool is_prefill = o.prefill(step);
+        Buffer& buffer = is_prefill ? *prefill : *decode;
+        in->make(o, step, rank, is_prefill ? o.config.num_tokens : o.decode_tokens);
+        const int s = in->s;
+        const bool ordered = !replay;
+        const uint16_t* view = layer->weights(0);
+        // Odd steps read their rows in place from the receive region (zero copy), which is what a dispatch's entry
+        // barrier guarded: without it only the next plan op keeps a fast peer's next rows out while a slow rank reads.
+        const bool zero_copy = step % 2 == 1;
+        uint16_t* rx = zero_copy ? buffer.symmetric_recv_x() : recv_x->data();
+        float* rw = zero_copy ? buffer.symmetric_recv_w() : recv_w->data();
+
+        clock.start();
+        const Plan plan = buffer.plan(in->idx.data(), 4, s);
+        buffer.dispatch(plan, in->x.data(), in->topk_weights.data(), rx, rw, {}, ordered);
+        if (is_prefill) pools->prefetch(plan, *layer, {}, ordered);
+        // "Expert compute": each real group's rows plus the first H weights of its row of the view (its own expert
+        // in place, a replica's home row read in place, or a pulled slot).
+        const std::span<const int32_t> cu = plan.cu_seqlens(rank);
+        int32_t begin = 0;
+        for (size_t g = 0; g < cu.size(); ++g) {
+            const uint16_t* w = view + int64_t(g) * expert_elems;
+            for (int32_t row = begin; row < cu[g]; ++row)
+                for (int i = 0; i < H; ++i) {
+                    const size_t at = size_t(row) * H + size_t(i);
+                    (*y)[at] = float_to_bf16(bf16_to_float(rx[at]) + bf16_to_float(w[i]));
+                }
+            begin = std::max(begin, cu[g]);
+        }
+        buffer.combine(plan, y->data(), rw, out->data(), {}, ordered);
+        buffer.check_status();
+        clock.stop();
+
+        uint64_t h = 0xcbf29ce484222325ull;
+        h = fnv(h, out->data(), sizeof(uint16_t) * size_t(s) * H);
+        const int32_t rows = cu.back();
+        h = fnv(h, y->data(), sizeof(uint16_t) * size_t(rows) * H);  // the rows as read (rx may change after combine)
+        h = fnv(h, rw, sizeof(float) * size_t(rows));
+        h = fnv(h, plan.alloc().data(), plan.alloc().size_bytes());
+        const std::span<const int32_t> slots = plan.slot_expert(rank);
+        for (int j = 0; j < B; ++j)
+            if (slots[j] >= 0)
+                h = fnv(h, view + (view_rows - B + j) * expert_elems, sizeof(uint16_t) * size_t(expert_elems));
+        return StepResult{h, routing::maxvio(plan.tpe_all().data(), R, o.config.num_experts),
+                          long(plan.stats().total_replicas)};
+    };
+}
+
 // One rank's run. step_seconds, step_delay: [steps] this rank's wall time and run-queue delay per step;
 // loop_seconds: [steps - warmup] the baseline's loop times.
 int run_rank(const Options& o, int rank, std::shared_ptr<flatep::Bootstrap> boot, RankResult* result,
              double* step_seconds, double* step_delay, double* loop_seconds) {
     using namespace flatep;
     std::shared_ptr<Transport> transport = make_ipc_transport(boot, MemoryKind::kHost, o.timeout_s);
-    Config cfg = o.config;
-    cfg.rank = rank;
-    Buffer buffer(cfg, transport);
-    const Layout& l = buffer.layout();
-    const int S = cfg.num_tokens, K = cfg.topk, H = cfg.hidden, E = cfg.num_experts, epn = l.experts_per_rank;
-    const ProjectionShape shape{H, o.ffn};
-    ExpertPools pools(transport, epn, {shape});
-    ExpertLayer layer = pools.register_layer();
-    const int64_t expert_elems = shape.elems();
-    // Own weights: fixed for the run (a function of rank and local expert).
-    uint16_t* own_weights = layer.own_weights(0);
-    for (int64_t i = 0; i < epn * expert_elems; ++i)
-        own_weights[i] = float_to_bf16(float(routing::uniform(uint64_t(1000 + rank), uint64_t(i)) * 2.0 - 1.0));
-
-    std::vector<int32_t> idx(size_t(S) * K);
-    std::vector<float> topk_weights(idx.size());
-    std::vector<uint16_t> x(size_t(S) * H), out(size_t(S) * H);
-    std::vector<uint16_t> recv_x(size_t(l.num_recv_rows) * H);
-    std::vector<float> recv_w(size_t(l.num_recv_rows));
+    const auto run_ops = o.serving < 0 ? training_steps(o, rank, transport) : serving_steps(o, rank, transport);
     std::vector<uint64_t> hashes(size_t(o.steps), 0);
     const RunQueueDelay run_queue;
     result->run_queue_available = run_queue.available() ? 1 : 0;
 
-    auto run_step = [&](int step, bool measure) -> uint64_t {
-        const uint64_t step_seed = routing::mix64(o.seed * 0x9e3779b97f4a7c15ull + uint64_t(step));
-        const double sigma = routing::uniform(step_seed, 0) * o.sigma_max;
-        int s = S;
-        if (step % 7 == 3) s = int(routing::uniform(step_seed ^ uint64_t(rank + 1), 1) * (S + 1)) % (S + 1);
-        routing::sample_topk(routing::popularity(E, sigma, step_seed), s, K, step_seed, rank, idx.data());
-        for (size_t i = 0; i < size_t(s) * H; ++i)
-            x[i] = float_to_bf16(float(routing::uniform(step_seed + uint64_t(rank) * 7919, i) * 8.0 - 4.0));
-        for (size_t i = 0; i < size_t(s) * K; ++i)
-            topk_weights[i] = float(routing::uniform(step_seed + uint64_t(rank) * 104729, i));
-        // Gradients: own grads start at zero each step (steps stay independent); replica grads are a function of
-        // (step, rank, slot).
-        float* own_grads = layer.own_grads(0);
-        std::memset(own_grads, 0, sizeof(float) * size_t(epn * expert_elems));
-        float* slot_grads = layer.grads(0) + epn * expert_elems;
-
-        const double delay_start = measure ? run_queue.seconds() : 0;
-        const auto start = Clock::now();
-        const Plan plan = buffer.plan(idx.data(), 4, s);
-        buffer.dispatch(plan, x.data(), topk_weights.data(), recv_x.data(), recv_w.data());
-        pools.prefetch(plan, layer);
-        // "Expert compute": y = the received rows themselves, combined with the received routing weights.
-        buffer.combine(plan, recv_x.data(), recv_w.data(), out.data());
-        const std::span<const int32_t> slots = plan.slot_expert(rank);
-        for (int j = 0; j < epn; ++j) {
-            if (slots[j] < 0) continue;
-            for (int64_t i = 0; i < expert_elems; ++i)
-                slot_grads[j * expert_elems + i] = float(routing::uniform(step_seed + uint64_t(rank * epn + j), i));
+    auto run_step = [&](int step, bool replay) -> uint64_t {
+        StepClock clock(run_queue);
+        const StepResult r = run_ops(step, replay, clock);
+        if (!replay) {
+            step_seconds[step] = clock.seconds();
+            step_delay[step] = clock.delay();
+            result->maxvio_min = std::min(result->maxvio_min, r.maxvio);
+            result->maxvio_max = std::max(result->maxvio_max, r.maxvio);
+            result->maxvio_sum += r.maxvio;
+            result->replicas_total += r.replicas;
         }
-        pools.reduce_grad(plan, layer);
-        buffer.check_status();
-        const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-        if (measure) {
-            step_seconds[step] = seconds;
-            step_delay[step] = run_queue.seconds() - delay_start;
-        }
-
-        uint64_t h = 0xcbf29ce484222325ull;
-        h = fnv(h, out.data(), sizeof(uint16_t) * size_t(s) * H);
-        const int32_t rows = plan.cu_seqlens(rank).back();
-        h = fnv(h, recv_x.data(), sizeof(uint16_t) * size_t(rows) * H);
-        h = fnv(h, recv_w.data(), sizeof(float) * size_t(rows));
-        h = fnv(h, plan.alloc().data(), plan.alloc().size_bytes());
-        const uint16_t* slot_weights = layer.weights(0) + epn * expert_elems;
-        for (int j = 0; j < epn; ++j)
-            if (slots[j] >= 0) h = fnv(h, slot_weights + j * expert_elems, sizeof(uint16_t) * size_t(expert_elems));
-        h = fnv(h, own_grads, sizeof(float) * size_t(epn * expert_elems));
-        if (measure) {
-            const double v = routing::maxvio(plan.tpe_all().data(), cfg.num_ranks, E);
-            result->maxvio_min = std::min(result->maxvio_min, v);
-            result->maxvio_max = std::max(result->maxvio_max, v);
-            result->maxvio_sum += v;
-            result->replicas_total += plan.stats().total_replicas;
-        }
-        return h;
+        return r.hash;
     };
 
     result->maxvio_min = 1e300;
@@ -286,14 +454,14 @@ int run_rank(const Options& o, int rank, std::shared_ptr<flatep::Bootstrap> boot
             result->fds_start = open_fds();
         }
         if (step == o.warmup + (o.steps - o.warmup) / 2) result->rss_mid = rss_now();
-        hashes[size_t(step)] = run_step(step, true);
+        hashes[size_t(step)] = run_step(step, false);
     }
     result->rss_end = rss_now();
     result->fds_end = open_fds();
     // Replay a sample of steps, last first (so each replayed step follows a different step than in the run).
     result->first_mismatch_step = -1;
     for (int step = (o.steps - 1) / o.replay_every * o.replay_every; step >= 0; step -= o.replay_every) {
-        const uint64_t again = run_step(step, false);
+        const uint64_t again = run_step(step, true);
         ++result->replayed;
         if (again != hashes[size_t(step)]) {
             if (result->first_mismatch_step < 0) result->first_mismatch_step = step;
@@ -306,7 +474,7 @@ int run_rank(const Options& o, int rank, std::shared_ptr<flatep::Bootstrap> boot
         cpu_set_t cpus;
         CPU_ZERO(&cpus);
         const int num_cpus = ::sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-        const double cpu_share = std::min(1.0, double(num_cpus) / cfg.num_ranks);
+        const double cpu_share = std::min(1.0, double(num_cpus) / o.config.num_ranks);
         run_baseline(own[own.size() / 2] * cpu_share, o.steps - o.warmup, loop_seconds);
     }
     result->done = 1;
@@ -349,6 +517,11 @@ int main(int argc, char** argv) {
     std::printf("flatep-soak: %s, F=%d, %d steps (warm-up %d), replay every %d, sigma in [0, %.2f], seed %llu\n",
                 o.config.to_string().c_str(), o.ffn, o.steps, o.warmup, o.replay_every, o.sigma_max,
                 (unsigned long long)o.seed);
+    if (o.serving >= 0)
+        std::printf(
+            "serving: B=%d slots, a prefill (balanced, S=%d) every %d steps, decode (owner, S=%d) otherwise; "
+            "plan-ordered ops, replayed with their barriers\n",
+            o.serving, o.config.num_tokens, o.prefill_every, o.decode_tokens);
     std::fflush(stdout);
     const auto start = Clock::now();
     const std::vector<int> codes = flatep::run_forked(
@@ -374,7 +547,22 @@ int main(int argc, char** argv) {
     const TimeStats steps_stats =
         time_stats(std::vector<double>(step_s.begin() + o.warmup, step_s.end()), o.max_step_ratio);
     const double median = steps_stats.median, p99 = steps_stats.p99, worst = steps_stats.max;
-    const long over = steps_stats.over;
+    // The step-time check by kind of step, each against its own median: training steps are one kind; serving steps
+    // are decodes (kind 0) and prefills (kind 1).
+    const int kinds = o.serving < 0 ? 1 : 2;
+    auto kind_of = [&](int s) { return o.serving < 0 ? 0 : int(o.prefill(s)); };
+    std::vector<TimeStats> kind_stats(static_cast<size_t>(kinds));
+    std::vector<int> kind_steps(static_cast<size_t>(kinds), 0);
+    long over = 0;
+    for (int k = 0; k < kinds; ++k) {
+        std::vector<double> series;
+        for (int s = o.warmup; s < o.steps; ++s)
+            if (kind_of(s) == k) series.push_back(step_s[size_t(s)]);
+        kind_steps[size_t(k)] = int(series.size());
+        if (!series.empty()) kind_stats[size_t(k)] = time_stats(series, o.max_step_ratio);
+        over += kind_stats[size_t(k)].over;
+    }
+    auto limit = [&](int s) { return o.max_step_ratio * kind_stats[size_t(kind_of(s))].median; };
     // Baseline: per repetition, the slowest rank (as for steps).
     TimeStats base;
     if (o.baseline) {
@@ -395,8 +583,8 @@ int main(int argc, char** argv) {
     long over_held_off = 0;
     std::vector<int> slowest;  // indices of the slowest measured steps, slowest first (at most 5)
     for (int s = o.warmup; s < o.steps; ++s) {
-        if (step_s[size_t(s)] <= o.max_step_ratio * median) continue;
-        if (step_s[size_t(s)] - step_delay[size_t(s)] <= o.max_step_ratio * median) ++over_held_off;
+        if (step_s[size_t(s)] <= limit(s)) continue;
+        if (step_s[size_t(s)] - step_delay[size_t(s)] <= limit(s)) ++over_held_off;
         slowest.push_back(s);
     }
     std::sort(slowest.begin(), slowest.end(), [&](int a, int b) { return step_s[size_t(a)] > step_s[size_t(b)]; });
@@ -438,6 +626,12 @@ int main(int argc, char** argv) {
         "step time after warm-up: median %.3f ms, p99 %.3f ms, max %.3f ms (%.2fx median), %ld steps > %.1fx "
         "median; max incl. warm-up %.3f ms\n",
         median * 1e3, p99 * 1e3, worst * 1e3, worst / median, over, o.max_step_ratio, worst_all * 1e3);
+    for (int k = 0; k < kinds && kinds > 1; ++k) {
+        const TimeStats& t = kind_stats[size_t(k)];
+        std::printf("  %s steps (%d): median %.3f ms, p99 %.3f ms, max %.3f ms (%.2fx median), %ld > %.1fx median\n",
+                    k == 1 ? "prefill" : "decode", kind_steps[size_t(k)], t.median * 1e3, t.p99 * 1e3, t.max * 1e3,
+                    t.median > 0 ? t.max / t.median : 0.0, t.over, o.max_step_ratio);
+    }
     if (over > 0 && run_queue_available) {
         std::printf(
             "steps > %.1fx median held off the CPU by the OS (excess covered by a rank's run-queue delay): %ld of "
@@ -469,7 +663,7 @@ int main(int argc, char** argv) {
                    "rss_shmem_drift_kib,fd_drift,median_ms,p99_ms,max_ms,max_"
                    "over_median,"
                    "steps_over_ratio,steps_over_ratio_held_off,baseline_median_ms,baseline_p99_ms,baseline_max_ms,"
-                   "baseline_over_ratio,ok\n";
+                   "baseline_over_ratio,ok,serving_slots,decode_tokens,prefill_every\n";
         csv << R << ',' << o.config.num_experts << ',' << o.config.num_tokens << ',' << o.config.topk << ','
             << o.config.hidden << ',' << o.ffn << ',' << o.config.align << ',' << o.config.capacity_factor << ','
             << o.steps << ',' << o.warmup << ',' << o.seed << ',' << total_s << ',' << maxvio_min << ',' << maxvio_max
@@ -477,7 +671,8 @@ int main(int argc, char** argv) {
             << ',' << shmem_start << ',' << shmem_drift << ',' << fds_drift_max << ',' << median * 1e3 << ','
             << p99 * 1e3 << ',' << worst * 1e3 << ',' << worst / median << ',' << over << ','
             << (run_queue_available ? over_held_off : -1) << ',' << base.median * 1e3 << ',' << base.p99 * 1e3 << ','
-            << base.max * 1e3 << ',' << (o.baseline ? base.over : -1) << ',' << (ok ? 1 : 0) << '\n';
+            << base.max * 1e3 << ',' << (o.baseline ? base.over : -1) << ',' << (ok ? 1 : 0) << ',' << o.serving << ','
+            << (o.serving < 0 ? 0 : o.decode_tokens) << ',' << (o.serving < 0 ? 0 : o.prefill_every) << '\n';
     }
     std::string failed;  // every failed check, named
     if (mismatches != 0) failed += " determinism;";

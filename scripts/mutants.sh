@@ -66,7 +66,7 @@ args = parser.parse_args(sys.argv[2:])
 # Tests that cover an area: (ctest regex, pytest files). A mutant runs its area's tests first, the rest only if
 # those pass.
 HOST = ("DataPlane|Buffer|ExpertPools|OrderedSums|EntryValues|ExpertIdBoundary|CombineGrad|PlanGeneration|BadInput"
-        "|RankDisagreement|PlanOrdered")
+        "|RankDisagreement|PlanOrdered|soak_serving")
 AREAS = {
     "planner": ("^Planner|^FuzzRegression", []),
     "host": (HOST, []),
