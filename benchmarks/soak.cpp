@@ -120,6 +120,7 @@ Options parse(int argc, char** argv) {
     if (o.serving >= epn)
         usage_error("--serving must be below experts per rank (" + std::to_string(epn) + "), got " +
                     std::to_string(o.serving));
+    if (o.serving >= 0) o.config.num_slots = o.serving;  // the Buffers' (view_stride: the pools' own, at the start)
     return o;
 }
 
