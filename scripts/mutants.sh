@@ -33,7 +33,8 @@
 # no longer matched the code (skipped silently then; a failure now) and were refreshed; M20-M40 added. At 1f9d289,
 # from a clean work folder: 40/40 caught, 28 min on 2 shared cores (8 of them the baseline build and run; a caught
 # mutant 2-200 s, a survivor about 100 s more for the whole suite). At bc10301, before issue 49's tests, M20, M21 and
-# M22 (the issue's three) survived.
+# M22 (the issue's three) survived. M41-M43 (plan-ordered ops): 3/3 caught (--only, 553 s); M44-M45 (the barriers a
+# plan-ordered op keeps): 2/2 caught (--only, 170 s), each by PlanOrderedOps and by flatep-soak's serving replays.
 # Survivors accepted: none. A mutant that survives is a missing test unless it is equivalent (no input can tell it
 # apart); such a mutant would be listed in ACCEPTED with the reason it is accepted.
 set -euo pipefail
