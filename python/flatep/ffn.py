@@ -214,7 +214,7 @@ def _records_grad(*tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def grouped_ffn(x, w1, w2, cu_seqlens, activation=None):
+def grouped_ffn(x, w1, w2, cu_seqlens, activation=None, zero_past_end=True):
     """Grouped expert FFN over receive rows: x [NvS, H] bf16, w1 [G, H, 2F] (swiglu) or [G, H, F] (silu),
     w2 [G, F, H], cu_seqlens [G] int32 (inclusive group ends) -> [NvS, H] bf16; rows past the last group end are
     zero. activation: as expert_ffn (None: from the shapes).
@@ -223,13 +223,19 @@ def grouped_ffn(x, w1, w2, cu_seqlens, activation=None):
     inference_mode), the activation and the zeroing of y's rows past the end are the kernels activate_rows and
     zero_rows_from_end, whose work is bounded by the end read on the device (NvS is the receive capacity: ~8x the
     real rows for the owner planner); the values are bitwise those of the torch ops autograd differentiates, which
-    run otherwise."""
+    run otherwise. zero_past_end=False (there only) skips that zeroing: y's rows past the end are then unspecified,
+    for a caller that reads none of them (Buffer.combine reads only the plan's real rows), since with the owner
+    planner they are most of y."""
+    if not isinstance(zero_past_end, bool):
+        raise ValueError(f"grouped_ffn: zero_past_end must be a bool, got {zero_past_end!r}")
     activation = _activation_of(w1, w2, activation)
     if _has_grouped_mm(x) and w1.dtype == _BF16:
         offs = cu_seqlens.to(device=x.device, dtype=torch.int32)
         h = grouped_mm(x, w1, offs)
         if _C.has_cuda and not _records_grad(x, w1, w2) and h.is_contiguous():
             y = grouped_mm(activate_rows(h, offs, activation), w2, offs)
+            if not zero_past_end:
+                return y
             return zero_rows_from_end(y, offs) if y.is_contiguous() else _zero_past_end(y, offs)
         a = activate(h, activation)
         y = grouped_mm(a, w2, offs)

@@ -17,15 +17,18 @@ from .ffn import grouped_ffn
 def serving_experts(pools, layer, plan, recv_x, activation):
     """The expert FFN of one inference step over the layer's weights views: prefetch (collective; skipped for the
     owner planner, whose plans use no slot, on every rank alike), then the grouped FFN of flatep.ffn on
-    layer.weights(0) / layer.weights(1) with offs = plan.cu_seqlens. recv_x [NvS, H] bf16 -> y [NvS, H] bf16 (zero
-    past the last group end). Works for training pools too (B = epn: the 2*epn view), without autograd.
+    layer.weights(0) / layer.weights(1) with offs = plan.cu_seqlens. recv_x [NvS, H] bf16 -> y [NvS, H] bf16, for
+    the step's combine, which reads only the plan's real rows: rows past the last group end are unspecified (on a GPU
+    not zeroed: with the owner planner they are most of the R*S*K receive rows). Works for training pools too
+    (B = epn: the 2*epn view), without autograd.
 
     Serving pools pull with plan_ordered: the caller (flatep.nn.MoE's forward) made `plan` in this call, after every
     write of the weights, and writes none before the step's combine."""
     if plan._buffer.planner != "owner":
         pools.prefetch(plan, layer, plan_ordered=pools.serving)
     with torch.no_grad():
-        return grouped_ffn(recv_x, layer.weights(0), layer.weights(1), plan.cu_seqlens, activation)
+        return grouped_ffn(recv_x, layer.weights(0), layer.weights(1), plan.cu_seqlens, activation,
+                           zero_past_end=False)
 
 
 def check_num_slots(op, num_slots, experts_per_rank):

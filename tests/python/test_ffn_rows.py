@@ -131,3 +131,29 @@ def test_grouped_ffn_on_the_cpu_is_the_loop_and_calls_no_kernel(activation, no_d
     assert torch.equal(y_grad.detach(), y)
     y_grad.float().sum().backward()
     assert all(t.grad is not None for t in leaves)
+
+
+def test_grouped_ffn_refuses_a_zero_past_end_that_is_not_a_bool(no_device):
+    x, w1, w2, cu = make("swiglu")
+    raises_one_line(lambda: ffn.grouped_ffn(x, w1, w2, cu, "swiglu", zero_past_end=1),
+                    "grouped_ffn: zero_past_end must be a bool, got 1")
+
+
+@pytest.mark.parametrize("planner", ["owner", "balanced"])
+def test_serving_experts_leaves_the_rows_past_the_end_to_combine(planner, monkeypatch):
+    """serving_experts (nn.MoE's inference FFN) asks grouped_ffn not to zero y past the last group end: combine reads
+    only the plan's real rows, and with the owner planner most of y is past the end. It pulls the slots first unless
+    the planner is the owner."""
+    from types import SimpleNamespace
+
+    from flatep import serving
+
+    x, w1, w2, cu = make("swiglu")
+    calls = []
+    monkeypatch.setattr(serving, "grouped_ffn", lambda *a, **k: calls.append(("ffn", a[3], a[4], k)) or a[0])
+    pools = SimpleNamespace(serving=True, prefetch=lambda plan, layer, **k: calls.append(("prefetch", k)))
+    layer = SimpleNamespace(weights=lambda i: (w1, w2)[i])
+    plan = SimpleNamespace(_buffer=SimpleNamespace(planner=planner), cu_seqlens=cu)
+    assert serving.serving_experts(pools, layer, plan, x, "swiglu") is x
+    ffn_call = ("ffn", cu, "swiglu", {"zero_past_end": False})
+    assert calls == ([ffn_call] if planner == "owner" else [("prefetch", {"plan_ordered": True}), ffn_call])

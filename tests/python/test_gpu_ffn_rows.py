@@ -10,7 +10,7 @@ last group end on the device) and grouped_ffn's use of them where autograd recor
   1536.
 * grouped_ffn under torch.no_grad() / torch.inference_mode() (the kernels) bitwise equal on every row to the same
   call that autograd records (the torch ops), and a CUDA graph of it replayed after cu_seqlens changed in place
-  gives the eager result of the new cu_seqlens.
+  gives the eager result of the new cu_seqlens; with zero_past_end=False the same bits below the end and no zeroing.
 * Bad arguments (dtype, a CPU tensor, non-contiguous, shapes) raise a one-line ValueError naming the argument.
 
 Skipped without a GPU or without FlatEP's CUDA build (flatep._C.has_cuda); the grouped_ffn cases also need
@@ -185,6 +185,27 @@ def test_grouped_ffn_kernels_bitwise_equal_the_torch_ops(activation, mode, monke
     with torch.enable_grad():
         y = ffn.grouped_ffn(x, w1.detach().requires_grad_(), w2, cu, activation)
     assert y.requires_grad and calls == ["activate_rows", "zero_rows_from_end"]
+
+
+@pytest.mark.cuda
+@cuda_only
+@grouped_mm_only
+@pytest.mark.parametrize("activation", ["swiglu", "silu"])
+def test_grouped_ffn_without_zeroing_is_bitwise_below_the_end(activation, monkeypatch):
+    """zero_past_end=False (serving_experts: combine reads only real rows): the same bits below the end, no
+    zero_rows_from_end; where autograd records, the rows past the end are zero all the same (the torch ops)."""
+    x, w1, w2, cu = grouped_case(activation, seed=4)
+    want = torch_ops_ffn(x, w1, w2, cu, activation)
+    calls = count_kernel_calls(monkeypatch)
+    with torch.inference_mode():
+        got = ffn.grouped_ffn(x, w1, w2, cu, activation, zero_past_end=False)
+    assert calls == ["activate_rows"], "zero_past_end=False must not zero y"
+    torch.cuda.synchronize()
+    assert torch.equal(bits(got[:80]), bits(want[:80])), "rows below the end differ"
+    with torch.enable_grad():
+        y = ffn.grouped_ffn(x.detach().requires_grad_(), w1, w2, cu, activation, zero_past_end=False)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(y.detach()), bits(want)), "under autograd every row, zeros past the end included"
 
 
 @pytest.mark.cuda
