@@ -16,14 +16,14 @@
 // (min(1, CPUs/R)), and the same statistics are printed for it: how many slow steps the machine makes on its own.
 // Prints the figures, appends one CSV row (--csv), exits 1 when a check fails. Not part of CI.
 //
-// --serving B (B in [0, epn)): a serving engine's steps instead, over serving pools of B slots and one layer, with
-// two Buffers over the same pools: a balanced one of S tokens (prefill: plan, dispatch, pull prefetch, combine; every
+// --serving B (B in [0, epn)): a serving engine's steps instead, over serving pools of B slots and one layer, with two
+// Buffers over the same pools: a balanced one of S tokens (prefill: plan, dispatch, pull prefetch, combine; every
 // --prefill-every-th step) and an owner one of --decode-tokens (decode: plan, dispatch, combine). Every step runs its
-// dispatch, prefetch and combine plan-ordered (no entry barriers, as flatep.nn.MoE serves; odd steps read their rows
-// in place from the receive region, even steps from a copy), its "expert" adds the
-// first H weights of its group's row of the [R*Q+B] weights view to each received row (so replicas read in place and
-// pulled slots both count), and the replay runs the sampled steps again with every barrier: the hashes must match.
-// The step-time check then compares each step with the median of its own kind.
+// dispatch, prefetch and combine plan-ordered (no entry barriers, as flatep.nn.MoE serves; odd steps read their rows in
+// place from the receive region, even steps from a copy), its "expert" adds the first H weights of its group's row of
+// the [R*Q+B] weights view to each received row (so replicas read in place and pulled slots both count; the layer also
+// holds an e4m3 copy and its fp32 scales, pulled with it), and the replay runs the sampled steps again with every
+// barrier: the hashes must match. The step-time check then compares each step with the median of its own kind.
 //
 //   flatep-soak [--ranks 4] [--experts 32] [--tokens 64] [--topk 4] [--hidden 64] [--ffn 32] [--align 8]
 //               [--capacity-factor 1.0] [--steps 10000] [--warmup 200] [--replay-every 97] [--sigma-max 3.0]
@@ -346,8 +346,10 @@ std::function<StepResult(int, bool, StepClock&)> serving_steps(const Options& o,
     using namespace flatep;
     const int R = o.config.num_ranks, H = o.config.hidden, B = o.serving;
     const int epn = o.config.num_experts / R;
-    const ProjectionShape shape{H, o.ffn};
-    auto pools = std::make_shared<ExpertPools>(transport, epn, std::vector<ProjectionShape>{shape}, B);
+    // A layer as FP8-weight serving holds it: bf16 [H][F] (what the "expert" reads), an e4m3 copy [H][F] and its fp32
+    // block scales [H][ceil(F/128)]; the pull moves all three as bytes.
+    const std::vector<ProjectionShape> shapes = {{H, o.ffn}, {H, o.ffn, 1}, {H, (o.ffn + 127) / 128, 4}};
+    auto pools = std::make_shared<ExpertPools>(transport, epn, shapes, B);
     Config prefill_cfg = o.config;
     prefill_cfg.rank = rank;
     prefill_cfg.num_slots = B;
@@ -362,11 +364,17 @@ std::function<StepResult(int, bool, StepClock&)> serving_steps(const Options& o,
             throw std::runtime_error("flatep-soak: a serving layout has " + std::to_string(b->layout().num_groups()) +
                                      " groups, the weights view " + std::to_string(view_rows) + " rows");
     auto layer = std::make_shared<ExpertLayer>(pools->register_layer());
-    const int64_t expert_elems = shape.elems();
-    // Own weights: fixed for the run (a function of rank and local expert), written before the first plan op.
+    const int64_t expert_elems = shapes[0].elems();
+    // Own weights: fixed for the run (a function of rank, projection and local expert), written before the first plan
+    // op; the bf16 projection's as values, the others as bytes.
     uint16_t* own_weights = layer->own_weights(0);
     for (int64_t i = 0; i < epn * expert_elems; ++i)
         own_weights[i] = float_to_bf16(float(routing::uniform(uint64_t(1000 + rank), uint64_t(i)) * 2.0 - 1.0));
+    for (size_t q = 1; q < shapes.size(); ++q) {
+        auto* bytes = reinterpret_cast<uint8_t*>(layer->own_weights(int(q)));
+        for (int64_t i = 0; i < epn * shapes[q].expert_bytes(); ++i)
+            bytes[i] = uint8_t(routing::uniform(uint64_t(1000 + 64 * q + rank), uint64_t(i)) * 256.0);
+    }
     const int64_t max_rows = std::max(prefill->layout().num_recv_rows, decode->layout().num_recv_rows);
     auto in = std::make_shared<StepInputs>();
     auto out = std::make_shared<std::vector<uint16_t>>(size_t(std::max(o.config.num_tokens, o.decode_tokens)) * H);
@@ -414,9 +422,12 @@ std::function<StepResult(int, bool, StepClock&)> serving_steps(const Options& o,
         h = fnv(h, rw, sizeof(float) * size_t(rows));
         h = fnv(h, plan.alloc().data(), plan.alloc().size_bytes());
         const std::span<const int32_t> slots = plan.slot_expert(rank);
-        for (int j = 0; j < B; ++j)
-            if (slots[j] >= 0)
-                h = fnv(h, view + (view_rows - B + j) * expert_elems, sizeof(uint16_t) * size_t(expert_elems));
+        for (size_t q = 0; q < shapes.size(); ++q) {  // every projection's pulled slots
+            const auto* slot_bytes = reinterpret_cast<const uint8_t*>(layer->weights(int(q)));
+            const int64_t expert_bytes = shapes[q].expert_bytes();
+            for (int j = 0; j < B; ++j)
+                if (slots[j] >= 0) h = fnv(h, slot_bytes + (view_rows - B + j) * expert_bytes, size_t(expert_bytes));
+        }
         return StepResult{h, routing::maxvio(plan.tpe_all().data(), R, o.config.num_experts),
                           long(plan.stats().total_replicas)};
     };
