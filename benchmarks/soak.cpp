@@ -14,7 +14,8 @@
 // fails on every step over the ratio either way. The same processes then run a baseline without FlatEP: each repeats
 // a fixed compute loop once per measured step (no communication), sized to its median step times its CPU share
 // (min(1, CPUs/R)), and the same statistics are printed for it: how many slow steps the machine makes on its own.
-// Prints the figures, appends one CSV row (--csv), exits 1 when a check fails. Not part of CI.
+// Prints the figures, appends one CSV row (--csv), exits 1 when a check fails. Its long runs are not part of CI
+// (CTest runs a short --serving one: bench.soak_serving_plan_ordered_replays).
 //
 // --serving B (B in [0, epn)): a serving engine's steps instead, over serving pools of B slots and one layer, with two
 // Buffers over the same pools: a balanced one of S tokens (prefill: plan, dispatch, pull prefetch, combine; every
@@ -276,6 +277,13 @@ struct StepResult {
     long replicas = 0;
 };
 
+// A layer's own bf16 weights of projection 0, `elems` of them: fixed for the run, a function of rank and position.
+void fill_own_weights(const flatep::ExpertLayer& layer, int rank, int64_t elems) {
+    uint16_t* own = layer.own_weights(0);
+    for (int64_t i = 0; i < elems; ++i)
+        own[i] = flatep::float_to_bf16(float(flatep::routing::uniform(uint64_t(1000 + rank), uint64_t(i)) * 2.0 - 1.0));
+}
+
 // Training steps: plan, dispatch, push prefetch, combine (weighted), reduce_grad. replay is not used (the replay runs
 // the same ops).
 std::function<StepResult(int, bool, StepClock&)> training_steps(const Options& o, int rank,
@@ -290,10 +298,7 @@ std::function<StepResult(int, bool, StepClock&)> training_steps(const Options& o
     auto pools = std::make_shared<ExpertPools>(transport, epn, std::vector<ProjectionShape>{shape});
     auto layer = std::make_shared<ExpertLayer>(pools->register_layer());
     const int64_t expert_elems = shape.elems();
-    // Own weights: fixed for the run (a function of rank and local expert).
-    uint16_t* own_weights = layer->own_weights(0);
-    for (int64_t i = 0; i < epn * expert_elems; ++i)
-        own_weights[i] = float_to_bf16(float(routing::uniform(uint64_t(1000 + rank), uint64_t(i)) * 2.0 - 1.0));
+    fill_own_weights(*layer, rank, epn * expert_elems);
     auto in = std::make_shared<StepInputs>();
     auto out = std::make_shared<std::vector<uint16_t>>(size_t(cfg.num_tokens) * H);
     auto recv_x = std::make_shared<std::vector<uint16_t>>(size_t(l.num_recv_rows) * H);
@@ -365,11 +370,9 @@ std::function<StepResult(int, bool, StepClock&)> serving_steps(const Options& o,
                                      " groups, the weights view " + std::to_string(view_rows) + " rows");
     auto layer = std::make_shared<ExpertLayer>(pools->register_layer());
     const int64_t expert_elems = shapes[0].elems();
-    // Own weights: fixed for the run (a function of rank, projection and local expert), written before the first plan
-    // op; the bf16 projection's as values, the others as bytes.
-    uint16_t* own_weights = layer->own_weights(0);
-    for (int64_t i = 0; i < epn * expert_elems; ++i)
-        own_weights[i] = float_to_bf16(float(routing::uniform(uint64_t(1000 + rank), uint64_t(i)) * 2.0 - 1.0));
+    // Own weights, written before the first plan op: the bf16 projection's as training's, the others as bytes (a
+    // function of rank, projection and position).
+    fill_own_weights(*layer, rank, epn * expert_elems);
     for (size_t q = 1; q < shapes.size(); ++q) {
         auto* bytes = reinterpret_cast<uint8_t*>(layer->own_weights(int(q)));
         for (int64_t i = 0; i < epn * shapes[q].expert_bytes(); ++i)

@@ -217,7 +217,7 @@ def _records_grad(*tensors):
 def grouped_ffn(x, w1, w2, cu_seqlens, activation=None, zero_past_end=True):
     """Grouped expert FFN over receive rows: x [NvS, H] bf16, w1 [G, H, 2F] (swiglu) or [G, H, F] (silu),
     w2 [G, F, H], cu_seqlens [G] int32 (inclusive group ends) -> [NvS, H] bf16; rows past the last group end are
-    zero. activation: as expert_ffn (None: from the shapes).
+    zero (unless zero_past_end=False, below). activation: as expert_ffn (None: from the shapes).
 
     On a GPU with torch._grouped_mm: two grouped GEMMs. When autograd records nothing (serving: no_grad or
     inference_mode), the activation and the zeroing of y's rows past the end are the kernels activate_rows and
