@@ -451,21 +451,24 @@ void bind_pools(py::module_& m) {
 // tensors (bf16, contiguous, shapes, one CUDA device) and passes their data pointers, the address of cu_seqlens' last
 // element as `end` and torch's current stream.
 void bind_ffn(py::module_& m) {
+    m.def("make_device_current", &make_device_current, py::arg("device"),
+          "flatep::make_device_current: the device's primary CUDA context current on the calling thread "
+          "(cudaSetDevice); a thread that never called into CUDA has none. kRuntime in a build without CUDA.");
 #ifdef FLATEP_WITH_CUDA
     using Release = py::call_guard<py::gil_scoped_release>;
     m.def(
         "activate_rows",
-        [](uintptr_t h, uintptr_t a, int64_t rows, int64_t ffn, bool swiglu, uintptr_t end, uintptr_t stream,
-           int num_sms) {
+        [](uintptr_t h, uintptr_t a, int64_t rows, int64_t ffn, bool swiglu, uintptr_t end, bool zero_past_end,
+           uintptr_t stream, int num_sms) {
             activate_rows(as_ptr<const uint16_t>(h), as_ptr<uint16_t>(a), rows, ffn,
                           swiglu ? FfnActivation::kSwiglu : FfnActivation::kSilu, as_ptr<const int32_t>(end),
-                          launch_of(stream, num_sms));
+                          zero_past_end ? PastEnd::kZero : PastEnd::kUntouched, launch_of(stream, num_sms));
         },
         py::arg("h"), py::arg("a"), py::arg("rows"), py::arg("ffn"), py::arg("swiglu"), py::arg("end"), py::kw_only(),
-        py::arg("stream") = 0, py::arg("num_sms") = -1, Release(),
+        py::arg("zero_past_end") = true, py::arg("stream") = 0, py::arg("num_sms") = -1, Release(),
         "flatep::activate_rows on device pointers: a [rows][ffn] bf16 = silu(gate) * up (swiglu, h [rows][2*ffn]) or "
-        "silu(h) (h [rows][ffn]) on the rows below *end (int32, read on the device), zero on the others. See "
-        "flatep.ffn.activate_rows.");
+        "silu(h) (h [rows][ffn]) on the rows below *end (int32, read on the device); the others zero "
+        "(zero_past_end) or untouched. See flatep.ffn.activate_rows.");
     m.def(
         "zero_rows_from_end",
         [](uintptr_t y, int64_t rows, int64_t cols, uintptr_t end, uintptr_t stream, int num_sms) {

@@ -64,6 +64,7 @@ import functools
 
 import torch
 
+from . import _C
 from . import fp8 as _fp8
 from . import ops as _ops
 from ._tensors import check_int
@@ -616,11 +617,19 @@ class MoE(torch.nn.Module):
             return _experts_compiled(self, plan, recv_x)
         return _ExpertsFunction.apply(self, plan, recv_x, self.w1, self.w2)
 
+    def _bind_context(self):
+        """The layer's GPU context current on this thread when its device is torch's current one: a thread that
+        never called into CUDA has none, and cuBLAS's first call there (the router's matmul) warns and binds it
+        itself, or fails inside a graph capture. Nothing under torch.compile (tracing calls nothing)."""
+        if self.device.type == "cuda" and not _ops.compiling() and torch.cuda.current_device() == self.device.index:
+            _C.make_device_current(self.device.index)
+
     def forward(self, x, topk_idx=None):
         self._check_input(x)
         check_inference(self, (x,))
         self._check_zero_copy()
         self._check_compilable()
+        self._bind_context()
         if self.buffer is None:
             self._make_buffer(int(x.shape[0]))
         weights, idx = route(x, self.router.weight, self.topk, topk_idx)
@@ -710,6 +719,7 @@ class MoE(torch.nn.Module):
         check_inference(self, xs)
         self._check_zero_copy()
         self._check_compilable()
+        self._bind_context()
         if self.buffer is None:
             self._make_buffer(max(int(x.shape[0]) for x in xs))
         if n == 1 or not self._overlapped():

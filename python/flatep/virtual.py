@@ -352,7 +352,8 @@ class _RankThread:
             fn, done = call
             try:
                 if self.device is not None and self._bound != self.device:
-                    torch.cuda.set_device(self.device)  # the primary context of the rank's GPU, current here
+                    torch.cuda.set_device(self.device)  # torch's current device (it skips CUDA when it is already)
+                    _C.make_device_current(self.device.index)  # and the GPU's context, bound to this thread
                     self._bound = self.device
                 done.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the caller

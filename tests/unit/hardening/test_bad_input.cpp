@@ -640,9 +640,9 @@ TEST(BadInput, FfnRows) {
     static uint16_t rows_buf[16];
     static int32_t end_word = 0;
     const int32_t* end = &end_word;
-    auto activate = [](int64_t rows, int64_t ffn, FfnActivation act, const int32_t* at, const uint16_t* h,
-                       int num_sms) {
-        return [=] { activate_rows(h, rows_buf, rows, ffn, act, at, Launch{nullptr, num_sms}); };
+    auto activate = [](int64_t rows, int64_t ffn, FfnActivation act, const int32_t* at, const uint16_t* h, int num_sms,
+                       PastEnd past_end = PastEnd::kZero) {
+        return [=] { activate_rows(h, rows_buf, rows, ffn, act, at, past_end, Launch{nullptr, num_sms}); };
     };
     const FfnActivation swiglu = FfnActivation::kSwiglu;
     const std::vector<Row> rows = {
@@ -656,6 +656,9 @@ TEST(BadInput, FfnRows) {
         {"activate_rows: activation = 7", ErrorCategory::kInvalidArgument,
          "activate_rows: activation must be FfnActivation::kSwiglu (0) or kSilu (1), got 7",
          activate(1, 8, static_cast<FfnActivation>(7), end, rows_buf, 0)},
+        {"activate_rows: past_end = 2", ErrorCategory::kInvalidArgument,
+         "activate_rows: past_end must be PastEnd::kZero (0) or kUntouched (1), got 2",
+         activate(1, 8, swiglu, end, rows_buf, 0, static_cast<PastEnd>(2))},
         {"activate_rows: h = nullptr with rows = 1", ErrorCategory::kInvalidArgument,
          "activate_rows: h and a must be set when rows > 0", activate(1, 8, swiglu, end, nullptr, 0)},
         {"activate_rows: num_sms = -2", ErrorCategory::kInvalidArgument,
