@@ -315,6 +315,12 @@ def _virtual_all_to_all_rows(group, x, out_splits, in_splits):
     outs = None
     if group.rank == 0:  # one node for the world, built on rank 0's thread; every rank takes its output
         outs = _JointAllToAll.apply(posted, *[p[0] for p in posted])
+    elif torch.is_grad_enabled() and x.requires_grad:
+        # A node made and dropped, so that every rank's thread numbers as many autograd nodes as rank 0's. The engine
+        # runs the ready nodes of the one backward by their sequence numbers, counted per thread: with the counts in
+        # step the order over the ranks' nodes (hence the order gradients are summed in) is the same at every step
+        # of every run, a resumed one included.
+        x.view_as(x)
     return group.all_gather_object(outs)[0][group.rank]
 
 
@@ -504,6 +510,10 @@ class AllToAllMoE(torch.nn.Module):
             self.shared_w1 = torch.nn.Parameter(sw1.to(self.device))
             self.shared_w2 = torch.nn.Parameter(sw2.to(self.device))
         self.num_tokens = num_tokens
+        #: The order of each token's K terms in the combine's fp32 sum: 'expert' (Megatron's: by expert id) or
+        #: 'reversed' (the opposite). Only the summation order changes: what that alone does to a training run is the
+        #: noise floor of the loss comparison (benchmarks/train_e2e.py --spread).
+        self.combine_order = "expert"
         self.last_counts = None
         self.last_loads = None
 
@@ -520,7 +530,10 @@ class AllToAllMoE(torch.nn.Module):
             shape = list(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__
             raise ValueError(f"AllToAllMoE: topk_idx must be a [s={x.shape[0]}, K={self.topk}] tensor, got {shape}")
         R, epn, E, K, rank = self.num_ranks, self.experts_per_rank, self.num_experts, self.topk, self.rank
-        weights, idx = route(x, self.router.weight, K, topk_idx)
+        if topk_idx is None:
+            weights, idx = route(x, self.router.weight, K)
+        else:  # routed after the counts' exchange, which checks the ids on every rank first
+            idx = topk_idx.to(device=self.device, dtype=torch.long)
         xb = x.to(BF16)
         # Counts: every rank's per-expert counts, read on the host (the split sizes; Megatron's gather + .cpu()).
         # An id outside [0, E) counts in bucket E, so that every rank sees every rank's and fails alike.
@@ -532,6 +545,8 @@ class AllToAllMoE(torch.nn.Module):
         if bad:
             raise ValueError(f"AllToAllMoE: topk_idx of rank(s) {bad} holds expert ids outside [0, {E})")
         matrix = matrix[:, :E]
+        if topk_idx is not None:
+            weights, idx = route(x, self.router.weight, K, idx)
         send_splits = matrix[rank].view(R, epn).sum(1).tolist()
         recv_host = matrix[:, rank * epn:(rank + 1) * epn]  # [R sources, epn local experts]
         recv_splits = recv_host.sum(1).tolist()
@@ -547,6 +562,8 @@ class AllToAllMoE(torch.nn.Module):
         inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device)
         back = self.coll.all_to_all_rows(y.index_select(0, inverse), send_splits, recv_splits)  # my entries, by expert
         w_sorted = weights.reshape(-1).index_select(0, order)
+        if self.combine_order == "reversed":  # the same terms summed in the opposite order (see combine_order)
+            back, w_sorted, token_of = back.flip(0), w_sorted.flip(0), token_of.flip(0)
         out = _WeightedSum.apply(back, w_sorted, token_of, x.shape[0])
         if self.shared_ffn is not None:
             out = add_shared(out, shared_expert_ffn(xb, self.shared_w1, self.shared_w2, self.activation))
