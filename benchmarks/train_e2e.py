@@ -3,8 +3,10 @@
 
     /usr/bin/python3 benchmarks/train_e2e.py --preset tiny --out /tmp/e2e            # CPU, 2 virtual ranks, seconds
     python3 benchmarks/train_e2e.py --preset h200 --out benchmarks/results/train_e2e_h200      # 8 virtual ranks, 1 GPU
-    python3 benchmarks/train_e2e.py --preset h200 --router-bias 1 --router-bias-ramp 300 --out ...  # imbalance grows
-    python3 benchmarks/train_e2e.py --preset h200 --processes --steps 60 --out ...   # one process per rank, one GPU
+    python3 benchmarks/train_e2e.py --preset h200 --router-bias 1 --router-bias-ramp 300 \\
+        --out benchmarks/results/train_e2e_h200_bias                                # the imbalance made to grow
+    python3 benchmarks/train_e2e.py --preset h200 --processes --steps 40 --memory-every 5 \\
+        --out benchmarks/results/train_e2e_h200_processes                           # one process per rank, one GPU
 
 The model, data, optimizer and both MoE layers are examples/train_lm.py's (every one of its flags applies; --impl is
 both). In one invocation the script trains FlatEP (flatep.nn.MoE), releases its memory, then trains the baseline

@@ -413,3 +413,26 @@ def test_spread_of_summation_order_is_inside_the_tolerance():
     ratios = [float(l.split("= ")[1].split()[0]) for l in proc.stdout.splitlines() if l.startswith("spread:")]
     assert len(ratios) == 2 and all(0 <= r < 1 for r in ratios), proc.stdout
     assert not math.isnan(sum(ratios))
+
+
+def documented_commands():
+    """Every command line of train_lm.py / train_e2e.py that the scripts' docstrings and docs/performance.md show."""
+    texts = [train_lm.__doc__, train_e2e.__doc__]
+    with open(os.path.join(ROOT, "docs", "performance.md")) as f:
+        texts.append(f.read())
+    found = []
+    for text in texts:
+        for line in text.replace("\\\n", " ").split("\n"):
+            for script in ("train_lm.py", "train_e2e.py"):
+                if f"{script} " in line and ("python3 " in line or "torchrun " in line):
+                    argv = line.split(f"{script} ", 1)[1].split("#")[0].split("`")[0].split()
+                    found.append((script, [a for a in argv if a != "..."]))
+    return found
+
+
+def test_documented_commands_use_flags_that_exist():
+    commands = documented_commands()
+    assert len([c for c in commands if c[0] == "train_e2e.py"]) >= 6 and len(commands) >= 12, commands
+    for script, argv in commands:
+        parser = train_lm.build_parser() if script == "train_lm.py" else train_e2e.build_parser()
+        parser.parse_args(argv)  # argparse exits on an unknown flag or a bad value
