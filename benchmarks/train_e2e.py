@@ -471,9 +471,10 @@ def summary(recs, compare, args):
     last_window = min(100, n)
     lines = [f"\nsummary: {n} steps, R={args.ranks} ({'processes' if args.processes else 'virtual ranks'} on "
              f"{args.device}); step time = the slowest rank's; first {window} steps after {args.skip_steps} warm-up "
-             f"step(s), last {window}; tokens/s over the last {last_window} steps"]
-    lines.append(f"{'impl':>9} {'first ms':>9} {'last ms':>9} {'last/first':>10} {'tok/s':>10} {'peak GiB':>9} "
-                 f"{'reserved':>9} {'FlatEP own':>10}")
+             f"step(s), last {window}; tokens/s over the last {last_window} steps (wall: the steps' wall time, the "
+             f"host's work included); memory per rank, the largest rank"]
+    lines.append(f"{'impl':>9} {'first ms':>9} {'last ms':>9} {'last/first':>10} {'tok/s':>10} {'tok/s wall':>10} "
+                 f"{'peak GiB':>9} {'reserved':>9} {'FlatEP own':>10}")
     tokens = {}
     for impl, rec in recs.items():
         steps = rec.per_step()
@@ -482,10 +483,11 @@ def summary(recs, compare, args):
         tail = steps[-last_window:]
         mean = lambda rows: sum(r["step_ms"] for r in rows) / len(rows)  # noqa: E731
         tokens[impl] = args.ranks * args.batch * args.seq_len * len(tail) / sum(r["step_ms"] for r in tail) * 1e3
+        wall = args.ranks * args.batch * args.seq_len * len(tail) / sum(r["wall_ms"] for r in tail) * 1e3
         peak = max((m["peak"] for m in rec.memory), default=float("nan"))
         reserved = max((m["reserved"] for m in rec.memory), default=float("nan"))
         lines.append(f"{impl:>9} {mean(first):9.1f} {mean(last):9.1f} {mean(last) / mean(first):10.3f} "
-                     f"{tokens[impl]:10.0f} {peak:9.2f} {reserved:9.2f} {rec.static_bytes / GIB:10.2f}")
+                     f"{tokens[impl]:10.0f} {wall:10.0f} {peak:9.2f} {reserved:9.2f} {rec.static_bytes / GIB:10.2f}")
     lines.append(f"tokens/s FlatEP / baseline over the last {last_window} steps: "
                  f"{tokens['flatep'] / tokens['baseline']:.3f}")
     worst = max(compare, key=lambda c: c["diff"] / c["tolerance"])
