@@ -48,7 +48,7 @@ cosine decay to ``--min-lr-ratio`` of the peak.
 
 Checkpoints (``--save DIR --save-every N``; always at the last step): DIR/step_NNNNNN/rank_R.pt per rank (the weights,
 the experts' read from the pools, both optimizers' state with the fp32 masters, the step, torch's RNG states, the
-data's size and CRC) and DIR/latest. ``--resume DIR`` (DIR or one of its step folders) continues from there; the run
+data's size and CRC; torch.save pickles: resume only your own) and DIR/latest. ``--resume DIR`` (DIR or one of its step folders) continues from there; the run
 is bitwise the uninterrupted one (losses and final weights; tests/python/test_train_lm.py) wherever the kernels are
 deterministic (the CPU backend; on a GPU pass ``--deterministic``: torch's attention and index_add backward are not).
 A checkpoint of one --impl resumes with the other (the layers' parameters have the same names).
@@ -616,7 +616,9 @@ def resume_path(root, rank):
 
 def load_rank(state, root):
     path = resume_path(root, state.rank)
-    return state.load_state_dict(torch.load(path, map_location=state.device), path)
+    # A checkpoint is a pickle this script wrote (load only your own): weights_only=False, since torch 1.13's
+    # weights-only unpickler refuses the optimizer state's floats (torch >= 2.6 would default to True).
+    return state.load_state_dict(torch.load(path, map_location=state.device, weights_only=False), path)
 
 
 def should_save(args, step_done):

@@ -251,7 +251,7 @@ def read_log(path):
 
 
 def checkpoint_tensors(path):
-    state = torch.load(path)
+    state = torch.load(path, weights_only=False)  # our own checkpoint (see train_lm.load_rank)
     flat = {}
 
     def walk(prefix, value):
