@@ -48,9 +48,10 @@ cosine decay to ``--min-lr-ratio`` of the peak.
 
 Checkpoints (``--save DIR --save-every N``; always at the last step): DIR/step_NNNNNN/rank_R.pt per rank (the weights,
 the experts' read from the pools, both optimizers' state with the fp32 masters, the step, torch's RNG states, the
-data's size and CRC; torch.save pickles: resume only your own) and DIR/latest. ``--resume DIR`` (DIR or one of its step folders) continues from there; the run
-is bitwise the uninterrupted one (losses and final weights; tests/python/test_train_lm.py) wherever the kernels are
-deterministic (the CPU backend; on a GPU pass ``--deterministic``: torch's attention and index_add backward are not).
+data's size and CRC; torch.save pickles: resume only your own) and DIR/latest. ``--resume DIR`` (DIR or one of its
+step folders) continues from there; the run is bitwise the uninterrupted one (losses and final weights;
+tests/python/test_train_lm.py) wherever the kernels are deterministic (the CPU backend; on a GPU pass
+``--deterministic``: torch's attention and index_add backward are not).
 A checkpoint of one --impl resumes with the other (the layers' parameters have the same names).
 
 Prints one line per step (loss, lr, gradient norm, the router's maxvio per MoE layer, rows per rank max/mean over
