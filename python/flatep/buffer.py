@@ -37,6 +37,7 @@ import torch
 from . import _C
 from . import fp8 as _fp8
 from . import ops as _ops
+from ._bootstrap import arrive as _virtual_arrive
 from ._tensors import address, check_int, check_tensor, check_timeout, shape_text, tensor_at
 from .autograd import CombineFunction, DispatchFunction
 from .distributed import group_rank_size, resolve_device, transport_for
@@ -356,7 +357,7 @@ class Buffer:
         """(C++ plan, storage or None) on the current stream with SM budget num_sms (-1: the Buffer's), no checks of
         idx."""
         with device_guard(self.device):
-            b = self._live("plan")
+            b = self._live("plan", collective=True)
             # Device plans live in a tensor of torch's caching allocator (no cudaMalloc in steady state; CUDA-graph
             # capture takes it from the graph's pool), kept alive by the Plan.
             storage = None
@@ -484,7 +485,7 @@ class Buffer:
                                  f"dispatch), but {name} requires grad; detach it or run under torch.no_grad()")
         recv_x, recv_w = self._region_views()
         with device_guard(self.device):
-            self._live("dispatch").dispatch(plan._plan, address(x), address(topk_weights), address(recv_x),
+            self._live("dispatch", collective=True).dispatch(plan._plan, address(x), address(topk_weights), address(recv_x),
                                             address(recv_w), stream=stream_handle(self.device), num_sms=-1,
                                             plan_ordered=plan_ordered)
         return recv_x, recv_w, plan.cu_seqlens
@@ -541,7 +542,7 @@ class Buffer:
                                   device=self.device)
         recv_w = torch.empty(self.num_recv_rows, dtype=torch.float32, device=self.device)
         with device_guard(self.device):
-            self._live("dispatch").dispatch_fp8(
+            self._live("dispatch", collective=True).dispatch_fp8(
                 plan._plan, address(x_bf16), address(x_q), address(x_scales), address(topk_weights), address(recv_q),
                 address(recv_scales), address(recv_w), ue8m0, stream=stream_handle(self.device), num_sms=num_sms,
                 plan_ordered=plan_ordered,
@@ -631,11 +632,15 @@ class Buffer:
 
     # ---- raw ops (no checks beyond the plan, no autograd): used by the autograd functions ----
 
-    def _live(self, op):
+    def _live(self, op, collective=False):
         """The C++ buffer (RuntimeError naming op once destroyed). Call its ops inside device_guard(self.device), with
-        stream=stream_handle(self.device) and the call's num_sms: the kernels launch on the current device."""
+        stream=stream_handle(self.device) and the call's num_sms: the kernels launch on the current device.
+        collective: the call enqueues a collective op (virtual ranks on their own threads first meet on the host:
+        flatep.virtual.arrive)."""
         if self._buffer is None:
             raise RuntimeError(f"{op}: this Buffer was destroyed")
+        if collective:
+            _virtual_arrive(self.group, op)
         return self._buffer
 
     def check_status(self):
@@ -661,7 +666,7 @@ class Buffer:
         recv_x = alloc(self.num_recv_rows, self.hidden, dtype=torch.bfloat16, device=self.device)
         recv_w = alloc(self.num_recv_rows, dtype=torch.float32, device=self.device) if want_weights else None
         with device_guard(self.device):
-            self._live("dispatch").dispatch(
+            self._live("dispatch", collective=True).dispatch(
                 plan._plan, address(x), address(topk_weights), address(recv_x), address(recv_w),
                 stream=stream_handle(self.device), num_sms=num_sms, plan_ordered=plan_ordered,
             )
@@ -670,7 +675,7 @@ class Buffer:
     def _combine_raw(self, plan, y, weights, *, num_sms=-1, plan_ordered=False):
         out = torch.empty(plan.num_tokens, self.hidden, dtype=torch.bfloat16, device=self.device)
         with device_guard(self.device):
-            self._live("combine").combine(plan._plan, address(y), address(weights), address(out),
+            self._live("combine", collective=True).combine(plan._plan, address(y), address(weights), address(out),
                                           stream=stream_handle(self.device), num_sms=num_sms, plan_ordered=plan_ordered)
         return out
 
@@ -710,14 +715,14 @@ class Buffer:
         view, valid until the next op of this Buffer rewrites it (rows past the last group end not written)."""
         rows, _ = self._region_views()
         with device_guard(self.device):
-            self._live("dispatch").dispatch(plan._plan, address(x), address(None), address(rows), address(None),
+            self._live("dispatch", collective=True).dispatch(plan._plan, address(x), address(None), address(rows), address(None),
                                             stream=stream_handle(self.device), num_sms=num_sms)
         return rows
 
     def _entry_values_raw(self, plan, row_values, *, num_sms=-1):
         out = torch.empty(plan.num_tokens, self.topk, dtype=torch.float32, device=self.device)
         with device_guard(self.device):
-            self._live("entry_values").entry_values(plan._plan, address(row_values), address(out),
+            self._live("entry_values", collective=True).entry_values(plan._plan, address(row_values), address(out),
                                                     stream=stream_handle(self.device), num_sms=num_sms)
         return out
 

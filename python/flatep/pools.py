@@ -46,6 +46,7 @@ import torch
 from . import _C
 from . import fp8 as _fp8
 from . import ops as _ops
+from ._bootstrap import arrive as _virtual_arrive
 from ._tensors import _ELEMENT_BYTES, INT64_MAX, address, check_int, check_tensor, check_timeout, tensor_at
 from .buffer import Plan
 from .distributed import group_rank_size, resolve_device, transport_for
@@ -249,11 +250,13 @@ class ExpertPools:
     # (-1: the pools')
     def _prefetch_raw(self, plan, layer, *, num_sms=-1, plan_ordered=False):
         with device_guard(self.device):
+            _virtual_arrive(self.group, "prefetch")
             self._pools.prefetch(plan._plan, layer._layer, stream=stream_handle(self.device), num_sms=num_sms,
                                  plan_ordered=plan_ordered)
 
     def _reduce_grad_raw(self, plan, layer, *, num_sms=-1):
         with device_guard(self.device):
+            _virtual_arrive(self.group, "reduce_grad")
             self._pools.reduce_grad(plan._plan, layer._layer, stream=stream_handle(self.device), num_sms=num_sms)
 
     def _write_grads_raw(self, plan, layer, projection, grad, accumulate, *, num_sms=-1):

@@ -49,7 +49,7 @@ from . import _C
 if not torch.cuda.is_initialized():  # read when CUDA starts; see the module docstring
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-from ._bootstrap import OwnTransportGroup, PeerTimeout
+from ._bootstrap import OwnTransportGroup, PeerTimeout, arrive, rank_threads  # noqa: F401 (arrive: re-exported)
 from ._tensors import check_int, check_timeout, number_text
 
 _MAX_RANKS = 64  # flatep::kMaxRanks
@@ -166,6 +166,11 @@ class _Meeting:
                     f"every rank must call the same collectives in the same order"
                 )
         return [p for _, _, p in posted]
+
+    def arrive(self, rank, what):
+        """Returns once every rank arrived here (a host barrier, no exchange, no check of `what`)."""
+        self.calls[rank] += 1
+        self._wait(rank, what, "arriving")
 
     def done(self, rank, what):
         """Waits until every rank has finished reading the others' parts (their tensors may be freed after)."""
@@ -354,6 +359,7 @@ class _RankThread:
                 if self.device is not None and self._bound != self.device:
                     torch.cuda.set_device(self.device)  # torch's current device (it skips CUDA when it is already)
                     _C.make_device_current(self.device.index)  # and the GPU's context, bound to this thread
+                    _make_blas_handles(self.device)
                     self._bound = self.device
                 done.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -368,7 +374,21 @@ class _RankThread:
         return done
 
 
-_local = threading.local()
+def _make_blas_handles(device):
+    """This thread's cuBLAS handles (and, once a process and device, those of autograd's backward thread) made now,
+    while no rank's kernel can be waiting: making one waits for every kernel running on the GPU (3.4 s behind a 1 s
+    kernel on an H100, benchmarks/host_block_probe.py), and a rank's first GEMM would otherwise make it while a
+    peer's collective kernel waits for this rank (issue 59)."""
+    torch.cuda.current_blas_handle()
+    if device.index not in _autograd_warm:
+        _autograd_warm.add(device.index)
+        a = torch.ones(2, 2, device=device, dtype=torch.bfloat16, requires_grad=True)
+        (a @ a).float().sum().backward()  # runs on the device's autograd thread: its handle too
+        torch.cuda.synchronize(device)  # nothing of FlatEP's can run yet: the world is being made
+
+
+_autograd_warm = set()
+_local = rank_threads  # .rank_thread: the _RankThread running on this thread, if any
 _threads_lock = threading.Lock()
 _rank_threads = []  # _RankThread i runs rank i's calls of every run_threads, for the life of the process
 

@@ -281,3 +281,38 @@ def test_a_rank_that_never_arrives_is_named_within_the_timeout():
     with pytest.raises(RuntimeError, match=r"virtual rank 0: barrier \(posting\): rank 1 did not arrive within 0.5 s"):
         virtual.run_threads(R, lambda r: ranks[r].barrier() if r == 0 else None)
     assert time.monotonic() - start < 5
+
+
+def test_collective_ops_of_rank_threads_meet_on_the_host_first():
+    """flatep._bootstrap.arrive (every collective op calls it): on a CUDA device, an op on a virtual rank's own thread
+    waits on the host until every rank reached its op, so no rank's kernel can wait on the device for a peer whose
+    thread is still in work that blocks on the GPU (a cuBLAS handle, a kernel's first load); elsewhere it returns at
+    once. The CPU stands in for the device here: a group that says "cuda"."""
+    import threading
+    import types
+
+    from flatep import _bootstrap
+
+    R = 3
+    meeting = virtual._Meeting(R, 5.0)
+    groups = [types.SimpleNamespace(rank=r, device=torch.device("cuda", 0), _meeting=meeting) for r in range(R)]
+    order = []
+    lock = threading.Lock()
+
+    def op(r):
+        if r == 2:
+            time.sleep(0.3)  # the late rank: the others must not get past their op before it arrives
+        with lock:
+            order.append(("at", r))
+        _bootstrap.arrive(groups[r], "plan")
+        with lock:
+            order.append(("past", r))
+
+    virtual.run_threads(R, op)
+    assert [kind for kind, _ in order[:R]] == ["at"] * R, order
+    # off a rank thread (one thread enqueueing every rank's op, autograd's backward thread): no wait at all
+    start = time.monotonic()
+    _bootstrap.arrive(groups[0], "plan")
+    cpu_group = types.SimpleNamespace(rank=0, device=torch.device("cpu"), _meeting=meeting)
+    virtual.run_threads(1, lambda r: _bootstrap.arrive(cpu_group, "plan"))
+    assert time.monotonic() - start < 1.0
