@@ -11,7 +11,8 @@
 # results.tgz (every log and result but the routing traces) and each trace as $OUT/<step>_<file>.npz. The exit status
 # is 0 when every step passed.
 #
-# Environment: OUT (default /tmp/out), DEVICE_DEADLINE_S, PYTHON (python3), BUILD (build-cuda), JOBS (16),
+# Environment: OUT (default /tmp/out), DEVICE_DEADLINE_S, DEVICE_STOP_ON_FAIL=1 (the steps after a failed one are not
+# run), PYTHON (python3), BUILD (build-cuda), JOBS (16),
 # FLATEP_TIMEOUT_S (default here 60). NCCL_NVLS_ENABLE=0 always (NVLink multicast stays off on shared machines).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -64,7 +65,7 @@ STEP_LIMIT[first_call]=420
 step_first_call() { FLATEP_SPAWN_TIMEOUT_S=200 "$PY" -m pytest -q -rA -m cuda tests/python/test_first_call.py; }
 
 STEP_HELP[e2e_smoke]="benchmarks/train_e2e.py --preset tiny on the GPU, 4 virtual ranks, 10 steps"
-STEP_LIMIT[e2e_smoke]=120
+STEP_LIMIT[e2e_smoke]=100
 step_e2e_smoke() {
     "$PY" benchmarks/train_e2e.py --preset tiny --device cuda --ranks 4 --experts 16 --steps 10 --no-plot \
         --out "$RESULTS/e2e_smoke"
@@ -133,6 +134,10 @@ START=$SECONDS
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$SUMMARY"
 for step in "${steps[@]}"; do
     left=$((DEADLINE_S - (SECONDS - START)))
+    if ((FAILED)) && [[ ${DEVICE_STOP_ON_FAIL:-0} == 1 ]]; then
+        echo "NOT RUN $step (an earlier step failed)" | tee -a "$SUMMARY"
+        continue
+    fi
     if ((left < 15)); then
         echo "NOT RUN $step (deadline)" | tee -a "$SUMMARY"
         FAILED=1
