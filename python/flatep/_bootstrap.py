@@ -31,7 +31,13 @@ def arrive(group, op):
     end (measured on an H100 by benchmarks/host_block_probe.py: making a thread's cuBLAS handle, a GEMM kernel's first
     load), and with a rank's collective kernel waiting for that very thread the first step would hang until the
     timeout (issue 59). Ops on other threads (one thread enqueueing every rank's op; autograd's backward thread) do
-    not wait: one thread enqueues every rank's part there."""
+    not wait: one thread enqueues every rank's part there; nor do ops being captured into a CUDA graph, which run
+    nothing (flatep.virtual.graph captures the ranks one at a time)."""
     meeting = getattr(group, "_meeting", None)
-    if meeting is not None and group.device.type == "cuda" and getattr(rank_threads, "rank_thread", None) is not None:
-        meeting.arrive(group.rank, op)
+    if meeting is None or group.device.type != "cuda" or getattr(rank_threads, "rank_thread", None) is None:
+        return
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():  # a capture runs nothing
+        return
+    meeting.arrive(group.rank, op)

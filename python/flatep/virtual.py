@@ -34,6 +34,7 @@ e.g. SMs / R) lets the ranks' kernels run side by side.
 """
 
 import concurrent.futures
+import contextlib
 import ctypes
 import functools
 import os
@@ -439,6 +440,27 @@ def run_threads(num_ranks, fn):
                 first.add_note(f"virtual rank {r}: {type(errors[r]).__name__}: {text[0] if text else ''}")
         raise first
     return results
+
+
+_capture_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def graph(cuda_graph, **kwargs):
+    """torch.cuda.graph(cuda_graph, **kwargs) for a virtual rank's thread: the ranks of one process capture one at a
+    time. torch.cuda.graph synchronises the whole device when it starts (and empties the allocator's cache), which
+    CUDA refuses while another thread's stream captures ("operation not permitted when stream is capturing"), and
+    that refusal breaks the other rank's capture too; so R threads entering torch.cuda.graph at once fail. Under this
+    lock every rank's capture is whole. A capture runs nothing, so the FlatEP ops captured need no peer to be there
+    (flatep._bootstrap.arrive lets them through), and the replays, one per rank on its own thread, run together:
+
+        def capture(r):                       # on rank r's thread: virtual.run_threads(R, capture)
+            with torch.inference_mode(), virtual.graph(graphs[r], stream=streams[r]):
+                outs[r] = moes[r](static_x[r], static_idx[r])
+    """
+    with _capture_lock:
+        with torch.cuda.graph(cuda_graph, **kwargs):
+            yield
 
 
 def _resolve(device):

@@ -52,6 +52,7 @@ class Rank:
 
         R, slots, steps = CASES[case]
         self.case, self.rank, self.device = case, rank, device
+        self.virtual = group is not None
         self.training = case == "train_empty"
         planner, S, _ = steps[0]
         self.moe = flatep.nn.MoE(H, F, E, K, group=group, num_tokens=S, num_slots=slots, planner=planner, align=8,
@@ -91,7 +92,13 @@ class Rank:
         static_x, static_idx = x.to(self.device), idx.to(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode():
-            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+            if self.virtual:  # the ranks of one process capture one at a time (flatep.virtual.graph says why)
+                from flatep import virtual
+
+                capture = virtual.graph(graph, stream=self.stream, capture_error_mode="thread_local")
+            else:
+                capture = torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local")
+            with capture:
                 static_out = self.moe(static_x, static_idx)
         self.graph, self.static = graph, (static_x, static_idx, static_out)
 
