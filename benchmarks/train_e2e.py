@@ -25,7 +25,8 @@ both). In one invocation the script trains FlatEP (flatep.nn.MoE), releases its 
   allocated = their allocated bytes, sampled after every rank's forward (the activations' peak) and at the step's
   end, "peak" the larger; plus torch.cuda.max_memory_allocated / memory_reserved of the whole device. Processes:
   torch.cuda.max_memory_allocated (reset every step) and memory_reserved of each process. FlatEP's own memory (Buffer,
-  pools: outside torch's allocator) is measured once, from the free memory it took, and reported apart;
+  pools: outside torch's allocator) is measured once, from the free memory it took, and reported apart: on virtual
+  ranks that is every rank's together (and the CUDA context's growth meanwhile), on processes the largest rank's;
 * tokens per second: R * S over the slowest rank's step time.
 
 Outputs in --out: steps.csv (one row per implementation, step and MoE layer), memory.csv (implementation, step, rank),
@@ -475,6 +476,8 @@ def summary(recs, compare, args):
              f"host's work included); memory per rank, the largest rank"]
     lines.append(f"{'impl':>9} {'first ms':>9} {'last ms':>9} {'last/first':>10} {'tok/s':>10} {'tok/s wall':>10} "
                  f"{'peak GiB':>9} {'reserved':>9} {'FlatEP own':>10}")
+    own = "every rank's together" if not args.processes else "the largest rank's"
+    lines[0] += f"; FlatEP own (outside torch's allocator): {own}"
     tokens = {}
     for impl, rec in recs.items():
         steps = rec.per_step()
