@@ -100,7 +100,7 @@ class Routing:
             self.steps = args.steps
             self.pop = testing.drifting_popularity(self.E, self.steps, sigma=args.sigma, drift=args.drift,
                                                    shift_every=args.shift_every, seed=args.seed)
-            self.trace, self.layer = None, 0
+            self.trace, self.layer, self._drawn = None, 0, []
             self.name = (f"drift(sigma={args.sigma:g}, drift={args.drift:g}, shift every {args.shift_every}) "
                          f"{args.preset}")
             self._counts = np.stack([self._drift_counts(t) for t in range(self.steps)])
@@ -127,17 +127,22 @@ class Routing:
 
     def _drift_counts(self, t):
         out = np.zeros((self.R, self.E), dtype=np.int64)
+        drawn = []
         for r in range(self.R):
             idx = testing.sample_topk_from(self.pop[t], self.S, self.K, r, seed=self.seed * 100_003 + t)
             out[r] = np.bincount(idx.flatten().numpy(), minlength=self.E)
+            drawn.append(idx.to(torch.int16))  # kept for the replays (--time): 2 bytes an id
+        self._drawn.append(drawn)
         return out
 
     def counts(self, t):
         return self._counts[t]
 
     def topk_idx(self, t, rank):
+        """Rank `rank`'s routing [S, K] (int64) of step t: the drawn one (kept from the counts' draw), or the trace's
+        (recorded, or synthesised from its exact counts)."""
         if self.trace is None:
-            return testing.sample_topk_from(self.pop[t], self.S, self.K, rank, seed=self.seed * 100_003 + t).long()
+            return self._drawn[t][rank].long()
         return self.trace.topk_idx(t, self.layer, rank)
 
     def expert_bytes(self):
