@@ -389,7 +389,7 @@ std::function<StepResult(int, bool, StepClock&)> serving_steps(const Options& o,
         Buffer& buffer = is_prefill ? *prefill : *decode;
         in->make(o, step, rank, is_prefill ? o.config.num_tokens : o.decode_tokens);
         const int s = in->s;
-        const bool ordered = !replay;
+        const Launch ordered{.options = {.plan_ordered = !replay}};
         const uint16_t* view = layer->weights(0);
         // Odd steps read their rows in place from the receive region (zero copy), which is what a dispatch's entry
         // barrier guarded: without it only the next plan op keeps a fast peer's next rows out while a slow rank reads.
@@ -399,8 +399,8 @@ std::function<StepResult(int, bool, StepClock&)> serving_steps(const Options& o,
 
         clock.start();
         const Plan plan = buffer.plan(in->idx.data(), 4, s);
-        buffer.dispatch(plan, in->x.data(), in->topk_weights.data(), rx, rw, {}, ordered);
-        if (is_prefill) pools->prefetch(plan, *layer, {}, ordered);
+        buffer.dispatch(plan, in->x.data(), in->topk_weights.data(), rx, rw, ordered);
+        if (is_prefill) pools->prefetch(plan, *layer, ordered);
         // "Expert compute": each real group's rows plus the first H weights of its row of the view (its own expert
         // in place, a replica's home row read in place, or a pulled slot).
         const std::span<const int32_t> cu = plan.cu_seqlens(rank);
@@ -414,7 +414,7 @@ std::function<StepResult(int, bool, StepClock&)> serving_steps(const Options& o,
                 }
             begin = std::max(begin, cu[g]);
         }
-        buffer.combine(plan, y->data(), rw, out->data(), {}, ordered);
+        buffer.combine(plan, y->data(), rw, out->data(), ordered);
         buffer.check_status();
         clock.stop();
 

@@ -233,9 +233,11 @@ void bind_plan(py::module_& m) {
             py::arg("rank"));
 }
 
-// The Launch of one call: the caller's stream (an int cudaStream_t; 0 = the legacy default stream) and SM budget
-// (-1: the object's num_sms).
-Launch launch_of(uintptr_t stream, int num_sms) { return Launch{reinterpret_cast<void*>(stream), num_sms}; }
+// The Launch of one call: the caller's stream (an int cudaStream_t; 0 = the legacy default stream), SM budget (-1: the
+// object's num_sms) and options (Python's keyword plan_ordered= of the ops that take it).
+Launch launch_of(uintptr_t stream, int num_sms, bool plan_ordered = false) {
+    return Launch{reinterpret_cast<void*>(stream), num_sms, OpOptions{plan_ordered}};
+}
 
 void bind_buffer(py::module_& m) {
     using Release = py::call_guard<py::gil_scoped_release>;
@@ -302,7 +304,7 @@ void bind_buffer(py::module_& m) {
             [](Buffer& b, const Plan& plan, uintptr_t x, uintptr_t topk_weights, uintptr_t recv_x, uintptr_t recv_w,
                uintptr_t stream, int num_sms, bool plan_ordered) {
                 b.dispatch(plan, as_ptr<const uint16_t>(x), as_ptr<const float>(topk_weights), as_ptr<uint16_t>(recv_x),
-                           as_ptr<float>(recv_w), launch_of(stream, num_sms), plan_ordered);
+                           as_ptr<float>(recv_w), launch_of(stream, num_sms, plan_ordered));
             },
             py::arg("plan"), py::arg("x"), py::arg("topk_weights"), py::arg("recv_x"), py::arg("recv_w"), py::kw_only(),
             py::arg("stream") = 0, py::arg("num_sms") = -1, py::arg("plan_ordered") = false, Release())
@@ -314,7 +316,7 @@ void bind_buffer(py::module_& m) {
                 b.dispatch_fp8(plan, as_ptr<const uint16_t>(x_bf16), as_ptr<const uint8_t>(x_fp8),
                                as_ptr<const float>(x_scales), as_ptr<const float>(topk_weights),
                                as_ptr<uint8_t>(recv_x), as_ptr<float>(recv_scales), as_ptr<float>(recv_w),
-                               ue8m0 ? Fp8Scale::kUe8m0 : Fp8Scale::kFloat, launch_of(stream, num_sms), plan_ordered);
+                               ue8m0 ? Fp8Scale::kUe8m0 : Fp8Scale::kFloat, launch_of(stream, num_sms, plan_ordered));
             },
             py::arg("plan"), py::arg("x_bf16"), py::arg("x_fp8"), py::arg("x_scales"), py::arg("topk_weights"),
             py::arg("recv_x"), py::arg("recv_scales"), py::arg("recv_w"), py::arg("ue8m0"), py::kw_only(),
@@ -324,7 +326,7 @@ void bind_buffer(py::module_& m) {
             [](Buffer& b, const Plan& plan, uintptr_t y, uintptr_t weights, uintptr_t out, uintptr_t stream,
                int num_sms, bool plan_ordered) {
                 b.combine(plan, as_ptr<const uint16_t>(y), as_ptr<const float>(weights), as_ptr<uint16_t>(out),
-                          launch_of(stream, num_sms), plan_ordered);
+                          launch_of(stream, num_sms, plan_ordered));
             },
             py::arg("plan"), py::arg("y"), py::arg("weights"), py::arg("out"), py::kw_only(), py::arg("stream") = 0,
             py::arg("num_sms") = -1, py::arg("plan_ordered") = false, Release())
@@ -405,7 +407,7 @@ void bind_pools(py::module_& m) {
         .def(
             "prefetch",
             [](ExpertPools& p, const Plan& plan, const ExpertLayer& layer, uintptr_t stream, int num_sms,
-               bool plan_ordered) { p.prefetch(plan, layer, launch_of(stream, num_sms), plan_ordered); },
+               bool plan_ordered) { p.prefetch(plan, layer, launch_of(stream, num_sms, plan_ordered)); },
             py::arg("plan"), py::arg("layer"), py::kw_only(), py::arg("stream") = 0, py::arg("num_sms") = -1,
             py::arg("plan_ordered") = false, Release())
         .def(

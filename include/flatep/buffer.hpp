@@ -111,7 +111,8 @@ class Buffer {
     // topk_idx: [num_tokens][K] int32 (index_bytes 4) or int64 (8), num_tokens in [0, S]. Expert ids outside
     // [0, E) are skipped and recorded (check_status reports them). plan_storage: device Buffers only, null (the next
     // of the Buffer's plan slots) or plan_words() int32 words of device memory that the Plan then lives in.
-    // Every op takes a Launch last (stream and SM budget of this call; see flatep/launch.hpp).
+    // Every op takes a Launch last (stream, SM budget and options of this call; see flatep/launch.hpp); only dispatch,
+    // dispatch_fp8 and combine take an option (plan_ordered).
     Plan plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t* plan_storage = nullptr,
               const Launch& launch = {});
     // int32 words of one device plan (the storage plan() takes).
@@ -122,13 +123,13 @@ class Buffer {
     // symmetric_recv_x()); recv_w: [NvS] fp32 out or null. Real rows get their token row and weight, padding rows
     // inside a group's padded range are zero with weight 0, rows past the last group end are not written.
     // A rank that passes no tokens (num_tokens 0) may pass null x (and null out / combine, entry_values).
-    // plan_ordered (every rank alike): no entry barrier. The plan op that made `plan`, stream-ordered before this call
-    // on every rank, met every rank after its earlier reads of the receive region, so none can still be reading it.
-    // The caller promises that this is the first op on this Buffer since that plan op, and that whatever read the
-    // region before (the previous step's FFN on zero-copy rows, say) is stream-ordered before that plan op on every
-    // rank. An inference step (plan, dispatch, expert FFN, combine on one stream) keeps it.
+    // launch.options.plan_ordered (every rank alike): no entry barrier. The plan op that made `plan`, stream-ordered
+    // before this call on every rank, met every rank after its earlier reads of the receive region, so none can still
+    // be reading it. The caller promises that this is the first op on this Buffer since that plan op, and that whatever
+    // read the region before (the previous step's FFN on zero-copy rows, say) is stream-ordered before that plan op on
+    // every rank. An inference step (plan, dispatch, expert FFN, combine on one stream) keeps it.
     void dispatch(const Plan& plan, const uint16_t* x, const float* topk_weights, uint16_t* recv_x, float* recv_w,
-                  const Launch& launch = {}, bool plan_ordered = false);
+                  const Launch& launch = {});
 
     // dispatch of FP8 rows (design §6, "FP8 rows"): the same plan, receive layout and weights, with each row moved as
     // H e4m3 bytes plus H/128 fp32 scales (x ~= e4m3(q) * scale per block of 128 channels). H must be a multiple of
@@ -139,18 +140,19 @@ class Buffer {
     // recv_x: [NvS][H] e4m3 out, recv_scales: [NvS][H/128] fp32 out (either may be symmetric_recv_x_fp8() /
     // symmetric_recv_scales() to skip the copy-out), recv_w: [NvS] fp32 out or null. Real rows get their token's
     // e4m3 row, scales and weight; padding rows inside a group's padded range get zero bytes, zero scales and weight
-    // 0; rows past the last group end are not written. Both backends give the same bits. plan_ordered: as dispatch's.
+    // 0; rows past the last group end are not written. Both backends give the same bits. launch.options.plan_ordered:
+    // as dispatch's.
     void dispatch_fp8(const Plan& plan, const uint16_t* x_bf16, const uint8_t* x_fp8, const float* x_scales,
                       const float* topk_weights, uint8_t* recv_x, float* recv_scales, float* recv_w,
-                      Fp8Scale scale_mode = Fp8Scale::kFloat, const Launch& launch = {}, bool plan_ordered = false);
+                      Fp8Scale scale_mode = Fp8Scale::kFloat, const Launch& launch = {});
 
     // y: [NvS][H] bf16 expert outputs; weights: [NvS] fp32 per-row weights (weighted combine) or null;
     // out: [s][H] bf16, the sum of each token's K rows (design §6 numerics).
-    // plan_ordered (every rank alike): no entry barrier. This step's plan op and dispatch (a plan_ordered one or not),
-    // stream-ordered before this call on every rank, met every rank after its previous combine's reads of the
-    // partials; the caller promises that no other op ran on this Buffer between that dispatch and this combine.
-    void combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out, const Launch& launch = {},
-                 bool plan_ordered = false);
+    // launch.options.plan_ordered (every rank alike): no entry barrier. This step's plan op and dispatch (a
+    // plan_ordered one or not), stream-ordered before this call on every rank, met every rank after its previous
+    // combine's reads of the partials; the caller promises that no other op ran on this Buffer between that dispatch
+    // and this combine.
+    void combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out, const Launch& launch = {});
 
     // Local (not collective) rest of a weighted combine's backward, after the output gradient was dispatched back to
     // the rows (dispatch(plan, grad_out, nullptr, rows, nullptr)). For every receive row i in [0, NvS) of this rank:
@@ -205,7 +207,8 @@ class Buffer {
 
   private:
     void check_plan(const Plan& plan, const char* op) const;
-    Launch enter(const char* op, const Launch& launch);            // the call's launch with its budget resolved
+    // The call's launch with its budget resolved (after refusing an option the op does not take).
+    Launch enter(const char* op, const Launch& launch, bool takes_plan_ordered = false);
     [[noreturn]] void throw_status(const int32_t words[4]) const;  // the error the status words hold
     void after_op(const Launch& launch);
     template <typename Args>

@@ -26,9 +26,10 @@
 // Q - epn empty pad rows between the ranks' chunks), then this rank's B slots at rows [R*Q, R*Q + B). A replica
 // beyond the B slots is computed straight from its home rank's memory through the view (the plan's group of view row
 // home*Q + local), and prefetch is a pull: each rank copies its slotted experts from their owners' memory into its
-// own slots (one barrier, or none with prefetch's plan_ordered). Serving pools are forward-only (no reduce pools;
-// reduce_grad / write_grads refuse), and register_layer is collective there. Projections of 1-byte (e4m3) or 4-byte
-// (e.g. fp32 block scales) elements move as bytes with the rest; pools with such a projection are forward-only too.
+// own slots (one barrier, or none with prefetch's options.plan_ordered). Serving pools are forward-only (no reduce
+// pools; reduce_grad / write_grads refuse), and register_layer is collective there. Projections of 1-byte (e4m3) or
+// 4-byte (e.g. fp32 block scales) elements move as bytes with the rest; pools with such a projection are forward-only
+// too.
 #pragma once
 
 #include <cstdint>
@@ -114,12 +115,12 @@ class ExpertPools {
 
     // Collective. Training: owners push this step's replicas (plan.slot_expert) of every projection into the slot
     // pools (two barriers). Serving: each rank pulls its B slotted experts from their owners (one barrier).
-    // plan_ordered (serving only; a push refuses it): the pull takes no barrier of its own. The plan op that made
-    // `plan` met every rank after its last write of its own weights, so the owners' weights are final already; the
-    // caller promises that no rank writes its layer's weights from that plan op until the next Buffer op after this
-    // prefetch (a step's combine): write them between steps. Every rank must pass the same plan_ordered.
+    // launch.options.plan_ordered (serving only; a push refuses it): the pull takes no barrier of its own. The plan op
+    // that made `plan` met every rank after its last write of its own weights, so the owners' weights are final
+    // already; the caller promises that no rank writes its layer's weights from that plan op until the next Buffer op
+    // after this prefetch (a step's combine): write them between steps. Every rank must pass the same plan_ordered.
     // flatep.nn.MoE's serving layers use it: their forward runs plan, dispatch, prefetch and combine in one call.
-    void prefetch(const Plan& plan, const ExpertLayer& layer, const Launch& launch = {}, bool plan_ordered = false);
+    void prefetch(const Plan& plan, const ExpertLayer& layer, const Launch& launch = {});
     // Collective: owners add the replicas' fp32 grads (reduce pools) into the layer's own grads in ascending
     // (rank, slot) order; then every rank zeroes its consumed slots.
     void reduce_grad(const Plan& plan, const ExpertLayer& layer, const Launch& launch = {});
@@ -165,7 +166,8 @@ class ExpertPools {
     bool poisoned() const;
 
   private:
-    Launch enter(const Plan& plan, const ExpertLayer& layer, const char* op, const Launch& launch) const;
+    Launch enter(const Plan& plan, const ExpertLayer& layer, const char* op, const Launch& launch,
+                 bool takes_plan_ordered = false) const;
     void check_trains(const char* op) const;
     ExpertLayer register_serving_layer();
 

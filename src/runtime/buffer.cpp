@@ -13,6 +13,7 @@
 #include "ops/plan_args.hpp"
 #include "runtime/backend.hpp"
 #include "runtime/collective_guard.hpp"
+#include "runtime/launch.hpp"
 #include "runtime/plan_data.hpp"
 #include "sync/barrier_host.hpp"
 #include "sync/sync.hpp"
@@ -200,9 +201,9 @@ bool Buffer::poisoned() const { return guard_->poisoned(); }
 
 void Buffer::set_num_sms(int num_sms) { num_sms_ = env::check_num_sms("Buffer", num_sms); }
 
-Launch Buffer::enter(const char* op, const Launch& launch) {
-    Launch resolved = launch;
-    resolved.num_sms = launch.num_sms == -1 ? num_sms_ : env::check_num_sms(op, launch.num_sms);
+Launch Buffer::enter(const char* op, const Launch& launch, bool takes_plan_ordered) {
+    const Launch resolved = runtime::resolve_launch(
+        op, launch, num_sms_, takes_plan_ordered ? runtime::Takes::kPlanOrdered : runtime::Takes::kNoOption);
     guard_->enter(op, backend_->failure_message(), backend_->failure_code());
     int32_t words[4];
     int32_t* status = region_at<int32_t>(region_.local, make_symmetric_layout(*layout_).status_offset);
@@ -260,15 +261,15 @@ Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t
 }
 
 void Buffer::dispatch(const Plan& plan, const uint16_t* x, const float* topk_weights, uint16_t* recv_x, float* recv_w,
-                      const Launch& launch, bool plan_ordered) {
-    const Launch run = enter("dispatch", launch);
+                      const Launch& launch) {
+    const Launch run = enter("dispatch", launch, true);
     check_plan(plan, "dispatch");
     auto args = op_args<DispatchArgs>(plan);
     args.x = x;
     args.topk_weights = topk_weights;
     args.recv_x = recv_x;
     args.recv_w = recv_w;
-    args.plan_ordered = plan_ordered;
+    args.plan_ordered = run.options.plan_ordered;
     check_dispatch_args(args, plan.num_tokens());
     backend_->dispatch(args, run);
     after_op(run);
@@ -276,8 +277,8 @@ void Buffer::dispatch(const Plan& plan, const uint16_t* x, const float* topk_wei
 
 void Buffer::dispatch_fp8(const Plan& plan, const uint16_t* x_bf16, const uint8_t* x_fp8, const float* x_scales,
                           const float* topk_weights, uint8_t* recv_x, float* recv_scales, float* recv_w,
-                          Fp8Scale scale_mode, const Launch& launch, bool plan_ordered) {
-    const Launch run = enter("dispatch_fp8", launch);
+                          Fp8Scale scale_mode, const Launch& launch) {
+    const Launch run = enter("dispatch_fp8", launch, true);
     check_plan(plan, "dispatch_fp8");
     auto args = op_args<DispatchFp8Args>(plan);
     args.x_bf16 = x_bf16;
@@ -288,21 +289,20 @@ void Buffer::dispatch_fp8(const Plan& plan, const uint16_t* x_bf16, const uint8_
     args.recv_x = recv_x;
     args.recv_scales = recv_scales;
     args.recv_w = recv_w;
-    args.plan_ordered = plan_ordered;
+    args.plan_ordered = run.options.plan_ordered;
     check_dispatch_fp8_args(args, plan.num_tokens());
     backend_->dispatch_fp8(args, run);
     after_op(run);
 }
 
-void Buffer::combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out, const Launch& launch,
-                     bool plan_ordered) {
-    const Launch run = enter("combine", launch);
+void Buffer::combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out, const Launch& launch) {
+    const Launch run = enter("combine", launch, true);
     check_plan(plan, "combine");
     auto args = op_args<CombineArgs>(plan);
     args.y = y;
     args.weights = weights;
     args.out = out;
-    args.plan_ordered = plan_ordered;
+    args.plan_ordered = run.options.plan_ordered;
     check_combine_args(args, plan.num_tokens());
     backend_->combine(args, run);
     after_op(run);
@@ -338,6 +338,7 @@ void Buffer::combine_grad(const Plan& plan, const uint16_t* rows, const uint16_t
 }
 
 void Buffer::check_status(const Launch& launch) {
+    runtime::check_options("check_status", launch.options, runtime::Takes::kNoOption);
     int32_t* status = region_at<int32_t>(region_.local, make_symmetric_layout(*layout_).status_offset);
     int32_t words[4];
     backend_->read_status(words, status, launch);  // device: a synchronising point, the record is complete now

@@ -12,6 +12,7 @@
 #include "planner/planner.hpp"
 #include "runtime/backend.hpp"
 #include "runtime/collective_guard.hpp"
+#include "runtime/launch.hpp"
 #include "runtime/plan_data.hpp"
 #include "runtime/serving_view.hpp"
 #include "sync/sync.hpp"
@@ -300,9 +301,10 @@ bool ExpertPools::on_device() const { return backend_->on_device(); }
 
 void ExpertPools::set_num_sms(int num_sms) { num_sms_ = env::check_num_sms("ExpertPools", num_sms); }
 
-Launch ExpertPools::enter(const Plan& plan, const ExpertLayer& layer, const char* op, const Launch& launch) const {
-    Launch resolved = launch;
-    resolved.num_sms = launch.num_sms == -1 ? num_sms_ : env::check_num_sms(op, launch.num_sms);
+Launch ExpertPools::enter(const Plan& plan, const ExpertLayer& layer, const char* op, const Launch& launch,
+                          bool takes_plan_ordered) const {
+    const Launch resolved = runtime::resolve_launch(
+        op, launch, num_sms_, takes_plan_ordered ? runtime::Takes::kPlanOrdered : runtime::Takes::kNoOption);
     guard_->enter(op, backend_->failure_message(), backend_->failure_code());
     FLATEP_CHECK(!plan.empty(), op, ": plan is empty (default-constructed); get one from Buffer::plan()");
     FLATEP_CHECK(plan.on_device() == backend_->on_device(), op, ": the pools are in ",
@@ -339,8 +341,8 @@ sync::SyncArgs pool_sync(const SymmetricRegion& region, uint64_t* epoch, int ran
 }
 }  // namespace
 
-void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer, const Launch& launch, bool plan_ordered) {
-    const Launch run = enter(plan, layer, "prefetch", launch);
+void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer, const Launch& launch) {
+    const Launch run = enter(plan, layer, "prefetch", launch, true);
     const int R = transport_->num_ranks();
     // Every projection in one op (one barrier for a pull, two for a push), kMaxPrefetchProjections at a time.
     for (int first = 0; first < num_projections(); first += kMaxPrefetchProjections) {
@@ -351,7 +353,7 @@ void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer, const Lau
         args.num_slots = num_slots_;
         args.slot_expert = plan.data().op_view().slot_expert;  // [R][epn]
         args.pull = serving();
-        args.plan_ordered = plan_ordered;
+        args.plan_ordered = run.options.plan_ordered;
         args.num_projections = std::min(kMaxPrefetchProjections, num_projections() - first);
         for (int i = 0; i < args.num_projections; ++i) {
             const int p = first + i;

@@ -299,6 +299,15 @@ TEST(BadInput, BufferAndPlanCalls) {
          [&] { buffer.entry_values(plan, nullptr, entry_out.data()); }},
         {"entry_values: out = nullptr", ErrorCategory::kInvalidArgument, "entry_values: out is null",
          [&] { buffer.entry_values(plan, values.data(), nullptr); }},
+        // An option an op does not take is refused, never ignored (flatep/launch.hpp).
+        {"entry_values: options.plan_ordered = true", ErrorCategory::kInvalidArgument,
+         "entry_values: options.plan_ordered must be false: only dispatch, dispatch_fp8, combine and a serving "
+         "prefetch take it, got true",
+         [&] { buffer.entry_values(plan, values.data(), entry_out.data(), {.options = {.plan_ordered = true}}); }},
+        {"plan: options.plan_ordered = true", ErrorCategory::kInvalidArgument,
+         "plan: options.plan_ordered must be false: only dispatch, dispatch_fp8, combine and a serving prefetch take "
+         "it, got true",
+         [&] { buffer.plan(idx, 4, 4, nullptr, {.options = {.plan_ordered = true}}); }},
         {"Plan accessor on an empty Plan()", ErrorCategory::kInvalidArgument,
          "plan is empty (default-constructed); get one from Buffer::plan()", [&] { Plan().generation(); }},
         {"Plan::slot_expert(rank = R)", ErrorCategory::kInvalidArgument, "slot_expert: rank must be in [0, 1), got 1",

@@ -149,9 +149,10 @@ TEST(RankDisagreement, DifferentOpsFailOnEveryRank) {
                 if (op == "combine") buffer.combine(plan, st.recv.data(), nullptr, st.out.data());
                 if (op == "entry_values") buffer.entry_values(plan, st.values.data(), st.per_entry.data());
                 if (op == "dispatch (plan_ordered)")
-                    buffer.dispatch(plan, st.x.data(), nullptr, st.recv.data(), nullptr, {}, true);
+                    buffer.dispatch(plan, st.x.data(), nullptr, st.recv.data(), nullptr,
+                                    {.options = {.plan_ordered = true}});
                 if (op == "combine (plan_ordered)")
-                    buffer.combine(plan, st.recv.data(), nullptr, st.out.data(), {}, true);
+                    buffer.combine(plan, st.recv.data(), nullptr, st.out.data(), {.options = {.plan_ordered = true}});
             });
         });
         ASSERT_EQ(failures(errors), "");

@@ -161,7 +161,7 @@ TEST(ServingPools, PlanOrderedPullSeesWeightsWrittenBeforeThePlan) {
             for (int l = 0; l < epn; ++l)
                 for (int64_t i = 0; i < n; ++i) layer.own_weights(0)[l * n + i] = key(rank * epn + l, step, i);
             const Plan plan = buffer.plan(idx.data(), 4, S);
-            pools.prefetch(plan, layer, {}, /*plan_ordered=*/true);
+            pools.prefetch(plan, layer, {.options = {.plan_ordered = true}});
             const std::span<const int32_t> se = plan.slot_expert(rank);
             for (int j = 0; j < B; ++j) {
                 if (se[j] < 0) continue;
@@ -183,7 +183,7 @@ TEST(ServingPools, PlanOrderedPullSeesWeightsWrittenBeforeThePlan) {
     ExpertLayer layer = training.register_layer();
     std::vector<int32_t> idx = {0, 1, 2, 3};
     const Plan plan = buffer.plan(idx.data(), 4, 4);
-    EXPECT_EQ(error_message([&] { training.prefetch(plan, layer, {}, true); }),
+    EXPECT_EQ(error_message([&] { training.prefetch(plan, layer, {.options = {.plan_ordered = true}}); }),
               "prefetch: plan_ordered must be false for a push (training's prefetch needs its two barriers), got true");
 }
 
