@@ -52,6 +52,7 @@
 #include "common/flags.hpp"
 #include "flatep/buffer.hpp"
 #include "flatep/ipc.hpp"
+#include "internal/api.hpp"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/launch.cuh"
 #include "layout/layout.hpp"
@@ -581,7 +582,7 @@ RankSummary RankBench::run(const Case& c, std::vector<std::vector<float>>& times
     const Config cfg = make_config(c, R_, rank_);
     Buffer buffer(cfg, transport_);
     const Launch on{stream_};  // every op of the rank on its stream
-    const Layout& l = buffer.layout();
+    const Layout& l = internal::layout(buffer);
     const int S = l.num_tokens, K = l.topk, H = l.hidden;
 
     // Routing of every rank (each rank regenerates all of it: the reference needs every source) and the reference.
@@ -613,7 +614,7 @@ RankSummary RankBench::run(const Case& c, std::vector<std::vector<float>>& times
     // FlatEP: the plan against the host planner's.
     Plan plan = buffer.plan(topk.get(), 4, S, nullptr, on);
     {
-        const planner::HostPlan& got = plan.host_plan();  // synchronising copy
+        const planner::HostPlan& got = internal::host_plan(plan);  // synchronising copy
         const PlanSizes sizes = make_plan_sizes(l);
         int64_t bad = -1;
         for (int64_t i = 0; i < sizes.entry_rank && bad < 0; ++i)

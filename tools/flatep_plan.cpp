@@ -21,10 +21,9 @@
 #include <vector>
 
 #include "flatep/error.hpp"
+#include "internal/api.hpp"
 #include "json.hpp"
-#include "layout/layout.hpp"
 #include "plan_request.hpp"
-#include "planner/planner.hpp"
 
 namespace {
 

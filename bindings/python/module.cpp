@@ -14,14 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "common/check.hpp"
-#include "common/env.hpp"
 #include "flatep/ffn.hpp"
 #include "flatep/flatep.hpp"
 #include "flatep/ipc.hpp"
-#include "layout/layout.hpp"
-#include "planner/planner.hpp"
-#include "routing/routing.hpp"
+#include "internal/api.hpp"
 
 namespace py = pybind11;
 
@@ -98,7 +94,7 @@ py::list to_list(const int32_t* values, int n) {
 
 py::dict stats_dict(const Plan& plan) {
     const PlanStats& s = plan.stats();
-    const int R = plan.host_plan().layout.num_ranks;
+    const int R = internal::layout(plan).num_ranks;
     py::dict d;
     d["entries_total"] = s.entries_total;
     d["entries_moved"] = s.entries_moved;
@@ -204,21 +200,21 @@ void bind_plan(py::module_& m) {
             py::arg("rank"))
         .def("tpe_all",
              [](const Plan& p) {
-                 const Layout& l = p.host_plan().layout;
+                 const Layout& l = internal::layout(p);
                  return to_array(p.tpe_all(), {l.num_ranks, l.num_experts});
              })
         .def("alloc",
              [](const Plan& p) {
-                 const Layout& l = p.host_plan().layout;
+                 const Layout& l = internal::layout(p);
                  return to_array(p.alloc(), {l.num_ranks, l.num_experts});
              })
         .def("entry_ranks",
              [](const Plan& p) {
-                 return to_array(p.entry_ranks(), {p.num_tokens(), p.host_plan().layout.topk});
+                 return to_array(p.entry_ranks(), {p.num_tokens(), internal::layout(p).topk});
              })
         .def("entry_rows",
              [](const Plan& p) {
-                 return to_array(p.entry_rows(), {p.num_tokens(), p.host_plan().layout.topk});
+                 return to_array(p.entry_rows(), {p.num_tokens(), internal::layout(p).topk});
              })
         .def("row_heads", [](const Plan& p) { return to_array(p.row_heads(), {py::ssize_t(p.row_heads().size())}); })
         .def("stats", &stats_dict)
@@ -288,10 +284,10 @@ void bind_buffer(py::module_& m) {
                                    // (slot_expert, cu_seqlens) of this rank: int32 word offsets into a device plan's
                                    // storage (the same for every plan of the Buffer), so views of them can be made
                                    // before any plan exists.
-                                   const PlanSizes s = make_plan_sizes(b.layout());
+                                   const PlanSizes s = make_plan_sizes(internal::layout(b));
                                    const int64_t rank = b.config().rank;
-                                   return py::make_tuple(s.slot_expert + rank * b.layout().experts_per_rank,
-                                                         s.cu_seqlens + rank * b.layout().num_groups());
+                                   return py::make_tuple(s.slot_expert + rank * b.experts_per_rank(),
+                                                         s.cu_seqlens + rank * b.num_groups());
                                })
         .def_property(
             "num_sms", &Buffer::num_sms,
@@ -353,15 +349,15 @@ void bind_buffer(py::module_& m) {
         .def_property_readonly("on_device", &Buffer::on_device)
         .def_property_readonly("id", &Buffer::id)
         .def_property_readonly("generation", &Buffer::generation)
-        .def_property_readonly("num_ranks", [](const Buffer& b) { return b.layout().num_ranks; })
+        .def_property_readonly("num_ranks", [](const Buffer& b) { return b.config().num_ranks; })
         .def_property_readonly("rank", [](const Buffer& b) { return b.config().rank; })
-        .def_property_readonly("experts_per_rank", [](const Buffer& b) { return b.layout().experts_per_rank; })
-        .def_property_readonly("capacity", [](const Buffer& b) { return b.layout().capacity; })
-        .def_property_readonly("num_recv_rows", [](const Buffer& b) { return b.layout().num_recv_rows; })
-        .def_property_readonly("num_groups", [](const Buffer& b) { return b.layout().num_groups(); })
-        .def_property_readonly("num_slots", [](const Buffer& b) { return b.layout().num_slots; })
-        .def_property_readonly("view_stride", [](const Buffer& b) { return b.layout().view_stride; })
-        .def_property_readonly("serving", [](const Buffer& b) { return b.layout().serving; })
+        .def_property_readonly("experts_per_rank", &Buffer::experts_per_rank)
+        .def_property_readonly("capacity", &Buffer::capacity)
+        .def_property_readonly("num_recv_rows", &Buffer::num_recv_rows)
+        .def_property_readonly("num_groups", &Buffer::num_groups)
+        .def_property_readonly("num_slots", [](const Buffer& b) { return internal::layout(b).num_slots; })
+        .def_property_readonly("view_stride", [](const Buffer& b) { return internal::layout(b).view_stride; })
+        .def_property_readonly("serving", [](const Buffer& b) { return internal::layout(b).serving; })
         .def_property_readonly("planner", [](const Buffer& b) { return std::string(planner_name(b.planner())); });
     m.def(
         "quantize_fp8",

@@ -219,7 +219,7 @@ TEST(BadInput, BufferAndPlanCalls) {
     const int32_t idx[4] = {0, 1, 1, 0};
     const Plan plan = buffer.plan(idx, 4, 4);
     const Plan foreign = other.plan(idx, 4, 4);
-    const int nvs = buffer.layout().num_recv_rows;
+    const int nvs = buffer.num_recv_rows();
     std::vector<uint16_t> x(4 * 8), recv(size_t(nvs) * 8), out(4 * 8);
     std::vector<float> values(static_cast<size_t>(nvs)), entry_out(4);
     const std::string foreign_text = " plan was made by buffer " + std::to_string(other.id()) +

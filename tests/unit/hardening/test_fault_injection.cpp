@@ -28,6 +28,7 @@
 #include "flatep/error.hpp"
 #include "flatep/expert_pools.hpp"
 #include "flatep/ipc.hpp"
+#include "internal/api.hpp"
 #include "layout/layout.hpp"
 #include "routing/routing.hpp"
 #include "unit/transport/test_ipc_util.hpp"
@@ -129,7 +130,7 @@ int run_rank(Op op, Fault fault, SharedState* shared, int rank, std::shared_ptr<
     std::shared_ptr<Transport> transport = make_ipc_transport(boot, MemoryKind::kHost, kTimeout);
     const Config cfg = make_config(rank);
     Buffer buffer(cfg, transport);
-    const Layout& l = buffer.layout();
+    const Layout& l = internal::layout(buffer);
     const int epn = l.experts_per_rank;
     ExpertPools pools(transport, epn, {{8, 16}});
     ExpertLayer layer = pools.register_layer();
@@ -385,9 +386,9 @@ TEST(ProcessMismatch, ForeignPlanIsRejectedOnEveryRankWithoutDesynchronising) {
             const Plan pa = a.plan(idx.data(), 4, cfg.num_tokens);
             std::vector<uint16_t> x(size_t(cfg.num_tokens) * cfg.hidden), out(x.size());
             for (size_t i = 0; i < x.size(); ++i) x[i] = uint16_t(0x3f80 + (i % 64) + 64 * rank);
-            const size_t recv_elems = size_t(a.layout().num_recv_rows) * cfg.hidden;
+            const size_t recv_elems = size_t(a.num_recv_rows()) * cfg.hidden;
             std::vector<uint16_t> recv_a(recv_elems), recv_b(recv_elems);
-            std::vector<float> values(size_t(a.layout().num_recv_rows)), entry_out(idx.size());
+            std::vector<float> values(size_t(a.num_recv_rows())), entry_out(idx.size());
             const std::string want =
                 detail::concat(" plan was made by buffer ", a.id(), ", not by this buffer (", b.id(), ")");
             const Caught d = catch_error([&] { b.dispatch(pa, x.data(), nullptr, recv_b.data(), nullptr); });

@@ -11,6 +11,7 @@
 #include "common/bf16.hpp"
 #include "flatep/buffer.hpp"
 #include "host/op_stats.hpp"
+#include "internal/api.hpp"
 #include "layout/layout.hpp"
 #include "transport/local_host.hpp"
 #include "unit/host/rank_threads.hpp"
@@ -62,7 +63,7 @@ TEST(BufferNumerics, WeightedCombineUsesOneRoundingPerFusedMultiplyAdd) {
     Buffer buffer(make_config(1, 0, 2, 1, 2, 8, 1), world.transport(0));
     const int32_t idx[2] = {0, 1};
     const Plan plan = buffer.plan(idx, 4, 1);
-    const int nvs = buffer.layout().num_recv_rows;
+    const int nvs = buffer.num_recv_rows();
     const int row0 = plan.entry_rows()[0], row1 = plan.entry_rows()[1];
     ASSERT_EQ(plan.row_heads()[row1], row0);
     ASSERT_EQ(plan.row_nexts()[row0], row1);
@@ -95,7 +96,7 @@ TEST(BufferNumerics, PartialsAreRoundedToBf16BeforeTheCrossRankSum) {
         Buffer buffer(c, world.transport(rank));
         const int32_t idx[3] = {2, 0, 3};
         const Plan plan = buffer.plan(idx, 4, rank == 0 ? 1 : 0);
-        const int nvs = buffer.layout().num_recv_rows;
+        const int nvs = buffer.num_recv_rows();
         std::vector<uint16_t> y(size_t(nvs) * 8, 0);
         const float tiny = std::ldexp(1.0f, -8);
         for (int i = 0; i < 8; ++i) {
@@ -129,7 +130,7 @@ TEST(BufferPlan, PlanStaysValidAfterLaterPlans) {
         std::vector<uint16_t> x(S * H);
         for (int t = 0; t < S; ++t)
             for (int i = 0; i < H; ++i) x[t * H + i] = uint16_t(0x3f80 + rank * 64 + t);  // distinct finite bf16
-        const int nvs = buffer.layout().num_recv_rows;
+        const int nvs = buffer.num_recv_rows();
         std::vector<uint16_t> recv(size_t(nvs) * H), out(S * H);
         buffer.dispatch(a, x.data(), nullptr, recv.data(), nullptr);
         // Combine of the dispatched rows with weights 1 gives back K * x (exact: small integers times powers of 2).
@@ -147,7 +148,7 @@ TEST(BufferPlan, PlanFromAnotherBufferIsRejected) {
     Buffer second(make_config(1, 0, 2, 4, 1, 8, 1), world.transport(0));
     const int32_t idx[4] = {0, 1, 0, 1};
     const Plan plan = first.plan(idx, 4, 4);
-    std::vector<uint16_t> x(32), recv(size_t(second.layout().num_recv_rows) * 8);
+    std::vector<uint16_t> x(32), recv(size_t(second.num_recv_rows()) * 8);
     const Caught c = catch_error([&] { second.dispatch(plan, x.data(), nullptr, recv.data(), nullptr); });
     ASSERT_TRUE(c.thrown);
     EXPECT_EQ(c.category, ErrorCategory::kMismatch);
@@ -197,7 +198,7 @@ TEST(BufferErrors, BadCallArgumentsNameTheArgument) {
     EXPECT_EQ(catch_error([&] { buffer.plan(idx, 4, -1); }).message, "plan: num_tokens must be in [0, S=4], got -1");
     EXPECT_EQ(catch_error([&] { buffer.plan(nullptr, 4, 4); }).message, "plan: topk_idx is null");
     const Plan plan = buffer.plan(idx, 4, 4);
-    std::vector<uint16_t> x(32), recv(size_t(buffer.layout().num_recv_rows) * 8);
+    std::vector<uint16_t> x(32), recv(size_t(buffer.num_recv_rows()) * 8);
     EXPECT_EQ(catch_error([&] { buffer.dispatch(plan, nullptr, nullptr, recv.data(), nullptr); }).message,
               "dispatch: x is null");
     EXPECT_EQ(catch_error([&] { buffer.dispatch(plan, x.data(), nullptr, nullptr, nullptr); }).message,
@@ -219,7 +220,7 @@ TEST(BufferErrors, BadExpertIdsAreSkippedRecordedAndReportedWithTheirIndex) {
     const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
         Buffer buffer(make_config(R, rank, E, S, K, H, 4), world.transport(rank));
         host::OpStats stats;
-        buffer.set_op_stats(&stats);
+        internal::set_op_stats(buffer, &stats);
         // Rank 1: token 1 has an id of E, token 3 of -1 (first bad flat index 3); int64 with a huge id too.
         std::vector<int64_t> idx = {0, 1, 2, 3, 0, 2, 1, 3};
         if (rank == 1) {
@@ -228,7 +229,7 @@ TEST(BufferErrors, BadExpertIdsAreSkippedRecordedAndReportedWithTheirIndex) {
             idx[7] = int64_t(1) << 40;
         }
         const Plan plan = buffer.plan(idx.data(), 8, S);
-        const int nvs = buffer.layout().num_recv_rows;
+        const int nvs = buffer.num_recv_rows();
         const int canary = 2;
         std::vector<uint16_t> x(S * H, 0x3f80), recv((nvs + 2 * canary) * H, 0xa5a5), out((S + 2 * canary) * H, 0xa5a5);
         std::vector<float> w(nvs + 2 * canary, -7.0f);
@@ -283,7 +284,7 @@ TEST(BufferErrors, MissingRankMakesTheOthersTimeOutNamingIt) {
         Buffer buffer(make_config(R, rank, 8, 4, 2, 8, 1), world.transport(rank));
         const int32_t idx[8] = {0, 1, 2, 3, 4, 5, 6, 7};
         const Plan plan = buffer.plan(idx, 4, 4);
-        std::vector<uint16_t> x(32), recv(size_t(buffer.layout().num_recv_rows) * 8);
+        std::vector<uint16_t> x(32), recv(size_t(buffer.num_recv_rows()) * 8);
         if (rank == 3) return;  // rank 3 never calls dispatch
         const auto start = std::chrono::steady_clock::now();
         caught[rank] = catch_error([&] { buffer.dispatch(plan, x.data(), nullptr, recv.data(), nullptr); });
@@ -313,11 +314,11 @@ TEST(BufferDedup, OneRowCrossingPerTokenAndDestination) {
         Config c = make_config(R, rank, E, S, K, H, 1);
         c.capacity_factor = 4.0;  // slack: no replicas needed, every entry stays on rank 0
         Buffer buffer(c, world.transport(rank));
-        buffer.set_op_stats(&stats[rank]);
+        internal::set_op_stats(buffer, &stats[rank]);
         std::vector<int32_t> idx(S * K);
         for (int i = 0; i < S * K; ++i) idx[i] = i % K;
         const Plan plan = buffer.plan(idx.data(), 4, S);
-        std::vector<uint16_t> x(S * H, 0x4000), recv(size_t(buffer.layout().num_recv_rows) * H), out(S * H);
+        std::vector<uint16_t> x(S * H, 0x4000), recv(size_t(buffer.num_recv_rows()) * H), out(S * H);
         buffer.dispatch(plan, x.data(), nullptr, recv.data(), nullptr);
         buffer.combine(plan, recv.data(), nullptr, out.data());
         for (int t = 0; t < S; ++t) ASSERT_EQ(out[t * H], float_to_bf16(8.0f));

@@ -15,6 +15,7 @@
 #include "common/bf16.hpp"
 #include "flatep/buffer.hpp"
 #include "host/op_stats.hpp"
+#include "internal/api.hpp"
 #include "layout/layout.hpp"
 #include "routing/routing.hpp"
 #include "transport/local_host.hpp"
@@ -111,18 +112,18 @@ std::vector<RankOutput> run_mode(const Shape& sh, const Mode& m, const std::vect
         Buffer buffer(config_of(sh, m, rank), world.transport(rank), m.planner);
         const RankInput& ri = in[size_t(rank)];
         RankOutput& o = outputs[size_t(rank)];
-        const Layout& l = buffer.layout();
+        const Layout& l = internal::layout(buffer);
         o.num_groups = l.num_groups();
         o.num_recv_rows = l.num_recv_rows;
         const Plan plan = buffer.plan(ri.topk_idx.data(), 4, ri.num_tokens);
-        buffer.set_op_stats(&o.stats);
+        internal::set_op_stats(buffer, &o.stats);
         o.recv_x.assign(size_t(l.num_recv_rows) * sh.H, kCanaryX);
         o.recv_w.assign(size_t(l.num_recv_rows), -1.0f);
         buffer.dispatch(plan, ri.x.data(), ri.weights.data(), o.recv_x.data(), o.recv_w.data());
         // The identity expert: y = the dispatched rows, combined with their routing weights.
         o.out.assign(size_t(ri.num_tokens) * sh.H, kCanaryX);
         buffer.combine(plan, o.recv_x.data(), o.recv_w.data(), o.out.data());
-        buffer.set_op_stats(nullptr);
+        internal::set_op_stats(buffer, nullptr);
         buffer.check_status();
         auto copy = [](std::span<const int32_t> s) { return std::vector<int32_t>(s.begin(), s.end()); };
         o.alloc = copy(plan.alloc());
