@@ -201,12 +201,13 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
         for (const Mode& m : modes) {
             if (m.owner && s > o.owner_tokens) continue;  // the owner layout is sized for decode
             Config cfg = sh.config();
-            cfg.num_slots = m.num_slots;
             if (m.owner) cfg.num_tokens = o.owner_tokens;
-            const Layout l = make_layout(cfg, m.planner);
+            const ViewShape view{.num_slots = m.num_slots};
+            const Layout l = make_layout(cfg, m.planner, view);
             ServingSpec spec;
             spec.name = m.name;
             spec.config = cfg;
+            spec.view = view;
             spec.planner = m.planner;
             spec.tokens.assign(size_t(R), s);
             spec.prefetch = !m.owner;

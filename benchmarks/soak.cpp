@@ -121,7 +121,6 @@ Options parse(int argc, char** argv) {
     if (o.serving >= epn)
         usage_error("--serving must be below experts per rank (" + std::to_string(epn) + "), got " +
                     std::to_string(o.serving));
-    if (o.serving >= 0) o.config.num_slots = o.serving;  // the Buffers' (view_stride: the pools' own, at the start)
     return o;
 }
 
@@ -356,12 +355,11 @@ std::function<StepResult(int, bool, StepClock&)> serving_steps(const Options& o,
     auto pools = std::make_shared<ExpertPools>(transport, epn, shapes, B);
     Config prefill_cfg = o.config;
     prefill_cfg.rank = rank;
-    prefill_cfg.num_slots = B;
-    prefill_cfg.view_stride = pools->view_stride();
     Config decode_cfg = prefill_cfg;
     decode_cfg.num_tokens = o.decode_tokens;
-    auto prefill = std::make_shared<Buffer>(prefill_cfg, transport, PlannerKind::kBalanced);
-    auto decode = std::make_shared<Buffer>(decode_cfg, transport, PlannerKind::kOwner);
+    // Both made from the pools: they take its B and view stride.
+    auto prefill = std::make_shared<Buffer>(prefill_cfg, *pools, PlannerKind::kBalanced);
+    auto decode = std::make_shared<Buffer>(decode_cfg, *pools, PlannerKind::kOwner);
     const int64_t view_rows = pools->view_rows();
     for (const Buffer* b : {prefill.get(), decode.get()})
         if (b->num_groups() != view_rows)

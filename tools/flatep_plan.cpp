@@ -154,7 +154,7 @@ int main(int argc, char** argv) {
         const std::string err = flatep::parse_plan_request(text, allow_partial, req);
         if (!err.empty()) fail(err);
         const flatep::Config& c = req.config;
-        const flatep::Layout l = flatep::make_layout(c, kind);  // the owner planner: capacity R*S*K
+        const flatep::Layout l = flatep::make_layout(c, kind, req.view);  // the owner planner: capacity R*S*K
         flatep::planner::HostPlan plan(l);
         std::copy(req.tpe.begin(), req.tpe.end(), plan.view.tpe_all);
         flatep::planner::plan_counts(l, kind, plan.view);

@@ -240,7 +240,7 @@ void bind_buffer(py::module_& m) {
     py::class_<Buffer, std::shared_ptr<Buffer>>(m, "Buffer", "C++ flatep::Buffer over pointers; see flatep.Buffer.")
         .def(py::init([](std::shared_ptr<Transport> transport, int num_tokens, int hidden, int num_experts, int topk,
                          int align, double capacity_factor, const std::string& planner, int num_plan_slots,
-                         int num_slots, int view_stride) {
+                         std::shared_ptr<ExpertPools> pools) {
                  FLATEP_CHECK(transport != nullptr, "transport is None");
                  Config config;
                  config.num_ranks = transport->num_ranks();
@@ -251,17 +251,19 @@ void bind_buffer(py::module_& m) {
                  config.topk = topk;
                  config.align = align;
                  config.capacity_factor = capacity_factor;
-                 config.num_slots = num_slots;
-                 config.view_stride = view_stride;
                  const PlannerKind kind = planner_from_name(planner);
                  config.validate(kind);  // before any collective: a bad argument fails on the caller's rank at once
+                 FLATEP_CHECK(pools == nullptr || internal::transport(*pools) == transport,
+                              "Buffer: the pools were built over another group (transport) than the Buffer's");
                  py::gil_scoped_release release;
+                 if (pools != nullptr) return std::make_shared<Buffer>(config, *pools, kind, num_plan_slots);
                  return std::make_shared<Buffer>(config, std::move(transport), kind, num_plan_slots);
              }),
              py::arg("transport"), py::arg("num_tokens"), py::arg("hidden"), py::arg("num_experts"), py::arg("topk"),
              py::arg("align"), py::arg("capacity_factor"), py::arg("planner"),
-             py::arg("num_plan_slots") = Buffer::kDefaultPlanSlots, py::arg("num_slots") = -1,
-             py::arg("view_stride") = 0)
+             py::arg("num_plan_slots") = Buffer::kDefaultPlanSlots, py::arg("pools") = nullptr,
+             "pools: the ExpertPools whose plans the Buffer makes (it takes their num_slots and view_stride); None: "
+             "the training layout")
         .def(
             "plan",
             [](Buffer& b, uintptr_t topk_idx, int index_bytes, int num_tokens, uintptr_t plan_storage, uintptr_t stream,
@@ -355,9 +357,9 @@ void bind_buffer(py::module_& m) {
         .def_property_readonly("capacity", &Buffer::capacity)
         .def_property_readonly("num_recv_rows", &Buffer::num_recv_rows)
         .def_property_readonly("num_groups", &Buffer::num_groups)
-        .def_property_readonly("num_slots", [](const Buffer& b) { return internal::layout(b).num_slots; })
-        .def_property_readonly("view_stride", [](const Buffer& b) { return internal::layout(b).view_stride; })
-        .def_property_readonly("serving", [](const Buffer& b) { return internal::layout(b).serving; })
+        .def_property_readonly("num_slots", &Buffer::num_slots)
+        .def_property_readonly("view_stride", &Buffer::view_stride)
+        .def_property_readonly("serving", &Buffer::serving)
         .def_property_readonly("planner", [](const Buffer& b) { return std::string(planner_name(b.planner())); });
     m.def(
         "quantize_fp8",

@@ -42,6 +42,8 @@
 
 namespace flatep {
 
+class ExpertPools;  // flatep/expert_pools.hpp
+
 class Plan {
   public:
     Plan() = default;  // empty; every op rejects it
@@ -85,8 +87,14 @@ class Buffer {
     // allocates the symmetric buffer. Collective. The backend follows the transport's memory kind: host memory runs
     // the CPU backend (every op synchronously on the calling thread), device memory the CUDA kernels.
     // num_plan_slots: device plans the Buffer keeps itself (0: every device plan() call must pass storage).
+    // The groups of its plans follow the training layout (2*epn groups: own experts, then epn slots).
     static constexpr int kDefaultPlanSlots = 4;
     Buffer(const Config& config, std::shared_ptr<Transport> transport, PlannerKind planner = PlannerKind::kBalanced,
+           int num_plan_slots = kDefaultPlanSlots);
+    // A Buffer whose plans `pools` take, over the pools' transport: it takes their replica slots B and view stride Q
+    // (serving pools, B < epn: the R*Q + B groups of the weights view, design §5 "Serving layout"; training pools:
+    // the training layout). config's E / R must be the pools' experts_per_rank. Collective, as above.
+    Buffer(const Config& config, const ExpertPools& pools, PlannerKind planner = PlannerKind::kBalanced,
            int num_plan_slots = kDefaultPlanSlots);
     ~Buffer();  // releases the symmetric buffer; never throws
     Buffer(const Buffer&) = delete;
@@ -174,6 +182,11 @@ class Buffer {
     int num_recv_rows() const;
     int num_groups() const;
     int capacity() const;
+    // B and Q (its pools'; epn and epn for the training layout), and whether the groups are the serving layout (B <
+    // epn).
+    int num_slots() const;
+    int view_stride() const;
+    bool serving() const;
 
     // Device backend (a transport with MemoryKind::kDevice): every op is enqueued on its Launch's CUDA stream and never
     // synchronises with the host; all pointers passed to the ops are device pointers. check_status() is a
@@ -194,6 +207,7 @@ class Buffer {
 
     // The implementation (src/runtime): opaque outside the library, which reaches it through its internal API.
     struct Impl;
+    explicit Buffer(std::unique_ptr<Impl> impl);
     Impl& impl() const { return *impl_; }
 
   private:

@@ -84,10 +84,12 @@ class ExpertPools {
     using Layer = ExpertLayer;
 
     // Collective over the transport's ranks. experts_per_rank: epn = E / R of the Buffers the plans come from.
-    // num_slots: B in [0, epn] replica slots per rank, or -1 for epn (training). The Buffers whose plans these pools
-    // take must have the same num_slots, and, in serving, view_stride() as their Config::view_stride.
+    // num_slots: B in [0, epn] replica slots per rank, or -1 for epn (training). The pools own B and the view stride
+    // Q: a Buffer whose plans serving pools take is made from them (Buffer(config, pools)) and takes both.
+    // view_stride (serving only): 0, the smallest stride the transport's mapping granularity allows, or a larger one
+    // that fits every projection (pools over another transport whose plans must have the same groups).
     ExpertPools(std::shared_ptr<Transport> transport, int experts_per_rank, std::vector<ProjectionShape> projections,
-                int num_slots = -1);
+                int num_slots = -1, int view_stride = 0);
     ~ExpertPools();  // releases the pools; never throws
     ExpertPools(const ExpertPools&) = delete;
     ExpertPools& operator=(const ExpertPools&) = delete;

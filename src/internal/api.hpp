@@ -7,7 +7,7 @@
 #include "common/bf16.hpp"       // bf16 <-> float (round to nearest even), as the CPU backend rounds
 #include "common/check.hpp"      // FLATEP_CHECK / FLATEP_THROW: one-line flatep::Error
 #include "common/env.hpp"        // the FLATEP_* variables and the checks of their values (num_sms, timeouts)
-#include "layout/layout.hpp"     // Layout, make_layout: every size a config derives
+#include "layout/layout.hpp"     // Layout, make_layout, ViewShape: every size a config derives
 #include "layout/plan.hpp"       // PlanView, make_plan_sizes: the arrays of a plan and where they sit
 #include "planner/planner.hpp"   // the host planner: HostPlan, plan_counts, route_entries, check_plan
 #include "routing/routing.hpp"   // the routing generator of design §9

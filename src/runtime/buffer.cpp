@@ -29,6 +29,7 @@ std::atomic<uint64_t> next_buffer_id{1};
 struct ConfigBlob {
     Config config;
     PlannerKind planner;
+    int32_t num_slots, view_stride;  // B and Q of the groups (the pools' for a Buffer made from pools)
 };
 
 sync::SyncArgs make_sync(const SymmetricRegion& region, const SymmetricLayout& sym, uint64_t* epoch, int rank,
@@ -119,7 +120,8 @@ std::span<const int32_t> Plan::row_nexts() const {
 
 // The Buffer's state and its ops (include/flatep/buffer.hpp documents each); Buffer forwards to it.
 struct Buffer::Impl {
-    Impl(const Config& config, std::shared_ptr<Transport> transport, PlannerKind planner, int num_plan_slots);
+    Impl(const Config& config, std::shared_ptr<Transport> transport, PlannerKind planner, int num_plan_slots,
+         const ViewShape& view);
     ~Impl();  // releases the symmetric buffer; never throws
 
     Plan plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t* plan_storage, const Launch& launch);
@@ -167,8 +169,24 @@ struct Buffer::Impl {
     std::unique_ptr<runtime::BufferBackend> backend_;
 };
 
+namespace {
+// The view shape of a Buffer made from `pools` (its config validated first, so that E / R means something).
+ViewShape view_of(const Config& config, PlannerKind planner, const ExpertPools& pools) {
+    config.validate(planner);
+    FLATEP_CHECK(config.num_experts / config.num_ranks == pools.experts_per_rank(),
+                 "Buffer: the config has E/R = ", config.num_experts, "/", config.num_ranks, " = ",
+                 config.num_experts / config.num_ranks,
+                 " experts per rank but the pools have experts_per_rank=", pools.experts_per_rank());
+    return ViewShape{pools.num_slots(), pools.view_stride()};
+}
+}  // namespace
+
 Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, PlannerKind planner, int num_plan_slots)
-    : impl_(std::make_unique<Impl>(config, std::move(transport), planner, num_plan_slots)) {}
+    : impl_(std::make_unique<Impl>(config, std::move(transport), planner, num_plan_slots, ViewShape{})) {}
+Buffer::Buffer(const Config& config, const ExpertPools& pools, PlannerKind planner, int num_plan_slots)
+    : impl_(std::make_unique<Impl>(config, internal::transport(pools), planner, num_plan_slots,
+                                   view_of(config, planner, pools))) {}
+Buffer::Buffer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Buffer::~Buffer() = default;
 
 Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t* plan_storage, const Launch& launch) {
@@ -204,6 +222,9 @@ int Buffer::experts_per_rank() const { return impl_->layout_->experts_per_rank; 
 int Buffer::num_recv_rows() const { return impl_->layout_->num_recv_rows; }
 int Buffer::num_groups() const { return impl_->layout_->num_groups(); }
 int Buffer::capacity() const { return impl_->layout_->capacity; }
+int Buffer::num_slots() const { return impl_->layout_->num_slots; }
+int Buffer::view_stride() const { return impl_->layout_->view_stride; }
+bool Buffer::serving() const { return impl_->layout_->serving; }
 bool Buffer::on_device() const { return impl_->on_device(); }
 int Buffer::num_sms() const { return impl_->num_sms_; }
 void Buffer::set_num_sms(int num_sms) { impl_->set_num_sms(num_sms); }
@@ -220,9 +241,15 @@ const Layout& layout(const Buffer& buffer) { return *buffer.impl().layout_; }
 const Layout& layout(const Plan& plan) { return plan.data().host.layout; }
 const planner::HostPlan& host_plan(const Plan& plan) { return plan.data().host_plan(); }
 void set_op_stats(Buffer& buffer, host::OpStats* stats) { buffer.impl().op_stats_ = stats; }
+std::unique_ptr<Buffer> make_buffer(const Config& config, std::shared_ptr<Transport> transport, PlannerKind planner,
+                                    const ViewShape& view, int num_plan_slots) {
+    return std::make_unique<Buffer>(
+        std::make_unique<Buffer::Impl>(config, std::move(transport), planner, num_plan_slots, view));
+}
 }  // namespace internal
 
-Buffer::Impl::Impl(const Config& config, std::shared_ptr<Transport> transport, PlannerKind planner, int num_plan_slots)
+Buffer::Impl::Impl(const Config& config, std::shared_ptr<Transport> transport, PlannerKind planner, int num_plan_slots,
+                   const ViewShape& view)
     : config_(config),
       transport_(std::move(transport)),
       planner_(planner),
@@ -232,7 +259,7 @@ Buffer::Impl::Impl(const Config& config, std::shared_ptr<Transport> transport, P
     // Validate everything before allocating anything.
     FLATEP_CHECK(planner == PlannerKind::kGreedy || planner == PlannerKind::kBalanced || planner == PlannerKind::kOwner,
                  "Buffer: unknown planner kind ", int(planner));
-    layout_ = std::make_unique<Layout>(make_layout(config_, planner));  // the owner planner's capacity is R*S*K
+    layout_ = std::make_unique<Layout>(make_layout(config_, planner, view));  // the owner planner's capacity is R*S*K
     FLATEP_CHECK(num_plan_slots >= 0 && num_plan_slots <= 1024, "Buffer: num_plan_slots must be in [0, 1024], got ",
                  num_plan_slots);
     FLATEP_CHECK(transport_ != nullptr, "Buffer: transport is null");
@@ -247,6 +274,8 @@ Buffer::Impl::Impl(const Config& config, std::shared_ptr<Transport> transport, P
     std::memset(static_cast<void*>(&mine), 0, sizeof(mine));  // no uninitialised padding bytes on the wire
     mine.config = config_;
     mine.planner = planner_;
+    mine.num_slots = layout_->num_slots;
+    mine.view_stride = layout_->view_stride;
     const std::vector<std::string> blobs =
         transport_->bootstrap().all_gather(std::string(reinterpret_cast<const char*>(&mine), sizeof(mine)));
     for (int p = 0; p < config_.num_ranks; ++p) {
@@ -259,6 +288,11 @@ Buffer::Impl::Impl(const Config& config, std::shared_ptr<Transport> transport, P
         if (theirs.planner != planner_) {
             FLATEP_THROW(ErrorCategory::kMismatch, "config mismatch with rank ", p,
                          ": planner: ", planner_name(planner_), " vs ", planner_name(theirs.planner));
+        }
+        if (theirs.num_slots != mine.num_slots || theirs.view_stride != mine.view_stride) {
+            FLATEP_THROW(ErrorCategory::kMismatch, "config mismatch with rank ", p,
+                         ": num_slots, view_stride: ", mine.num_slots, ", ", mine.view_stride, " vs ", theirs.num_slots,
+                         ", ", theirs.view_stride);
         }
         if (theirs.config.rank != p) {
             FLATEP_THROW(ErrorCategory::kMismatch, "config mismatch with rank ", p, ": rank: that rank's config says ",

@@ -12,6 +12,7 @@
 #include "planner/planner.hpp"
 #include "runtime/backend.hpp"
 #include "runtime/collective_guard.hpp"
+#include "runtime/internal.hpp"
 #include "runtime/launch.hpp"
 #include "runtime/plan_data.hpp"
 #include "runtime/serving_view.hpp"
@@ -98,7 +99,7 @@ float* ExpertLayer::own_grads(int p) const {
 // The pools' state and ops (include/flatep/expert_pools.hpp documents each); ExpertPools forwards to it.
 struct ExpertPools::Impl {
     Impl(std::shared_ptr<Transport> transport, int experts_per_rank, std::vector<ProjectionShape> projections,
-         int num_slots);
+         int num_slots, int view_stride);
     ~Impl();  // releases the pools; never throws
 
     ExpertLayer register_layer();
@@ -142,8 +143,9 @@ struct ExpertPools::Impl {
 ExpertLayer::ExpertLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_rank,
-                         std::vector<ProjectionShape> projections, int num_slots)
-    : impl_(std::make_unique<Impl>(std::move(transport), experts_per_rank, std::move(projections), num_slots)) {}
+                         std::vector<ProjectionShape> projections, int num_slots, int view_stride)
+    : impl_(std::make_unique<Impl>(std::move(transport), experts_per_rank, std::move(projections), num_slots,
+                                   view_stride)) {}
 ExpertPools::~ExpertPools() = default;
 
 ExpertLayer ExpertPools::register_layer() { return impl_->register_layer(); }
@@ -174,8 +176,12 @@ int ExpertPools::num_sms() const { return impl_->num_sms_; }
 void ExpertPools::set_num_sms(int num_sms) { impl_->set_num_sms(num_sms); }
 bool ExpertPools::poisoned() const { return impl_->poisoned(); }
 
+namespace internal {
+const std::shared_ptr<Transport>& transport(const ExpertPools& pools) { return pools.impl().transport_; }
+}  // namespace internal
+
 ExpertPools::Impl::Impl(std::shared_ptr<Transport> transport, int experts_per_rank,
-                        std::vector<ProjectionShape> projections, int num_slots)
+                        std::vector<ProjectionShape> projections, int num_slots, int view_stride)
     : transport_(std::move(transport)),
       experts_per_rank_(experts_per_rank),
       projections_(std::move(projections)),
@@ -185,8 +191,7 @@ ExpertPools::Impl::Impl(std::shared_ptr<Transport> transport, int experts_per_ra
     timeout_s_ = transport_->timeout_s();  // these pools' bound, whatever later objects set on the shared transport
     FLATEP_CHECK(experts_per_rank_ >= 1, "ExpertPools: experts_per_rank must be positive, got ", experts_per_rank_);
     FLATEP_CHECK(!projections_.empty(), "ExpertPools: at least one projection is needed");
-    FLATEP_CHECK(num_slots == -1 || (num_slots >= 0 && num_slots <= experts_per_rank_),
-                 "ExpertPools: num_slots must be -1 (epn) or in [0, epn=", experts_per_rank_, "], got ", num_slots);
+    check_num_slots("ExpertPools: ", num_slots, experts_per_rank_);  // the one check of B
     num_slots_ = num_slots == -1 ? experts_per_rank_ : num_slots;
     trains_ = !serving();
     for (size_t p = 0; p < projections_.size(); ++p) {
@@ -213,16 +218,26 @@ ExpertPools::Impl::Impl(std::shared_ptr<Transport> transport, int experts_per_ra
                      kExpertByteMultiple / eb);
     }
     view_stride_ = experts_per_rank_;
+    FLATEP_CHECK(view_stride == 0 || serving(),
+                 "ExpertPools: view_stride is for serving pools (num_slots < epn=", experts_per_rank_, "), got ",
+                 view_stride);
     if (serving()) {
         std::vector<int64_t> expert_bytes;
         for (const ProjectionShape& shape : projections_) expert_bytes.push_back(shape.expert_bytes());
         const int R = transport_->num_ranks();
-        view_stride_ =
-            int(runtime::serving_stride(R, experts_per_rank_, num_slots_, expert_bytes, transport_->granularity()));
-        for (int64_t eb : expert_bytes) {
+        const size_t g = transport_->granularity();
+        const int smallest = int(runtime::serving_stride(R, experts_per_rank_, num_slots_, expert_bytes, g));
+        // A larger stride than the smallest may be asked for: another transport's pools, whose plans must match.
+        FLATEP_CHECK(view_stride == 0 || (view_stride >= smallest && view_stride <= kMaxViewStride),
+                     "ExpertPools: view_stride must be 0 (the smallest that fits, ", smallest, ") or in [", smallest,
+                     ", ", kMaxViewStride, "], got ", view_stride);
+        view_stride_ = view_stride == 0 ? smallest : view_stride;
+        for (size_t p = 0; p < expert_bytes.size(); ++p) {
             bool fits = false;
-            serving_.push_back(runtime::serving_geometry(R, experts_per_rank_, num_slots_, eb,
-                                                         transport_->granularity(), view_stride_, &fits));
+            serving_.push_back(
+                runtime::serving_geometry(R, experts_per_rank_, num_slots_, expert_bytes[p], g, view_stride_, &fits));
+            FLATEP_CHECK(fits, "ExpertPools: view_stride ", view_stride_, " does not fit projection ", p, " (",
+                         expert_bytes[p], " bytes an expert) on this transport's ", g, "-byte granularity");
         }
     }
     backend_ = runtime::make_pools_backend(transport_, guard_.get());  // its device state on the transport's GPU
@@ -402,7 +417,7 @@ Launch ExpertPools::Impl::enter(const Plan& plan, const ExpertLayer& layer, cons
     FLATEP_CHECK(l.num_slots == num_slots_ && (!serving() || l.view_stride == view_stride_), op,
                  ": plan has num_slots=", l.num_slots, " view_stride=", l.view_stride,
                  " but the pools have num_slots=", num_slots_, " view_stride=", view_stride_,
-                 "; build the Buffer with the pools' num_slots and view_stride (ExpertPools::view_stride)");
+                 "; build the Buffer from these pools (Buffer(config, pools))");
     FLATEP_CHECK(plan.rank() == transport_->rank(), op, ": plan belongs to rank ", plan.rank(), ", pools to rank ",
                  transport_->rank());
     if (layer.pools_id() != id_) {

@@ -81,6 +81,7 @@ enum class RoutingKind { kRandom, kOneExpert, kBadIds };
 struct CaseSpec {
     std::string name;
     Config config;
+    ViewShape view;  // B and Q of the groups (the training layout by default)
     PlannerKind planner = PlannerKind::kBalanced;
     RoutingKind routing = RoutingKind::kRandom;
     double sigma = 1.0;

@@ -39,6 +39,7 @@ struct DevicePools {
 struct ServingSpec {
     std::string name;
     Config config;
+    ViewShape view;  // B and Q of the groups
     PlannerKind planner = PlannerKind::kBalanced;
     std::vector<int> tokens;  // [R] tokens each rank passes (0 .. S)
     bool weighted = true;

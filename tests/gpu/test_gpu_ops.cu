@@ -155,7 +155,7 @@ bool check_wait_records(testing::LocalDeviceGroup& group) {
 
 // One step (or, with graph, a captured step replayed twice with new routing written into the same inputs).
 bool run_case(const CaseSpec& c, bool graph, bool device_per_rank) {
-    const Layout l = make_layout(c.config, c.planner);
+    const Layout l = make_layout(c.config, c.planner, c.view);
     const char* timeout_env = std::getenv("FLATEP_GPU_TEST_TIMEOUT");
     testing::LocalDeviceGroup group(l.num_ranks, device_per_rank,
                                     timeout_env != nullptr ? std::atof(timeout_env) : 20.0);
@@ -247,9 +247,8 @@ bool run_planner_sweep(int num_matrices) {
             cfg.hidden = 8;
             cfg.align = sh.align;
             cfg.capacity_factor = sh.cf;
-            cfg.num_slots = var.num_slots;
-            cfg.view_stride = var.stride_extra > 0 ? epn + var.stride_extra : 0;
-            const Layout l = make_layout(cfg, var.owner ? PlannerKind::kOwner : PlannerKind::kBalanced);
+            const ViewShape view{var.num_slots, var.stride_extra > 0 ? epn + var.stride_extra : 0};
+            const Layout l = make_layout(cfg, var.owner ? PlannerKind::kOwner : PlannerKind::kBalanced, view);
             const size_t words = size_t(make_plan_sizes(l).total_words);
             int32_t* d_plan = nullptr;
             void* ws = nullptr;
@@ -459,20 +458,19 @@ int main(int argc, char** argv) {
         s = CaseSpec{};
         s.name = "r4_serving_b1_skewed";
         s.config = make_config(4, 32, 256, 4, 128, 16);
-        s.config.num_slots = 1;
+        s.view.num_slots = 1;
         s.sigma = 2.5;
         add(s);
         s.name = "r8_serving_b0_pad_rows_ragged";
         s.config = make_config(8, 64, 512, 8, 256, 32);
-        s.config.num_slots = 0;
-        s.config.view_stride = 9;
+        s.view = {.num_slots = 0, .view_stride = 9};
         s.num_tokens = 300;
         s.sigma = 2.0;
         add(s);
         s = CaseSpec{};
         s.name = "r8_serving_b4_graph";
         s.config = make_config(8, 64, 512, 8, 256, 16);
-        s.config.num_slots = 4;
+        s.view.num_slots = 4;
         s.sigma = 3.0;
         add(s, /*graph=*/true);
         s = CaseSpec{};
@@ -485,7 +483,7 @@ int main(int argc, char** argv) {
         s = CaseSpec{};
         s.name = "r8_owner_decode_view_b1_graph";
         s.config = make_config(8, 64, 128, 8, 256, 8);
-        s.config.num_slots = 1;
+        s.view.num_slots = 1;
         s.planner = PlannerKind::kOwner;
         s.num_tokens = 16;
         s.sigma = 2.0;

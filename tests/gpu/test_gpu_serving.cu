@@ -214,7 +214,7 @@ cudaGraphExec_t capture(testing::LocalDeviceGroup& group, ServingDevice& dev) {
 }
 
 bool run_case(const Entry& e, bool host_only) {
-    const Layout l = make_layout(e.spec.config, e.spec.planner);
+    const Layout l = make_layout(e.spec.config, e.spec.planner, e.spec.view);
     const int steps = e.graph ? 3 : 1;
     std::vector<ServingInputs> inputs;
     std::vector<std::vector<ServingOutputs>> hosts;
@@ -262,12 +262,7 @@ bool run_case(const Entry& e, bool host_only) {
     return true;
 }
 
-Config serving_config(int R, int E, int S, int K, int H, int align, int num_slots, int view_stride = 0) {
-    Config c = make_config(R, E, S, K, H, align);
-    c.num_slots = num_slots;
-    c.view_stride = view_stride;
-    return c;
-}
+Config serving_config(int R, int E, int S, int K, int H, int align) { return make_config(R, E, S, K, H, align); }
 
 std::vector<Entry> make_cases() {
     std::vector<Entry> cases;
@@ -283,7 +278,8 @@ std::vector<Entry> make_cases() {
         for (const auto& pk : planners) {
             Entry e;
             e.spec.name = "serving_b" + (B < 0 ? std::string("epn") : std::to_string(B)) + "_" + pk.name;
-            e.spec.config = serving_config(8, 256, 128, 8, 128, 8, B);
+            e.spec.config = serving_config(8, 256, 128, 8, 128, 8);
+            e.spec.view.num_slots = B;
             e.spec.planner = pk.kind;
             e.spec.tokens = ragged;
             e.needs_overflow = B >= 0 && pk.kind != PlannerKind::kOwner;
@@ -292,13 +288,15 @@ std::vector<Entry> make_cases() {
     }
     Entry e;
     e.spec.name = "serving_bepn_balanced_push";  // training's push at B = epn: the same slots as the pull
-    e.spec.config = serving_config(8, 256, 128, 8, 128, 8, -1);
+    e.spec.config = serving_config(8, 256, 128, 8, 128, 8);
+    e.spec.view.num_slots = -1;
     e.spec.tokens = ragged;
     e.spec.prefetch_push = true;
     cases.push_back(e);
     e = Entry{};
     e.spec.name = "serving_b0_pad_rows_greedy_unweighted";  // Q = epn + 3: pad rows between the ranks' view rows
-    e.spec.config = serving_config(4, 32, 128, 4, 64, 16, 0, 11);
+    e.spec.config = serving_config(4, 32, 128, 4, 64, 16);
+    e.spec.view = {.num_slots = 0, .view_stride = 11};
     e.spec.planner = PlannerKind::kGreedy;
     e.spec.tokens = {0, 128, 5, 64};
     e.hot_ranks = 2;
@@ -306,7 +304,8 @@ std::vector<Entry> make_cases() {
     e.needs_overflow = true;
     cases.push_back(e);
     e.spec.name = "serving_b1_pad_rows_balanced_rank0_empty";
-    e.spec.config = serving_config(4, 32, 128, 4, 64, 16, 1, 9);
+    e.spec.config = serving_config(4, 32, 128, 4, 64, 16);
+    e.spec.view = {.num_slots = 1, .view_stride = 9};
     e.spec.planner = PlannerKind::kBalanced;
     e.spec.weighted = true;
     cases.push_back(e);
@@ -314,7 +313,8 @@ std::vector<Entry> make_cases() {
     // same slots and rows, bitwise.
     e = Entry{};
     e.spec.name = "serving_b4_balanced_plan_ordered";
-    e.spec.config = serving_config(8, 256, 128, 8, 128, 8, 4);
+    e.spec.config = serving_config(8, 256, 128, 8, 128, 8);
+    e.spec.view.num_slots = 4;
     e.spec.tokens = ragged;
     e.spec.plan_ordered = true;
     e.spec.step_ordered = true;
@@ -323,7 +323,8 @@ std::vector<Entry> make_cases() {
     // Graph-captured steps replayed with new routing.
     e = Entry{};
     e.spec.name = "serving_b4_balanced_graph";
-    e.spec.config = serving_config(8, 256, 128, 8, 128, 8, 4);
+    e.spec.config = serving_config(8, 256, 128, 8, 128, 8);
+    e.spec.view.num_slots = 4;
     e.spec.tokens = ragged;
     e.spec.plan_ordered = true;  // replays: each step's pull reads the weights after that step's plan
     e.spec.step_ordered = true;  // and each step's dispatch and combine rewrite what the last step's ops read
@@ -331,18 +332,19 @@ std::vector<Entry> make_cases() {
     e.needs_overflow = true;
     cases.push_back(e);
     e.spec.name = "serving_b0_greedy_graph";
-    e.spec.config.num_slots = 0;
+    e.spec.view.num_slots = 0;
     e.spec.planner = PlannerKind::kGreedy;
     cases.push_back(e);
     e.spec.name = "serving_b1_owner_graph";
-    e.spec.config.num_slots = 1;
+    e.spec.view.num_slots = 1;
     e.spec.planner = PlannerKind::kOwner;
     e.needs_overflow = false;
     cases.push_back(e);
     // Decode at DeepEP's E and H: S=128, one rank empty, one of one token.
     e = Entry{};
     e.spec.name = "serving_b4_deepep_decode_h7168";
-    e.spec.config = serving_config(8, 256, 128, 8, 7168, 128, 4);
+    e.spec.config = serving_config(8, 256, 128, 8, 7168, 128);
+    e.spec.view.num_slots = 4;
     e.spec.tokens = {128, 128, 0, 128, 128, 1, 128, 128};
     e.graph = true;
     e.small = false;

@@ -40,8 +40,8 @@ struct Shape {
 struct Mode {
     std::string name;
     PlannerKind planner;
-    int num_slots;    // Config::num_slots
-    int view_stride;  // Config::view_stride
+    int num_slots;    // ViewShape::num_slots (B)
+    int view_stride;  // ViewShape::view_stride (Q)
 };
 
 std::vector<Mode> modes_of(const Shape& sh) {
@@ -64,8 +64,6 @@ Config config_of(const Shape& sh, const Mode& m, int rank) {
     c.topk = sh.K;
     c.hidden = sh.H;
     c.align = sh.align;
-    c.num_slots = m.num_slots;
-    c.view_stride = m.view_stride;
     return c;
 }
 
@@ -109,7 +107,10 @@ std::vector<RankOutput> run_mode(const Shape& sh, const Mode& m, const std::vect
     std::vector<RankOutput> outputs(static_cast<size_t>(sh.R));
     transport::LocalHostWorld world(sh.R, 30.0);
     const std::vector<std::string> errors = run_ranks(sh.R, [&](int rank) {
-        Buffer buffer(config_of(sh, m, rank), world.transport(rank), m.planner);
+        // Any B and Q the layout accepts, without pools (the internal API's Buffer of a given view shape).
+        const std::unique_ptr<Buffer> made = internal::make_buffer(config_of(sh, m, rank), world.transport(rank),
+                                                                   m.planner, {m.num_slots, m.view_stride});
+        Buffer& buffer = *made;
         const RankInput& ri = in[size_t(rank)];
         RankOutput& o = outputs[size_t(rank)];
         const Layout& l = internal::layout(buffer);
