@@ -50,14 +50,12 @@
 #include <string>
 #include <vector>
 
-#include "common/bf16.hpp"
 #include "common/flags.hpp"
 #include "flatep/buffer.hpp"
 #include "flatep/error.hpp"
 #include "flatep/expert_pools.hpp"
 #include "flatep/ipc.hpp"
-#include "layout/layout.hpp"
-#include "routing/routing.hpp"
+#include "internal/api.hpp"
 
 namespace {
 

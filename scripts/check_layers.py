@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Checks every #include of src/ (and include/) against the layer table of docs/design.md §10, and the table against
-the includes; and that bindings/ and tools/ include only the public headers, the one internal API header
-(src/internal/api.hpp) and their own files.
+the includes; and that bindings/, tools/ and benchmarks/ include only the public headers, the one internal API
+header (src/internal/api.hpp) and their own files.
 
 The table is the ```layers block of docs/design.md: one line per folder of src/, then the folders its files include
 besides their own and the public headers (include/flatep/): exactly the arrows of the picture. An include of a folder
@@ -25,7 +25,7 @@ import sys
 EXTENSIONS = (".cpp", ".hpp", ".cu", ".cuh")
 PUBLIC = "flatep"  # include/flatep/: every folder may include it
 # The folders outside src/ held to the public headers, the one internal API header and their own files.
-OUTSIDE = ("bindings", "tools")
+OUTSIDE = ("bindings", "tools", "benchmarks")
 INTERNAL_API = "internal/api.hpp"
 INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*([<"])([^>"]+)[>"]', re.MULTILINE)
 BLOCK_COMMENT = re.compile(r"/\*.*?\*/", re.DOTALL)

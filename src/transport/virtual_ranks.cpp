@@ -28,9 +28,13 @@ void run_threads(int num_ranks, const std::function<void(int rank)>& fn) {
 }
 
 std::vector<std::shared_ptr<Transport>> make_virtual_ranks(int num_ranks, MemoryKind kind, double timeout_s,
-                                                           int device) {
+                                                           const std::vector<int>& devices) {
     FLATEP_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "virtual ranks: num_ranks must be in [1, ", kMaxRanks,
                  "], got ", num_ranks);
+    const int D = int(devices.size());
+    FLATEP_CHECK(D == 0 || (kind == MemoryKind::kDevice && D <= num_ranks && num_ranks % D == 0),
+                 "virtual ranks: ", num_ranks, " ranks cannot be split evenly over ", D, " devices",
+                 kind == MemoryKind::kHost ? " (host memory has none)" : "");
     FLATEP_CHECK(kind == MemoryKind::kHost || kind == MemoryKind::kDevice,
                  "virtual ranks: memory kind must be kHost (0) or kDevice (1), got ", int(kind));
     // 0: FLATEP_TIMEOUT_S; anything else checked as make_ipc_transport checks it.
@@ -38,6 +42,7 @@ std::vector<std::shared_ptr<Transport>> make_virtual_ranks(int num_ranks, Memory
     const std::vector<std::shared_ptr<Bootstrap>> bootstraps = world.bootstraps();
     std::vector<std::shared_ptr<Transport>> transports(static_cast<size_t>(num_ranks));
     run_threads(num_ranks, [&](int r) {
+        const int device = D == 0 ? -1 : devices[size_t(r * D / num_ranks)];
         transports[size_t(r)] =
             make_ipc_transport(bootstraps[size_t(r)], kind, timeout_s, /*same_process=*/true, device);
     });
