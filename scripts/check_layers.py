@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Checks every #include of src/ (and include/) against the layer table of docs/design.md §10.
+"""Checks every #include of src/ (and include/) against the layer table of docs/design.md §10, and the table against
+the includes; and that bindings/, tools/ and benchmarks/ include only the public headers, the one internal API
+header (src/internal/api.hpp) and their own files.
 
-The table is the ```layers block of docs/design.md: one line per folder of src/, then the folders its files may
-include besides their own and the public headers (include/flatep/). CMakeLists.txt builds the same table into the
-include paths of the targets; this check also sees what the build cannot: headers compiled only by the targets of
-floors above their own (src/ops is headers only), includes that climb out of their folder with "..", and code under
-an #if the current build does not compile.
+The table is the ```layers block of docs/design.md: one line per folder of src/, then the folders its files include
+besides their own and the public headers (include/flatep/): exactly the arrows of the picture. An include of a folder
+not on the line is a violation, and so is a folder on the line that no file of the folder includes (an arrow that does
+not exist). CMakeLists.txt builds the same table into the links of the targets (a target sees every floor below it);
+this check also sees what the build cannot: an include of a floor below that is not an arrow, headers compiled only by
+the targets of floors above their own (src/ops is headers only), includes that climb out of their folder with "..",
+and code under an #if the current build does not compile.
 
 Prints one line per violation ("file:line: ...") and exits 1 when there is any; exits 0 otherwise.
 
@@ -20,6 +24,9 @@ import sys
 
 EXTENSIONS = (".cpp", ".hpp", ".cu", ".cuh")
 PUBLIC = "flatep"  # include/flatep/: every folder may include it
+# The folders outside src/ held to the public headers, the one internal API header and their own files.
+OUTSIDE = ("bindings", "tools", "benchmarks")
+INTERNAL_API = "internal/api.hpp"
 INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*([<"])([^>"]+)[>"]', re.MULTILINE)
 BLOCK_COMMENT = re.compile(r"/\*.*?\*/", re.DOTALL)
 
@@ -45,8 +52,7 @@ def read_table(design_path):
 
 
 def table_errors(table):
-    """What makes the table unusable by the build: unknown names, a folder listing itself (a cycle), a line that
-    lacks what a folder it names may include (the build's include roots are transitive through links)."""
+    """What makes the table unusable by the build: unknown names, a folder naming itself, a cycle of arrows."""
     errors = []
     for folder, below in table.items():
         for name in below:
@@ -54,13 +60,24 @@ def table_errors(table):
                 errors.append(f"layers table: {folder} names {name}, which has no line")
             elif name == folder:
                 errors.append(f"layers table: {folder} names itself (a cycle)")
-            else:
-                missing = [n for n in table[name] if n not in below and n != folder]
-                if missing:
-                    errors.append(f"layers table: {folder} names {name} but not {' '.join(missing)}, which {name} "
-                                  f"may include (add them to {folder}'s line)")
-                if folder in table[name]:
-                    errors.append(f"layers table: {folder} and {name} name each other (a cycle)")
+    # A cycle through several folders: depth-first, each cycle reported once from its first folder in the table.
+    state = {}  # folder -> "open" while on the path, "done" after
+
+    def visit(folder, path):
+        state[folder] = "open"
+        for name in table.get(folder, []):
+            if name == folder or name not in table:
+                continue
+            if state.get(name) == "open":
+                cycle = path[path.index(name):] + [name]
+                errors.append(f"layers table: a cycle: {' -> '.join(cycle)}")
+            elif name not in state:
+                visit(name, path + [name])
+        state[folder] = "done"
+
+    for folder in table:
+        if folder not in state:
+            visit(folder, [folder])
     return errors
 
 
@@ -82,19 +99,28 @@ def includes(path):
         yield text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2)
 
 
-def check_file(root, path, owner, allowed, folders):
-    """Violations of one file of folder `owner` (None: include/, which may include only the public headers)."""
+def includes_within(root, path, out):
+    """(line number, delimiter, name) of each #include of the file except those that climb out of their folder with
+    "..", which go into `out` as violations."""
+    rel = os.path.relpath(path, root)
+    for line, delimiter, name in includes(path):
+        if ".." in name.split("/"):
+            out.append(f"{rel}:{line}: includes \"{name}\", which climbs out of its folder with '..' (the build "
+                       f"cannot see it): write it from the folder, as \"<folder>/...\"")
+            continue
+        yield line, delimiter, name
+
+
+def check_file(root, path, owner, allowed, folders, used=None):
+    """Violations of one file of folder `owner` (None: include/, which may include only the public headers). The
+    folders it includes go into `used` (a set), when given."""
     rel = os.path.relpath(path, root)
     src = os.path.join(root, "src")
     what = owner if owner is not None else "include/"
     may = " ".join(allowed) if allowed else "nothing"
     out = []
-    for line, delimiter, name in includes(path):
+    for line, delimiter, name in includes_within(root, path, out):
         parts = name.split("/")
-        if ".." in parts:
-            out.append(f"{rel}:{line}: includes \"{name}\", which climbs out of its folder with '..' (the build "
-                       f"cannot see it): write it from the folder, as \"<folder>/...\"")
-            continue
         target = None
         if delimiter == '"' and os.path.isfile(os.path.join(os.path.dirname(path), name)):
             # The compiler looks beside the including file first: the include stays in the file's own folder.
@@ -104,9 +130,27 @@ def check_file(root, path, owner, allowed, folders):
             target = parts[0]
         if target is None or target == owner:
             continue  # the public headers, the own folder, or a system / third-party header
+        if used is not None:
+            used.add(target)
         if target not in allowed:
             out.append(f"{rel}:{line}: {what} may not include {target} (\"{name}\"); {what} may include: {may} "
                        f"(docs/design.md §10)")
+    return out
+
+
+def check_outside(root, path, top):
+    """Violations of one file under the folder `top` outside src/ (OUTSIDE): a quoted include must be a public header,
+    the internal API header, or a file of its own tree (beside it, or from `top`); angle brackets are system and
+    third-party headers."""
+    rel = os.path.relpath(path, root)
+    out = []
+    for line, delimiter, name in includes_within(root, path, out):
+        if delimiter == "<" or name.split("/")[0] == PUBLIC or name == INTERNAL_API:
+            continue
+        if os.path.isfile(os.path.join(os.path.dirname(path), name)) or os.path.isfile(os.path.join(root, top, name)):
+            continue  # its own tree
+        out.append(f"{rel}:{line}: {top}/ may include only the public headers (flatep/...), the internal API "
+                   f"(\"{INTERNAL_API}\") and its own files, not \"{name}\" (docs/design.md §10)")
     return out
 
 
@@ -122,14 +166,24 @@ def check(root, design):
     violations += [f"layers table: {d} has a line but src/{d} does not exist" for d in table if d not in present]
     num_files = 0
     for folder in present:
+        used = set()
         for path in source_files(os.path.join(src, folder)):
             num_files += 1
-            violations += check_file(root, path, folder, table.get(folder, []), table)
+            violations += check_file(root, path, folder, table.get(folder, []), table, used)
+        for name in table.get(folder, []):
+            if name in table and name != folder and name not in used:
+                violations.append(f"layers table: {folder} names {name}, but no file of src/{folder} includes "
+                                  f"src/{name}: an arrow that does not exist (remove it from {folder}'s line)")
     public = os.path.join(root, "include")
     if os.path.isdir(public):
         for path in source_files(public):
             num_files += 1
             violations += check_file(root, path, None, [], table)
+    for top in OUTSIDE:
+        if os.path.isdir(os.path.join(root, top)):
+            for path in source_files(os.path.join(root, top)):
+                num_files += 1
+                violations += check_outside(root, path, top)
     return violations, num_files
 
 

@@ -42,17 +42,7 @@
 
 namespace flatep {
 
-struct Layout;          // layout/layout.hpp: every size derived from the Config
-class CollectiveGuard;  // runtime/collective_guard.hpp: poisoning after a failed cross-rank wait
-namespace planner {
-struct HostPlan;  // planner/planner.hpp: the plan arrays in host memory
-}  // namespace planner
-namespace host {
-struct OpStats;  // host/op_stats.hpp: counters of the CPU backend's ops
-}  // namespace host
-namespace runtime {
-class BufferBackend;  // runtime/backend.hpp: host twins or CUDA kernels, chosen at construction
-}  // namespace runtime
+class ExpertPools;  // flatep/expert_pools.hpp
 
 class Plan {
   public:
@@ -81,16 +71,12 @@ class Plan {
     const int32_t* device_cu_seqlens(int rank) const;   // [num_groups] int32 in device memory (grouped-GEMM offs)
     const int32_t* device_slot_expert(int rank) const;  // [epn] int32 in device memory
 
-    // The plan arrays (internal API: planner/planner.hpp gives the type).
-    const planner::HostPlan& host_plan() const;
-
-    struct Data;  // the plan's state (runtime/plan_data.hpp; internal)
-
-  private:
-    friend class Buffer;
-    friend class ExpertPools;
+    // The plan's state: opaque outside the library (only a Buffer makes one).
+    struct Data;
     explicit Plan(std::shared_ptr<const Data> data) : data_(std::move(data)) {}
     const Data& data() const;
+
+  private:
     std::shared_ptr<const Data> data_;
 };
 
@@ -101,8 +87,14 @@ class Buffer {
     // allocates the symmetric buffer. Collective. The backend follows the transport's memory kind: host memory runs
     // the CPU backend (every op synchronously on the calling thread), device memory the CUDA kernels.
     // num_plan_slots: device plans the Buffer keeps itself (0: every device plan() call must pass storage).
+    // The groups of its plans follow the training layout (2*epn groups: own experts, then epn slots).
     static constexpr int kDefaultPlanSlots = 4;
     Buffer(const Config& config, std::shared_ptr<Transport> transport, PlannerKind planner = PlannerKind::kBalanced,
+           int num_plan_slots = kDefaultPlanSlots);
+    // A Buffer whose plans `pools` take, over the pools' transport: it takes their replica slots B and view stride Q
+    // (serving pools, B < epn: the R*Q + B groups of the weights view, design §5 "Serving layout"; training pools:
+    // the training layout). config's E / R must be the pools' experts_per_rank. Collective, as above.
+    Buffer(const Config& config, const ExpertPools& pools, PlannerKind planner = PlannerKind::kBalanced,
            int num_plan_slots = kDefaultPlanSlots);
     ~Buffer();  // releases the symmetric buffer; never throws
     Buffer(const Buffer&) = delete;
@@ -111,24 +103,25 @@ class Buffer {
     // topk_idx: [num_tokens][K] int32 (index_bytes 4) or int64 (8), num_tokens in [0, S]. Expert ids outside
     // [0, E) are skipped and recorded (check_status reports them). plan_storage: device Buffers only, null (the next
     // of the Buffer's plan slots) or plan_words() int32 words of device memory that the Plan then lives in.
-    // Every op takes a Launch last (stream and SM budget of this call; see flatep/launch.hpp).
+    // Every op takes a Launch last (stream, SM budget and options of this call; see flatep/launch.hpp); only dispatch,
+    // dispatch_fp8 and combine take an option (plan_ordered).
     Plan plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t* plan_storage = nullptr,
               const Launch& launch = {});
     // int32 words of one device plan (the storage plan() takes).
     int64_t plan_words() const;
-    int num_plan_slots() const { return num_plan_slots_; }
+    int num_plan_slots() const;
 
     // x: [s][H] bf16; topk_weights: [s][K] fp32 or null (weight 1); recv_x: [NvS][H] bf16 out (may be
     // symmetric_recv_x()); recv_w: [NvS] fp32 out or null. Real rows get their token row and weight, padding rows
     // inside a group's padded range are zero with weight 0, rows past the last group end are not written.
     // A rank that passes no tokens (num_tokens 0) may pass null x (and null out / combine, entry_values).
-    // plan_ordered (every rank alike): no entry barrier. The plan op that made `plan`, stream-ordered before this call
-    // on every rank, met every rank after its earlier reads of the receive region, so none can still be reading it.
-    // The caller promises that this is the first op on this Buffer since that plan op, and that whatever read the
-    // region before (the previous step's FFN on zero-copy rows, say) is stream-ordered before that plan op on every
-    // rank. An inference step (plan, dispatch, expert FFN, combine on one stream) keeps it.
+    // launch.options.plan_ordered (every rank alike): no entry barrier. The plan op that made `plan`, stream-ordered
+    // before this call on every rank, met every rank after its earlier reads of the receive region, so none can still
+    // be reading it. The caller promises that this is the first op on this Buffer since that plan op, and that whatever
+    // read the region before (the previous step's FFN on zero-copy rows, say) is stream-ordered before that plan op on
+    // every rank. An inference step (plan, dispatch, expert FFN, combine on one stream) keeps it.
     void dispatch(const Plan& plan, const uint16_t* x, const float* topk_weights, uint16_t* recv_x, float* recv_w,
-                  const Launch& launch = {}, bool plan_ordered = false);
+                  const Launch& launch = {});
 
     // dispatch of FP8 rows (design §6, "FP8 rows"): the same plan, receive layout and weights, with each row moved as
     // H e4m3 bytes plus H/128 fp32 scales (x ~= e4m3(q) * scale per block of 128 channels). H must be a multiple of
@@ -139,18 +132,19 @@ class Buffer {
     // recv_x: [NvS][H] e4m3 out, recv_scales: [NvS][H/128] fp32 out (either may be symmetric_recv_x_fp8() /
     // symmetric_recv_scales() to skip the copy-out), recv_w: [NvS] fp32 out or null. Real rows get their token's
     // e4m3 row, scales and weight; padding rows inside a group's padded range get zero bytes, zero scales and weight
-    // 0; rows past the last group end are not written. Both backends give the same bits. plan_ordered: as dispatch's.
+    // 0; rows past the last group end are not written. Both backends give the same bits. launch.options.plan_ordered:
+    // as dispatch's.
     void dispatch_fp8(const Plan& plan, const uint16_t* x_bf16, const uint8_t* x_fp8, const float* x_scales,
                       const float* topk_weights, uint8_t* recv_x, float* recv_scales, float* recv_w,
-                      Fp8Scale scale_mode = Fp8Scale::kFloat, const Launch& launch = {}, bool plan_ordered = false);
+                      Fp8Scale scale_mode = Fp8Scale::kFloat, const Launch& launch = {});
 
     // y: [NvS][H] bf16 expert outputs; weights: [NvS] fp32 per-row weights (weighted combine) or null;
     // out: [s][H] bf16, the sum of each token's K rows (design §6 numerics).
-    // plan_ordered (every rank alike): no entry barrier. This step's plan op and dispatch (a plan_ordered one or not),
-    // stream-ordered before this call on every rank, met every rank after its previous combine's reads of the
-    // partials; the caller promises that no other op ran on this Buffer between that dispatch and this combine.
-    void combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out, const Launch& launch = {},
-                 bool plan_ordered = false);
+    // launch.options.plan_ordered (every rank alike): no entry barrier. This step's plan op and dispatch (a
+    // plan_ordered one or not), stream-ordered before this call on every rank, met every rank after its previous
+    // combine's reads of the partials; the caller promises that no other op ran on this Buffer between that dispatch
+    // and this combine.
+    void combine(const Plan& plan, const uint16_t* y, const float* weights, uint16_t* out, const Launch& launch = {});
 
     // Local (not collective) rest of a weighted combine's backward, after the output gradient was dispatched back to
     // the rows (dispatch(plan, grad_out, nullptr, rows, nullptr)). For every receive row i in [0, NvS) of this rank:
@@ -176,12 +170,23 @@ class Buffer {
     // True after a failed cross-rank wait (every later op throws); reason() says which.
     bool poisoned() const;
 
-    const Config& config() const { return config_; }
-    const Layout& layout() const;
-    PlannerKind planner() const { return planner_; }
-    uint64_t id() const { return id_; }
-    uint64_t generation() const { return generation_; }
-    Transport& transport() { return *transport_; }
+    const Config& config() const;
+    PlannerKind planner() const;
+    uint64_t id() const;
+    uint64_t generation() const;
+    Transport& transport();
+
+    // What the config derives (design §1, §5): epn = E / R; the receive rows NvS (recv_x [NvS][H], recv_w [NvS]);
+    // the row groups of a plan's cu_seqlens (2*epn, or R*Q + B for a Buffer of serving pools); the receive capacity C.
+    int experts_per_rank() const;
+    int num_recv_rows() const;
+    int num_groups() const;
+    int capacity() const;
+    // B and Q (its pools'; epn and epn for the training layout), and whether the groups are the serving layout (B <
+    // epn).
+    int num_slots() const;
+    int view_stride() const;
+    bool serving() const;
 
     // Device backend (a transport with MemoryKind::kDevice): every op is enqueued on its Launch's CUDA stream and never
     // synchronises with the host; all pointers passed to the ops are device pointers. check_status() is a
@@ -189,7 +194,7 @@ class Buffer {
     bool on_device() const;
     // The SM budget of calls whose Launch says -1: the most thread blocks one launch of an op uses (0: no cap). Starts
     // at FLATEP_NUM_SMS (0 on the CPU backend, which ignores it). Outside [0, kMaxNumSms]: kInvalidArgument.
-    int num_sms() const { return num_sms_; }
+    int num_sms() const;
     void set_num_sms(int num_sms);
 
     // This rank's symmetric receive regions ([NvS][H] bf16, [NvS] fp32): pass them to dispatch to skip the
@@ -200,32 +205,13 @@ class Buffer {
     uint8_t* symmetric_recv_x_fp8();
     float* symmetric_recv_scales();
 
-    // Optional counters of the CPU backend's ops (tests): the pointer must stay valid while set; null stops.
-    void set_op_stats(host::OpStats* stats) { op_stats_ = stats; }
+    // The implementation (src/runtime): opaque outside the library, which reaches it through its internal API.
+    struct Impl;
+    explicit Buffer(std::unique_ptr<Impl> impl);
+    Impl& impl() const { return *impl_; }
 
   private:
-    void check_plan(const Plan& plan, const char* op) const;
-    Launch enter(const char* op, const Launch& launch);            // the call's launch with its budget resolved
-    [[noreturn]] void throw_status(const int32_t words[4]) const;  // the error the status words hold
-    void after_op(const Launch& launch);
-    template <typename Args>
-    Args op_args(const Plan& plan);  // the fields every data-plane op's Args share
-
-    Config config_;
-    std::unique_ptr<Layout> layout_;
-    std::shared_ptr<Transport> transport_;
-    PlannerKind planner_;
-    uint64_t id_;
-    uint64_t generation_ = 0;
-    SymmetricRegion region_;
-    uint64_t epoch_ = 0;
-    bool debug_ = false;
-    host::OpStats* op_stats_ = nullptr;
-    int num_sms_ = 0;
-    std::unique_ptr<CollectiveGuard> guard_;
-    double timeout_s_ = 0;  // the transport's timeout when this Buffer was built: every op's waits
-    int num_plan_slots_ = 0;
-    std::unique_ptr<runtime::BufferBackend> backend_;
+    std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace flatep

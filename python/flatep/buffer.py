@@ -209,11 +209,10 @@ class Buffer:
         planner (str): 'balanced' (default), 'greedy' (the one-donor baseline) or 'owner' (no replicas: every entry
             computed on its expert's home rank, no prefetch needed; meant for decode-sized S: the receive capacity is
             the worst case R*S*K rows, so NvS and the receive tensors grow R-fold).
-        num_slots (int or None): B, replica slots per rank: None (or epn) = training layout (2*epn groups); B in
-            [0, epn) = serving layout (R*Q + B groups, one per row of an ExpertPools weights view built with the same
-            num_slots; see flatep.pools). The plans never use more than B slots.
-        view_stride (int or None): Q, the weights view's rows per rank (serving only): pass ExpertPools.view_stride
-            of the pools the plans are for. None: epn.
+        pools (flatep.ExpertPools or None): the expert pools whose weights the plans are for, over the same group and
+            device. The Buffer takes their layout: num_slots B and view_stride Q. None, or pools with B = epn: the
+            training layout (2*epn groups); serving pools (B < epn): the serving layout (R*Q + B groups, one per row of
+            the pools' weights view; see flatep.pools). The plans never use more than B slots.
         device: where tensors live: 'cpu' (the CPU backend, default) or a CUDA device (FlatEP built with CUDA; 'cuda'
             means the current device). Processes may share one GPU.
         timeout_s (float): bound on every cross-rank wait of this object, seconds in (0, 86400]; kept from
@@ -253,8 +252,7 @@ class Buffer:
         capacity_factor=1.0,
         *,
         planner="balanced",
-        num_slots=None,
-        view_stride=None,
+        pools=None,
         device=None,
         timeout_s=None,
         num_sms=None,
@@ -275,9 +273,9 @@ class Buffer:
         timeout_s = check_timeout("Buffer", timeout_s)
         if planner not in _PLANNERS:
             raise ValueError(f"Buffer: planner must be 'balanced', 'greedy' or 'owner', got {planner!r}")
-        for name, value in (("num_slots", num_slots), ("view_stride", view_stride)):
-            if value is not None:  # the C++ Config checks the range against epn (one-line message naming it)
-                check_int("Buffer", name, value, "None or an int >= 0", 0)
+        cpools = None if pools is None else getattr(pools, "_pools", None)
+        if pools is not None and not isinstance(cpools, _C.ExpertPools):
+            raise ValueError(f"Buffer: pools must be a flatep.ExpertPools or None, got {type(pools).__name__}")
         check_num_sms("Buffer", num_sms)  # its type; the C++ checks its value
         check_int("Buffer", "stream_priority", stream_priority, "an int (torch.cuda.Stream priority)")
         self.group = group
@@ -286,10 +284,12 @@ class Buffer:
         self.align, self.capacity_factor, self.planner = align, float(capacity_factor), planner
         transport = transport_for(group, device, timeout_s)  # validates the device first
         self.device = resolve_device(device)
+        if pools is not None and pools.device != self.device:
+            raise ValueError(f"Buffer: pools are on {pools.device}, the Buffer on {self.device}")
+        self.pools = pools
         with device_guard(self.device):
             self._buffer = _C.Buffer(  # no plan slots: device plans live in torch tensors (plan())
-                transport, num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner, 0,
-                -1 if num_slots is None else num_slots, 0 if view_stride is None else view_stride,
+                transport, num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner, 0, cpools
             )
         self.experts_per_rank = self._buffer.experts_per_rank
         self.num_slots = self._buffer.num_slots
@@ -731,18 +731,18 @@ _shared = {}  # (group id, construction arguments, device) -> (group, Buffer); t
 
 
 def shared_buffer(group, num_tokens, hidden, num_experts, topk, align=128, capacity_factor=1.0, *,
-                  planner="balanced", num_slots=None, view_stride=None, device=None, num_sms=None, stream_priority=0):
+                  planner="balanced", pools=None, device=None, num_sms=None, stream_priority=0):
     """The process's Buffer for these arguments, created on first use (collective then), like shared_pools: layers of
-    one shape share one Buffer, so communication memory does not grow with the number of layers. Safe because a Plan
+    one shape share one Buffer, so communication memory does not grow with the number of layers (a Buffer made for
+    serving pools is shared by the layers of those pools: the Buffer keeps them alive). Safe because a Plan
     owns its arrays and the symmetric buffer is scratch that every op rewrites (design §8): plans of several layers,
     all made by the one Buffer, stay valid together (backward reuses each layer's saved plan)."""
-    key = (id(group), num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner, num_slots,
-           view_stride, str(resolve_device(device)), num_sms, stream_priority)
+    key = (id(group), num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner, id(pools),
+           str(resolve_device(device)), num_sms, stream_priority)
     entry = _shared.get(key)
     if entry is None:
         buffer = Buffer(group, num_tokens, hidden, num_experts, topk, align, capacity_factor, planner=planner,
-                        num_slots=num_slots, view_stride=view_stride, device=device, num_sms=num_sms,
-                        stream_priority=stream_priority)
+                        pools=pools, device=device, num_sms=num_sms, stream_priority=stream_priority)
         entry = (group, buffer)
         _shared[key] = entry
     return entry[1]

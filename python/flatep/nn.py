@@ -509,7 +509,7 @@ class MoE(torch.nn.Module):
 
     def _make_buffer(self, num_tokens):
         # One Buffer per shape and process, shared by every layer of that shape (like the pools).
-        serving = dict(num_slots=self.num_slots, view_stride=self.pools.view_stride) if self.serving else {}
+        serving = dict(pools=self.pools) if self.serving else {}  # the Buffer takes B and Q from the pools
         self.buffer = shared_buffer(
             self.group, num_tokens, self.hidden, self.num_experts, self.topk, self.align, self.capacity_factor,
             planner=self.planner, device=self.device, **serving,

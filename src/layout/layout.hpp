@@ -56,10 +56,24 @@ struct Layout {
     FLATEP_HD int padded(int rows) const { return round_up(rows, align); }
 };
 
-// Builds the layout of a validated config (calls config.validate(planner)) for plans of `planner`: the owner planner
-// gets capacity R*S*K and NvS = round_up(C + epn*(align-1), align) (own groups only); every other planner C and
-// NvS as above. The group layout (training or serving) follows config.num_slots whatever the planner.
-Layout make_layout(const Config& config, PlannerKind planner = PlannerKind::kBalanced);
+// The experts' weight view the groups follow (design §5): B replica slots per rank and Q view rows per rank. A Buffer
+// made from ExpertPools takes the pools' (ExpertPools::num_slots, view_stride); the default is the training layout.
+// The largest view stride Q.
+inline constexpr int kMaxViewStride = 1 << 20;
+
+struct ViewShape {
+    int num_slots = -1;   // B: -1 = epn (training: 2*epn groups); 0..epn-1 = serving (R*Q + B groups)
+    int view_stride = 0;  // Q: 0 = epn; else in [epn, 2^20] (the serving layout only uses it)
+};
+
+// The one range check of B: -1 (epn) or in [0, epn]. `who` prefixes the message ("" or e.g. "ExpertPools: ").
+void check_num_slots(const char* who, int num_slots, int experts_per_rank);
+
+// Builds the layout of a validated config (calls config.validate(planner), then checks `view` against it) for plans
+// of `planner`: the owner planner gets capacity R*S*K and NvS = round_up(C + epn*(align-1), align) (own groups only);
+// every other planner C and NvS as above. The group layout (training or serving) follows view.num_slots whatever the
+// planner.
+Layout make_layout(const Config& config, PlannerKind planner = PlannerKind::kBalanced, const ViewShape& view = {});
 
 // Offsets (in bytes) of the regions of one rank's symmetric buffer. Every rank's buffer has the same
 // layout, so a peer's region is peer_base + offset. Regions are 256-byte aligned.

@@ -4,6 +4,7 @@
 
 #include "common/check.hpp"
 #include "common/env.hpp"
+#include "runtime/launch.hpp"
 
 #if defined(FLATEP_WITH_CUDA)
 #include <cuda_runtime.h>
@@ -15,9 +16,10 @@ namespace flatep {
 
 namespace {
 
-// The call's SM budget: -1 is FLATEP_NUM_SMS (there is no object whose num_sms() it could mean).
-int resolve_num_sms(const char* op, int num_sms) {
-    return num_sms == -1 ? env::num_sms() : env::check_num_sms(op, num_sms);
+// The call's SM budget: -1 is FLATEP_NUM_SMS (there is no object whose num_sms() it could mean). No option is taken.
+int resolve_num_sms(const char* op, const Launch& launch) {
+    runtime::check_options(op, launch.options, runtime::Takes::kNoOption);
+    return launch.num_sms == -1 ? env::num_sms() : env::check_num_sms(op, launch.num_sms);
 }
 
 void check_rows(const char* op, int64_t rows, const char* cols_name, int64_t cols, const int32_t* end) {
@@ -44,7 +46,7 @@ void activate_rows(const uint16_t* h, uint16_t* a, int64_t rows, int64_t ffn, Ff
     FLATEP_CHECK(past_end == PastEnd::kZero || past_end == PastEnd::kUntouched, op,
                  ": past_end must be PastEnd::kZero (0) or kUntouched (1), got ", int(past_end));
     FLATEP_CHECK(rows == 0 || (h != nullptr && a != nullptr), op, ": h and a must be set when rows > 0");
-    const int num_sms = resolve_num_sms(op, launch.num_sms);
+    const int num_sms = resolve_num_sms(op, launch);
 #if defined(FLATEP_WITH_CUDA)
     kernels::launch_activate_rows(h, a, rows, ffn, activation, end, past_end == PastEnd::kZero,
                                   static_cast<cudaStream_t>(launch.stream), num_sms);
@@ -58,7 +60,7 @@ void zero_rows_from_end(uint16_t* y, int64_t rows, int64_t cols, const int32_t* 
     const char* op = "zero_rows_from_end";
     check_rows(op, rows, "cols", cols, end);
     FLATEP_CHECK(rows == 0 || y != nullptr, op, ": y must be set when rows > 0");
-    const int num_sms = resolve_num_sms(op, launch.num_sms);
+    const int num_sms = resolve_num_sms(op, launch);
 #if defined(FLATEP_WITH_CUDA)
     kernels::launch_zero_rows_from_end(y, rows, cols, end, static_cast<cudaStream_t>(launch.stream), num_sms);
 #else

@@ -111,25 +111,75 @@ def test_public_headers_may_include_no_folder(tmp_path):
 
 
 def test_table_errors(tmp_path):
-    # host names ops without common (ops may include it): the build's transitive include roots would let host see
-    # common anyway, so the table must say so. A folder without a line, a line without a folder.
-    table = TABLE.replace("host:      ops common", "host:      ops").replace("transport: common\n", "gpu: common\n")
+    # A folder without a line, a line without a folder, a name without a line.
+    table = TABLE.replace("transport: common\n", "gpu: common\n").replace("host:      ops common", "host: ops common net")
     rc, out, _ = check_layers("--root", str(fake_tree(tmp_path, table)))
     assert rc == 1
     lines = out.splitlines()
-    assert "layers table: host names ops but not common, which ops may include (add them to host's line)" in lines
     assert "src/transport: no line in the layers table of docs/design.md §10" in lines
     assert "layers table: gpu has a line but src/gpu does not exist" in lines
-    # The includes are still checked against the table as written: host's include of common is now a violation.
-    assert any(l.startswith("src/host/op.cpp:3: host may not include common") for l in lines), out
+    assert "layers table: host names net, which has no line" in lines
+
+
+def test_a_floor_below_that_is_not_an_arrow_is_refused(tmp_path):
+    # host's line names ops only: its include of common, a floor below it that the build lets it see through ops,
+    # is not an arrow of the picture.
+    table = TABLE.replace("host:      ops common", "host:      ops")
+    rc, out, _ = check_layers("--root", str(fake_tree(tmp_path, table)))
+    assert rc == 1
+    assert out.splitlines() == [
+        'src/host/op.cpp:3: host may not include common ("common/check.hpp"); host may include: ops '
+        "(docs/design.md §10)"
+    ]
+
+
+def test_an_arrow_no_file_uses_is_refused(tmp_path):
+    # transport names ops, which none of its files includes: the picture would allow a dependency that does not exist.
+    table = TABLE.replace("transport: common", "transport: ops common")
+    rc, out, _ = check_layers("--root", str(fake_tree(tmp_path, table)))
+    assert rc == 1
+    assert out.splitlines() == [
+        "layers table: transport names ops, but no file of src/transport includes src/ops: an arrow that does not "
+        "exist (remove it from transport's line)"
+    ]
 
 
 def test_cycle_and_missing_block(tmp_path):
     table = TABLE.replace("common:\n", "common:    ops\n")
     rc, out, _ = check_layers("--root", str(fake_tree(tmp_path, table)))
     assert rc == 1
-    assert "layers table: common and ops name each other (a cycle)" in out.splitlines(), out
+    assert "layers table: a cycle: common -> ops -> common" in out.splitlines(), out
+    # Through three folders (and host's own arrow to common, a second cycle): each reported once.
+    table = TABLE.replace("common:\n", "common:    host\n")
+    rc, out, _ = check_layers("--root", str(fake_tree(tmp_path, table)))
+    assert rc == 1
+    assert [l for l in out.splitlines() if "cycle" in l] == [
+        "layers table: a cycle: common -> host -> ops -> common",
+        "layers table: a cycle: common -> host -> common",
+    ], out
     write(tmp_path / "docs" / "design.md", "# Design\n")
     rc, out, _ = check_layers("--root", str(tmp_path))
     assert rc == 1
     assert out.strip().endswith("no ```layers block (section 10)"), out
+
+
+def test_bindings_and_tools_include_only_the_public_headers_and_the_internal_api(tmp_path):
+    root = fake_tree(tmp_path)
+    write(root / "src" / "internal" / "api.hpp", '#pragma once\n#include "common/check.hpp"\n')
+    write(root / "docs" / "design.md", TABLE.replace("transport: common\n", "transport: common\ninternal:  common\n"))
+    write(root / "tools" / "json.hpp", "#pragma once\n")
+    write(root / "tools" / "plan.cpp", '#include <vector>\n#include "flatep/types.hpp"\n#include "internal/api.hpp"\n'
+          '#include "json.hpp"\n')
+    write(root / "bindings" / "python" / "module.cpp", '#include <pybind11/pybind11.h>\n#include "internal/api.hpp"\n')
+    rc, out, err = check_layers("--root", str(root))
+    assert rc == 0, out + err
+    # An internal header besides the internal API, and a file of another tree.
+    write(root / "tools" / "demo.cpp", '#include "ops/args.hpp"\n#include "gpu_harness.hpp"\n')
+    rc, out, _ = check_layers("--root", str(root))
+    assert rc == 1
+    assert out.splitlines() == [
+        'tools/demo.cpp:1: tools/ may include only the public headers (flatep/...), the internal API '
+        '("internal/api.hpp") and its own files, not "ops/args.hpp" (docs/design.md §10)',
+        'tools/demo.cpp:2: tools/ may include only the public headers (flatep/...), the internal API '
+        '("internal/api.hpp") and its own files, not "gpu_harness.hpp" (docs/design.md §10)',
+    ]

@@ -44,13 +44,13 @@ TEST(PlanOrderedOps, NextDispatchWaitsForASlowReaderThroughThePlanOp) {
             for (int t = 0; t < S; ++t)
                 for (int i = 0; i < H; ++i) x[size_t(t) * H + i] = float_to_bf16(row_value(step, rank, t, i));
             const Plan plan = buffer.plan(idx.data(), 4, S);
-            buffer.dispatch(plan, x.data(), nullptr, buffer.symmetric_recv_x(), buffer.symmetric_recv_w(), {},
-                            /*plan_ordered=*/true);
+            buffer.dispatch(plan, x.data(), nullptr, buffer.symmetric_recv_x(), buffer.symmetric_recv_w(),
+                            {.options = {.plan_ordered = true}});
             const uint16_t* rows = buffer.symmetric_recv_x();
             const int32_t end = plan.cu_seqlens(rank).back();
             // The expert: y = rows as they are. combine sums each token's K rows: 2 * x (exact in bf16).
-            y.assign(rows, rows + int64_t(buffer.layout().num_recv_rows) * H);
-            buffer.combine(plan, y.data(), nullptr, out.data(), {}, /*plan_ordered=*/true);
+            y.assign(rows, rows + int64_t(buffer.num_recv_rows()) * H);
+            buffer.combine(plan, y.data(), nullptr, out.data(), {.options = {.plan_ordered = true}});
             for (size_t i = 0; i < want.size(); ++i) want[i] = float_to_bf16(2.0f * bf16_to_float(x[i]));
             ASSERT_EQ(out, want) << "rank " << rank << " step " << step;
             if (rank != 1) {

@@ -55,9 +55,9 @@ const int32_t kIdx[kS * kK] = {0, 1, 2, 3, 4, 5, 1, 2};
 struct Step {
     explicit Step(Buffer& b)
         : x(kS * kH, 0x3f80),
-          recv(size_t(b.layout().num_recv_rows) * kH),
+          recv(size_t(b.num_recv_rows()) * kH),
           out(kS * kH),
-          values(b.layout().num_recv_rows, 1.0f),
+          values(b.num_recv_rows(), 1.0f),
           per_entry(kS * kK) {}
     std::vector<uint16_t> x, recv, out;
     std::vector<float> values, per_entry;
@@ -149,9 +149,10 @@ TEST(RankDisagreement, DifferentOpsFailOnEveryRank) {
                 if (op == "combine") buffer.combine(plan, st.recv.data(), nullptr, st.out.data());
                 if (op == "entry_values") buffer.entry_values(plan, st.values.data(), st.per_entry.data());
                 if (op == "dispatch (plan_ordered)")
-                    buffer.dispatch(plan, st.x.data(), nullptr, st.recv.data(), nullptr, {}, true);
+                    buffer.dispatch(plan, st.x.data(), nullptr, st.recv.data(), nullptr,
+                                    {.options = {.plan_ordered = true}});
                 if (op == "combine (plan_ordered)")
-                    buffer.combine(plan, st.recv.data(), nullptr, st.out.data(), {}, true);
+                    buffer.combine(plan, st.recv.data(), nullptr, st.out.data(), {.options = {.plan_ordered = true}});
             });
         });
         ASSERT_EQ(failures(errors), "");

@@ -156,9 +156,10 @@ TEST(DeriveLanes, WarpShapedLaneGroupsDeriveAsOneLane) {
         c.num_tokens = 64;
         c.topk = 1;
         c.align = 1 + below(3) * 3;
-        c.num_slots = below(3) == 0 ? -1 : below(epn + 1);
-        c.view_stride = below(2) == 0 ? 0 : epn + below(3);
-        const Layout l = make_layout(c);
+        ViewShape view;
+        view.num_slots = below(3) == 0 ? -1 : below(epn + 1);
+        view.view_stride = below(2) == 0 ? 0 : epn + below(3);
+        const Layout l = make_layout(c, PlannerKind::kBalanced, view);
         // Own rows, and up to epn replicas per rank with rows from a small range (ties).
         std::vector<int32_t> alloc(size_t(R) * E, 0);
         for (int d = 0; d < R; ++d) {

@@ -38,9 +38,7 @@ Layout layout_of(int R, int E, int S, int K, int align, int num_slots, int view_
     c.topk = K;
     c.align = align;
     c.capacity_factor = capacity_factor;
-    c.num_slots = num_slots;
-    c.view_stride = view_stride;
-    return make_layout(c, planner);
+    return make_layout(c, planner, {.num_slots = num_slots, .view_stride = view_stride});
 }
 
 // R=2, E=8 (epn=4), S=6, K=1: S*K = 6. Rank 0 routes [2,2,1,1], rank 1 [1,3,1,1] (all to rank 0's experts): T =
