@@ -8,6 +8,7 @@
 
 #include "common/check.hpp"
 #include "common/env.hpp"
+#include "layout/invariants.hpp"
 #include "layout/layout.hpp"
 #include "planner/planner.hpp"
 #include "runtime/backend.hpp"
@@ -140,6 +141,11 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
             bool fits = false;
             serving_.push_back(runtime::serving_geometry(R, experts_per_rank_, num_slots_, eb,
                                                          transport_->granularity(), view_stride_, &fits));
+            FLATEP_CHECK_INVARIANT(
+                "ExpertPools", serving_chunks_violation(R, experts_per_rank_, num_slots_, eb, transport_->granularity(),
+                                                        view_stride_, serving_.back().offset.data(),
+                                                        serving_.back().data_at.data(), serving_.back().own_bytes,
+                                                        serving_.back().slot_bytes, serving_.back().view_bytes));
         }
     }
     backend_ = runtime::make_pools_backend(transport_, guard_.get());  // its device state on the transport's GPU
@@ -287,6 +293,10 @@ ExpertLayer ExpertPools::register_layer() {
             pool_piece.rank = transport_->rank();
             pool_piece.offset = own->bytes;
             *view = transport_->map_view(own->bytes + pool->mapped_bytes, {own_piece, pool_piece});
+            FLATEP_CHECK_INVARIANT(
+                "register_layer",
+                training_view_violation(experts_per_rank_, num_slots_, int64_t(data_bytes) / experts_per_rank_,
+                                        data_bytes, own->bytes, pool->bytes, pool->mapped_bytes, view->bytes));
         }
         pr.weights = reinterpret_cast<uint16_t*>(pr.weights_view.base + (pr.weights_own.bytes - weights_data));
         pr.own = pr.weights_own.ptr + (pr.weights_own.bytes - weights_data);
@@ -310,6 +320,7 @@ Launch ExpertPools::enter(const Plan& plan, const ExpertLayer& layer, const char
                  plan.on_device() ? "device" : "host", " memory; use a plan from a Buffer over the same transport");
     plan.data().check_fresh(op);
     const Layout& l = plan.data().host.layout;  // the plan's shape: known on the host for device plans too
+    FLATEP_CHECK_INVARIANT(op, slot_table_violation(l, plan.on_device() ? nullptr : plan.data().op_view().slot_expert));
     FLATEP_CHECK(l.num_ranks == transport_->num_ranks() && l.experts_per_rank == experts_per_rank_, op,
                  ": plan has R=", l.num_ranks, " epn=", l.experts_per_rank,
                  " but the pools have R=", transport_->num_ranks(), " epn=", experts_per_rank_);
