@@ -222,3 +222,20 @@ def test_transport_for_every_cpu_spelling_shares_and_a_virtual_rank_brings_its_o
     # The objects built on them use them: a Buffer of the single world and one of the virtual rank.
     assert shared_buffer(None, 8, 16, 4, 1, device=a) is shared_buffer(None, 8, 16, 4, 1, device=b)
     assert shared_buffer(rank, 8, 16, 4, 1) is not shared_buffer(None, 8, 16, 4, 1)
+
+
+def test_the_documented_identities_on_several_ranks():
+    """num_slots = epn (= E / R, not E) and view_stride = epn are the defaults on every rank of a world of 2."""
+    ranks = virtual.virtual_ranks(2, "cpu", timeout_s=30)
+    E, epn = 8, 4
+
+    def on(r):
+        plain = shared_buffer(ranks[r], 8, 16, E, 2)
+        assert shared_buffer(ranks[r], 8, 16, E, 2, num_slots=epn, view_stride=epn) is plain
+        assert plain.num_slots == epn and plain.view_stride == epn
+        with pytest.raises(ValueError, match=f"num_slots \\(B\\) must be -1 \\(= epn\\) or in \\[0, epn={epn}\\], got {E}"):
+            shared_buffer(ranks[r], 8, 16, E, 2, num_slots=E)
+        return plain
+
+    buffers = virtual.run_threads(2, on)
+    assert buffers[0] is not buffers[1]
