@@ -25,6 +25,8 @@ import sys
 
 # Top-level module -> the Debian 12 package that provides it. A new third-party import needs a line here.
 DEBIAN_PACKAGES = {
+    "coverage": "python3-coverage",
+    "hypothesis": "python3-hypothesis",
     "matplotlib": "python3-matplotlib",
     "numpy": "python3-numpy",
     "pybind11": "python3-pybind11",

@@ -18,12 +18,14 @@ case "${1:-}" in
 esac
 
 # llvm: llvm-profdata and llvm-cov for scripts/coverage.sh (clang's source-based branch coverage of the planner).
+# gcovr: scripts/coverage_ci.sh's line and branch coverage of src/ (g++ --coverage).
 packages=(cmake ninja-build g++ git libgtest-dev nlohmann-json3-dev libcli11-dev clang-format clang libclang-rt-14-dev
-    llvm python3 python3-numpy python3-scipy)
+    llvm gcovr python3 python3-numpy python3-scipy)
 if [[ "${FLATEP_WITH_PYTHON:-1}" == "1" ]]; then
     # python3-venv, -pip, -setuptools and -wheel: the README's `pip install --no-build-isolation .` in a venv.
+    # python3-hypothesis: the property tests (tests/python/test_prop_*.py); python3-coverage: scripts/coverage_ci.sh.
     packages+=(python3-pytest python3-torch pybind11-dev python3-pybind11 python3-dev python3-matplotlib
-        python3-venv python3-pip python3-setuptools python3-wheel)
+        python3-venv python3-pip python3-setuptools python3-wheel python3-hypothesis python3-coverage)
 fi
 missing=()
 for p in "${packages[@]}"; do

@@ -43,6 +43,14 @@ def check_timeout(op, timeout_s):
     return float(timeout_s)
 
 
+def cache_key(*values):
+    """A key of a process-wide object cache (flatep.buffer.shared_buffer, flatep.pools.shared_pools) over constructor
+    arguments: each value with its type, so that a value the constructor refuses never finds the object built from one
+    equal to it (True == 1 and 8.0 == 8 in a dict): the call reaches the constructor, which raises its one-line error.
+    Spellings the constructor takes as the same value (documented identities) are made one before they get here."""
+    return tuple((type(v), v) for v in values)
+
+
 def shape_text(shape):
     return "[" + ", ".join(str(d) for d in shape) + "]"
 

@@ -38,7 +38,7 @@ from . import _C
 from . import fp8 as _fp8
 from . import ops as _ops
 from ._bootstrap import arrive as _virtual_arrive
-from ._tensors import address, check_int, check_tensor, check_timeout, shape_text, tensor_at
+from ._tensors import address, cache_key, check_int, check_tensor, check_timeout, shape_text, tensor_at
 from .autograd import CombineFunction, DispatchFunction
 from .distributed import group_rank_size, resolve_device, transport_for
 from .launch import EventHandle, OpLaunch, check_num_sms, device_guard, stream_handle
@@ -730,15 +730,23 @@ class Buffer:
 _shared = {}  # (group id, construction arguments, device) -> (group, Buffer); the group is kept alive with it
 
 
+def _same_float(value):
+    """capacity_factor as the Buffer keeps it: an int or float as a float (1 and 1.0 are one Buffer); anything else as
+    given (the constructor refuses it)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
 def shared_buffer(group, num_tokens, hidden, num_experts, topk, align=128, capacity_factor=1.0, *,
                   planner="balanced", pools=None, device=None, num_sms=None, stream_priority=0):
     """The process's Buffer for these arguments, created on first use (collective then), like shared_pools: layers of
     one shape share one Buffer, so communication memory does not grow with the number of layers (a Buffer made for
     serving pools is shared by the layers of those pools: the Buffer keeps them alive). Safe because a Plan
     owns its arrays and the symmetric buffer is scratch that every op rewrites (design §8): plans of several layers,
-    all made by the one Buffer, stay valid together (backward reuses each layer's saved plan)."""
-    key = (id(group), num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner, id(pools),
-           str(resolve_device(device)), num_sms, stream_priority)
+    all made by the one Buffer, stay valid together (backward reuses each layer's saved plan). Arguments that the
+    Buffer takes as the same value share it (device None and 'cpu', capacity_factor 1 and 1.0); any other difference
+    gets a Buffer of its own, and an argument the Buffer refuses raises its ValueError whatever is cached."""
+    key = (id(group),) + cache_key(num_tokens, hidden, num_experts, topk, align, _same_float(capacity_factor), planner,
+                                   id(pools), str(resolve_device(device)), num_sms, stream_priority)
     entry = _shared.get(key)
     if entry is None:
         buffer = Buffer(group, num_tokens, hidden, num_experts, topk, align, capacity_factor, planner=planner,

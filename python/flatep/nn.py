@@ -95,8 +95,15 @@ def route(x, router_weight, topk, topk_idx=None):
     if topk_idx is None:
         weights, idx = probs.topk(topk, dim=-1)
     else:
+        if (not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype not in (torch.int32, torch.int64)
+                or tuple(topk_idx.shape) != (x.shape[0], topk)):
+            got = f"{str(topk_idx.dtype)[6:]} {list(topk_idx.shape)}" if isinstance(topk_idx, torch.Tensor) else \
+                type(topk_idx).__name__
+            raise ValueError(f"MoE: topk_idx must be an int32 or int64 tensor [s={x.shape[0]}, K={topk}], got {got}")
         idx = topk_idx.to(device=probs.device, dtype=torch.long)
-        weights = probs.gather(1, idx)
+        # An id outside [0, E) is the plan's to report (one line naming it and its index, without a host read of the
+        # ids on a GPU): the gather reads a valid column for it meanwhile.
+        weights = probs.gather(1, idx.clamp(0, probs.shape[1] - 1))
     return weights / weights.sum(dim=-1, keepdim=True), idx
 
 

@@ -47,7 +47,9 @@ from . import _C
 from . import fp8 as _fp8
 from . import ops as _ops
 from ._bootstrap import arrive as _virtual_arrive
-from ._tensors import _ELEMENT_BYTES, INT64_MAX, address, check_int, check_tensor, check_timeout, tensor_at
+from ._tensors import (
+    _ELEMENT_BYTES, INT64_MAX, address, cache_key, check_int, check_tensor, check_timeout, tensor_at,
+)
 from .buffer import Plan
 from .distributed import group_rank_size, resolve_device, transport_for
 from .launch import OpLaunch, check_num_sms, device_guard, stream_handle
@@ -380,11 +382,16 @@ _shared = {}
 
 def shared_pools(group, experts_per_rank, projections, device=None, num_sms=None, stream_priority=0, num_slots=None):
     """The process's ExpertPools for (group, epn, projections, device, num_slots), created on first use (collective
-    then). num_slots None and epn are the same (training) pools."""
+    then). Arguments that the pools take as the same value share them (num_slots None and epn; a projection with and
+    without its default dtype torch.bfloat16, as a tuple or a list; device None and 'cpu'); any other difference gets
+    pools of their own, and an argument the pools refuse raises their ValueError whatever is cached."""
     device = resolve_device(device)
-    slots = None if num_slots == experts_per_rank else num_slots
-    key = (id(group), experts_per_rank, tuple(tuple(p) for p in projections), str(device), num_sms, stream_priority,
-           slots)
+    slots = None if type(num_slots) is int and num_slots == experts_per_rank else num_slots
+    try:  # ((rows, cols), dtype) of each: (rows, cols) and (rows, cols, torch.bfloat16) are one projection
+        shapes = tuple(_projection_shape(i, p, experts_per_rank) for i, p in enumerate(projections))
+    except (TypeError, ValueError):  # the constructor refuses them, with its own message
+        shapes = None
+    key = (id(group),) + cache_key(experts_per_rank, shapes, str(device), num_sms, stream_priority, slots)
     entry = _shared.get(key)
     if entry is None:
         pools = ExpertPools(group, experts_per_rank, projections, num_slots=slots, device=device, num_sms=num_sms,

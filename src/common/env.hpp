@@ -18,7 +18,8 @@ double check_timeout(const std::string& what, const char* name, double seconds);
 // The timeout a constructor runs with: FLATEP_TIMEOUT_S when `seconds` is 0 (the API's default argument), else
 // check_timeout(what, "timeout_s", seconds) -- so a negative value is an error, never the default.
 double resolve_timeout(const std::string& what, double seconds);
-// FLATEP_DEBUG: 1 = check the device status word after every op (reports bad expert ids at once).
+// FLATEP_DEBUG: 1 = check the device status word after every op (reports bad expert ids at once) and the layout
+// invariants (layout/invariants.hpp: read once per process there).
 bool debug();
 // FLATEP_NUM_SMS: the SM budget objects start with (Buffer::num_sms, ExpertPools::num_sms): the most thread blocks
 // one GPU launch of an op uses (0 = no cap; default 0). Set it when several ranks' kernels share one GPU.

@@ -9,6 +9,7 @@
 #include "common/check.hpp"
 #include "common/env.hpp"
 #include "common/log.hpp"
+#include "layout/invariants.hpp"
 #include "layout/layout.hpp"
 #include "ops/plan_args.hpp"
 #include "runtime/backend.hpp"
@@ -304,6 +305,8 @@ Buffer::Impl::Impl(const Config& config, std::shared_ptr<Transport> transport, P
     backend_ = runtime::make_buffer_backend(site);
     num_sms_ = backend_->default_num_sms();
     region_ = transport_->allocate(size_t(make_symmetric_layout(*layout_).total_bytes));
+    FLATEP_CHECK_INVARIANT("Buffer", symmetric_layout_violation(*layout_, int64_t(region_.bytes)));
+    FLATEP_CHECK_INVARIANT("Buffer", plan_sizes_violation(*layout_, plan_words()));
     const int64_t at = make_symmetric_layout(*layout_).barrier_offset;
     backend_->watch_site({transport_.get(), reinterpret_cast<const uint64_t*>(region_.local + at), &epoch_});
     // Every rank's zero fill of the region (on the device: the legacy stream, which the ops' streams do not wait for)

@@ -8,6 +8,7 @@
 
 #include "common/check.hpp"
 #include "common/env.hpp"
+#include "layout/invariants.hpp"
 #include "layout/layout.hpp"
 #include "planner/planner.hpp"
 #include "runtime/backend.hpp"
@@ -238,6 +239,11 @@ ExpertPools::Impl::Impl(std::shared_ptr<Transport> transport, int experts_per_ra
                 runtime::serving_geometry(R, experts_per_rank_, num_slots_, expert_bytes[p], g, view_stride_, &fits));
             FLATEP_CHECK(fits, "ExpertPools: view_stride ", view_stride_, " does not fit projection ", p, " (",
                          expert_bytes[p], " bytes an expert) on this transport's ", g, "-byte granularity");
+            FLATEP_CHECK_INVARIANT("ExpertPools",
+                                   serving_chunks_violation(R, experts_per_rank_, num_slots_, expert_bytes[p], g,
+                                                            view_stride_, serving_.back().offset.data(),
+                                                            serving_.back().data_at.data(), serving_.back().own_bytes,
+                                                            serving_.back().slot_bytes, serving_.back().view_bytes));
         }
     }
     backend_ = runtime::make_pools_backend(transport_, guard_.get());  // its device state on the transport's GPU
@@ -387,6 +393,10 @@ ExpertLayer ExpertPools::Impl::register_layer() {
             pool_piece.rank = transport_->rank();
             pool_piece.offset = own->bytes;
             *view = transport_->map_view(own->bytes + pool->mapped_bytes, {own_piece, pool_piece});
+            FLATEP_CHECK_INVARIANT(
+                "register_layer",
+                training_view_violation(experts_per_rank_, num_slots_, int64_t(data_bytes) / experts_per_rank_,
+                                        data_bytes, own->bytes, pool->bytes, pool->mapped_bytes, view->bytes));
         }
         pr.weights = reinterpret_cast<uint16_t*>(pr.weights_view.base + (pr.weights_own.bytes - weights_data));
         pr.own = pr.weights_own.ptr + (pr.weights_own.bytes - weights_data);
@@ -411,6 +421,7 @@ Launch ExpertPools::Impl::enter(const Plan& plan, const ExpertLayer& layer, cons
                  plan.on_device() ? "device" : "host", " memory; use a plan from a Buffer over the same transport");
     plan.data().check_fresh(op);
     const Layout& l = plan.data().host.layout;  // the plan's shape: known on the host for device plans too
+    FLATEP_CHECK_INVARIANT(op, slot_table_violation(l, plan.on_device() ? nullptr : plan.data().op_view().slot_expert));
     FLATEP_CHECK(l.num_ranks == transport_->num_ranks() && l.experts_per_rank == experts_per_rank_, op,
                  ": plan has R=", l.num_ranks, " epn=", l.experts_per_rank,
                  " but the pools have R=", transport_->num_ranks(), " epn=", experts_per_rank_);

@@ -6,6 +6,19 @@ import importlib.util
 import os
 import sys
 
+import pytest
+
+try:  # Debian's python3-hypothesis (scripts/setup.sh); a machine without it (the device machine) skips test_prop_*.py
+    from hypothesis import settings
+except ImportError:
+    settings = None
+if settings is not None:
+    # The property tests (test_prop_*.py): the same examples on every run (a failure reproduces with the command in
+    # the test file's docstring), no example database written into the tree, no per-example deadline (2 shared
+    # cores); each test sets its own max_examples.
+    settings.register_profile("flatep", derandomize=True, database=None, deadline=None)
+    settings.load_profile("flatep")
+
 # Read when the CUDA driver starts, which a test module's import may do (torch.cuda.is_available()): set here, before
 # any of them, so that virtual ranks' streams never share a hardware queue (flatep.virtual's docstring says why).
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
@@ -29,3 +42,14 @@ def pytest_configure(config):
         "markers", "cuda: needs a CUDA GPU and FlatEP built with CUDA (skipped with the reason elsewhere); -m cuda "
         "selects only these"
     )
+
+
+@pytest.fixture
+def fresh_caches():
+    """The process's shared Buffers, pools and transports dropped before and after the test (flatep.testing
+    .release_all): a test that counts on what is cached, or leaves objects behind, starts from empty caches."""
+    from flatep import testing
+
+    testing.release_all()
+    yield
+    testing.release_all()

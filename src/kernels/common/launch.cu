@@ -2,6 +2,7 @@
 #include <vector>
 
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/grid.hpp"
 #include "kernels/common/launch.cuh"
 
 namespace flatep::kernels {
@@ -54,14 +55,11 @@ int device_sm_count() {
 }
 
 int grid_blocks(int num_sms, int64_t work_blocks, int blocks_per_sm) {
-    const int64_t cap = num_sms > 0 ? num_sms : int64_t(device_sm_count()) * blocks_per_sm;
-    const int64_t n = work_blocks < cap ? work_blocks : cap;
-    return n < 1 ? 1 : int(n);
+    return grid_blocks_for(num_sms, work_blocks, blocks_per_sm, num_sms > 0 ? 0 : device_sm_count());
 }
 
 int token_blocks(int num_sms, int layout_tokens, int warps_per_block) {
-    return grid_blocks(num_sms, max_of<int64_t>(ceil_div<int64_t>(layout_tokens, warps_per_block), device_sm_count()),
-                       4);
+    return token_blocks_for(num_sms, layout_tokens, warps_per_block, device_sm_count());
 }
 
 void* scratch_buffer(int key, size_t bytes, cudaStream_t stream) {

@@ -53,14 +53,15 @@ void launch_barrier(const sync::SyncArgs& sync, int op, cudaStream_t stream);
 int device_sm_count();
 
 // Host: blocks for a launch of `work_blocks` blocks of work under the op's SM budget `num_sms` (the most thread blocks
-// one launch uses; 0: blocks_per_sm blocks on every multiprocessor); at least 1. Every launcher takes num_sms as an
-// argument of its launch (never from its Args): the one way the budget travels.
+// one launch uses; 0: blocks_per_sm blocks on every multiprocessor); at least 1 (grid_blocks_for of grid.hpp on the
+// current device). Every launcher takes num_sms as an argument of its launch (never from its Args): the one way the
+// budget travels.
 int grid_blocks(int num_sms, int64_t work_blocks, int blocks_per_sm);
 
 // Host: blocks for a kernel that gives each of a call's tokens a warp, or row_slices warps when the grid has more
 // warps than the call has tokens: warps for the layout's S tokens and at least one block a multiprocessor (four
 // blocks an SM at most), under the budget num_sms. Without the floor a layout sized for decode (S = 128: 8 blocks of
-// 16 warps) left each token's row to one warp.
+// 16 warps) left each token's row to one warp. token_blocks_for of grid.hpp on the current device.
 int token_blocks(int num_sms, int layout_tokens, int warps_per_block);
 
 // Host: a device scratch buffer of at least `bytes`, owned by the kernels library, one per (key, device); grows

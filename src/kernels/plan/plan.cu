@@ -8,6 +8,7 @@
 #include "kernels/common/launch.cuh"
 #include "kernels/common/vector.cuh"
 #include "kernels/plan/plan.cuh"
+#include "kernels/plan/plan_sizes.hpp"
 
 namespace flatep::kernels {
 
@@ -15,8 +16,6 @@ namespace {
 
 constexpr int kRouteThreads = 256;  // 8 warps per routing block
 constexpr int kRouteWarps = kRouteThreads / 32;
-constexpr int kSegmentEntries = 2048;  // entries (whole tokens) per routing segment, at most
-constexpr int kFusedEntries = 8192;    // a call of at most this many entries counts in one block (counts_kernel)
 constexpr int kCountsThreads = 512;
 
 // Workspace (int32 words, every array 64-word aligned).
@@ -26,25 +25,8 @@ struct PlanWorkspace {
     unsigned long long* first_bad;  // (flat index << 32 | uint32 value) of the first bad expert id; ~0 if none
 };
 
-int segment_tokens(const Layout& l) { return l.topk >= kSegmentEntries ? 1 : kSegmentEntries / l.topk; }
-int num_segments(const Layout& l) { return ceil_div(l.num_tokens, segment_tokens(l)); }
-
-struct WorkspaceSizes {
-    int64_t tpe_local, seg_counts, first_bad, total;
-};
-
-WorkspaceSizes workspace_sizes(const Layout& l) {
-    Carver c{64};
-    WorkspaceSizes s{};
-    s.tpe_local = c.take(l.num_experts);
-    s.seg_counts = c.take(int64_t(num_segments(l)) * l.num_experts);
-    s.first_bad = c.take(2);
-    s.total = c.at;
-    return s;
-}
-
 PlanWorkspace make_plan_workspace(const Layout& l, void* base) {
-    const WorkspaceSizes s = workspace_sizes(l);
+    const PlanWorkspaceSizes s = plan_workspace_sizes(l);
     int32_t* w = static_cast<int32_t*>(base);
     PlanWorkspace p{};
     p.tpe_local = w + s.tpe_local;
@@ -71,21 +53,6 @@ FLATEP_DEVICE int64_t read_expert(const void* topk_idx, int index_bytes, int64_t
 
 FLATEP_DEVICE int32_t clamp_to_int32(int64_t v) {
     return int32_t(v < INT32_MIN ? INT32_MIN : (v > INT32_MAX ? INT32_MAX : v));
-}
-
-// Entries of routing segment b handled by warp w: [begin, end) in flat (t*K+k) order. The segment's entries are
-// split evenly over the warps (a short last segment, e.g. a decode-sized call's only one, keeps every warp busy);
-// the per-expert index does not depend on the split (route_kernel's prefix over the warps' own counts).
-struct WarpRange {
-    int64_t begin, end;
-};
-FLATEP_DEVICE WarpRange warp_range(const Layout& l, int seg_tokens, int num_tokens, int b, int w) {
-    const int64_t t0 = int64_t(b) * seg_tokens;
-    const int64_t t1 = min_of<int64_t>(t0 + seg_tokens, num_tokens);
-    const int64_t e0 = t0 * l.topk, e1 = t1 > t0 ? t1 * l.topk : e0;
-    const int64_t per_warp = ceil_div<int64_t>(e1 - e0, kRouteWarps);
-    const int64_t begin = min_of<int64_t>(e0 + w * per_warp, e1);
-    return WarpRange{begin, min_of<int64_t>(begin + per_warp, e1)};
 }
 
 // Segment b's histogram into `hist` [E] (shared memory), by the block: zeroed, then counted; an entry whose expert id
@@ -194,7 +161,7 @@ __global__ void __launch_bounds__(kRouteThreads)
     const int nseg = ceil_div(l.num_tokens, seg_tokens);
     const int last_seg = ceil_div(num_tokens, seg_tokens);
     for (int b = blockIdx.x; b < nseg && b < last_seg; b += gridDim.x) {
-        const WarpRange range = warp_range(l, seg_tokens, num_tokens, b, warp);
+        const WarpRange range = warp_range(l, seg_tokens, num_tokens, b, warp, kRouteWarps);
         int32_t* hist = warp_hist + warp * E;
         for (int e = lane; e < E; e += 32) hist[e] = 0;
         __syncwarp();
@@ -277,7 +244,7 @@ __global__ void unpack_kernel(Layout l, int rank, SymmetricLayout sym, PeerPoint
 
 }  // namespace
 
-size_t plan_kernels_workspace_bytes(const Layout& l) { return size_t(workspace_sizes(l).total) * sizeof(int32_t); }
+size_t plan_kernels_workspace_bytes(const Layout& l) { return size_t(plan_workspace_sizes(l).total) * sizeof(int32_t); }
 
 void* prepare_plan(const PlanArgs& a, size_t workspace_bytes, cudaStream_t stream) {
     return a.workspace != nullptr ? a.workspace : scratch_buffer(1000 + a.rank, workspace_bytes, stream);
@@ -287,7 +254,7 @@ void launch_plan_counts(const PlanArgs& a, void* workspace, cudaStream_t stream,
     const Layout& l = a.layout;
     const auto [ws, sym, peers, seg_tokens] = plan_launch(a, workspace);
     const int E = l.num_experts;
-    if (int64_t(a.num_tokens) * l.topk <= kFusedEntries) {
+    if (fused_counts(l, a.num_tokens)) {
         const size_t smem = 2 * sizeof(int32_t) * size_t(E);
         allow_smem(reinterpret_cast<const void*>(counts_kernel), smem);
         counts_kernel<<<1, kCountsThreads, smem, stream>>>(l, a.rank, a.topk_idx, a.index_bytes, a.num_tokens,

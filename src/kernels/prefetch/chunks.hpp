@@ -1,10 +1,11 @@
-// Host, plain C++ (no device code, so a test without a GPU includes it): how the push prefetch (training's) cuts an
-// expert's words of every projection into chunks, one a block. Serving's pull cuts its filled slots' words as one
-// stream over the grid instead (prefetch.cu) and uses no chunks.
+// Host and device, plain C++ (no device code, so a test without a GPU includes it): how the push prefetch (training's)
+// cuts an expert's words of every projection into chunks, one a block, and how serving's pull cuts its filled slots'
+// words, one stream, over the grid (prefetch.cu applies both; tests/unit/kernels holds them to their contract).
 #pragma once
 
 #include <cstdint>
 
+#include "common/macros.hpp"
 #include "common/math.hpp"
 #include "ops/prefetch_args.hpp"
 
@@ -34,6 +35,17 @@ inline PrefetchChunks prefetch_chunks(const int64_t* n16, int num_projections, i
     for (int p = 0; p < num_projections; ++p)
         c.first_chunk[p + 1] = c.first_chunk[p] + int32_t(ceil_div<int64_t>(n16[p], c.chunk16));
     return c;
+}
+
+// The pull's share of block `block` of a grid of `blocks` (kernels/prefetch/prefetch.cu): the words [begin, end) of
+// a stream of `words` 16-byte words (its filled slots, all projections one after the other), cut evenly over the
+// grid in whole 512-byte lines (32 words): the blocks' ranges follow each other and together cover the stream once.
+struct WordRange {
+    int64_t begin, end;
+};
+FLATEP_HD WordRange pull_block_words(int64_t words, int64_t block, int64_t blocks) {
+    const int64_t lines = ceil_div<int64_t>(words, 32);
+    return WordRange{lines * block / blocks * 32, min_of<int64_t>(lines * (block + 1) / blocks * 32, words)};
 }
 
 }  // namespace flatep::kernels

@@ -101,9 +101,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int count = list_slots(
             filled, window, [&](int i) { return mine[first + i] >= 0; }, tid);
         const int64_t words = int64_t(count) * slot16;
-        const int64_t lines = ceil_div<int64_t>(words, 32);
-        int64_t at = lines * blockIdx.x / gridDim.x * 32;
-        const int64_t end = min_of<int64_t>(lines * (blockIdx.x + 1) / gridDim.x * 32, words);
+        const WordRange share = pull_block_words(words, blockIdx.x, gridDim.x);
+        int64_t at = share.begin;
+        const int64_t end = share.end;
         while (at < end) {
             const int k = int(at / slot16);
             int64_t w = at - int64_t(k) * slot16;  // word of the slot's stream: projection p's words follow p - 1's
