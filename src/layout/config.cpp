@@ -15,24 +15,36 @@ constexpr double kMaxCapacityFactor = 4.0;
 constexpr int kMaxViewStride = 1 << 20;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
+// The owner and the static planner size the receive buffer for the worst case: every entry of the step on one rank.
+bool worst_case(PlannerKind planner) { return planner == PlannerKind::kOwner || planner == PlannerKind::kStatic; }
+
 int64_t capacity_of(const Config& c, PlannerKind planner) {
     const int64_t sk = int64_t(c.num_tokens) * c.topk;
-    if (planner == PlannerKind::kOwner) return int64_t(c.num_ranks) * sk;  // every source's entries to one rank
+    if (worst_case(planner)) return int64_t(c.num_ranks) * sk;  // every source's entries to one rank
     if (c.capacity_factor == 1.0) return sk;
     return int64_t(std::ceil(c.capacity_factor * double(sk)));
-}
-
-// Non-empty groups a rank may hold: epn own and (replicas, constraint 3) epn remote; the owner planner only its own.
-int64_t recv_rows_of(const Config& c, int64_t capacity, PlannerKind planner) {
-    const int64_t epn = c.num_experts / c.num_ranks;
-    const int64_t groups = planner == PlannerKind::kOwner ? epn : 2 * epn;
-    return round_up<int64_t>(capacity + groups * (c.align - 1), c.align);
 }
 
 // B and Q of a config whose num_ranks, num_experts, num_slots and view_stride are valid.
 int slots_of(const Config& c) { return c.num_slots < 0 ? c.num_experts / c.num_ranks : c.num_slots; }
 int stride_of(const Config& c) { return c.view_stride == 0 ? c.num_experts / c.num_ranks : c.view_stride; }
+
+// Non-empty groups a rank may hold: epn own and (replicas, constraint 3) epn remote; the owner planner only its own;
+// the static planner its own and its B slots.
+int64_t recv_rows_of(const Config& c, int64_t capacity, PlannerKind planner) {
+    const int64_t epn = c.num_experts / c.num_ranks;
+    const int64_t groups = planner == PlannerKind::kOwner    ? epn
+                           : planner == PlannerKind::kStatic ? epn + slots_of(c)
+                                                             : 2 * epn;
+    return round_up<int64_t>(capacity + groups * (c.align - 1), c.align);
+}
 }  // namespace
+
+void check_planner_kind(PlannerKind kind, const char* op) {
+    FLATEP_CHECK(kind == PlannerKind::kGreedy || kind == PlannerKind::kBalanced || kind == PlannerKind::kOwner ||
+                     kind == PlannerKind::kStatic,
+                 op, "planner kind must be greedy (0), balanced (1), owner (2) or static (3), got ", int(kind));
+}
 
 void Config::validate(PlannerKind planner) const {
     FLATEP_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks (R) must be in [1, ", kMaxRanks, "], got ",
@@ -53,8 +65,7 @@ void Config::validate(PlannerKind planner) const {
     const int64_t view_rows = int64_t(num_ranks) * stride_of(*this) + slots_of(*this);
     FLATEP_CHECK(view_rows * num_ranks <= kInt32Max, "view_stride (Q) too large: cu_seqlens' R*(R*Q + B) = ", num_ranks,
                  "*", view_rows, " must fit int32 (Q=", stride_of(*this), ")");
-    FLATEP_CHECK(planner == PlannerKind::kGreedy || planner == PlannerKind::kBalanced || planner == PlannerKind::kOwner,
-                 "planner kind must be greedy (0), balanced (1) or owner (2), got ", int(planner));
+    check_planner_kind(planner);
     FLATEP_CHECK(num_tokens >= 1, "num_tokens (S) must be positive, got ", num_tokens);
     FLATEP_CHECK(topk >= 1 && topk <= kMaxTopk, "topk (K) must be in [1, ", kMaxTopk, "], got ", topk);
     FLATEP_CHECK(topk <= num_experts, "topk (K) must not exceed num_experts (E): K=", topk, " E=", num_experts);
@@ -66,16 +77,19 @@ void Config::validate(PlannerKind planner) const {
     const int64_t sk = int64_t(num_tokens) * topk;
     FLATEP_CHECK(sk <= kInt32Max, "num_tokens*topk (S*K) must fit int32, got ", sk);
     const int64_t capacity = capacity_of(*this, planner);
-    if (planner == PlannerKind::kOwner) {
-        FLATEP_CHECK(capacity <= kInt32Max, "owner planner: its receive capacity R*S*K = ", num_ranks, "*", num_tokens,
-                     "*", topk, " = ", capacity, " rows must fit int32 (it is meant for decode-sized S)");
+    // The owner planner is for decode; a static placement serves any step, but sized for the worst case.
+    const char* worst = planner == PlannerKind::kOwner ? "owner" : "static";
+    const char* why =
+        planner == PlannerKind::kOwner ? "it is meant for decode-sized S" : "the worst case of any placement";
+    if (worst_case(planner)) {
+        FLATEP_CHECK(capacity <= kInt32Max, worst, " planner: its receive capacity R*S*K = ", num_ranks, "*",
+                     num_tokens, "*", topk, " = ", capacity, " rows must fit int32 (", why, ")");
     }
     FLATEP_CHECK(capacity <= kInt32Max, "capacity C = ceil(capacity_factor*S*K) must fit int32, got ", capacity);
     const int64_t nvs = recv_rows_of(*this, capacity, planner);
-    if (planner == PlannerKind::kOwner) {
-        FLATEP_CHECK(nvs * num_ranks <= kInt32Max, "owner planner: receive rows NvS = ", nvs,
-                     " (capacity R*S*K = ", capacity, ") times R = ", num_ranks,
-                     " must fit int32 (it is meant for decode-sized S)");
+    if (worst_case(planner)) {
+        FLATEP_CHECK(nvs * num_ranks <= kInt32Max, worst, " planner: receive rows NvS = ", nvs,
+                     " (capacity R*S*K = ", capacity, ") times R = ", num_ranks, " must fit int32 (", why, ")");
     }
     FLATEP_CHECK(nvs * num_ranks <= kInt32Max, "num_ranks * receive rows (R*NvS) must fit int32, got ", nvs, "*",
                  num_ranks);
@@ -137,7 +151,8 @@ Layout make_layout(const Config& c, PlannerKind planner) {
     l.capacity = int(capacity);
     l.num_recv_rows = int(recv_rows_of(c, capacity, planner));
     l.owner = planner == PlannerKind::kOwner;
-    l.exact = c.capacity_factor == 1.0 && !l.owner;
+    l.placed = planner == PlannerKind::kStatic;
+    l.exact = c.capacity_factor == 1.0 && !worst_case(planner);
     l.num_slots = slots_of(c);
     l.view_stride = stride_of(c);
     l.serving = l.num_slots < l.experts_per_rank;

@@ -14,6 +14,7 @@
 #include "runtime/backend.hpp"
 #include "runtime/collective_guard.hpp"
 #include "runtime/launch.hpp"
+#include "runtime/placement.hpp"
 #include "runtime/plan_data.hpp"
 #include "sync/barrier_host.hpp"
 #include "sync/sync.hpp"
@@ -123,9 +124,11 @@ Buffer::Buffer(const Config& config, std::shared_ptr<Transport> transport, Plann
       planner_(planner),
       id_(next_buffer_id++),
       guard_(std::make_unique<CollectiveGuard>("Buffer")),
-      num_plan_slots_(num_plan_slots) {
+      num_plan_slots_(num_plan_slots),
+      placement_(std::make_unique<runtime::PlacementState>()) {
     // Validate everything before allocating anything.
-    FLATEP_CHECK(planner == PlannerKind::kGreedy || planner == PlannerKind::kBalanced || planner == PlannerKind::kOwner,
+    FLATEP_CHECK(planner == PlannerKind::kGreedy || planner == PlannerKind::kBalanced ||
+                     planner == PlannerKind::kOwner || planner == PlannerKind::kStatic,
                  "Buffer: unknown planner kind ", int(planner));
     layout_ = std::make_unique<Layout>(make_layout(config_, planner));  // the owner planner's capacity is R*S*K
     FLATEP_CHECK(num_plan_slots >= 0 && num_plan_slots <= 1024, "Buffer: num_plan_slots must be in [0, 1024], got ",
@@ -244,6 +247,7 @@ Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t
     args.topk_idx = topk_idx;
     args.index_bytes = index_bytes;
     args.planner = planner_;
+    args.placement = placement_->table;  // the static planner's (null before set_placement)
     for (int p = 0; p < l.num_ranks; ++p) args.peers[p] = region_.peers[p];
     check_plan_args(args);  // before anything is allocated
 
@@ -253,6 +257,8 @@ Plan Buffer::plan(const void* topk_idx, int index_bytes, int num_tokens, int32_t
     data->rank = config_.rank;
     data->num_tokens = num_tokens;
     data->planner = planner_;
+    data->placement = placement_->slots;
+    data->placement_epoch = placement_->epoch;
     args.sync = make_sync(region_, make_symmetric_layout(l), &epoch_, config_.rank, l.num_ranks, timeout_s_);
     args.sync.step = data->generation;
     backend_->plan(args, *data, plan_storage, run);
