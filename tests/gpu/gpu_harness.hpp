@@ -64,6 +64,26 @@ sync::SyncArgs host_sync(const SymmetricRegion& reg, const SymmetricLayout& sym,
 void run_host_ranks(int num_ranks, const std::function<void(int rank)>& fn);
 
 // A config of the GPU tests (the other fields at their defaults).
+// Name of the plan array holding word w.
+inline std::string plan_word_name(const Layout& l, int64_t w) {
+    const PlanSizes s = make_plan_sizes(l);
+    const std::pair<const char*, int64_t> arrays[] = {
+        {"tpe_all", s.tpe_all},         {"alloc", s.alloc},           {"keep", s.keep},
+        {"spill_start", s.spill_start}, {"take_start", s.take_start}, {"group_row", s.group_row},
+        {"slot_expert", s.slot_expert}, {"cu_seqlens", s.cu_seqlens}, {"stats", s.stats},
+        {"entry_rank", s.entry_rank},   {"entry_row", s.entry_row},   {"row_head", s.row_head},
+        {"row_next", s.row_next},       {"header", s.header}};
+    std::string name = "?";
+    int64_t base = 0;
+    for (auto& a : arrays) {
+        if (w >= a.second) {
+            name = a.first;
+            base = a.second;
+        }
+    }
+    return name + "[" + std::to_string(w - base) + "]";
+}
+
 inline Config make_config(int R, int E, int S, int K, int H, int align, double capacity_factor = 1.0) {
     Config c;
     c.num_ranks = R;

@@ -9,6 +9,7 @@
 #include "ops/dispatch_args.hpp"
 #include "ops/plan_args.hpp"
 #include "planner/planner.hpp"
+#include "planner/static_placement.hpp"
 #include "sync/barrier_host.hpp"
 
 namespace flatep::gpu_test {
@@ -81,6 +82,9 @@ std::vector<ServingOutputs> run_serving_host(const ServingSpec& spec, const Layo
             o.slots[p].assign(size_t(B * int64_t(in.own[p][0].size()) / l.experts_per_rank), kSlotCanary);
     }
     std::vector<uint64_t> epochs(R, 0);
+    const std::vector<int32_t> table = spec.planner == PlannerKind::kStatic
+                                           ? planner::make_placement_table(l, spec.placement)
+                                           : std::vector<int32_t>{};
     run_host_ranks(R, [&](int r) {
         auto t = world.transport(r);
         SymmetricRegion reg = t->allocate(size_t(sym.total_bytes));
@@ -95,6 +99,7 @@ std::vector<ServingOutputs> run_serving_host(const ServingSpec& spec, const Layo
         pa.topk_idx = s > 0 ? in.topk[r].data() : nullptr;
         pa.index_bytes = 4;
         pa.planner = spec.planner;
+        pa.placement = table.empty() ? nullptr : table.data();
         for (int p = 0; p < R; ++p) pa.peers[p] = reg.peers[p];
         pa.plan = plan.view;
         pa.sync = sync;
@@ -193,6 +198,11 @@ ServingDevice::ServingDevice(const ServingSpec& spec, const Layout& l, testing::
         FLATEP_CUDA_CHECK(cudaMalloc(&p.recv_w, size_t(nvs) * 4));
         FLATEP_CUDA_CHECK(cudaMalloc(&p.y, size_t(nvs * H) * 2));
     }
+    if (spec.planner == PlannerKind::kStatic) {  // as Buffer::set_placement: the table in device memory, once
+        const std::vector<int32_t> table = planner::make_placement_table(l, spec.placement);
+        FLATEP_CUDA_CHECK(cudaMalloc(&placement_, table.size() * sizeof(int32_t)));
+        FLATEP_CUDA_CHECK(cudaMemcpy(placement_, table.data(), table.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    }
 }
 
 ServingDevice::~ServingDevice() {
@@ -202,6 +212,7 @@ ServingDevice::~ServingDevice() {
                           (void*)p.y, (void*)p.out})
             if (ptr != nullptr) cudaFree(ptr);
     }
+    if (placement_ != nullptr) cudaFree(placement_);
     group_.release(regions_);
 }
 
@@ -251,6 +262,7 @@ void ServingDevice::enqueue_plan(int phases) {
         a.topk_idx = ranks_[r].topk;
         a.index_bytes = 4;
         a.planner = spec_.planner;
+        a.placement = placement_;
         for (int p = 0; p < layout_.num_ranks; ++p) a.peers[p] = regions_[r].peers[p];
         a.plan = make_plan_view(layout_, ranks_[r].plan);
         a.sync = sync(r);
@@ -264,7 +276,7 @@ void ServingDevice::enqueue_plan(int phases) {
         kernels::launch_plan_counts(a, ws, group_.stream(r), group_.num_sms());
         if (phases >= 2)
             planner::launch_planner(layout_, a.planner, a.plan, ws + runtime::plan_kernels_part(layout_),
-                                    planner::planner_engine(), group_.stream(r));
+                                    planner::planner_engine(), group_.stream(r), a.placement);
     }
 }
 

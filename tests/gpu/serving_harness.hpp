@@ -51,6 +51,9 @@ struct ServingSpec {
     // (DispatchArgs::marks_valid: padding rows already zero are not zeroed again). Off: every dispatch zeroes every
     // padding row (the tests' setting, which trusts nothing).
     bool trust_marks = false;
+    // The static planner's placement ([R][B] expert ids, -1 empty): its table in host memory for the CPU backend, in
+    // device memory (set up once, before the steps) for the GPU planner.
+    std::vector<int32_t> placement;
 };
 
 // Inputs of one step (identical on both backends).
@@ -141,7 +144,8 @@ class ServingDevice {
     DevicePools& pools_;
     std::vector<SymmetricRegion> regions_;
     std::vector<PerRank> ranks_;
-    bool marks_set_ = false;  // a dispatch since the last upload marked every rank's receive rows
+    bool marks_set_ = false;        // a dispatch since the last upload marked every rank's receive rows
+    int32_t* placement_ = nullptr;  // the static planner's placement table (device memory), null otherwise
 };
 
 }  // namespace flatep::gpu_test

@@ -1,8 +1,8 @@
-// Serving steps on the GPU (issues 43 and 47), R virtual ranks on one GPU, bitwise against the CPU backend: plan,
+// Serving steps on the GPU (issues 43, 47 and 60), R virtual ranks on one GPU, bitwise against the CPU backend: plan,
 // dispatch, the pull prefetch of every rank's B slots (two projections: weights and a small companion, as FP8 block
-// scales travel) and combine, for B in {0, 1, 4, epn} with the greedy, balanced and owner planners, ragged token
-// counts with empty ranks (s = 0, null token inputs and outputs), pad rows in the view (Q > epn), and graph-captured
-// steps replayed with new routing (bitwise equal to the CPU backend and to the same step run eagerly).
+// scales travel) and combine, for B in {0, 1, 4, epn} with the greedy, balanced, owner and static planners, ragged
+// token counts with empty ranks (s = 0, null token inputs and outputs), pad rows in the view (Q > epn), and
+// graph-captured steps replayed with new routing (bitwise equal to the CPU backend and to the same step run eagerly).
 // Before the GPU runs, the CPU backend's step is held to what serving promises, independently of the kernels: no
 // plan uses more than B slots (none with the owner planner, which hosts nothing remote), every slot holds its
 // owner's bytes of the plan's slot expert after the pull, every remote expert without a slot sits in its view-row
@@ -100,7 +100,8 @@ bool check_host_step(const Entry& e, const Layout& l, const ServingInputs& in, c
     {
         planner::HostPlan copy(l);
         std::copy(h[0].plan.begin(), h[0].plan.end(), copy.view.tpe_all);
-        const std::string bad = planner::check_plan(l, copy.view);
+        const bool placed = e.spec.planner == PlannerKind::kStatic;
+        const std::string bad = planner::check_plan(l, copy.view, placed ? e.spec.placement.data() : nullptr);
         if (!bad.empty()) return fail("check_plan: " + bad);
     }
     int most_remote = 0;
@@ -269,6 +270,19 @@ Config serving_config(int R, int E, int S, int K, int H, int align, int num_slot
     return c;
 }
 
+// A static placement of B slots a rank (B = -1: epn): slot j of rank d holds an expert of rank d + 1 + j % (R - 1)
+// (mod R), local (j / (R - 1) * 5 + d) mod epn, so no rank holds its own expert or one twice (5 is odd, epn <= 64);
+// every third slot empty. Hot experts (the first ranks') land on some ranks, cold ones (copies without rows) on others.
+std::vector<int32_t> placement_of(const Config& c) {
+    const int R = c.num_ranks, epn = c.num_experts / R, B = c.num_slots < 0 ? epn : c.num_slots;
+    std::vector<int32_t> placement(size_t(R) * B, -1);
+    for (int d = 0; d < R && R > 1; ++d)
+        for (int j = 0; j < B; ++j)
+            if (j % 3 != 1)
+                placement[size_t(d) * B + j] = ((d + 1 + j % (R - 1)) % R) * epn + (j / (R - 1) * 5 + d) % epn;
+    return placement;
+}
+
 std::vector<Entry> make_cases() {
     std::vector<Entry> cases;
     // 8 ranks, E=256 (epn 32), S=128, K=8: an empty rank and a rank of one token; the experts of ranks 0-3 hot, so
@@ -338,6 +352,37 @@ std::vector<Entry> make_cases() {
     e.spec.config.num_slots = 1;
     e.spec.planner = PlannerKind::kOwner;
     e.needs_overflow = false;
+    cases.push_back(e);
+    // The static planner (issue 60): a fixed placement, its copies split evenly (empty copies too), pulled (serving) or
+    // pushed (the training layout), graph replays with new routing over the same placement.
+    for (int B : {4, 1}) {
+        e = Entry{};
+        e.spec.name = "static_b" + std::to_string(B) + "_graph";
+        e.spec.config = serving_config(8, 256, 128, 8, 128, 8, B);
+        e.spec.planner = PlannerKind::kStatic;
+        e.spec.placement = placement_of(e.spec.config);
+        e.spec.tokens = ragged;
+        e.spec.plan_ordered = true;
+        e.spec.step_ordered = true;
+        e.graph = true;
+        cases.push_back(e);
+    }
+    e = Entry{};
+    e.spec.name = "static_bepn_push";
+    e.spec.config = serving_config(8, 256, 128, 8, 128, 8, -1);
+    e.spec.planner = PlannerKind::kStatic;
+    e.spec.placement = placement_of(e.spec.config);
+    e.spec.tokens = ragged;
+    e.spec.prefetch_push = true;
+    cases.push_back(e);
+    e = Entry{};
+    e.spec.name = "static_b2_pad_rows_unweighted";  // Q = epn + 3
+    e.spec.config = serving_config(4, 32, 128, 4, 64, 16, 2, 11);
+    e.spec.planner = PlannerKind::kStatic;
+    e.spec.placement = placement_of(e.spec.config);
+    e.spec.tokens = {0, 128, 5, 64};
+    e.hot_ranks = 2;
+    e.spec.weighted = false;
     cases.push_back(e);
     // Decode at DeepEP's E and H: S=128, one rank empty, one of one token.
     e = Entry{};
