@@ -77,7 +77,7 @@ AREAS = {
     "python": ("", ["tests/python/test_dense_reference.py", "tests/python/test_object_caches.py",
                     "tests/python/test_autograd_paths.py", "tests/python/test_buffer.py",
                     "tests/python/test_contract_edges.py", "tests/python/test_moe_activation.py",
-                    "tests/python/test_plan_ordered.py"]),
+                    "tests/python/test_plan_ordered.py", "tests/python/test_static_placement.py"]),
 }
 
 # Survivors accepted as equivalent: {id: why no input can tell it apart}.

@@ -25,7 +25,7 @@ COUNTS = [S, 0, 7]  # ragged ranks, one empty
 TOL = 2.0**-7  # as test_serving.py: one bf16 ulp at the largest magnitude
 BF16_TOL = 2.0**-6  # as test_moe_activation.py (gradients)
 EXPERT_BYTES = (H * 2 * F + F * H) * 2  # swiglu: W1 [H, 2F] and W2 [F, H], bf16
-PLACEMENT = [[5, 9], [-1, 0], [1, 4]]  # rank 0 holds 5 and 9, rank 1 an empty slot then 0, rank 2 holds 1 and 4
+PLACEMENT = [[5, -1], [0, 9], [1, 4]]  # rank 0 holds 5 then an empty slot, rank 1 holds 0 and 9, rank 2 1 and 4
 CUDA_SKIP = mp_cases.cuda_unavailable_reason()
 
 
@@ -103,7 +103,7 @@ def test_bad_placements_fail_on_every_rank_and_keep_the_placement():
 
 def test_ranks_that_disagree_all_fail_naming_the_first_difference():
     bufs = static_buffers()
-    other = [[5, 9], [-1, 0], [1, 6]]
+    other = [[5, -1], [0, 9], [1, 6]]
     got = messages(lambda r: bufs[r].set_placement(other if r == 2 else PLACEMENT))
     assert got == ["set_placement: ranks disagree on the placement: placement[2][1] is 4 on rank 0 but 6 on rank 2 "
                    "(every rank must pass the same placement)"] * R
@@ -188,6 +188,14 @@ def test_static_serving_layer_matches_dense_and_moves_the_weights_once():
     err, _, moved = infer(others, 14, dense_seed=5)
     assert err < TOL and moved == placed_bytes([[4, -1], [8, 3], [-1, 7]])
     err, _, moved = infer(moes, 15)
+    assert err < TOL and moved == placed_bytes(PLACEMENT)
+    # A layer of another planner on the same pools prefetches its own replicas into the slot pool: moved again.
+    balanced = virtual.run_threads(R, lambda r: flatep.nn.MoE(H, F, E, K, ranks[r], num_tokens=S, align=4, seed=6,
+                                                              num_slots=B))
+    assert balanced[0].pools is moes[0].pools
+    err, plans, _ = infer(balanced, 19, dense_seed=6)
+    assert err < TOL and plans[0].stats["replicas"] > 0
+    err, _, moved = infer(moes, 20)
     assert err < TOL and moved == placed_bytes(PLACEMENT)
     # A new placement: moved at the next forward, used by every plan from then on.
     new = [[-1, 11], [2, 8], [6, 0]]
