@@ -670,7 +670,7 @@ class MoE(torch.nn.Module):
             move = True
             if self.planner == "static" and not _ops.compiling():  # the placed weights move once (set_placement)
                 move = self._static.needs_move(self.pools, self.expert_layer, plan)
-            y = serving_experts(self.pools, self.expert_layer, plan, recv_x, self.activation, prefetch=move)
+            y = serving_experts(self.pools, self.expert_layer, plan, recv_x, self.activation, move)
             if self.planner == "static" and not _ops.compiling():
                 self._static.moved(self.pools, self.expert_layer, plan)
                 self.last_placement_bytes = self.pools.placement_bytes(plan) if move else 0
