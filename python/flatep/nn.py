@@ -74,7 +74,7 @@ from .ffn import (  # noqa: F401 - the expert FFN's arithmetic (flatep.ffn), imp
     ffn_forward, grouped_ffn, w1_columns, _has_grouped_mm, _past_end,
 )
 from .buffer import Buffer
-from .placement import LayerPlacement, placement_words
+from .placement import LayerPlacement
 from .pools import shared_pools
 from .serving import check_inference, check_num_slots, serving_experts
 
@@ -541,18 +541,16 @@ class MoE(torch.nn.Module):
         (another layer's forward on the same pools, load_state_dict or load_dense make the next forward move them
         again; so does calling set_placement again, e.g. after writing the experts' weights otherwise). A forward that
         autograd records (training) prefetches every step, since the weights change with every optimizer step.
-        Bad placements raise ValueError on every rank and leave the layer's placement as it was."""
+        Bad placements raise ValueError on every rank and leave the layer's placement as it was. The layer needs its
+        Buffer first: num_tokens= at construction, or use_planner('static', num_tokens)."""
         if self.planner != "static":
             raise ValueError(f"MoE.set_placement: the layer plans with planner={self.planner!r}; a placement is for "
                              "planner='static' (MoE(..., planner='static') or use_planner('static', num_tokens))")
-        if self.buffer is not None:
-            self.buffer.set_placement(slots)  # collective; raises (every rank) before anything changes
-            self._static.slots = self.buffer.placement
-        else:  # its shape read now; applied (and checked on every rank) with the Buffer of the first forward
-            words, error = placement_words("MoE.set_placement", slots, self.num_ranks, self.num_slots)
-            if error is not None:
-                raise ValueError(error)
-            self._static.slots = torch.tensor(words, dtype=torch.int32).view(self.num_ranks, self.num_slots)
+        if self.buffer is None:
+            raise ValueError("MoE.set_placement: the layer has no Buffer yet (S unknown): pass num_tokens= at "
+                             "construction or call use_planner('static', num_tokens) first")
+        self.buffer.set_placement(slots)  # collective; raises (every rank) before anything changes
+        self._static.slots = self.buffer.placement
         self._static.weights_version += 1  # the next forward moves the weights
 
     @property

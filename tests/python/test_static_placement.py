@@ -250,6 +250,11 @@ def test_use_planner_static_applies_the_placement_to_each_buffer():
     assert messages(lambda r: moes[r].set_placement(PLACEMENT)) == [
         "MoE.set_placement: the layer plans with planner='balanced'; a placement is for planner='static' "
         "(MoE(..., planner='static') or use_planner('static', num_tokens))"] * R
+    lazy = virtual.run_threads(R, lambda r: flatep.nn.MoE(H, F, E, K, ranks[r], align=4, seed=3, num_slots=B,
+                                                          planner="static"))
+    assert messages(lambda r: lazy[r].set_placement(PLACEMENT)) == [
+        "MoE.set_placement: the layer has no Buffer yet (S unknown): pass num_tokens= at construction or call "
+        "use_planner('static', num_tokens) first"] * R
     virtual.run_threads(R, lambda r: moes[r].use_planner("static"))
     virtual.run_threads(R, lambda r: moes[r].set_placement(PLACEMENT))
     err, plans, moved = infer(moes, 21)
