@@ -46,18 +46,11 @@
 #include <thread>
 #include <vector>
 
-#include "common/bf16.hpp"
-#include "common/check.hpp"
 #include "common/cuda_timing.cuh"
 #include "common/flags.hpp"
 #include "flatep/buffer.hpp"
 #include "flatep/ipc.hpp"
-#include "kernels/common/cuda_check.cuh"
-#include "kernels/common/launch.cuh"
-#include "layout/layout.hpp"
-#include "planner/planner.hpp"
-#include "routing/routing.hpp"
-#include "sync/sync.hpp"
+#include "internal/api.hpp"
 
 using namespace flatep;
 
@@ -257,18 +250,6 @@ struct Case {
     double maxvio_target;  // < 0: routing of the given sigma (0: uniform)
     double sigma;
 };
-
-Config make_config(const Case& c, int R, int rank) {
-    Config cfg;
-    cfg.num_ranks = R;
-    cfg.rank = rank;
-    cfg.num_experts = c.E;
-    cfg.num_tokens = c.S;
-    cfg.topk = c.K;
-    cfg.hidden = c.H;
-    cfg.align = c.align;
-    return cfg;
-}
 
 // topk_idx [S][K] of every source rank (the generator's per-rank streams).
 std::vector<std::vector<int32_t>> make_routing(const Case& c, int R) {
@@ -578,10 +559,16 @@ class RankBench {
 
 RankSummary RankBench::run(const Case& c, std::vector<std::vector<float>>& times) {
     failures_ = 0;
-    const Config cfg = make_config(c, R_, rank_);
+    const Config cfg{.num_ranks = R_,
+                     .rank = rank_,
+                     .num_experts = c.E,
+                     .num_tokens = c.S,
+                     .topk = c.K,
+                     .hidden = c.H,
+                     .align = c.align};
     Buffer buffer(cfg, transport_);
     const Launch on{stream_};  // every op of the rank on its stream
-    const Layout& l = buffer.layout();
+    const Layout& l = internal::layout(buffer);
     const int S = l.num_tokens, K = l.topk, H = l.hidden;
 
     // Routing of every rank (each rank regenerates all of it: the reference needs every source) and the reference.
@@ -613,7 +600,7 @@ RankSummary RankBench::run(const Case& c, std::vector<std::vector<float>>& times
     // FlatEP: the plan against the host planner's.
     Plan plan = buffer.plan(topk.get(), 4, S, nullptr, on);
     {
-        const planner::HostPlan& got = plan.host_plan();  // synchronising copy
+        const planner::HostPlan& got = internal::host_plan(plan);  // synchronising copy
         const PlanSizes sizes = make_plan_sizes(l);
         int64_t bad = -1;
         for (int64_t i = 0; i < sizes.entry_rank && bad < 0; ++i)

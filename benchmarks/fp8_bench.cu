@@ -21,12 +21,11 @@
 #include "common/csv.hpp"
 #include "common/cuda_timing.cuh"
 #include "common/flags.hpp"
+#include "common/kernel_step.cuh"
 #include "common/routing_cases.hpp"
-#include "gpu_harness.hpp"
-#include "ops/dispatch_fp8_args.hpp"
+#include "internal/api.hpp"
 
 using namespace flatep;
-using namespace flatep::gpu_test;
 
 namespace {
 
@@ -85,15 +84,12 @@ Bytes bytes_of(const std::vector<PlanCounts>& counts, double row_bytes, double s
 void run_case(const bench::Case& c, double sigma, int iters, int warmup, bench::CsvWriter& csv) {
     const Layout l = make_layout(c.shape.config());
     const int R = l.num_ranks, S = l.num_tokens, H = l.hidden, nb = H / kFp8BlockSize;
-    CaseSpec spec;
-    spec.name = c.preset;
-    spec.config = c.shape.config();
-    spec.separate_recv = false;  // into the symmetric region
-    spec.sigma = sigma;
-    spec.seed = 42;
     testing::LocalDeviceGroup group(R, false, 30.0);
-    DeviceCase dev(spec, l, group);
-    const auto topk = make_routing(spec, spec.seed);
+    bench::KernelStepSpec spec;
+    spec.layout = l;
+    spec.tokens.assign(size_t(R), S);
+    bench::KernelStep dev(spec, group);  // rows into the symmetric region
+    const std::vector<double> pop = routing::popularity(l.num_experts, sigma, 42);
     std::vector<int32_t> all_counts(size_t(R) * l.num_experts, 0);
     std::vector<uint8_t*> xq(R);
     std::vector<float*> xs(R);
@@ -105,19 +101,22 @@ void run_case(const bench::Case& c, double sigma, int iters, int warmup, bench::
         for (int r = 0; r < R; ++r) {  // rows and weights on the host, quantised there once for the pre-quantised op
             threads.emplace_back([&, r] {
                 x[r].resize(size_t(S) * H);
-                fill_bf16(x[r].data(), int64_t(S) * H, 100 + uint64_t(r));
+                for (int64_t i = 0; i < int64_t(S) * H; ++i)
+                    x[r][size_t(i)] = routing::finite_bf16(100 + r, uint64_t(i));
                 q[r].resize(size_t(S) * H);
                 scales[r].resize(size_t(S) * nb);
                 quantize_fp8_rows(x[r].data(), S, H, Fp8Scale::kFloat, q[r].data(), scales[r].data());
                 weights[r].resize(size_t(S) * l.topk);
-                fill_f32(weights[r].data(), int64_t(S) * l.topk, 200 + uint64_t(r), 0.f, 1.f);
+                for (int64_t i = 0; i < int64_t(S) * l.topk; ++i)
+                    weights[r][size_t(i)] = routing::data_float(200 + r, uint64_t(i), 0.f, 1.f);
             });
         }
         for (auto& t : threads) t.join();
         for (int r = 0; r < R; ++r) {
-            std::vector<int32_t> t32(topk[r].begin(), topk[r].end());
+            std::vector<int32_t> t32(size_t(S) * l.topk);
+            routing::sample_topk(pop, S, l.topk, 42, r, t32.data());
             for (int32_t e : t32) ++all_counts[size_t(r) * l.num_experts + e];
-            auto& p = dev.ranks[r];
+            bench::KernelStep::Rank& p = dev.rank(r);
             FLATEP_CUDA_CHECK(cudaMemcpy(p.topk, t32.data(), t32.size() * 4, cudaMemcpyHostToDevice));
             FLATEP_CUDA_CHECK(cudaMemcpy(p.x, x[r].data(), x[r].size() * 2, cudaMemcpyHostToDevice));
             FLATEP_CUDA_CHECK(cudaMemcpy(p.weights, weights[r].data(), weights[r].size() * 4, cudaMemcpyHostToDevice));
@@ -129,50 +128,20 @@ void run_case(const bench::Case& c, double sigma, int iters, int warmup, bench::
     }
     FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
     const double maxvio = routing::maxvio(all_counts.data(), R, l.num_experts);
-    auto sync = [&](int r) { return group.sync_args(r, dev.regions, dev.sym.barrier_offset, dev.sym.status_offset); };
-    for (int r = 0; r < R; ++r) {
-        PlanArgs a{};
-        a.layout = l;
-        a.rank = r;
-        a.num_tokens = S;
-        a.topk_idx = dev.ranks[r].topk;
-        a.index_bytes = 4;
-        a.planner = PlannerKind::kBalanced;
-        for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
-        a.plan = make_plan_view(l, dev.ranks[r].plan);
-        a.sync = sync(r);
-        a.workspace = dev.ranks[r].workspace;
-        runtime::launch_plan(a, group.stream(r), group.num_sms());
-    }
+    dev.enqueue_plan();
     group.synchronize();
-    auto bf16_args = [&](int r) {
-        DispatchArgs a{};
-        a.layout = l;
-        a.rank = r;
-        a.x = dev.ranks[r].x;
-        a.topk_weights = dev.ranks[r].weights;
-        a.plan = make_plan_view(l, dev.ranks[r].plan);
-        for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
-        a.recv_x = dev.ranks[r].recv_x;
-        a.recv_w = dev.ranks[r].recv_w;
-        a.sync = sync(r);
-        return a;
-    };
+    auto bf16_args = [&](int r) { return dev.dispatch_args(r); };
     auto fp8_args = [&](int r, bool pre) {
-        DispatchFp8Args a{};
-        a.layout = l;
-        a.rank = r;
-        a.x_bf16 = pre ? nullptr : dev.ranks[r].x;
+        DispatchFp8Args a = dev.data_args<DispatchFp8Args>(r);
+        a.x_bf16 = pre ? nullptr : dev.rank(r).x;
         a.x_fp8 = pre ? xq[r] : nullptr;
         a.x_scales = pre ? xs[r] : nullptr;
-        a.topk_weights = dev.ranks[r].weights;
+        a.topk_weights = dev.rank(r).weights;
         a.scale_mode = Fp8Scale::kFloat;
-        a.plan = make_plan_view(l, dev.ranks[r].plan);
-        for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
-        a.recv_x = dev.regions[r].local + fp8_recv_x_offset(dev.sym);
-        a.recv_scales = reinterpret_cast<float*>(dev.regions[r].local + fp8_recv_scales_offset(l, dev.sym));
-        a.recv_w = dev.ranks[r].recv_w;
-        a.sync = sync(r);
+        a.recv_x = dev.region(r).local + fp8_recv_x_offset(dev.symmetric_layout());
+        a.recv_scales =
+            reinterpret_cast<float*>(dev.region(r).local + fp8_recv_scales_offset(l, dev.symmetric_layout()));
+        a.recv_w = dev.rank(r).recv_w;
         return a;
     };
     auto bf16_all = [&] {
@@ -193,16 +162,10 @@ void run_case(const bench::Case& c, double sigma, int iters, int warmup, bench::
     const bench::Timing g_fp8 = bench::time_ranks_graph(group, iters, warmup, kGraphBatch, fp8_all);
     const bench::Timing g_pre = bench::time_ranks_graph(group, iters, warmup, kGraphBatch, pre_all);
     group.synchronize();
-    for (int r = 0; r < R; ++r) {
-        const sync::WaitRecord& w = group.wait_record(r);
-        FLATEP_CHECK_RUNTIME(w.code == 0, "a wait failed: op ", w.op, " rank ", w.rank, " peer ", w.peer);
-    }
+    const std::string stuck = dev.wait_failure();
+    FLATEP_CHECK_RUNTIME(stuck.empty(), stuck);
     std::vector<PlanCounts> counts(R);
-    for (int r = 0; r < R; ++r) {
-        std::vector<int32_t> words(size_t(make_plan_sizes(l).total_words));
-        FLATEP_CUDA_CHECK(cudaMemcpy(words.data(), dev.ranks[r].plan, words.size() * 4, cudaMemcpyDeviceToHost));
-        counts[r] = count_plan(l, r, words, S);
-    }
+    for (int r = 0; r < R; ++r) counts[r] = count_plan(l, r, dev.download_plan(r), S);
     const double bf16_row = 2.0 * H, fp8_row = H + 4.0 * nb;
     struct Row {
         const char* op;

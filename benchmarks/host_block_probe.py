@@ -12,6 +12,7 @@ and checks, 0.3 s later, whether it has run: a call that made B's later work wai
 """
 
 import os
+import threading
 import time
 
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # as flatep.virtual sets them, before CUDA starts
@@ -61,6 +62,68 @@ def main():
     probe("torch.empty(1000) after empty_cache (new segment)", lambda: torch.empty(1000, device=dev))
     probe("torch.cuda.empty_cache() (frees cached segments)", torch.cuda.empty_cache)
 
+    # What a rank's first step does on its own thread (issue 59): a fresh thread's first cuBLAS call makes its handle
+    # and workspace; a matmul on a stream new to cuBLAS gets a workspace for that stream.
+    m = torch.randn(64, 64, device=dev)
+
+    def on_fresh_thread(fn):
+        def run():
+            box = []
+            t = threading.Thread(target=lambda: box.append(fn()))
+            t.start()
+            t.join()
+        return run
+
+    def set_device_then(fn):
+        def run():
+            torch.cuda.set_device(dev)
+            return fn()
+        return run
+
+    probe("fresh thread: torch.cuda.set_device (context current)", on_fresh_thread(lambda: torch.cuda.set_device(dev)))
+    probe("fresh thread: current_blas_handle() (cuBLAS handle)",
+          on_fresh_thread(set_device_then(torch.cuda.current_blas_handle)))
+    probe("fresh thread: first matmul (handle + workspace)", on_fresh_thread(set_device_then(lambda: m @ m)))
+    probe("fresh thread, no set_device: first matmul", on_fresh_thread(lambda: m @ m))
+    c = torch.cuda.Stream(dev)
+
+    def on_new_stream():
+        with torch.cuda.stream(c):
+            return m @ m
+
+    probe("matmul on a stream new to cuBLAS (workspace)", on_new_stream)
+    probe("float64 matmul, first of its kind (new kernel)", lambda: m.double() @ m.double())
+    probe("softmax + topk on new shapes", lambda: torch.softmax(torch.randn(300, 48, device=dev), -1).topk(4, -1))
+
+
+LAZY_CHILD = """
+import time, torch
+dev = torch.device("cuda", 0)
+a, b = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+x = torch.ones(1000, device=dev)
+torch.cuda.synchronize()
+with torch.cuda.stream(a):
+    torch.cuda._sleep(int(2e9))
+time.sleep(0.05)
+t = time.perf_counter()
+with torch.cuda.stream(b):
+    torch.cumsum(x.to(torch.int16), 0)  # kernels this process never launched: loaded now under lazy loading
+ms = (time.perf_counter() - t) * 1e3
+torch.cuda.synchronize()
+print(f"{'CUDA_MODULE_LOADING=LAZY: first launch of a never-loaded kernel':58s} {ms:9.2f} ms  "
+      f"{'BLOCKED' if ms > 500 else 'ok'}", flush=True)
+"""
+
+
+def lazy_probe():
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CUDA_MODULE_LOADING="LAZY")
+    out = subprocess.run([sys.executable, "-c", LAZY_CHILD], env=env, capture_output=True, text=True, timeout=60)
+    print((out.stdout + out.stderr).strip()[-2000:], flush=True)
+
 
 if __name__ == "__main__":
     main()
+    lazy_probe()

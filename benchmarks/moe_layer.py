@@ -45,6 +45,10 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))  # source checkout: pytho
 
 import flatep  # noqa: E402
 from flatep import testing  # noqa: E402
+from flatep.baseline import (  # noqa: E402, F401 - the baseline's helpers (one copy, in flatep.baseline)
+    UNPERMUTE_CHUNK_ROWS, _WeightedSum, all_to_all_rows, by_expert, by_local_expert, weighted_sum,
+    weighted_unpermute_backward,
+)
 from flatep.nn import DEFAULT_ALIGN, grouped_ffn, route  # noqa: E402
 
 sys.path.insert(0, HERE)
@@ -63,9 +67,6 @@ PHASES = [
     "combine_bwd", "prefetch_bwd", "gemm_bwd", "wgrad_fp32", "reduce_grad", "dispatch_bwd", "router_bwd",
 ]
 IMPLS = ["baseline", "flatep"]
-# Entries per chunk of the baseline's weighted-sum backward (weighted_unpermute_backward): its fp32 temporaries are
-# [chunk, H] (470 MB at H=7168), whatever S*K.
-UNPERMUTE_CHUNK_ROWS = 16384
 
 
 def parse_args(argv=None):
@@ -185,100 +186,6 @@ class Mark(torch.autograd.Function):
 
 
 # ---- the baseline ----
-
-
-def weighted_unpermute_backward(grad_out, token_of, back, w_sorted, chunk_rows=UNPERMUTE_CHUNK_ROWS):
-    """Backward of the baseline's weighted sum out[t] = bf16(sum over t's entries e of back[e] * w_sorted[e]) (fp32
-    sum), entries e in the by-expert order, t = token_of[e]: grad_back[e] = bf16(grad_out[t] * w_sorted[e]) (one fp32
-    multiply, one rounding) and grad_w_sorted[e] = <grad_out[t], back[e]> in fp32 (exact bf16 products, torch's fp32
-    sum). The arithmetic autograd runs for the forward expression (its bits on the CPU; on a GPU torch's row sums may
-    group differently), in chunks of `chunk_rows` entries: the fp32 temporaries are [chunk_rows, H], where autograd
-    materialises four [S*K, H] fp32 tensors (1.9 GB each at S=8192, K=8, H=7168). Returns (grad_back [S*K, H] bf16,
-    grad_w_sorted [S*K] fp32)."""
-    n = back.shape[0]
-    grad_back = torch.empty_like(back)
-    grad_w = torch.empty(n, dtype=torch.float32, device=back.device)
-    for lo in range(0, n, chunk_rows):
-        hi = min(lo + chunk_rows, n)
-        g = grad_out.index_select(0, token_of[lo:hi])  # bf16 rows of the entries' tokens
-        torch.mul(g, w_sorted[lo:hi].unsqueeze(1), out=grad_back[lo:hi])  # fp32 math, bf16 store
-        grad_w[lo:hi] = back[lo:hi].float().mul_(g).sum(1)
-    return grad_back, grad_w
-
-
-def weighted_sum(back, w_sorted, token_of, num_tokens):
-    """The baseline's combine: out [S, H] bf16, the fp32 sum of each token's K rows back [S*K, H] bf16 (by-expert
-    order) times their weights w_sorted [S*K] fp32 (Megatron's unpermute with probabilities)."""
-    out = torch.zeros(num_tokens, back.shape[1], dtype=torch.float32, device=back.device)
-    return out.index_add_(0, token_of, back.float() * w_sorted.unsqueeze(1)).to(BF16)
-
-
-class _WeightedSum(torch.autograd.Function):
-    """weighted_sum with the backward of weighted_unpermute_backward."""
-
-    @staticmethod
-    def forward(ctx, back, w_sorted, token_of, num_tokens):
-        ctx.save_for_backward(back, w_sorted, token_of)
-        return weighted_sum(back, w_sorted, token_of, num_tokens)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        back, w_sorted, token_of = ctx.saved_tensors
-        grad_back, grad_w = weighted_unpermute_backward(grad_out.to(BF16).contiguous(), token_of, back, w_sorted)
-        return grad_back, grad_w, None, None
-
-
-def _a2a(output, inp, out_splits, in_splits, group):
-    if inp.dtype == BF16 and dist.get_backend(group) == "gloo":  # gloo has no bf16 (nor int16): move the bytes
-        dist.all_to_all_single(output.view(torch.uint8), inp.view(torch.uint8), out_splits, in_splits, group=group)
-    else:
-        dist.all_to_all_single(output, inp, out_splits, in_splits, group=group)
-    return output
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with autograd: the fallback where torch.distributed.nn.functional lacks it, and on gloo
-    (which has no bf16: the rows travel as bytes)."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        return _a2a(out, x.contiguous(), out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        return _a2a(back, grad.contiguous(), in_splits, out_splits, ctx.group), None, None, None
-
-
-def all_to_all_rows(x, out_splits, in_splits, group):
-    if dist.get_backend(group) == "gloo":
-        return _AllToAll.apply(x, out_splits, in_splits, group)
-    try:
-        from torch.distributed.nn.functional import all_to_all_single
-    except ImportError:
-        all_to_all_single = None
-    if all_to_all_single is None:
-        return _AllToAll.apply(x, out_splits, in_splits, group)
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-
-
-def by_expert(idx, K):
-    """Entries of topk_idx [s, K] sorted by expert (= by destination rank), stably: (order, token of each)."""
-    order = torch.sort(idx.reshape(-1), stable=True).indices
-    return order, torch.div(order, K, rounding_mode="floor")
-
-
-def by_local_expert(recv_matrix):
-    """recv_matrix [R sources, epn local experts]: counts of rows that arrive ordered by [source][local expert].
-    Returns the order that regroups them by [local expert][source] and the grouped-GEMM offs (inclusive group ends)."""
-    R, epn = recv_matrix.shape
-    blocks = torch.repeat_interleave(torch.arange(R * epn, device=recv_matrix.device), recv_matrix.reshape(-1))
-    key = (blocks % epn) * R + torch.div(blocks, epn, rounding_mode="floor")
-    return torch.sort(key, stable=True).indices, torch.cumsum(recv_matrix.sum(0), 0).to(torch.int32)
 
 
 class Baseline:

@@ -44,14 +44,11 @@
 #include "common/csv.hpp"
 #include "common/cuda_timing.cuh"
 #include "common/flags.hpp"
+#include "common/kernel_step.cuh"
 #include "common/routing_cases.hpp"
-#include "gpu_harness.hpp"
-#include "kernels/common/launch.cuh"
-#include "planner/candidates.hpp"
-#include "planner/planner.hpp"
+#include "internal/api.hpp"
 
 using namespace flatep;
-using namespace flatep::gpu_test;
 
 namespace {
 
@@ -126,14 +123,14 @@ struct Bytes {
 // duplicate read from its head and written, padding zeroed, recv_w of every real row); combine: the partial sums
 // (destination r: every real row read, one partial row per head written, the weights) then the pull (source r: one
 // partial row per destination read, its rows written).
-Bytes count_bytes(const Layout& l, const std::vector<RankOutputs>& outs, int num_tokens, bool weighted) {
+Bytes count_bytes(const Layout& l, std::vector<std::vector<int32_t>>& plans, int num_tokens, bool weighted) {
     const int R = l.num_ranks;
     Bytes b;
     b.dispatch = make_op_bytes(2, R);
     b.combine = make_op_bytes(2, R);
     const double row = double(l.row_bytes());
     for (int r = 0; r < R; ++r) {
-        const PlanView p = make_plan_view(l, const_cast<int32_t*>(outs[r].plan.data()));
+        const PlanView p = make_plan_view(l, plans[size_t(r)].data());
         int64_t pairs = 0, remote = 0;
         for (int t = 0; t < num_tokens; ++t) {
             for (int k = 0; k < l.topk; ++k) {
@@ -591,130 +588,60 @@ int planner_bench(const Options& o, bench::SigmaTable& sigmas) {
 void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma, double copy_gbps,
                      bench::CsvWriter& csv) {
     const Layout l = make_layout(c.shape.config());
-    CaseSpec spec;
-    spec.name = c.preset;
-    spec.config = c.shape.config();
-    spec.separate_recv = false;
-    spec.weighted = true;
-    spec.num_tokens = s;
-    spec.expert_elems = int64_t(l.hidden) * c.shape.ffn;
-    spec.sigma = sigma;
-    spec.seed = 42;
-    testing::LocalDeviceGroup group(l.num_ranks, false, 30.0, o.num_sms);
-    DeviceCase dev(spec, l, group);
+    const int R = l.num_ranks;
+    const int64_t expert_elems = int64_t(l.hidden) * c.shape.ffn;
+    testing::LocalDeviceGroup group(R, false, 30.0, o.num_sms);
+    bench::KernelStepSpec spec;
+    spec.layout = l;
+    spec.tokens.assign(size_t(R), s);
+    spec.expert_bytes = {expert_elems * 2};
+    spec.pool_slots = l.experts_per_rank;
+    spec.grads = true;
+    bench::KernelStep dev(spec, group);
     const double rank_gbps =
         rank_copy_gbps(group.num_sms() > 0 ? group.num_sms() : 2 * kernels::device_sm_count(), group.stream(0));
     std::printf("  one rank's copy under its SM budget (%d blocks): %.0f GB/s\n", group.num_sms(), rank_gbps);
-    // Inputs: routing from the generator; data random on the device (never zeros).
-    const auto topk = make_routing(spec, spec.seed);
-    std::vector<int32_t> all_counts(size_t(l.num_ranks) * l.num_experts, 0);
-    for (int r = 0; r < l.num_ranks; ++r) {
-        std::vector<int32_t> t32(topk[r].begin(), topk[r].end());
+    // Inputs: routing from the generator (sigma, seed 42); data random on the device (never zeros).
+    const std::vector<double> pop = routing::popularity(l.num_experts, sigma, 42);
+    std::vector<int32_t> all_counts(size_t(R) * l.num_experts, 0), t32(size_t(s) * l.topk);
+    for (int r = 0; r < R; ++r) {
+        routing::sample_topk(pop, s, l.topk, 42, r, t32.data());
         for (int32_t e : t32) ++all_counts[size_t(r) * l.num_experts + e];
-        auto& p = dev.ranks[r];
+        bench::KernelStep::Rank& p = dev.rank(r);
         FLATEP_CUDA_CHECK(cudaMemcpy(p.topk, t32.data(), t32.size() * 4, cudaMemcpyHostToDevice));
-        fill_device_bf16(p.x, int64_t(s) * l.hidden, 100 + r);
-        fill_device_bf16(p.weights, int64_t(s) * l.topk * 2, 200 + r);  // bf16 pairs: finite floats
-        fill_device_bf16(p.y, int64_t(l.num_recv_rows) * l.hidden, 300 + r);
-        fill_device_bf16(p.expert_w, int64_t(l.experts_per_rank) * spec.expert_elems, 400 + r);
-        fill_device_bf16(p.grads, int64_t(l.experts_per_rank) * spec.expert_elems * 2, 500 + r);
-        fill_device_bf16(dev.red_regions[r].local, int64_t(l.experts_per_rank) * spec.expert_elems * 2, 600 + r);
+        bench::fill_device_bf16(p.x, int64_t(s) * l.hidden, 100 + r);
+        bench::fill_device_bf16(p.weights, int64_t(s) * l.topk * 2, 200 + r);  // bf16 pairs: finite floats
+        bench::fill_device_bf16(p.y, int64_t(l.num_recv_rows) * l.hidden, 300 + r);
+        bench::fill_device_bf16(p.own[0], int64_t(l.experts_per_rank) * expert_elems, 400 + r);
+        bench::fill_device_bf16(p.grads, int64_t(l.experts_per_rank) * expert_elems * 2, 500 + r);
+        bench::fill_device_bf16(p.reduce_pool, int64_t(l.experts_per_rank) * expert_elems * 2, 600 + r);
     }
     FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
-    const double maxvio = routing::maxvio(all_counts.data(), l.num_ranks, l.num_experts);
-    const int R = l.num_ranks;
-    auto sync = [&](int r) { return group.sync_args(r, dev.regions, dev.sym.barrier_offset, dev.sym.status_offset); };
-    auto plan_args = [&](int r) {
-        PlanArgs a{};
-        a.layout = l;
-        a.rank = r;
-        a.num_tokens = s;
-        a.topk_idx = dev.ranks[r].topk;
-        a.index_bytes = 4;
-        a.planner = PlannerKind::kBalanced;
-        for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
-        a.plan = make_plan_view(l, dev.ranks[r].plan);
-        a.sync = sync(r);
-        a.workspace = dev.ranks[r].workspace;
-        return a;
-    };
-    auto dispatch_args = [&](int r) {
-        DispatchArgs a{};
-        a.layout = l;
-        a.rank = r;
-        a.x = dev.ranks[r].x;
-        a.topk_weights = dev.ranks[r].weights;
-        a.plan = make_plan_view(l, dev.ranks[r].plan);
-        for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
-        a.recv_x = dev.ranks[r].recv_x;
-        a.recv_w = dev.ranks[r].recv_w;
-        a.sync = sync(r);
-        return a;
-    };
-    auto combine_args = [&](int r) {
-        CombineArgs a{};
-        a.layout = l;
-        a.rank = r;
-        a.y = dev.ranks[r].y;
-        a.weights = dev.ranks[r].recv_w;
-        a.plan = make_plan_view(l, dev.ranks[r].plan);
-        for (int p = 0; p < R; ++p) a.peers[p] = dev.regions[r].peers[p];
-        a.out = dev.ranks[r].out_alloc;
-        a.sync = sync(r);
-        return a;
-    };
-    auto prefetch_args = [&](int r) {
-        PrefetchArgs a{};
-        a.rank = r;
-        a.num_ranks = R;
-        a.experts_per_rank = l.experts_per_rank;
-        a.num_slots = l.experts_per_rank;
-        a.num_projections = 1;
-        a.projections[0].expert_bytes = spec.expert_elems * 2;
-        a.slot_expert = make_plan_view(l, dev.ranks[r].plan).slot_expert;
-        a.projections[0].weights = reinterpret_cast<const uint8_t*>(dev.ranks[r].expert_w);
-        for (int p = 0; p < R; ++p) a.projections[0].slot_pools[p] = dev.slot_regions[r].peers[p];
-        a.sync = sync(r);
-        return a;
-    };
+    const double maxvio = routing::maxvio(all_counts.data(), R, l.num_experts);
+    auto sync = [&](int r) { return dev.sync(r); };
+    auto plan_args = [&](int r) { return dev.plan_args(r); };
+    auto dispatch_args = [&](int r) { return dev.dispatch_args(r); };
+    auto combine_args = [&](int r) { return dev.combine_args(r); };
+    auto prefetch_args = [&](int r) { return dev.prefetch_args(r, 0, 1, /*push=*/true); };
     // The same replicas pulled by their holders from the owners' weights (serving's prefetch): one barrier, each rank
-    // writes only its own slots. The virtual ranks share one process, so every rank's weights are readable as they are.
-    auto prefetch_pull_args = [&](int r) {
-        PrefetchArgs a = prefetch_args(r);
-        a.pull = true;
-        for (int p = 0; p < R; ++p) {
-            a.projections[0].owners[p] = reinterpret_cast<const uint8_t*>(dev.ranks[p].expert_w);
-            a.projections[0].slot_pools[p] = p == r ? dev.slot_regions[r].local : nullptr;
-        }
-        return a;
-    };
-    auto reduce_args = [&](int r) {
-        GradReduceArgs a{};
-        a.rank = r;
-        a.num_ranks = R;
-        a.experts_per_rank = l.experts_per_rank;
-        a.expert_elems = spec.expert_elems;
-        a.slot_expert = make_plan_view(l, dev.ranks[r].plan).slot_expert;
-        a.grads = dev.ranks[r].grads;
-        for (int p = 0; p < R; ++p) a.reduce_pools[p] = reinterpret_cast<float*>(dev.red_regions[r].peers[p]);
-        a.sync = sync(r);
-        return a;
-    };
+    // writes only its own slots.
+    auto prefetch_pull_args = [&](int r) { return dev.prefetch_args(r, 0, 1, /*push=*/false); };
+    auto reduce_args = [&](int r) { return dev.reduce_args(r); };
     const Timing t_plan = bench::time_ranks(group, o.iters, o.warmup, [&] {
         for (int r = 0; r < R; ++r) runtime::launch_plan(plan_args(r), group.stream(r), group.num_sms());
     });
     // Planner kernels alone (rank 0's counts; every rank runs the same planner on the same input), device time
     // from a graph of 10 back-to-back planners (as in a captured step; no host launch latency).
     const Timing t_planner = bench::time_graph(group.stream(0), o.iters, o.warmup, 10, [&] {
-        planner::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.ranks[0].plan), dev.ranks[0].workspace,
+        planner::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.rank(0).plan), dev.rank(0).workspace,
                                 planner::PlannerEngine::kParallel, group.stream(0));
     });
     const Timing t_planner_greedy = bench::time_graph(group.stream(0), o.iters, o.warmup, 10, [&] {
-        planner::launch_planner(l, PlannerKind::kGreedy, make_plan_view(l, dev.ranks[0].plan), dev.ranks[0].workspace,
+        planner::launch_planner(l, PlannerKind::kGreedy, make_plan_view(l, dev.rank(0).plan), dev.rank(0).workspace,
                                 planner::PlannerEngine::kParallel, group.stream(0));
     });
     // Restore rank 0's balanced plan (the greedy run above overwrote its global part).
-    planner::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.ranks[0].plan), dev.ranks[0].workspace,
+    planner::launch_planner(l, PlannerKind::kBalanced, make_plan_view(l, dev.rank(0).plan), dev.rank(0).workspace,
                             planner::PlannerEngine::kParallel, group.stream(0));
     group.synchronize();
     auto plan_all = [&] {
@@ -789,21 +716,15 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
     }
     group.synchronize();
     // Bytes, from the plans.
-    std::vector<RankOutputs> outs(R);
-    for (int r = 0; r < R; ++r) {
-        outs[r].plan.resize(size_t(make_plan_sizes(l).total_words));
-        FLATEP_CUDA_CHECK(
-            cudaMemcpy(outs[r].plan.data(), dev.ranks[r].plan, outs[r].plan.size() * 4, cudaMemcpyDeviceToHost));
-    }
-    for (int r = 0; r < R; ++r) {
-        const sync::WaitRecord& w = group.wait_record(r);
-        FLATEP_CHECK_RUNTIME(w.code == 0, "timeout in op ", w.op, " rank ", w.rank, " peer ", w.peer);
-    }
-    const Bytes bytes = count_bytes(l, outs, s, true);
-    const PlanStats& st = *make_plan_view(l, outs[0].plan.data()).stats;
-    const double expert_bytes = double(spec.expert_elems) * 2, grad_bytes = double(spec.expert_elems) * 4;
+    std::vector<std::vector<int32_t>> plans(static_cast<size_t>(R));
+    for (int r = 0; r < R; ++r) plans[size_t(r)] = dev.download_plan(r);
+    const std::string stuck = dev.wait_failure();
+    FLATEP_CHECK_RUNTIME(stuck.empty(), stuck);
+    const Bytes bytes = count_bytes(l, plans, s, true);
+    const PlanStats& st = *make_plan_view(l, plans[0].data()).stats;
+    const double expert_bytes = double(expert_elems) * 2, grad_bytes = double(expert_elems) * 4;
     OpBytes pre_bytes, red_bytes;
-    const int32_t* slot_expert = make_plan_view(l, outs[0].plan.data()).slot_expert;
+    const int32_t* slot_expert = make_plan_view(l, plans[0].data()).slot_expert;
     count_pool_bytes(l, slot_expert, expert_bytes, grad_bytes, pre_bytes, red_bytes);
     // Back from count_pool_bytes' per-rank bytes: a pushed replica is 2 * expert_bytes. Slots held: from the table.
     std::string owns, holds;

@@ -18,9 +18,7 @@
 #include "common/timing.hpp"
 #include "flatep/config.hpp"
 #include "flatep/error.hpp"
-#include "layout/layout.hpp"
-#include "planner/planner.hpp"
-#include "routing/routing.hpp"
+#include "internal/api.hpp"
 
 namespace {
 

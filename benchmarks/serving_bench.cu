@@ -1,5 +1,5 @@
-// Serving and decode on R virtual ranks of one GPU (issues 43 and 47), at the kernel level (tests/gpu's serving
-// harness: the library's kernels on LocalDeviceGroup streams, no Buffer). Per shape and tokens per call s:
+// Serving and decode on R virtual ranks of one GPU (issues 43 and 47), at the kernel level (the library's kernels on
+// LocalDeviceGroup streams, their Args from common/kernel_step.cuh; no Buffer). Per shape and tokens per call s:
 //   step      plan + dispatch + pull prefetch of the B slots (bf16 weights, one projection; plan-ordered, without
 //             its barrier, as flatep.nn.MoE serves: PrefetchArgs::plan_ordered) + combine, every rank's
 //             stream replayed as one CUDA graph (forked from and joined into rank 0's; each rank's part is what a
@@ -47,12 +47,11 @@
 #include "common/csv.hpp"
 #include "common/cuda_timing.cuh"
 #include "common/flags.hpp"
+#include "common/kernel_step.cuh"
 #include "common/routing_cases.hpp"
-#include "gpu_harness.hpp"
-#include "serving_harness.hpp"
+#include "internal/api.hpp"
 
 using namespace flatep;
-using namespace flatep::gpu_test;
 
 namespace {
 
@@ -79,19 +78,63 @@ struct Mode {
 std::string label(const bench::Shape& s) { return s.label() + "_F" + std::to_string(s.ffn); }
 
 // Every rank's inputs of a step at s tokens: routing drawn on the host (sigma, seed 42), the rest random on the device.
-void fill_inputs(ServingDevice& dev, const Layout& l, int s, double sigma) {
+void fill_inputs(bench::KernelStep& dev, const Layout& l, int s, double sigma) {
     const std::vector<double> pop = routing::popularity(l.num_experts, sigma, 42);
     std::vector<int32_t> topk(size_t(s) * l.topk);
     for (int r = 0; r < l.num_ranks; ++r) {
-        ServingDevice::PerRank& p = dev.rank(r);
+        bench::KernelStep::Rank& p = dev.rank(r);
         routing::sample_topk(pop, s, l.topk, 42, r, topk.data());
         FLATEP_CUDA_CHECK(cudaMemcpy(p.topk, topk.data(), topk.size() * 4, cudaMemcpyHostToDevice));
-        fill_device_bf16(p.x, int64_t(s) * l.hidden, 100 + r);
-        fill_device_bf16(p.weights, int64_t(s) * l.topk * 2, 200 + r);  // bf16 pairs: finite floats
-        fill_device_bf16(p.y, int64_t(l.num_recv_rows) * l.hidden, 300 + r);
+        bench::fill_device_bf16(p.x, int64_t(s) * l.hidden, 100 + r);
+        bench::fill_device_bf16(p.weights, int64_t(s) * l.topk * 2, 200 + r);  // bf16 pairs: finite floats
+        bench::fill_device_bf16(p.y, int64_t(l.num_recv_rows) * l.hidden, 300 + r);
     }
     FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
 }
+
+// The ops of a serving step, every rank on its stream (no host sync, capturable): plan (or its first phases),
+// dispatch (trusting the receive rows' marks once a dispatch set them, as a Buffer does), the pull (or push) of
+// projections [first, first + count) in one op (or one op per projection, the form before one op carried several,
+// kept for the A/B), combine. plan_ordered: the pull without its barrier; step_ordered: dispatch and combine without
+// their entry barriers (as flatep.nn.MoE serves).
+struct ServingOps {
+    bench::KernelStep& dev;
+    testing::LocalDeviceGroup& group;
+    bool prefetch_in_step = true, plan_ordered = false, step_ordered = false, marks_set = false;
+
+    void plan(int phases = 3) { dev.enqueue_plan(phases); }
+    void dispatch() {
+        for (int r = 0; r < group.num_ranks(); ++r) {
+            DispatchArgs a = dev.dispatch_args(r);
+            a.marks_valid = marks_set;
+            a.plan_ordered = step_ordered;
+            kernels::launch(a, group.stream(r), group.num_sms());
+        }
+        marks_set = true;  // stream order: the next dispatch of every rank sees the marks this one wrote
+    }
+    void prefetch(int first, int count, bool push = false, bool op_per_projection = false) {
+        const int step = op_per_projection ? 1 : count;
+        for (int q = first; q < first + count; q += step)
+            for (int r = 0; r < group.num_ranks(); ++r)
+                kernels::launch(dev.prefetch_args(r, q, step, push, plan_ordered), group.stream(r), group.num_sms());
+    }
+    void combine() {
+        for (int r = 0; r < group.num_ranks(); ++r) {
+            CombineArgs a = dev.combine_args(r);
+            a.plan_ordered = step_ordered;
+            kernels::launch(a, group.stream(r), group.num_sms());
+        }
+    }
+    // plan, dispatch, the prefetch of projections [first, first + count) (count 0: none; when the step has one),
+    // combine
+    void step(int count, int first = 0) {  // count -1: every projection from first
+        if (count < 0) count = int(dev.rank(0).own.size()) - first;
+        plan();
+        dispatch();
+        if (prefetch_in_step && count != 0) prefetch(first, count);
+        combine();
+    }
+};
 
 // Slots each rank fills this step (from rank 0's copy of the plan's slot table; every rank's is the same).
 std::vector<int> slots_used(const Layout& l, const std::vector<int32_t>& plan) {
@@ -181,10 +224,6 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
     const int64_t elems = int64_t(sh.hidden) * sh.ffn;
     const std::vector<int64_t> bytes = {elems * 2, elems, elems / kScaleBlock * 4};  // bf16; FP8 and its scales
     testing::LocalDeviceGroup group(R, false, 60.0, o.num_sms);
-    DevicePools pools(R, epn, epn, bytes);
-    for (int q = 0; q < pools.num_projections(); ++q)
-        for (int r = 0; r < R; ++r) fill_device_bf16(pools.own[q][r], epn * bytes[q] / 2, 1000 + 16 * q + r);
-    FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
     // Slot memory of one rank: one row per B, bf16 and FP8 with its scales.
     for (int slots : {B, epn}) {
         Report::Row row{&c, &base, 0, slots == epn ? "bepn" : "b" + std::to_string(B), "slot_memory.bf16"};
@@ -201,20 +240,23 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
         for (const Mode& m : modes) {
             if (m.owner && s > o.owner_tokens) continue;  // the owner layout is sized for decode
             Config cfg = sh.config();
-            cfg.num_slots = m.num_slots;
             if (m.owner) cfg.num_tokens = o.owner_tokens;
-            const Layout l = make_layout(cfg, m.planner);
-            ServingSpec spec;
-            spec.name = m.name;
-            spec.config = cfg;
+            const Layout l = make_layout(cfg, m.planner, ViewShape{.num_slots = m.num_slots});
+            bench::KernelStepSpec spec;
+            spec.layout = l;
             spec.planner = m.planner;
             spec.tokens.assign(size_t(R), s);
-            spec.prefetch = !m.owner;
-            spec.plan_ordered = !m.owner;  // the pull as nn.MoE serves
-            spec.trust_marks = true;       // as a Buffer's dispatch: padding rows zeroed once, not every call
-            ServingDevice dev(spec, l, group, pools);
+            spec.expert_bytes = bytes;
+            spec.pool_slots = epn;  // every rank's pools hold epn slots; the pull fills the first B
+            bench::KernelStep dev(spec, group);
+            for (int q = 0; q < int(bytes.size()); ++q)
+                for (int r = 0; r < R; ++r)
+                    bench::fill_device_bf16(dev.rank(r).own[size_t(q)], epn * bytes[q] / 2, 1000 + 16 * q + r);
             fill_inputs(dev, l, s, sigma);
-            dev.enqueue_step();  // eager once: the plans the rows below count, the kernels loaded
+            // The pull as nn.MoE serves (plan-ordered); a dispatch trusts the marks an earlier one set, as a Buffer's.
+            ServingOps ops{dev, group, /*prefetch_in_step=*/!m.owner, /*plan_ordered=*/!m.owner};
+            ops.step(-1);  // eager once: the plans the rows below count, the kernels loaded
+
             group.synchronize();
             const std::string stuck = dev.wait_failure();
             FLATEP_CHECK_RUNTIME(stuck.empty(), c.preset, " s=", s, " ", m.name, ": ", stuck);
@@ -234,21 +276,21 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
                 return bench::time_ranks_graph(group, o.iters, o.warmup, o.batch, op);
             };
             // The step pulls the bf16 projection only (the pools also hold the FP8 pair the prefetch rows time).
-            row("step", timed([&] { dev.enqueue_step(/*prefetch_count=*/1); }), m.owner ? 0 : bytes[0]);
-            row("plan", timed([&] { dev.enqueue_plan(); }), 0);
-            row("dispatch", timed([&] { dev.enqueue_dispatch(); }), 0);  // the step's plan, replayed alone
-            row("combine", timed([&] { dev.enqueue_combine(); }), 0);
+            row("step", timed([&] { ops.step(/*count=*/1); }), m.owner ? 0 : bytes[0]);
+            row("plan", timed([&] { ops.plan(); }), 0);
+            row("dispatch", timed([&] { ops.dispatch(); }), 0);  // the step's plan, replayed alone
+            row("combine", timed([&] { ops.combine(); }), 0);
             // Dispatch and combine without their entry barriers (DispatchArgs / CombineArgs::plan_ordered: the step's
             // plan op met every rank after its previous step), in the step and alone.
-            dev.set_step_ordered(true);
-            row("step.ordered", timed([&] { dev.enqueue_step(/*prefetch_count=*/1); }), m.owner ? 0 : bytes[0]);
-            row("dispatch.ordered", timed([&] { dev.enqueue_dispatch(); }), 0);
-            row("combine.ordered", timed([&] { dev.enqueue_combine(); }), 0);
-            dev.set_step_ordered(false);
+            ops.step_ordered = true;
+            row("step.ordered", timed([&] { ops.step(/*count=*/1); }), m.owner ? 0 : bytes[0]);
+            row("dispatch.ordered", timed([&] { ops.dispatch(); }), 0);
+            row("combine.ordered", timed([&] { ops.combine(); }), 0);
+            ops.step_ordered = false;
             // The plan op's phases: the histogram and all-gather of the counts, then the planner too (the rest of the
             // op's time is the routing and the unpack).
-            row("plan.counts", timed([&] { dev.enqueue_plan(1); }), 0);
-            row("plan.counts_planner", timed([&] { dev.enqueue_plan(2); }), 0);
+            row("plan.counts", timed([&] { ops.plan(1); }), 0);
+            row("plan.counts_planner", timed([&] { ops.plan(2); }), 0);
             // Three barriers in a row on every rank (what a barrier adds inside a chain of kernels; prefetch.barrier
             // below is one).
             auto barriers = [&](int n) {
@@ -262,22 +304,21 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
             row("barrier.x3", timed([&] { barriers(3); }), 0);
             if (!m.owner) {
                 // The pull with its barrier (the op's default), then plan-ordered.
-                dev.set_plan_ordered(false);
-                row("prefetch.bf16", timed([&] { dev.enqueue_prefetch(0, 1); }), bytes[0]);
-                row("prefetch.fp8", timed([&] { dev.enqueue_prefetch(1, 2); }), bytes[1] + bytes[2]);
+                ops.plan_ordered = false;
+                row("prefetch.bf16", timed([&] { ops.prefetch(0, 1); }), bytes[0]);
+                row("prefetch.fp8", timed([&] { ops.prefetch(1, 2); }), bytes[1] + bytes[2]);
                 row("prefetch.fp8_op_per_projection",
-                    timed([&] { dev.enqueue_prefetch(1, 2, false, /*op_per_projection=*/true); }), bytes[1] + bytes[2]);
-                dev.set_plan_ordered(spec.plan_ordered);
-                row("prefetch.bf16.plan_ordered", timed([&] { dev.enqueue_prefetch(0, 1); }), bytes[0]);
-                row("prefetch.fp8.plan_ordered", timed([&] { dev.enqueue_prefetch(1, 2); }), bytes[1] + bytes[2]);
+                    timed([&] { ops.prefetch(1, 2, false, /*op_per_projection=*/true); }), bytes[1] + bytes[2]);
+                ops.plan_ordered = true;
+                row("prefetch.bf16.plan_ordered", timed([&] { ops.prefetch(0, 1); }), bytes[0]);
+                row("prefetch.fp8.plan_ordered", timed([&] { ops.prefetch(1, 2); }), bytes[1] + bytes[2]);
                 // The prefetch's cost inside a step: the step without it, and with the FP8 pair instead of bf16.
-                row("step.no_prefetch", timed([&] { dev.enqueue_step(/*prefetch_count=*/0); }), 0);
-                row("step.fp8", timed([&] { dev.enqueue_step(/*prefetch_count=*/2, /*prefetch_first=*/1); }),
-                    bytes[1] + bytes[2]);
+                row("step.no_prefetch", timed([&] { ops.step(/*count=*/0); }), 0);
+                row("step.fp8", timed([&] { ops.step(/*count=*/2, /*first=*/1); }), bytes[1] + bytes[2]);
                 // The pull's fixed part: its barrier alone (an op with no slot to fill).
                 row("prefetch.barrier", timed([&] { barriers(1); }), 0);
                 if (m.num_slots < 0)
-                    row("prefetch_push.bf16", timed([&] { dev.enqueue_prefetch(0, 1, /*push=*/true); }), bytes[0]);
+                    row("prefetch_push.bf16", timed([&] { ops.prefetch(0, 1, /*push=*/true); }), bytes[0]);
             }
             const std::string late = dev.wait_failure();
             FLATEP_CHECK_RUNTIME(late.empty(), c.preset, " s=", s, " ", m.name, ": ", late);

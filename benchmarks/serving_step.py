@@ -73,21 +73,27 @@ BF16 = torch.bfloat16
 PRESETS = {
     "deepep": dict(ranks=8, tokens=4096, experts=256, hidden=7168, topk=8, ffn=2048, maxvio=0.0),
     "k3": dict(ranks=8, tokens=4096, experts=896, hidden=7168, topk=8, ffn=512, maxvio=1.0),
+    # Kimi K3's model shape (H=3584, K=16, E=896) at the k3 preset's F and skew
+    "k3model": dict(ranks=8, tokens=4096, experts=896, hidden=3584, topk=16, ffn=512, maxvio=1.0),
     "quick": dict(ranks=4, tokens=256, experts=32, hidden=64, topk=4, ffn=32, maxvio=1.0),
 }
 COLUMNS = ["preset", "device", "timing", "R", "S", "E", "H", "K", "F", "maxvio", "s", "mode", "planner", "B",
-           "view_rows", "recv_rows", "rows_max", "replicas", "median_us", "min_us", "max_us", "iters", "enqueue_us",
-           "late", "vs", "ratio"]
+           "view_rows", "recv_rows", "rows_max", "replicas", "experts_max", "experts_mean", "weight_mb_max",
+           "weight_mb_sum", "median_us", "min_us", "max_us", "iters", "enqueue_us", "late", "vs", "ratio",
+           "bytes_ratio"]
 SLACK_BYTES = 3 * GIB // 2  # torch's context growth, cuBLAS workspaces, allocator rounding (besides 2% of the total)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=["deepep", "k3"], default="deepep")
+    p.add_argument("--preset", choices=["deepep", "k3", "k3model"], default="deepep")
     p.add_argument("--quick", action="store_true", help="a tiny shape (R=4, S=256, E=32, H=64, K=4, F=32)")
     p.add_argument("--ffn", type=int, default=None, help="F of the expert FFN (default: the preset's)")
     p.add_argument("--slots", type=int, default=4, help="B of the serving layer (< epn)")
     p.add_argument("--decode-tokens", type=int, default=128, help="tokens per call of the decode rows (<= S)")
+    p.add_argument("--decode-sweep", type=lambda t: [int(v) for v in t.split(",")], default=None,
+                   help="decode only: balanced B=--slots and owner at each s of this comma list (e.g. 1,16,128,512), "
+                        "no prefill and no B=epn layer")
     p.add_argument("--maxvio", type=float, default=None, help="routing skew (default: the preset's; 0 = uniform)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--iters", type=int, default=10)
@@ -114,6 +120,8 @@ def parse_args(argv=None):
         ("--ffn", a.ffn, a.ffn >= 1 and a.ffn * a.hidden % 8 == 0, "a positive int with F*H a multiple of 8"),
         ("--slots", a.slots, 0 <= a.slots < a.epn, f"in [0, epn={a.epn})"),
         ("--decode-tokens", a.decode_tokens, 1 <= a.decode_tokens <= a.tokens, f"in [1, S={a.tokens}]"),
+        ("--decode-sweep", a.decode_sweep, all(1 <= v <= a.tokens for v in a.decode_sweep or [1]),
+         f"a comma list of ints in [1, S={a.tokens}]"),
         ("--iters", a.iters, a.iters >= 1, ">= 1"),
         ("--warmup", a.warmup, a.warmup >= 0, ">= 0"),
         ("--maxvio", a.maxvio, a.maxvio >= 0, ">= 0"),
@@ -269,11 +277,21 @@ class Step:
         return outs, (max(ends) - min(starts)) * 1e6
 
     def plan_columns(self):
+        """The step's plan on every rank: rows, replicas, and the experts its GEMMs read (groups with rows: own
+        experts and replicas, pulled or read in place) and their bf16 weight bytes, per rank (max, mean / sum)."""
         plan, pools, buffer = self.moes[0].last_plan, self.moes[0].pools, self.moes[0].buffer
         counts = torch.stack([torch.bincount(i.flatten().cpu(), minlength=self.a.experts) for i in self.idx])
         st = plan.stats
+        active = []
+        for m in self.moes:  # a diagnostic: reads the plans' device arrays on the host, outside any timing
+            ends = m.last_plan.cu_seqlens.cpu().long()
+            sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+            active.append(int((sizes > 0).sum()))
+        eb = expert_bytes(self.a, self.a.ffn) / 1e6
         return dict(view_rows=pools.view_rows, recv_rows=buffer.num_recv_rows, rows_max=max(st["loads"]),
-                    replicas=st["replicas"], maxvio=round(testing.maxvio(counts), 4))
+                    replicas=st["replicas"], maxvio=round(testing.maxvio(counts), 4), experts_max=max(active),
+                    experts_mean=round(sum(active) / len(active), 2), weight_mb_max=round(max(active) * eb, 2),
+                    weight_mb_sum=round(sum(active) * eb, 2))
 
 
 class Graphs:
@@ -442,13 +460,15 @@ def run_phase(a, ranks, num_slots, steps, sigma, device, streams):
 
 
 def add_ratios(records, a):
-    """vs / ratio: balanced_b<B> against balanced_bepn at the same s, owner against balanced_b<B> (rounded times)."""
+    """vs / ratio: balanced_b<B> against balanced_bepn at the same s, owner against balanced_b<B> (rounded times);
+    bytes_ratio: the same pair's expert-weight bytes read by the GEMMs, summed over the ranks (they share one GPU)."""
     by = {(r["mode"], r["s"]): r for r in records}
     bm = f"balanced_b{a.slots}"
     for r in records:
         vs = {bm: "balanced_bepn", "owner": bm}.get(r["mode"])
         other = by.get((vs, r["s"]))
         r["vs"], r["ratio"] = (vs, round(r["median_us"] / other["median_us"], 4)) if other else ("", "")
+        r["bytes_ratio"] = round(r["weight_mb_sum"] / other["weight_mb_sum"], 4) if other else ""
 
 
 def main(argv=None):
@@ -458,6 +478,8 @@ def main(argv=None):
         sys.exit("serving_step: --device cuda needs a GPU and FlatEP built with CUDA; use --device cpu")
     S, d, B = a.tokens, a.decode_tokens, a.slots
     phases = [(B, [("balanced", S), ("balanced", d), ("owner", d)]), (a.epn, [("balanced", S), ("balanced", d)])]
+    if a.decode_sweep:
+        phases = [(B, [(planner, s) for s in a.decode_sweep for planner in ("balanced", "owner")])]
     print(f"serving_step: {a.preset_name} R={a.ranks} S={S} E={a.experts} H={a.hidden} K={a.topk} F={a.ffn} "
           f"epn={a.epn} B={B} decode s={d} maxvio {a.maxvio:g} on {device}", flush=True)
     check_memory(a, phases)
@@ -484,14 +506,19 @@ def main(argv=None):
     shape = dict(preset=a.preset_name, device=str(device), R=a.ranks, S=S, E=a.experts, H=a.hidden, K=a.topk,
                  F=a.ffn)
     rows = [{k: {**shape, **r}[k] for k in COLUMNS} for r in records]
-    print(f"\n{'mode':>16} {'s':>6} {'B':>4} {'rows_max':>9} {'replicas':>8} {'median_us':>11} {'min_us':>11} "
-          f"{'max_us':>11} {'vs':>16} {'ratio':>7}")
+    print(f"\n{'mode':>16} {'s':>6} {'B':>4} {'rows_max':>9} {'replicas':>8} {'experts':>11} {'weight_MB':>9} "
+          f"{'median_us':>11} {'min_us':>11} {'max_us':>11} {'vs':>16} {'ratio':>7} {'bytes':>7}")
     for r in rows:
-        print(f"{r['mode']:>16} {r['s']:>6} {r['B']:>4} {r['rows_max']:>9} {r['replicas']:>8} {r['median_us']:>11.1f} "
-              f"{r['min_us']:>11.1f} {r['max_us']:>11.1f} {r['vs']:>16} {r['ratio']!s:>7}")
+        print(f"{r['mode']:>16} {r['s']:>6} {r['B']:>4} {r['rows_max']:>9} {r['replicas']:>8} "
+              f"{r['experts_max']:>5}/{r['experts_mean']:<5} {r['weight_mb_sum']:>9.1f} {r['median_us']:>11.1f} "
+              f"{r['min_us']:>11.1f} {r['max_us']:>11.1f} {r['vs']:>16} {r['ratio']!s:>7} {r['bytes_ratio']!s:>7}")
     for r in rows:
         if r["vs"]:
-            print(f"ratio {r['mode']} / {r['vs']} at s={r['s']}: {r['ratio']:.3f}")
+            line = f"ratio {r['mode']} / {r['vs']} at s={r['s']}: {r['ratio']:.3f}"
+            if r["mode"] == "owner":
+                line += (f" (weight bytes {r['bytes_ratio']:.3f}; target <= bytes + 0.05 = "
+                         f"{r['bytes_ratio'] + 0.05:.3f}: {'met' if r['ratio'] <= r['bytes_ratio'] + 0.05 else 'MISSED'})")
+            print(line)
     if any(r["late"] for r in rows):
         print("warning: some timed steps were enqueued after the gate ended (column 'late'): raise --gate-ms")
     if a.csv:

@@ -50,14 +50,12 @@
 #include <string>
 #include <vector>
 
-#include "common/bf16.hpp"
 #include "common/flags.hpp"
 #include "flatep/buffer.hpp"
 #include "flatep/error.hpp"
 #include "flatep/expert_pools.hpp"
 #include "flatep/ipc.hpp"
-#include "layout/layout.hpp"
-#include "routing/routing.hpp"
+#include "internal/api.hpp"
 
 namespace {
 
@@ -121,7 +119,6 @@ Options parse(int argc, char** argv) {
     if (o.serving >= epn)
         usage_error("--serving must be below experts per rank (" + std::to_string(epn) + "), got " +
                     std::to_string(o.serving));
-    if (o.serving >= 0) o.config.num_slots = o.serving;  // the Buffers' (view_stride: the pools' own, at the start)
     return o;
 }
 
@@ -292,8 +289,7 @@ std::function<StepResult(int, bool, StepClock&)> training_steps(const Options& o
     Config cfg = o.config;
     cfg.rank = rank;
     auto buffer = std::make_shared<Buffer>(cfg, transport);
-    const Layout& l = buffer->layout();
-    const int H = cfg.hidden, epn = l.experts_per_rank;
+    const int H = cfg.hidden, epn = buffer->experts_per_rank(), nvs = buffer->num_recv_rows();
     const ProjectionShape shape{H, o.ffn};
     auto pools = std::make_shared<ExpertPools>(transport, epn, std::vector<ProjectionShape>{shape});
     auto layer = std::make_shared<ExpertLayer>(pools->register_layer());
@@ -301,8 +297,8 @@ std::function<StepResult(int, bool, StepClock&)> training_steps(const Options& o
     fill_own_weights(*layer, rank, epn * expert_elems);
     auto in = std::make_shared<StepInputs>();
     auto out = std::make_shared<std::vector<uint16_t>>(size_t(cfg.num_tokens) * H);
-    auto recv_x = std::make_shared<std::vector<uint16_t>>(size_t(l.num_recv_rows) * H);
-    auto recv_w = std::make_shared<std::vector<float>>(size_t(l.num_recv_rows));
+    auto recv_x = std::make_shared<std::vector<uint16_t>>(size_t(nvs) * H);
+    auto recv_w = std::make_shared<std::vector<float>>(size_t(nvs));
     return [=, &o](int step, bool, StepClock& clock) {
         in->make(o, step, rank, cfg.num_tokens);
         const int s = in->s;
@@ -357,16 +353,15 @@ std::function<StepResult(int, bool, StepClock&)> serving_steps(const Options& o,
     auto pools = std::make_shared<ExpertPools>(transport, epn, shapes, B);
     Config prefill_cfg = o.config;
     prefill_cfg.rank = rank;
-    prefill_cfg.num_slots = B;
-    prefill_cfg.view_stride = pools->view_stride();
     Config decode_cfg = prefill_cfg;
     decode_cfg.num_tokens = o.decode_tokens;
-    auto prefill = std::make_shared<Buffer>(prefill_cfg, transport, PlannerKind::kBalanced);
-    auto decode = std::make_shared<Buffer>(decode_cfg, transport, PlannerKind::kOwner);
+    // Both made from the pools: they take its B and view stride.
+    auto prefill = std::make_shared<Buffer>(prefill_cfg, *pools, PlannerKind::kBalanced);
+    auto decode = std::make_shared<Buffer>(decode_cfg, *pools, PlannerKind::kOwner);
     const int64_t view_rows = pools->view_rows();
     for (const Buffer* b : {prefill.get(), decode.get()})
-        if (b->layout().num_groups() != view_rows)
-            throw std::runtime_error("flatep-soak: a serving layout has " + std::to_string(b->layout().num_groups()) +
+        if (b->num_groups() != view_rows)
+            throw std::runtime_error("flatep-soak: a serving layout has " + std::to_string(b->num_groups()) +
                                      " groups, the weights view " + std::to_string(view_rows) + " rows");
     auto layer = std::make_shared<ExpertLayer>(pools->register_layer());
     const int64_t expert_elems = shapes[0].elems();
@@ -378,7 +373,7 @@ std::function<StepResult(int, bool, StepClock&)> serving_steps(const Options& o,
         for (int64_t i = 0; i < epn * shapes[q].expert_bytes(); ++i)
             bytes[i] = uint8_t(routing::uniform(uint64_t(1000 + 64 * q + rank), uint64_t(i)) * 256.0);
     }
-    const int64_t max_rows = std::max(prefill->layout().num_recv_rows, decode->layout().num_recv_rows);
+    const int64_t max_rows = std::max(prefill->num_recv_rows(), decode->num_recv_rows());
     auto in = std::make_shared<StepInputs>();
     auto out = std::make_shared<std::vector<uint16_t>>(size_t(std::max(o.config.num_tokens, o.decode_tokens)) * H);
     auto recv_x = std::make_shared<std::vector<uint16_t>>(size_t(max_rows) * H);

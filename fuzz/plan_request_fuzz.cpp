@@ -67,7 +67,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         } catch (const flatep::Error& e) {
             FUZZ_ASSERT(false, "accepted request has an invalid config: %s", e.what());
         }
-        const flatep::Layout l = flatep::make_layout(c);
+        const flatep::Layout l = flatep::make_layout(c, flatep::PlannerKind::kBalanced, request.view);
         FUZZ_ASSERT(request.tpe.size() == size_t(l.num_ranks) * size_t(l.num_experts), "tpe has %zu counts for R*E=%d",
                     request.tpe.size(), l.num_ranks * l.num_experts);
         const std::string counts = planner::validate_counts(l, request.tpe.data());

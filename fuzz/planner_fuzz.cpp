@@ -93,13 +93,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const uint8_t f = in.u8();
     c.capacity_factor = f < 128 ? 1.0 : (f == 128 ? 1.0000001 : 1.0 + double(f - 128) / 127.0 * 3.0);
     // Mode bit 5: the serving layout (B = num_slots < epn slots a rank; B = epn is the training layout).
-    if ((mode & 32) != 0) c.num_slots = in.u8() % (epn + 1);
+    flatep::ViewShape view;
+    if ((mode & 32) != 0) view.num_slots = in.u8() % (epn + 1);
     try {
         c.validate();
     } catch (const flatep::Error& e) {
         FUZZ_ASSERT(false, "the decoder made an invalid config %s: %s", c.to_string().c_str(), e.what());
     }
-    const flatep::Layout l = flatep::make_layout(c);
+    const flatep::Layout l = flatep::make_layout(c, flatep::PlannerKind::kBalanced, view);
     const int R = l.num_ranks, E = l.num_experts;
     const int64_t sk = int64_t(l.num_tokens) * l.topk;
     std::vector<int32_t> tpe(size_t(R) * E, 0);
@@ -164,7 +165,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     // The owner planner on its own layout (capacity R*S*K): the same counts, the same checks. A config whose owner
     // capacity does not fit int32 is refused by make_layout, which the decoder's small shapes never reach.
-    const flatep::Layout lo = flatep::make_layout(c, flatep::PlannerKind::kOwner);
+    const flatep::Layout lo = flatep::make_layout(c, flatep::PlannerKind::kOwner, view);
     planner::HostPlan first(lo), second(lo);
     std::copy(tpe.begin(), tpe.end(), first.view.tpe_all);
     std::copy(tpe.begin(), tpe.end(), second.view.tpe_all);
@@ -184,7 +185,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     // valid by construction: a byte b gives b mod (E + 1) - 1, an own expert or a repeat becomes -1. An invalid one
     // must be refused by make_placement_table with check_placement's message; a valid one planned twice, the same,
     // and check_plan (the split rule written out, the slot table the placement) must accept it.
-    const flatep::Layout ls = flatep::make_layout(c, flatep::PlannerKind::kStatic);
+    const flatep::Layout ls = flatep::make_layout(c, flatep::PlannerKind::kStatic, view);
     std::vector<int32_t> placement(size_t(ls.num_ranks) * ls.num_slots);
     const bool raw = in.u8() % 4 == 1;
     for (int d = 0; d < ls.num_ranks; ++d) {

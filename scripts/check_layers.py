@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Checks every #include of src/ (and include/) against the layer table of docs/design.md §10, and the table against
-the includes.
+the includes; and that bindings/, tools/ and benchmarks/ include only the public headers, the one internal API
+header (src/internal/api.hpp) and their own files.
 
 The table is the ```layers block of docs/design.md: one line per folder of src/, then the folders its files include
 besides their own and the public headers (include/flatep/): exactly the arrows of the picture. An include of a folder
@@ -23,6 +24,9 @@ import sys
 
 EXTENSIONS = (".cpp", ".hpp", ".cu", ".cuh")
 PUBLIC = "flatep"  # include/flatep/: every folder may include it
+# The folders outside src/ held to the public headers, the one internal API header and their own files.
+OUTSIDE = ("bindings", "tools", "benchmarks")
+INTERNAL_API = "internal/api.hpp"
 INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*([<"])([^>"]+)[>"]', re.MULTILINE)
 BLOCK_COMMENT = re.compile(r"/\*.*?\*/", re.DOTALL)
 
@@ -95,6 +99,18 @@ def includes(path):
         yield text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2)
 
 
+def includes_within(root, path, out):
+    """(line number, delimiter, name) of each #include of the file except those that climb out of their folder with
+    "..", which go into `out` as violations."""
+    rel = os.path.relpath(path, root)
+    for line, delimiter, name in includes(path):
+        if ".." in name.split("/"):
+            out.append(f"{rel}:{line}: includes \"{name}\", which climbs out of its folder with '..' (the build "
+                       f"cannot see it): write it from the folder, as \"<folder>/...\"")
+            continue
+        yield line, delimiter, name
+
+
 def check_file(root, path, owner, allowed, folders, used=None):
     """Violations of one file of folder `owner` (None: include/, which may include only the public headers). The
     folders it includes go into `used` (a set), when given."""
@@ -103,12 +119,8 @@ def check_file(root, path, owner, allowed, folders, used=None):
     what = owner if owner is not None else "include/"
     may = " ".join(allowed) if allowed else "nothing"
     out = []
-    for line, delimiter, name in includes(path):
+    for line, delimiter, name in includes_within(root, path, out):
         parts = name.split("/")
-        if ".." in parts:
-            out.append(f"{rel}:{line}: includes \"{name}\", which climbs out of its folder with '..' (the build "
-                       f"cannot see it): write it from the folder, as \"<folder>/...\"")
-            continue
         target = None
         if delimiter == '"' and os.path.isfile(os.path.join(os.path.dirname(path), name)):
             # The compiler looks beside the including file first: the include stays in the file's own folder.
@@ -123,6 +135,22 @@ def check_file(root, path, owner, allowed, folders, used=None):
         if target not in allowed:
             out.append(f"{rel}:{line}: {what} may not include {target} (\"{name}\"); {what} may include: {may} "
                        f"(docs/design.md §10)")
+    return out
+
+
+def check_outside(root, path, top):
+    """Violations of one file under the folder `top` outside src/ (OUTSIDE): a quoted include must be a public header,
+    the internal API header, or a file of its own tree (beside it, or from `top`); angle brackets are system and
+    third-party headers."""
+    rel = os.path.relpath(path, root)
+    out = []
+    for line, delimiter, name in includes_within(root, path, out):
+        if delimiter == "<" or name.split("/")[0] == PUBLIC or name == INTERNAL_API:
+            continue
+        if os.path.isfile(os.path.join(os.path.dirname(path), name)) or os.path.isfile(os.path.join(root, top, name)):
+            continue  # its own tree
+        out.append(f"{rel}:{line}: {top}/ may include only the public headers (flatep/...), the internal API "
+                   f"(\"{INTERNAL_API}\") and its own files, not \"{name}\" (docs/design.md §10)")
     return out
 
 
@@ -151,6 +179,11 @@ def check(root, design):
         for path in source_files(public):
             num_files += 1
             violations += check_file(root, path, None, [], table)
+    for top in OUTSIDE:
+        if os.path.isdir(os.path.join(root, top)):
+            for path in source_files(os.path.join(root, top)):
+                num_files += 1
+                violations += check_outside(root, path, top)
     return violations, num_files
 
 

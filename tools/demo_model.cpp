@@ -2,8 +2,7 @@
 
 #include <cmath>
 
-#include "common/bf16.hpp"
-#include "routing/routing.hpp"
+#include "internal/api.hpp"
 
 namespace flatep::demo {
 

@@ -10,17 +10,13 @@
 #include <memory>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "common/bf16.hpp"
 #include "demo_model.hpp"
 #include "flatep/buffer.hpp"
 #include "flatep/expert_pools.hpp"
-#include "layout/layout.hpp"
-#include "layout/plan.hpp"
-#include "routing/routing.hpp"
-#include "transport/local_host.hpp"
+#include "flatep/ipc.hpp"
+#include "internal/api.hpp"
 
 namespace flatep::demo {
 namespace {
@@ -157,8 +153,8 @@ void run_rank(const Options& o, const Inputs& in, const std::shared_ptr<Transpor
     cfg.align = o.align;
     cfg.capacity_factor = o.capacity_factor;
     Buffer buffer(cfg, transport, o.planner);
-    const Layout& l = buffer.layout();
-    const int S = o.tokens, K = o.topk, H = o.hidden, F = o.ffn, epn = l.experts_per_rank, nvs = l.num_recv_rows;
+    const int S = o.tokens, K = o.topk, H = o.hidden, F = o.ffn, epn = buffer.experts_per_rank(),
+              nvs = buffer.num_recv_rows();
     const ModelDims dims{H, F};
     const int64_t w_elems = int64_t(H) * F;
 
@@ -305,21 +301,17 @@ Row run_sweep_point(const Options& o, double target) {
         row.realised = routing::maxvio(tpe_all.data(), R, E);
     }
 
-    // FlatEP: R ranks as threads over the local host transport.
+    // FlatEP: R virtual ranks (threads over the ipc transport in host memory).
     std::vector<RankResult> res(R);
     {
-        transport::LocalHostWorld world(R, 30.0);
-        std::vector<std::thread> threads;
-        for (int r = 0; r < R; ++r) {
-            threads.emplace_back([&, r] {
-                try {
-                    run_rank(o, in, world.transport(r), r, res[r]);
-                } catch (const std::exception& e) {
-                    res[r].error = e.what();
-                }
-            });
-        }
-        for (auto& t : threads) t.join();
+        const std::vector<std::shared_ptr<Transport>> ranks = make_virtual_ranks(R, MemoryKind::kHost, 30.0);
+        run_threads(R, [&](int r) {
+            try {
+                run_rank(o, in, ranks[size_t(r)], r, res[r]);
+            } catch (const std::exception& e) {
+                res[r].error = e.what();
+            }
+        });
     }
     for (int r = 0; r < R; ++r) {
         if (!res[r].error.empty()) {

@@ -21,10 +21,9 @@
 #include <vector>
 
 #include "flatep/error.hpp"
+#include "internal/api.hpp"
 #include "json.hpp"
-#include "layout/layout.hpp"
 #include "plan_request.hpp"
-#include "planner/planner.hpp"
 
 namespace {
 
@@ -155,7 +154,7 @@ int main(int argc, char** argv) {
         const std::string err = flatep::parse_plan_request(text, allow_partial, req);
         if (!err.empty()) fail(err);
         const flatep::Config& c = req.config;
-        const flatep::Layout l = flatep::make_layout(c, kind);  // the owner planner: capacity R*S*K
+        const flatep::Layout l = flatep::make_layout(c, kind, req.view);  // the owner planner: capacity R*S*K
         flatep::planner::HostPlan plan(l);
         std::copy(req.tpe.begin(), req.tpe.end(), plan.view.tpe_all);
         flatep::planner::plan_counts(l, kind, plan.view);

@@ -7,7 +7,8 @@
 // Size: at most kMaxRequestCounts counts (R*E), checked twice so that memory stays bounded (about 200 MB) whatever the
 // input: the JSON parser stops after the values such a request can hold, and R*E is checked before the count matrix
 // is allocated.
-// Header-only on purpose: it depends only on json.hpp (nlohmann-json within limits) and the Config validation.
+// Header-only on purpose: it depends only on json.hpp (nlohmann-json within limits) and the layout's validation
+// (make_layout, through the internal API).
 #pragma once
 
 #include <cstdint>
@@ -18,6 +19,7 @@
 #include "flatep/config.hpp"
 #include "flatep/error.hpp"
 #include "flatep/types.hpp"
+#include "internal/api.hpp"
 #include "json.hpp"
 
 namespace flatep {
@@ -29,6 +31,7 @@ inline constexpr size_t kMaxRequestValues = size_t(kMaxRequestCounts) + kMaxRank
 
 struct PlanRequest {
     Config config;             // hidden is not part of the request: 8; rank 0
+    ViewShape view;            // num_slots and view_stride: the groups' layout (training unless given)
     std::vector<int32_t> tpe;  // [R][E] row-major
 };
 
@@ -75,6 +78,7 @@ inline std::string parse_plan_request(std::string_view text, bool allow_partial,
         if (!known) return "unknown field \"" + json::printable(m.key()) + "\"";
     }
     Config c;
+    ViewShape view;
     c.rank = 0;
     c.hidden = 8;
     struct IntField {
@@ -87,8 +91,8 @@ inline std::string parse_plan_request(std::string_view text, bool allow_partial,
                              {"S", &c.num_tokens, true},
                              {"K", &c.topk, true},
                              {"align", &c.align, false},
-                             {"num_slots", &c.num_slots, false},
-                             {"view_stride", &c.view_stride, false}};
+                             {"num_slots", &view.num_slots, false},
+                             {"view_stride", &view.view_stride, false}};
     c.align = 128;
     for (const IntField& f : ints) {
         const auto v = root.find(f.name);
@@ -108,7 +112,7 @@ inline std::string parse_plan_request(std::string_view text, bool allow_partial,
     const auto tpe = root.find("tpe");
     if (tpe == root.end()) return "missing field \"tpe\"";
     try {
-        c.validate();
+        make_layout(c, PlannerKind::kBalanced, view);  // the config, then the view against it
     } catch (const Error& e) {
         return e.message();
     }
@@ -143,6 +147,7 @@ inline std::string parse_plan_request(std::string_view text, bool allow_partial,
                    (allow_partial ? "" : " (use --allow-partial for partial batches)");
     }
     out.config = c;
+    out.view = view;
     out.tpe = std::move(counts);
     return "";
 }

@@ -6,7 +6,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "common/check.hpp"
+#include "internal/api.hpp"
 
 namespace flatep::bench {
 

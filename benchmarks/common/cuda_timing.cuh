@@ -8,7 +8,7 @@
 #include <functional>
 #include <vector>
 
-#include "kernels/common/cuda_check.cuh"
+#include "internal/api.hpp"
 #include "timing.hpp"
 
 namespace flatep::bench {

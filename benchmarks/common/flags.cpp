@@ -8,7 +8,7 @@
 #include <map>
 
 #include "flatep/error.hpp"
-#include "routing/routing.hpp"
+#include "internal/api.hpp"
 
 namespace flatep::bench {
 

@@ -9,7 +9,7 @@
 #include <sstream>
 #include <thread>
 
-#include "routing/routing.hpp"
+#include "internal/api.hpp"
 
 namespace flatep::bench {
 

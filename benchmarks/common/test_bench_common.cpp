@@ -10,7 +10,7 @@
 
 #include "csv.hpp"
 #include "flags.hpp"
-#include "routing/routing.hpp"
+#include "internal/api.hpp"
 #include "routing_cases.hpp"
 #include "timing.hpp"
 

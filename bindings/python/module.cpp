@@ -14,14 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "common/check.hpp"
-#include "common/env.hpp"
 #include "flatep/ffn.hpp"
 #include "flatep/flatep.hpp"
 #include "flatep/ipc.hpp"
-#include "layout/layout.hpp"
-#include "planner/planner.hpp"
-#include "routing/routing.hpp"
+#include "internal/api.hpp"
 
 namespace py = pybind11;
 
@@ -98,7 +94,7 @@ py::list to_list(const int32_t* values, int n) {
 
 py::dict stats_dict(const Plan& plan) {
     const PlanStats& s = plan.stats();
-    const int R = plan.host_plan().layout.num_ranks;
+    const int R = internal::layout(plan).num_ranks;
     py::dict d;
     d["entries_total"] = s.entries_total;
     d["entries_moved"] = s.entries_moved;
@@ -205,21 +201,21 @@ void bind_plan(py::module_& m) {
             py::arg("rank"))
         .def("tpe_all",
              [](const Plan& p) {
-                 const Layout& l = p.host_plan().layout;
+                 const Layout& l = internal::layout(p);
                  return to_array(p.tpe_all(), {l.num_ranks, l.num_experts});
              })
         .def("alloc",
              [](const Plan& p) {
-                 const Layout& l = p.host_plan().layout;
+                 const Layout& l = internal::layout(p);
                  return to_array(p.alloc(), {l.num_ranks, l.num_experts});
              })
         .def("entry_ranks",
              [](const Plan& p) {
-                 return to_array(p.entry_ranks(), {p.num_tokens(), p.host_plan().layout.topk});
+                 return to_array(p.entry_ranks(), {p.num_tokens(), internal::layout(p).topk});
              })
         .def("entry_rows",
              [](const Plan& p) {
-                 return to_array(p.entry_rows(), {p.num_tokens(), p.host_plan().layout.topk});
+                 return to_array(p.entry_rows(), {p.num_tokens(), internal::layout(p).topk});
              })
         .def("row_heads", [](const Plan& p) { return to_array(p.row_heads(), {py::ssize_t(p.row_heads().size())}); })
         .def("stats", &stats_dict)
@@ -245,7 +241,7 @@ void bind_buffer(py::module_& m) {
     py::class_<Buffer, std::shared_ptr<Buffer>>(m, "Buffer", "C++ flatep::Buffer over pointers; see flatep.Buffer.")
         .def(py::init([](std::shared_ptr<Transport> transport, int num_tokens, int hidden, int num_experts, int topk,
                          int align, double capacity_factor, const std::string& planner, int num_plan_slots,
-                         int num_slots, int view_stride) {
+                         std::shared_ptr<ExpertPools> pools) {
                  FLATEP_CHECK(transport != nullptr, "transport is None");
                  Config config;
                  config.num_ranks = transport->num_ranks();
@@ -256,17 +252,19 @@ void bind_buffer(py::module_& m) {
                  config.topk = topk;
                  config.align = align;
                  config.capacity_factor = capacity_factor;
-                 config.num_slots = num_slots;
-                 config.view_stride = view_stride;
                  const PlannerKind kind = planner_from_name(planner);
                  config.validate(kind);  // before any collective: a bad argument fails on the caller's rank at once
+                 FLATEP_CHECK(pools == nullptr || internal::transport(*pools) == transport,
+                              "Buffer: the pools were built over another group (transport) than the Buffer's");
                  py::gil_scoped_release release;
+                 if (pools != nullptr) return std::make_shared<Buffer>(config, *pools, kind, num_plan_slots);
                  return std::make_shared<Buffer>(config, std::move(transport), kind, num_plan_slots);
              }),
              py::arg("transport"), py::arg("num_tokens"), py::arg("hidden"), py::arg("num_experts"), py::arg("topk"),
              py::arg("align"), py::arg("capacity_factor"), py::arg("planner"),
-             py::arg("num_plan_slots") = Buffer::kDefaultPlanSlots, py::arg("num_slots") = -1,
-             py::arg("view_stride") = 0)
+             py::arg("num_plan_slots") = Buffer::kDefaultPlanSlots, py::arg("pools") = nullptr,
+             "pools: the ExpertPools whose plans the Buffer makes (it takes their num_slots and view_stride); None: "
+             "the training layout")
         .def(
             "plan",
             [](Buffer& b, uintptr_t topk_idx, int index_bytes, int num_tokens, uintptr_t plan_storage, uintptr_t stream,
@@ -304,10 +302,10 @@ void bind_buffer(py::module_& m) {
                                    // (slot_expert, cu_seqlens) of this rank: int32 word offsets into a device plan's
                                    // storage (the same for every plan of the Buffer), so views of them can be made
                                    // before any plan exists.
-                                   const PlanSizes s = make_plan_sizes(b.layout());
+                                   const PlanSizes s = make_plan_sizes(internal::layout(b));
                                    const int64_t rank = b.config().rank;
-                                   return py::make_tuple(s.slot_expert + rank * b.layout().experts_per_rank,
-                                                         s.cu_seqlens + rank * b.layout().num_groups());
+                                   return py::make_tuple(s.slot_expert + rank * b.experts_per_rank(),
+                                                         s.cu_seqlens + rank * b.num_groups());
                                })
         .def_property(
             "num_sms", &Buffer::num_sms,
@@ -369,15 +367,15 @@ void bind_buffer(py::module_& m) {
         .def_property_readonly("on_device", &Buffer::on_device)
         .def_property_readonly("id", &Buffer::id)
         .def_property_readonly("generation", &Buffer::generation)
-        .def_property_readonly("num_ranks", [](const Buffer& b) { return b.layout().num_ranks; })
+        .def_property_readonly("num_ranks", [](const Buffer& b) { return b.config().num_ranks; })
         .def_property_readonly("rank", [](const Buffer& b) { return b.config().rank; })
-        .def_property_readonly("experts_per_rank", [](const Buffer& b) { return b.layout().experts_per_rank; })
-        .def_property_readonly("capacity", [](const Buffer& b) { return b.layout().capacity; })
-        .def_property_readonly("num_recv_rows", [](const Buffer& b) { return b.layout().num_recv_rows; })
-        .def_property_readonly("num_groups", [](const Buffer& b) { return b.layout().num_groups(); })
-        .def_property_readonly("num_slots", [](const Buffer& b) { return b.layout().num_slots; })
-        .def_property_readonly("view_stride", [](const Buffer& b) { return b.layout().view_stride; })
-        .def_property_readonly("serving", [](const Buffer& b) { return b.layout().serving; })
+        .def_property_readonly("experts_per_rank", &Buffer::experts_per_rank)
+        .def_property_readonly("capacity", &Buffer::capacity)
+        .def_property_readonly("num_recv_rows", &Buffer::num_recv_rows)
+        .def_property_readonly("num_groups", &Buffer::num_groups)
+        .def_property_readonly("num_slots", &Buffer::num_slots)
+        .def_property_readonly("view_stride", &Buffer::view_stride)
+        .def_property_readonly("serving", &Buffer::serving)
         .def_property_readonly("planner", [](const Buffer& b) { return std::string(planner_name(b.planner())); });
     m.def(
         "quantize_fp8",
@@ -470,21 +468,24 @@ void bind_pools(py::module_& m) {
 // tensors (bf16, contiguous, shapes, one CUDA device) and passes their data pointers, the address of cu_seqlens' last
 // element as `end` and torch's current stream.
 void bind_ffn(py::module_& m) {
+    m.def("make_device_current", &make_device_current, py::arg("device"),
+          "flatep::make_device_current: the device's primary CUDA context current on the calling thread "
+          "(cudaSetDevice); a thread that never called into CUDA has none. kRuntime in a build without CUDA.");
 #ifdef FLATEP_WITH_CUDA
     using Release = py::call_guard<py::gil_scoped_release>;
     m.def(
         "activate_rows",
-        [](uintptr_t h, uintptr_t a, int64_t rows, int64_t ffn, bool swiglu, uintptr_t end, uintptr_t stream,
-           int num_sms) {
+        [](uintptr_t h, uintptr_t a, int64_t rows, int64_t ffn, bool swiglu, uintptr_t end, bool zero_past_end,
+           uintptr_t stream, int num_sms) {
             activate_rows(as_ptr<const uint16_t>(h), as_ptr<uint16_t>(a), rows, ffn,
                           swiglu ? FfnActivation::kSwiglu : FfnActivation::kSilu, as_ptr<const int32_t>(end),
-                          launch_of(stream, num_sms));
+                          zero_past_end ? PastEnd::kZero : PastEnd::kUntouched, launch_of(stream, num_sms));
         },
         py::arg("h"), py::arg("a"), py::arg("rows"), py::arg("ffn"), py::arg("swiglu"), py::arg("end"), py::kw_only(),
-        py::arg("stream") = 0, py::arg("num_sms") = -1, Release(),
+        py::arg("zero_past_end") = true, py::arg("stream") = 0, py::arg("num_sms") = -1, Release(),
         "flatep::activate_rows on device pointers: a [rows][ffn] bf16 = silu(gate) * up (swiglu, h [rows][2*ffn]) or "
-        "silu(h) (h [rows][ffn]) on the rows below *end (int32, read on the device), zero on the others. See "
-        "flatep.ffn.activate_rows.");
+        "silu(h) (h [rows][ffn]) on the rows below *end (int32, read on the device); the others zero "
+        "(zero_past_end) or untouched. See flatep.ffn.activate_rows.");
     m.def(
         "zero_rows_from_end",
         [](uintptr_t y, int64_t rows, int64_t cols, uintptr_t end, uintptr_t stream, int num_sms) {

@@ -42,18 +42,7 @@
 
 namespace flatep {
 
-struct Layout;          // layout/layout.hpp: every size derived from the Config
-class CollectiveGuard;  // runtime/collective_guard.hpp: poisoning after a failed cross-rank wait
-namespace planner {
-struct HostPlan;  // planner/planner.hpp: the plan arrays in host memory
-}  // namespace planner
-namespace host {
-struct OpStats;  // host/op_stats.hpp: counters of the CPU backend's ops
-}  // namespace host
-namespace runtime {
-class BufferBackend;    // runtime/backend.hpp: host twins or CUDA kernels, chosen at construction
-struct PlacementState;  // runtime/placement.hpp: the static planner's placement (set_placement)
-}  // namespace runtime
+class ExpertPools;  // flatep/expert_pools.hpp
 
 class Plan {
   public:
@@ -85,16 +74,12 @@ class Plan {
     const int32_t* device_cu_seqlens(int rank) const;   // [num_groups] int32 in device memory (grouped-GEMM offs)
     const int32_t* device_slot_expert(int rank) const;  // [epn] int32 in device memory
 
-    // The plan arrays (internal API: planner/planner.hpp gives the type).
-    const planner::HostPlan& host_plan() const;
-
-    struct Data;  // the plan's state (runtime/plan_data.hpp; internal)
-
-  private:
-    friend class Buffer;
-    friend class ExpertPools;
+    // The plan's state: opaque outside the library (only a Buffer makes one).
+    struct Data;
     explicit Plan(std::shared_ptr<const Data> data) : data_(std::move(data)) {}
     const Data& data() const;
+
+  private:
     std::shared_ptr<const Data> data_;
 };
 
@@ -105,8 +90,14 @@ class Buffer {
     // allocates the symmetric buffer. Collective. The backend follows the transport's memory kind: host memory runs
     // the CPU backend (every op synchronously on the calling thread), device memory the CUDA kernels.
     // num_plan_slots: device plans the Buffer keeps itself (0: every device plan() call must pass storage).
+    // The groups of its plans follow the training layout (2*epn groups: own experts, then epn slots).
     static constexpr int kDefaultPlanSlots = 4;
     Buffer(const Config& config, std::shared_ptr<Transport> transport, PlannerKind planner = PlannerKind::kBalanced,
+           int num_plan_slots = kDefaultPlanSlots);
+    // A Buffer whose plans `pools` take, over the pools' transport: it takes their replica slots B and view stride Q
+    // (serving pools, B < epn: the R*Q + B groups of the weights view, design §5 "Serving layout"; training pools:
+    // the training layout). config's E / R must be the pools' experts_per_rank. Collective, as above.
+    Buffer(const Config& config, const ExpertPools& pools, PlannerKind planner = PlannerKind::kBalanced,
            int num_plan_slots = kDefaultPlanSlots);
     ~Buffer();  // releases the symmetric buffer; never throws
     Buffer(const Buffer&) = delete;
@@ -121,11 +112,11 @@ class Buffer {
               const Launch& launch = {});
     // int32 words of one device plan (the storage plan() takes).
     int64_t plan_words() const;
-    int num_plan_slots() const { return num_plan_slots_; }
+    int num_plan_slots() const;
 
     // The static planner (PlannerKind::kStatic; design §4 "The static planner"). Collective: every rank passes the
-    // same placement, [R][B] int32 expert ids in host memory (B = layout().num_slots: the serving layout's slots, or
-    // epn in training), row d the experts rank d's slots hold, -1 for an empty slot. Valid: R*B entries, each -1 or an
+    // same placement, [R][B] int32 expert ids in host memory (B = num_slots(): its pools' slots, or epn in the
+    // training layout), row d the experts rank d's slots hold, -1 for an empty slot. Valid: R*B entries, each -1 or an
     // id in [0, E) that is not rank d's own expert, no expert twice in a row. Ranks whose placements differ all throw
     // kMismatch naming the first difference; an invalid placement throws kInvalidArgument naming the entry and its
     // value; either way the Buffer keeps the placement it had. A Buffer of another planner throws kInvalidArgument.
@@ -202,12 +193,23 @@ class Buffer {
     // True after a failed cross-rank wait (every later op throws); reason() says which.
     bool poisoned() const;
 
-    const Config& config() const { return config_; }
-    const Layout& layout() const;
-    PlannerKind planner() const { return planner_; }
-    uint64_t id() const { return id_; }
-    uint64_t generation() const { return generation_; }
-    Transport& transport() { return *transport_; }
+    const Config& config() const;
+    PlannerKind planner() const;
+    uint64_t id() const;
+    uint64_t generation() const;
+    Transport& transport();
+
+    // What the config derives (design §1, §5): epn = E / R; the receive rows NvS (recv_x [NvS][H], recv_w [NvS]);
+    // the row groups of a plan's cu_seqlens (2*epn, or R*Q + B for a Buffer of serving pools); the receive capacity C.
+    int experts_per_rank() const;
+    int num_recv_rows() const;
+    int num_groups() const;
+    int capacity() const;
+    // B and Q (its pools'; epn and epn for the training layout), and whether the groups are the serving layout (B <
+    // epn).
+    int num_slots() const;
+    int view_stride() const;
+    bool serving() const;
 
     // Device backend (a transport with MemoryKind::kDevice): every op is enqueued on its Launch's CUDA stream and never
     // synchronises with the host; all pointers passed to the ops are device pointers. check_status() is a
@@ -215,7 +217,7 @@ class Buffer {
     bool on_device() const;
     // The SM budget of calls whose Launch says -1: the most thread blocks one launch of an op uses (0: no cap). Starts
     // at FLATEP_NUM_SMS (0 on the CPU backend, which ignores it). Outside [0, kMaxNumSms]: kInvalidArgument.
-    int num_sms() const { return num_sms_; }
+    int num_sms() const;
     void set_num_sms(int num_sms);
 
     // This rank's symmetric receive regions ([NvS][H] bf16, [NvS] fp32): pass them to dispatch to skip the
@@ -226,34 +228,13 @@ class Buffer {
     uint8_t* symmetric_recv_x_fp8();
     float* symmetric_recv_scales();
 
-    // Optional counters of the CPU backend's ops (tests): the pointer must stay valid while set; null stops.
-    void set_op_stats(host::OpStats* stats) { op_stats_ = stats; }
+    // The implementation (src/runtime): opaque outside the library, which reaches it through its internal API.
+    struct Impl;
+    explicit Buffer(std::unique_ptr<Impl> impl);
+    Impl& impl() const { return *impl_; }
 
   private:
-    void check_plan(const Plan& plan, const char* op) const;
-    // The call's launch with its budget resolved (after refusing an option the op does not take).
-    Launch enter(const char* op, const Launch& launch, bool takes_plan_ordered = false);
-    [[noreturn]] void throw_status(const int32_t words[4]) const;  // the error the status words hold
-    void after_op(const Launch& launch);
-    template <typename Args>
-    Args op_args(const Plan& plan);  // the fields every data-plane op's Args share
-
-    Config config_;
-    std::unique_ptr<Layout> layout_;
-    std::shared_ptr<Transport> transport_;
-    PlannerKind planner_;
-    uint64_t id_;
-    uint64_t generation_ = 0;
-    SymmetricRegion region_;
-    uint64_t epoch_ = 0;
-    bool debug_ = false;
-    host::OpStats* op_stats_ = nullptr;
-    int num_sms_ = 0;
-    std::unique_ptr<CollectiveGuard> guard_;
-    double timeout_s_ = 0;  // the transport's timeout when this Buffer was built: every op's waits
-    int num_plan_slots_ = 0;
-    std::unique_ptr<runtime::BufferBackend> backend_;
-    std::unique_ptr<runtime::PlacementState> placement_;  // the static planner's (set_placement)
+    std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace flatep

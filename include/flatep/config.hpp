@@ -1,4 +1,5 @@
-// FlatEP construction parameters (design §1, §8). Every shape a step produces depends only on these.
+// FlatEP construction parameters (design §1, §8). Every shape a step produces depends only on these (and, for a
+// Buffer made from serving ExpertPools, on the pools' slots and view stride).
 #pragma once
 
 #include <cstdint>
@@ -17,13 +18,9 @@ struct Config {
     int hidden = 8;                // H: row width in bf16 elements; rows must be 16-byte multiples (H % 8 == 0)
     int align = 128;               // row padding of every non-empty expert group (1 = none), 1..4096
     double capacity_factor = 1.0;  // 1 = exact mode (C = S*K); > 1 = slack mode (C = ceil(f*S*K)), at most 4
-    // B: replica slots per rank. -1 = epn (training: 2*epn groups, own experts then slots, design §5); 0..epn-1 =
-    // serving: the groups are the R*Q + B rows of the weight view [own experts of every rank, then B slots] (design
-    // §5).
-    int num_slots = -1;
-    // Q: rows of the weight view per rank (its own experts, then padding rows the mapping granularity may need).
-    // 0 = epn; else in [epn, 2^20]. Only the serving layout (B < epn) uses it.
-    int view_stride = 0;
+    // The groups of a step's receive rows follow the training layout (2*epn groups, design §5) unless the Buffer is
+    // made from serving ExpertPools, whose replica slots B and weight-view stride Q it then takes (design §5,
+    // "Serving layout"): the pools own both, so they are not fields here.
 
     // Throws flatep::Error(kInvalidArgument) naming the first invalid field and its value. The planner kind matters
     // for the receive capacity only: the owner planner's is the worst case R*S*K rows (see make_layout).

@@ -49,23 +49,16 @@ struct ProjectionShape {
     int64_t expert_bytes() const { return elems() * elem_bytes; }
 };
 
-class ExpertPools;
-class CollectiveGuard;  // runtime/collective_guard.hpp: poisoning after a failed cross-rank wait
-namespace runtime {
-class PoolsBackend;      // runtime/backend.hpp: host twins or CUDA kernels, chosen at construction
-struct ServingGeometry;  // runtime/serving_view.hpp: the serving view's chunks
-}  // namespace runtime
-
 // One layer's expert memory (per projection: own weights and own grads, each the transport's local memory) and its
 // compute views. Move-only; unmaps everything on destruction (never throws).
 class ExpertLayer {
   public:
-    ExpertLayer() = default;
+    ExpertLayer();
     ExpertLayer(ExpertLayer&& other) noexcept;
     ExpertLayer& operator=(ExpertLayer&& other) noexcept;
     ~ExpertLayer();
 
-    int num_projections() const { return int(projections_.size()); }
+    int num_projections() const;
     // Compute views: [2*epn][rows][cols] in training, [view_rows][rows][cols] in serving (ExpertPools's comment);
     // elements of the projection's elem_bytes. grads(p) is null for forward-only pools.
     uint16_t* weights(int projection) const;
@@ -74,26 +67,16 @@ class ExpertLayer {
     // Device memory (on_device()) for device-memory transports.
     uint16_t* own_weights(int projection) const;
     float* own_grads(int projection) const;
-    uint64_t pools_id() const { return pools_id_; }
-    bool on_device() const { return on_device_; }
+    uint64_t pools_id() const;
+    bool on_device() const;
+
+    // The implementation (src/runtime): opaque outside the library (only ExpertPools makes one).
+    struct Impl;
+    explicit ExpertLayer(std::unique_ptr<Impl> impl);
+    Impl& impl() const { return *impl_; }
 
   private:
-    friend class ExpertPools;
-    struct Projection {
-        LocalMemory weights_own, grads_own;   // training: the layer's own memory; its data ends where the memory ends
-                                              // (serving: weights_own is the granule mapped into the view's gaps)
-        SymmetricRegion weights_shared;       // serving: the own weights, every rank's mapped (data at own_offset)
-        MappedView weights_view, grads_view;  // the compute views
-        uint16_t* weights = nullptr;          // start of the weights view's data
-        float* grads = nullptr;
-        uint8_t* own = nullptr;  // this rank's own experts [epn] (through their own mapping)
-    };
-    void reset() noexcept;
-    const Projection& projection(int p) const;
-    std::shared_ptr<Transport> transport_;  // frees the memory and the views
-    std::vector<Projection> projections_;
-    uint64_t pools_id_ = 0;
-    bool on_device_ = false;
+    std::unique_ptr<Impl> impl_;
 };
 
 class ExpertPools {
@@ -101,10 +84,12 @@ class ExpertPools {
     using Layer = ExpertLayer;
 
     // Collective over the transport's ranks. experts_per_rank: epn = E / R of the Buffers the plans come from.
-    // num_slots: B in [0, epn] replica slots per rank, or -1 for epn (training). The Buffers whose plans these pools
-    // take must have the same num_slots, and, in serving, view_stride() as their Config::view_stride.
+    // num_slots: B in [0, epn] replica slots per rank, or -1 for epn (training). The pools own B and the view stride
+    // Q: a Buffer whose plans serving pools take is made from them (Buffer(config, pools)) and takes both.
+    // view_stride (serving only): 0, the smallest stride the transport's mapping granularity allows, or a larger one
+    // that fits every projection (pools over another transport whose plans must have the same groups).
     ExpertPools(std::shared_ptr<Transport> transport, int experts_per_rank, std::vector<ProjectionShape> projections,
-                int num_slots = -1);
+                int num_slots = -1, int view_stride = 0);
     ~ExpertPools();  // releases the pools; never throws
     ExpertPools(const ExpertPools&) = delete;
     ExpertPools& operator=(const ExpertPools&) = delete;
@@ -142,57 +127,41 @@ class ExpertPools {
     // prefetch while the slots still hold it (prefetch moves the same bytes again whenever it is called).
     int64_t placement_bytes(const Plan& plan, int rank) const;
 
-    int experts_per_rank() const { return experts_per_rank_; }
-    int num_slots() const { return num_slots_; }  // B
-    bool serving() const { return num_slots_ < experts_per_rank_; }
-    bool trains() const { return trains_; }           // reduce_grad / write_grads available (training, bf16 weights)
-    int view_stride() const { return view_stride_; }  // Q: view rows per rank (serving; epn in training)
+    int experts_per_rank() const;
+    int num_slots() const;    // B
+    bool serving() const;     // B < epn
+    bool trains() const;      // reduce_grad / write_grads available (training, bf16 weights)
+    int view_stride() const;  // Q: view rows per rank (serving; epn in training)
     // Rows of the weights view: R*Q + B in serving, 2*epn in training.
     int64_t view_rows() const;
     // The view row of expert e's own weights in serving (home(e)*Q + local(e)).
     int64_t view_row(int expert) const;
-    int num_projections() const { return int(projections_.size()); }
+    int num_projections() const;
     const ProjectionShape& shape(int projection) const;
     // This rank's pools [B][rows][cols] (what the views map after the own experts); reduce_pool is null when the
     // pools do not train.
     uint16_t* slot_pool(int projection) const;
     float* reduce_pool(int projection) const;
-    uint64_t id() const { return id_; }
+    uint64_t id() const;
 
     // Device pools (a transport with MemoryKind::kDevice): every op is enqueued on its Launch's CUDA stream (see
     // flatep/launch.hpp) and never synchronises with the host. The plan must be a device plan whose producing ops were
     // ordered before on that stream, and the layer's views are read / written by the kernels in stream order.
     bool on_device() const;
     // The SM budget of calls whose Launch says -1 (see Buffer::num_sms); starts at FLATEP_NUM_SMS.
-    int num_sms() const { return num_sms_; }
+    int num_sms() const;
     void set_num_sms(int num_sms);
 
     // True after a failed cross-rank wait of a pools op (timeout, ranks in different ops or steps, a peer that gave
     // up): every later op throws kRuntime until the pools are rebuilt on every rank (see flatep/buffer.hpp).
     bool poisoned() const;
 
+    // The implementation (src/runtime): opaque outside the library.
+    struct Impl;
+    Impl& impl() const { return *impl_; }
+
   private:
-    Launch enter(const Plan& plan, const ExpertLayer& layer, const char* op, const Launch& launch,
-                 bool takes_plan_ordered = false) const;
-    void check_trains(const char* op) const;
-    ExpertLayer register_serving_layer();
-
-    std::vector<runtime::ServingGeometry> serving_;  // serving: per projection, where the view's chunks go
-
-    std::shared_ptr<Transport> transport_;
-    int experts_per_rank_;
-    std::vector<ProjectionShape> projections_;
-    std::vector<SymmetricRegion> slot_regions_, reduce_regions_;
-    SymmetricRegion sync_region_;  // barrier flags + status words of the pool ops
-    uint64_t epoch_ = 0;
-    uint64_t id_;
-    std::unique_ptr<CollectiveGuard> guard_;
-    double timeout_s_ = 0;  // the transport's timeout when the pools were built: every op's waits
-    int num_sms_ = 0;
-    int num_slots_ = 0;
-    int view_stride_ = 0;
-    bool trains_ = false;
-    std::unique_ptr<runtime::PoolsBackend> backend_;
+    std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace flatep

@@ -18,16 +18,22 @@ enum class FfnActivation : int32_t {
     kSilu = 1,    // h [rows][F]; a = silu(h)
 };
 
+// What activate_rows does with the rows at and past the end.
+enum class PastEnd : int32_t {
+    kZero = 0,       // written as zero (h not read there)
+    kUntouched = 1,  // neither read nor written: for a consumer that reads no row past the end (a grouped GEMM whose
+                     // groups end there); no work then follows the capacity, only the real rows
+};
+
 // a [rows][ffn] bf16 from h [rows][2*ffn] (swiglu) or [rows][ffn] (silu) bf16, both row-major and contiguous: rows
 // below *end get silu(gate) * up (swiglu) or silu(h) (silu) with silu(x) = x / (1 + expf(-x)), all in fp32 (accurate
 // expf, IEEE division and product) and rounded once to bf16, round to nearest even: bitwise what flatep.ffn.activate
-// (torch's CUDA silu in fp32, a multiply, .to(bfloat16)) gives those rows. Rows at or past *end are written as zero
-// without reading h. 16-byte accesses when ffn % 8 == 0 and h and a are 16-byte aligned, element accesses otherwise.
-// rows >= 0 (0: nothing is launched), ffn >= 1; h and a must not overlap. launch.num_sms: the most thread blocks the
-// launch uses (0: no cap; -1: FLATEP_NUM_SMS). Throws kInvalidArgument naming a bad argument, and kRuntime in a build
-// without CUDA.
+// (torch's CUDA silu in fp32, a multiply, .to(bfloat16)) gives those rows. Rows at or past *end: as `past_end` says.
+// 16-byte accesses when ffn % 8 == 0 and h and a are 16-byte aligned, element accesses otherwise. rows >= 0 (0:
+// nothing is launched), ffn >= 1; h and a must not overlap. launch.num_sms: the most thread blocks the launch uses (0:
+// no cap; -1: FLATEP_NUM_SMS). Throws kInvalidArgument naming a bad argument, and kRuntime in a build without CUDA.
 void activate_rows(const uint16_t* h, uint16_t* a, int64_t rows, int64_t ffn, FfnActivation activation,
-                   const int32_t* end, const Launch& launch = {});
+                   const int32_t* end, PastEnd past_end, const Launch& launch = {});
 
 // Rows [*end, rows) of y [rows][cols] bf16 (row-major, contiguous) set to zero; rows below *end untouched (never
 // read). 16-byte stores when cols % 8 == 0 and y is 16-byte aligned. rows >= 0 (0: nothing is launched), cols >= 1;

@@ -3,6 +3,7 @@
 
 #include "flatep/buffer.hpp"
 #include "flatep/config.hpp"
+#include "flatep/device.hpp"
 #include "flatep/error.hpp"
 #include "flatep/expert_pools.hpp"
 #include "flatep/ffn.hpp"

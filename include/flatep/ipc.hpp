@@ -62,4 +62,19 @@ std::shared_ptr<Bootstrap> make_socket_bootstrap_from_env(double timeout_s = 0);
 std::unique_ptr<Transport> make_ipc_transport(std::shared_ptr<Bootstrap> bootstrap, MemoryKind kind,
                                               double timeout_s = 0, bool same_process = false, int device = -1);
 
+// Virtual ranks: R ranks as threads of one process, each with the ipc transport over an in-process all-gather -- the
+// world flatep.virtual builds in Python, for tests, benchmarks and tools on one machine. Collective set-up runs on R
+// threads inside the call. kHost: the CPU backend (each rank's ops block its thread, so run every rank on its own
+// thread: run_threads). kDevice: the ranks' memory on the CUDA devices `devices` in equal consecutive blocks (rank r
+// on devices[r * D / R]; empty: every rank on the current context's device); a device op never blocks the host, so
+// one thread may enqueue every rank's ops, each rank on its own stream, whose kernels then wait for each other on the
+// GPU (give each rank an SM budget, Launch::num_sms, that lets all of them run at once). timeout_s as
+// make_ipc_transport's (0: FLATEP_TIMEOUT_S), also the all-gather's bound.
+std::vector<std::shared_ptr<Transport>> make_virtual_ranks(int num_ranks, MemoryKind kind, double timeout_s = 0,
+                                                           const std::vector<int>& devices = {});
+
+// Runs fn(rank) for every rank in [0, num_ranks), each on its own thread, all at once, and waits for all of them.
+// When some threw, rethrows the exception of the lowest such rank (after every thread ended).
+void run_threads(int num_ranks, const std::function<void(int rank)>& fn);
+
 }  // namespace flatep

@@ -37,6 +37,7 @@ import torch
 from . import _C
 from . import fp8 as _fp8
 from . import ops as _ops
+from ._bootstrap import arrive as _virtual_arrive
 from ._tensors import address, check_int, check_tensor, check_timeout, shape_text, tensor_at
 from .autograd import CombineFunction, DispatchFunction
 from .distributed import group_rank_size, resolve_device, transport_for
@@ -217,11 +218,10 @@ class Buffer:
             the worst case R*S*K rows, so NvS and the receive tensors grow R-fold) or 'static' (a fixed placement of
             replicas, set_placement; each expert's entries split evenly over its copies; the same worst-case
             capacity as 'owner').
-        num_slots (int or None): B, replica slots per rank: None (or epn) = training layout (2*epn groups); B in
-            [0, epn) = serving layout (R*Q + B groups, one per row of an ExpertPools weights view built with the same
-            num_slots; see flatep.pools). The plans never use more than B slots.
-        view_stride (int or None): Q, the weights view's rows per rank (serving only): pass ExpertPools.view_stride
-            of the pools the plans are for. None: epn.
+        pools (flatep.ExpertPools or None): the expert pools whose weights the plans are for, over the same group and
+            device. The Buffer takes their layout: num_slots B and view_stride Q. None, or pools with B = epn: the
+            training layout (2*epn groups); serving pools (B < epn): the serving layout (R*Q + B groups, one per row of
+            the pools' weights view; see flatep.pools). The plans never use more than B slots.
         device: where tensors live: 'cpu' (the CPU backend, default) or a CUDA device (FlatEP built with CUDA; 'cuda'
             means the current device). Processes may share one GPU.
         timeout_s (float): bound on every cross-rank wait of this object, seconds in (0, 86400]; kept from
@@ -261,8 +261,7 @@ class Buffer:
         capacity_factor=1.0,
         *,
         planner="balanced",
-        num_slots=None,
-        view_stride=None,
+        pools=None,
         device=None,
         timeout_s=None,
         num_sms=None,
@@ -283,9 +282,9 @@ class Buffer:
         timeout_s = check_timeout("Buffer", timeout_s)
         if planner not in _PLANNERS:
             raise ValueError(f"Buffer: planner must be 'balanced', 'greedy', 'owner' or 'static', got {planner!r}")
-        for name, value in (("num_slots", num_slots), ("view_stride", view_stride)):
-            if value is not None:  # the C++ Config checks the range against epn (one-line message naming it)
-                check_int("Buffer", name, value, "None or an int >= 0", 0)
+        cpools = None if pools is None else getattr(pools, "_pools", None)
+        if pools is not None and not isinstance(cpools, _C.ExpertPools):
+            raise ValueError(f"Buffer: pools must be a flatep.ExpertPools or None, got {type(pools).__name__}")
         check_num_sms("Buffer", num_sms)  # its type; the C++ checks its value
         check_int("Buffer", "stream_priority", stream_priority, "an int (torch.cuda.Stream priority)")
         self.group = group
@@ -294,10 +293,12 @@ class Buffer:
         self.align, self.capacity_factor, self.planner = align, float(capacity_factor), planner
         transport = transport_for(group, device, timeout_s)  # validates the device first
         self.device = resolve_device(device)
+        if pools is not None and pools.device != self.device:
+            raise ValueError(f"Buffer: pools are on {pools.device}, the Buffer on {self.device}")
+        self.pools = pools
         with device_guard(self.device):
             self._buffer = _C.Buffer(  # no plan slots: device plans live in torch tensors (plan())
-                transport, num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner, 0,
-                -1 if num_slots is None else num_slots, 0 if view_stride is None else view_stride,
+                transport, num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner, 0, cpools
             )
         self.experts_per_rank = self._buffer.experts_per_rank
         self.num_slots = self._buffer.num_slots
@@ -406,7 +407,7 @@ class Buffer:
         """(C++ plan, storage or None) on the current stream with SM budget num_sms (-1: the Buffer's), no checks of
         idx."""
         with device_guard(self.device):
-            b = self._live("plan")
+            b = self._live("plan", collective=True)
             # Device plans live in a tensor of torch's caching allocator (no cudaMalloc in steady state; CUDA-graph
             # capture takes it from the graph's pool), kept alive by the Plan.
             storage = None
@@ -534,7 +535,7 @@ class Buffer:
                                  f"dispatch), but {name} requires grad; detach it or run under torch.no_grad()")
         recv_x, recv_w = self._region_views()
         with device_guard(self.device):
-            self._live("dispatch").dispatch(plan._plan, address(x), address(topk_weights), address(recv_x),
+            self._live("dispatch", collective=True).dispatch(plan._plan, address(x), address(topk_weights), address(recv_x),
                                             address(recv_w), stream=stream_handle(self.device), num_sms=-1,
                                             plan_ordered=plan_ordered)
         return recv_x, recv_w, plan.cu_seqlens
@@ -591,7 +592,7 @@ class Buffer:
                                   device=self.device)
         recv_w = torch.empty(self.num_recv_rows, dtype=torch.float32, device=self.device)
         with device_guard(self.device):
-            self._live("dispatch").dispatch_fp8(
+            self._live("dispatch", collective=True).dispatch_fp8(
                 plan._plan, address(x_bf16), address(x_q), address(x_scales), address(topk_weights), address(recv_q),
                 address(recv_scales), address(recv_w), ue8m0, stream=stream_handle(self.device), num_sms=num_sms,
                 plan_ordered=plan_ordered,
@@ -681,11 +682,15 @@ class Buffer:
 
     # ---- raw ops (no checks beyond the plan, no autograd): used by the autograd functions ----
 
-    def _live(self, op):
+    def _live(self, op, collective=False):
         """The C++ buffer (RuntimeError naming op once destroyed). Call its ops inside device_guard(self.device), with
-        stream=stream_handle(self.device) and the call's num_sms: the kernels launch on the current device."""
+        stream=stream_handle(self.device) and the call's num_sms: the kernels launch on the current device.
+        collective: the call enqueues a collective op (virtual ranks on their own threads first meet on the host:
+        flatep.virtual.arrive)."""
         if self._buffer is None:
             raise RuntimeError(f"{op}: this Buffer was destroyed")
+        if collective:
+            _virtual_arrive(self.group, op)
         return self._buffer
 
     def check_status(self):
@@ -711,7 +716,7 @@ class Buffer:
         recv_x = alloc(self.num_recv_rows, self.hidden, dtype=torch.bfloat16, device=self.device)
         recv_w = alloc(self.num_recv_rows, dtype=torch.float32, device=self.device) if want_weights else None
         with device_guard(self.device):
-            self._live("dispatch").dispatch(
+            self._live("dispatch", collective=True).dispatch(
                 plan._plan, address(x), address(topk_weights), address(recv_x), address(recv_w),
                 stream=stream_handle(self.device), num_sms=num_sms, plan_ordered=plan_ordered,
             )
@@ -720,7 +725,7 @@ class Buffer:
     def _combine_raw(self, plan, y, weights, *, num_sms=-1, plan_ordered=False):
         out = torch.empty(plan.num_tokens, self.hidden, dtype=torch.bfloat16, device=self.device)
         with device_guard(self.device):
-            self._live("combine").combine(plan._plan, address(y), address(weights), address(out),
+            self._live("combine", collective=True).combine(plan._plan, address(y), address(weights), address(out),
                                           stream=stream_handle(self.device), num_sms=num_sms, plan_ordered=plan_ordered)
         return out
 
@@ -760,14 +765,14 @@ class Buffer:
         view, valid until the next op of this Buffer rewrites it (rows past the last group end not written)."""
         rows, _ = self._region_views()
         with device_guard(self.device):
-            self._live("dispatch").dispatch(plan._plan, address(x), address(None), address(rows), address(None),
+            self._live("dispatch", collective=True).dispatch(plan._plan, address(x), address(None), address(rows), address(None),
                                             stream=stream_handle(self.device), num_sms=num_sms)
         return rows
 
     def _entry_values_raw(self, plan, row_values, *, num_sms=-1):
         out = torch.empty(plan.num_tokens, self.topk, dtype=torch.float32, device=self.device)
         with device_guard(self.device):
-            self._live("entry_values").entry_values(plan._plan, address(row_values), address(out),
+            self._live("entry_values", collective=True).entry_values(plan._plan, address(row_values), address(out),
                                                     stream=stream_handle(self.device), num_sms=num_sms)
         return out
 
@@ -776,18 +781,18 @@ _shared = {}  # (group id, construction arguments, device) -> (group, Buffer); t
 
 
 def shared_buffer(group, num_tokens, hidden, num_experts, topk, align=128, capacity_factor=1.0, *,
-                  planner="balanced", num_slots=None, view_stride=None, device=None, num_sms=None, stream_priority=0):
+                  planner="balanced", pools=None, device=None, num_sms=None, stream_priority=0):
     """The process's Buffer for these arguments, created on first use (collective then), like shared_pools: layers of
-    one shape share one Buffer, so communication memory does not grow with the number of layers. Safe because a Plan
+    one shape share one Buffer, so communication memory does not grow with the number of layers (a Buffer made for
+    serving pools is shared by the layers of those pools: the Buffer keeps them alive). Safe because a Plan
     owns its arrays and the symmetric buffer is scratch that every op rewrites (design §8): plans of several layers,
     all made by the one Buffer, stay valid together (backward reuses each layer's saved plan)."""
-    key = (id(group), num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner, num_slots,
-           view_stride, str(resolve_device(device)), num_sms, stream_priority)
+    key = (id(group), num_tokens, hidden, num_experts, topk, align, float(capacity_factor), planner, id(pools),
+           str(resolve_device(device)), num_sms, stream_priority)
     entry = _shared.get(key)
     if entry is None:
         buffer = Buffer(group, num_tokens, hidden, num_experts, topk, align, capacity_factor, planner=planner,
-                        num_slots=num_slots, view_stride=view_stride, device=device, num_sms=num_sms,
-                        stream_priority=stream_priority)
+                        pools=pools, device=device, num_sms=num_sms, stream_priority=stream_priority)
         entry = (group, buffer)
         _shared[key] = entry
     return entry[1]

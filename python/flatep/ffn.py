@@ -160,15 +160,19 @@ def _end_address(cu_seqlens):
     return cu_seqlens.data_ptr() + (cu_seqlens.shape[0] - 1) * cu_seqlens.stride(0) * cu_seqlens.element_size()
 
 
-def activate_rows(h, cu_seqlens, activation, out=None):
+def activate_rows(h, cu_seqlens, activation, out=None, zero_past_end=True):
     """activate(h, activation) on the rows below the last group end cu_seqlens[-1], read on the device, and zero on
     the others, in one CUDA kernel (flatep::activate_rows): h [n, 2F] (swiglu) or [n, F] (silu) bf16, contiguous;
     cu_seqlens [G] int32 on h's device (only its last element is read); out: a contiguous [n, F] bf16 tensor to write
     (None: a new one) -> out. Rows below the end are bitwise activate's (silu(x) = x / (1 + exp(-x)) in fp32, as
-    torch's CUDA silu, times up in fp32, one rounding to bf16); rows past it are written as zero without reading h.
+    torch's CUDA silu, times up in fp32, one rounding to bf16); rows past it are written as zero without reading h,
+    or, with zero_past_end=False, neither read nor written (unspecified: for a grouped GEMM whose groups end there,
+    which reads none of them; the kernel's work then follows the real rows alone, not the receive capacity).
     Enqueued on the current stream, no host sync: graph-capturable, and a replay reads cu_seqlens' value then. Bad
     arguments raise a one-line ValueError before anything touches the device."""
     op = "activate_rows"
+    if not isinstance(zero_past_end, bool):
+        raise ValueError(f"{op}: zero_past_end must be a bool, got {zero_past_end!r}")
     activation = check_activation(op, activation)
     h = _tensor_arg(op, "h", h)
     cu_seqlens = _tensor_arg(op, "cu_seqlens", cu_seqlens)
@@ -190,7 +194,7 @@ def activate_rows(h, cu_seqlens, activation, out=None):
         out = torch.empty(h.shape[0], ffn, dtype=_BF16, device=device)
     with device_guard(device):
         _C.activate_rows(h.data_ptr(), out.data_ptr(), h.shape[0], ffn, activation == "swiglu",
-                         _end_address(cu_seqlens), stream=stream_handle(device))
+                         _end_address(cu_seqlens), zero_past_end=zero_past_end, stream=stream_handle(device))
     return out
 
 
@@ -223,9 +227,10 @@ def grouped_ffn(x, w1, w2, cu_seqlens, activation=None, zero_past_end=True):
     inference_mode), the activation and the zeroing of y's rows past the end are the kernels activate_rows and
     zero_rows_from_end, whose work is bounded by the end read on the device (NvS is the receive capacity: ~8x the
     real rows for the owner planner); the values are bitwise those of the torch ops autograd differentiates, which
-    run otherwise. zero_past_end=False (there only) skips that zeroing: y's rows past the end are then unspecified,
-    for a caller that reads none of them (Buffer.combine reads only the plan's real rows), since with the owner
-    planner they are most of y."""
+    run otherwise. zero_past_end=False (there only) skips that zeroing and the activation's zero stores past the end
+    (the second GEMM reads no row past it): y's rows past the end are then unspecified, for a caller that reads none of
+    them (Buffer.combine reads only the plan's real rows), and no kernel's work follows the receive capacity, which
+    with the owner planner is ~R times the real rows."""
     if not isinstance(zero_past_end, bool):
         raise ValueError(f"grouped_ffn: zero_past_end must be a bool, got {zero_past_end!r}")
     activation = _activation_of(w1, w2, activation)
@@ -233,7 +238,7 @@ def grouped_ffn(x, w1, w2, cu_seqlens, activation=None, zero_past_end=True):
         offs = cu_seqlens.to(device=x.device, dtype=torch.int32)
         h = grouped_mm(x, w1, offs)
         if _C.has_cuda and not _records_grad(x, w1, w2) and h.is_contiguous():
-            y = grouped_mm(activate_rows(h, offs, activation), w2, offs)
+            y = grouped_mm(activate_rows(h, offs, activation, zero_past_end=zero_past_end), w2, offs)
             if not zero_past_end:
                 return y
             return zero_rows_from_end(y, offs) if y.is_contiguous() else _zero_past_end(y, offs)

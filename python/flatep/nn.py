@@ -64,6 +64,7 @@ import functools
 
 import torch
 
+from . import _C
 from . import fp8 as _fp8
 from . import ops as _ops
 from ._tensors import check_int
@@ -518,7 +519,7 @@ class MoE(torch.nn.Module):
     def _make_buffer(self, num_tokens):
         # One Buffer per shape and process, shared by every layer of that shape (like the pools); a static placement
         # is the layer's own, and so are its Buffers (with the placement set last).
-        serving = dict(num_slots=self.num_slots, view_stride=self.pools.view_stride) if self.serving else {}
+        serving = dict(pools=self.pools) if self.serving else {}  # the Buffer takes B and Q from the pools
         args = (self.group, num_tokens, self.hidden, self.num_experts, self.topk, self.align, self.capacity_factor)
         if self.planner == "static":
             buffer = self._static.buffers.get(num_tokens)
@@ -679,11 +680,19 @@ class MoE(torch.nn.Module):
             return _experts_compiled(self, plan, recv_x)
         return _ExpertsFunction.apply(self, plan, recv_x, self.w1, self.w2)
 
+    def _bind_context(self):
+        """The layer's GPU context current on this thread when its device is torch's current one: a thread that
+        never called into CUDA has none, and cuBLAS's first call there (the router's matmul) warns and binds it
+        itself, or fails inside a graph capture. Nothing under torch.compile (tracing calls nothing)."""
+        if self.device.type == "cuda" and not _ops.compiling() and torch.cuda.current_device() == self.device.index:
+            _C.make_device_current(self.device.index)
+
     def forward(self, x, topk_idx=None):
         self._check_input(x)
         check_inference(self, (x,))
         self._check_zero_copy()
         self._check_compilable()
+        self._bind_context()
         if self.buffer is None:
             self._make_buffer(int(x.shape[0]))
         self._check_placement()
@@ -774,6 +783,7 @@ class MoE(torch.nn.Module):
         check_inference(self, xs)
         self._check_zero_copy()
         self._check_compilable()
+        self._bind_context()
         if self.buffer is None:
             self._make_buffer(max(int(x.shape[0]) for x in xs))
         self._check_placement()

@@ -28,7 +28,7 @@ every layer's own weights are symmetric memory that every rank maps. ``layer.wei
 ``[view_rows, rows, cols]`` (view_rows = R*Q + B, Q = ``pools.view_stride`` >= epn), laid out the same on every rank:
 rank r's own experts at rows [r*Q, r*Q + epn) (``pools.view_row(e)``: the row of expert e; rows r*Q + epn .. r*Q + Q
 are padding the mapping granularity needs: readable, unspecified values, empty groups of every plan), then this
-rank's B slots at rows [R*Q, R*Q + B). A plan of a Buffer built with the pools' num_slots and view_stride has one
+rank's B slots at rows [R*Q, R*Q + B). A plan of a Buffer built from the pools (``Buffer(..., pools=pools)``) has one
 group per view row (cu_seqlens [view_rows]), so a grouped GEMM over the view with offs = cu_seqlens reads every
 replica beyond the B slots straight from its owner's memory; ``prefetch`` pulls the B slotted experts from their owners
 (one barrier, or none with ``plan_ordered=True``, which flatep.nn.MoE passes). Serving pools are forward-only
@@ -46,6 +46,7 @@ import torch
 from . import _C
 from . import fp8 as _fp8
 from . import ops as _ops
+from ._bootstrap import arrive as _virtual_arrive
 from ._tensors import _ELEMENT_BYTES, INT64_MAX, address, check_int, check_tensor, check_timeout, tensor_at
 from .buffer import Plan
 from .distributed import group_rank_size, resolve_device, transport_for
@@ -141,8 +142,8 @@ class ExpertPools:
             default), torch.float8_e4m3fn (or torch.uint8: e4m3 bytes) or torch.float32 (e.g. block scales); one
             expert's bytes a multiple of 16 (rows * cols a multiple of 8 for bf16, 16 for e4m3, 4 for fp32).
         num_slots (int or None): B, replica slots per rank, in [0, epn]; None or epn: training (today's layout);
-            B < epn: serving (module docstring). Buffers whose plans these pools take must be built with the same
-            num_slots and, in serving, view_stride=pools.view_stride.
+            B < epn: serving (module docstring). The pools own B and the view stride Q: a Buffer whose plans these
+            serving pools take is built from them, ``flatep.Buffer(..., pools=pools)``, and takes both.
         device: 'cpu' (the CPU backend, default) or a CUDA device (FlatEP built with CUDA; 'cuda' means the current
             device). Plans must come from Buffers on the same device.
         timeout_s (float): bound on every cross-rank wait of this object, seconds in (0, 86400]; kept from
@@ -167,9 +168,8 @@ class ExpertPools:
         if isinstance(experts_per_rank, bool) or not isinstance(experts_per_rank, int) or experts_per_rank < 1:
             raise ValueError(f"ExpertPools: experts_per_rank must be a positive int, got {experts_per_rank!r}")
         check_int("ExpertPools", "experts_per_rank", experts_per_rank, "in [1, 2147483647]")
-        if num_slots is not None:
-            check_int("ExpertPools", "num_slots", num_slots, f"None or in [0, epn={experts_per_rank}]", 0,
-                      experts_per_rank)
+        if num_slots is not None:  # None is epn; the C++ constructor checks B against epn (the one check of B)
+            check_int("ExpertPools", "num_slots", num_slots, "None or an int >= 0", 0)
         timeout_s = check_timeout("ExpertPools", timeout_s)
         check_num_sms("ExpertPools", num_sms)  # its type; the C++ checks its value
         check_int("ExpertPools", "stream_priority", stream_priority, "an int (torch.cuda.Stream priority)")
@@ -251,11 +251,13 @@ class ExpertPools:
     def _prefetch_raw(self, plan, layer, *, num_sms=-1, plan_ordered=False):
         self._slots_hold = None  # every prefetch rewrites the slot pool (flatep.nn.MoE records its static moves)
         with device_guard(self.device):
+            _virtual_arrive(self.group, "prefetch")
             self._pools.prefetch(plan._plan, layer._layer, stream=stream_handle(self.device), num_sms=num_sms,
                                  plan_ordered=plan_ordered)
 
     def _reduce_grad_raw(self, plan, layer, *, num_sms=-1):
         with device_guard(self.device):
+            _virtual_arrive(self.group, "reduce_grad")
             self._pools.reduce_grad(plan._plan, layer._layer, stream=stream_handle(self.device), num_sms=num_sms)
 
     def _write_grads_raw(self, plan, layer, projection, grad, accumulate, *, num_sms=-1):

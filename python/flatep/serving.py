@@ -1,7 +1,7 @@
 """Inference over serving pools (issues 43 and 47): the expert FFN on the ExpertPools weights view of a serving step,
 and the checks flatep.nn.MoE makes for it.
 
-A serving step (ExpertPools with num_slots B < epn, a Buffer with the pools' num_slots and view_stride) has one row
+A serving step (ExpertPools with num_slots B < epn, a Buffer built from them: ``Buffer(..., pools=pools)``) has one row
 group per row of the weights view [view_rows, rows, cols] (view_rows = R*Q + B): rows [r*Q, r*Q + epn) are rank r's
 own experts, read in place from its memory, rows [R*Q, R*Q + B) this rank's slots, filled by prefetch (a pull from
 the owners). So the grouped GEMM runs on the view itself with offs = plan.cu_seqlens: no weight is copied per step,
@@ -33,11 +33,12 @@ def serving_experts(pools, layer, plan, recv_x, activation, prefetch=True):
 
 
 def check_num_slots(op, num_slots, experts_per_rank):
-    """num_slots as given (None or an int in [0, epn]); a one-line ValueError naming it otherwise."""
+    """num_slots as given (None, or an int >= 0: None is epn); a one-line ValueError naming it otherwise. Its range
+    against epn is the pools' to check (the one check of B, in the C++ ExpertPools)."""
     if num_slots is None:
         return None
-    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or not 0 <= num_slots <= experts_per_rank:
-        raise ValueError(f"{op}: num_slots must be None or an int in [0, epn={experts_per_rank}], got {num_slots!r}")
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0:
+        raise ValueError(f"{op}: num_slots must be None or an int >= 0, got {num_slots!r}")
     return num_slots
 
 

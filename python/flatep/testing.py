@@ -4,6 +4,8 @@ same routings), maxvio, a dense single-process MoE reference, and a launcher of 
     sigma = flatep.testing.sigma_for_maxvio(5.0, R, E, S, K, seed=1)
     topk_idx = flatep.testing.sample_topk(E, S, K, rank, sigma=sigma, seed=1)    # [S, K] int32 for this rank
     flatep.testing.maxvio(counts)                                                # counts [R, E] (or [E])
+    pop = flatep.testing.drifting_popularity(E, steps, sigma=1.0, drift=0.05)    # [steps, E]: drifting skew
+    topk_idx = flatep.testing.sample_topk_from(pop[t], S, K, rank, seed=t)       # step t's routing
 """
 
 import os
@@ -42,6 +44,40 @@ def generate_counts(num_ranks, num_experts, num_tokens, topk, sigma=0.0, seed=0)
 def sigma_for_maxvio(target, num_ranks, num_experts, num_tokens, topk, seed=0):
     """sigma whose realised maxvio (generate_counts with this seed) is closest to `target` (bisection)."""
     return _C.routing.sigma_for_maxvio(float(target), num_ranks, num_experts, num_tokens, topk, int(seed))
+
+
+def drifting_popularity(num_experts, num_steps, sigma=1.0, drift=0.05, shift_every=0, seed=0, layer=0):
+    """[num_steps, E] expert popularities of one layer that drift as a served model's do (issue 60's traces).
+
+    Log-popularity is a mean-reverting Gaussian random walk: z_0 ~ N(0, 1)^E, z_{t+1} = sqrt(1 - drift^2) z_t +
+    drift * xi_t, xi_t ~ N(0, 1)^E, so every step's z is N(0, 1) (the skew stays at `sigma`: popularity
+    exp(sigma * z_t) is log-normal, as sample_topk's at that sigma) while which experts are hot wanders, with a
+    correlation time of about 1 / drift^2 steps. shift_every > 0: every shift_every steps z is drawn afresh (a
+    sudden shift, e.g. a new kind of request). drift in [0, 1]; deterministic in (seed, layer)."""
+    if not 0.0 <= drift <= 1.0:
+        raise ValueError(f"drifting_popularity: drift must be in [0, 1], got {drift!r}")
+    if num_steps < 1 or num_experts < 1 or shift_every < 0:
+        raise ValueError(f"drifting_popularity: num_steps and num_experts must be >= 1 and shift_every >= 0, got "
+                         f"{num_steps}, {num_experts}, {shift_every}")
+    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + 7919 * int(layer) + 17)
+    z = torch.randn(num_experts, generator=g, dtype=torch.float64)
+    keep = (1.0 - drift * drift) ** 0.5
+    out = torch.empty(num_steps, num_experts, dtype=torch.float64)
+    for t in range(num_steps):
+        if t and shift_every and t % shift_every == 0:
+            z = torch.randn(num_experts, generator=g, dtype=torch.float64)
+        elif t:
+            z = keep * z + drift * torch.randn(num_experts, generator=g, dtype=torch.float64)
+        out[t] = torch.exp(sigma * z)
+    return out
+
+
+def sample_topk_from(popularity, num_tokens, topk, rank, seed=0):
+    """[num_tokens, topk] int32: per token, K distinct experts drawn without replacement with probability
+    proportional to `popularity` (a list or 1-D tensor of E positive numbers); sample_topk's draw for any
+    popularity (the same C++ generator: `rank` selects the rank's own stream)."""
+    pop = [float(p) for p in torch.as_tensor(popularity).flatten().tolist()]
+    return torch.from_numpy(_C.routing.sample_topk(pop, int(num_tokens), int(topk), int(seed), int(rank)))
 
 
 def maxvio(counts, num_experts=None):

@@ -12,7 +12,6 @@ namespace flatep {
 namespace {
 constexpr int kMaxAlign = 4096;
 constexpr double kMaxCapacityFactor = 4.0;
-constexpr int kMaxViewStride = 1 << 20;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 // The owner and the static planner size the receive buffer for the worst case: every entry of the step on one rank.
@@ -25,20 +24,38 @@ int64_t capacity_of(const Config& c, PlannerKind planner) {
     return int64_t(std::ceil(c.capacity_factor * double(sk)));
 }
 
-// B and Q of a config whose num_ranks, num_experts, num_slots and view_stride are valid.
-int slots_of(const Config& c) { return c.num_slots < 0 ? c.num_experts / c.num_ranks : c.num_slots; }
-int stride_of(const Config& c) { return c.view_stride == 0 ? c.num_experts / c.num_ranks : c.view_stride; }
-
 // Non-empty groups a rank may hold: epn own and (replicas, constraint 3) epn remote; the owner planner only its own;
-// the static planner its own and its B slots.
-int64_t recv_rows_of(const Config& c, int64_t capacity, PlannerKind planner) {
+// the static planner its own and its B slots (num_slots; -1 = epn).
+int64_t recv_rows_of(const Config& c, int64_t capacity, PlannerKind planner, int num_slots = -1) {
     const int64_t epn = c.num_experts / c.num_ranks;
     const int64_t groups = planner == PlannerKind::kOwner    ? epn
-                           : planner == PlannerKind::kStatic ? epn + slots_of(c)
+                           : planner == PlannerKind::kStatic ? epn + (num_slots < 0 ? epn : num_slots)
                                                              : 2 * epn;
     return round_up<int64_t>(capacity + groups * (c.align - 1), c.align);
 }
+
+// B and Q of a view shape that is valid for `epn` experts per rank.
+int slots_of(const ViewShape& v, int epn) { return v.num_slots < 0 ? epn : v.num_slots; }
+int stride_of(const ViewShape& v, int epn) { return v.view_stride == 0 ? epn : v.view_stride; }
+
+// The view shape against a valid config: B (check_num_slots), Q, and the groups' int32 indexing.
+void check_view(const Config& c, const ViewShape& v) {
+    const int epn = c.num_experts / c.num_ranks;
+    check_num_slots("", v.num_slots, epn);
+    FLATEP_CHECK(v.view_stride == 0 || (v.view_stride >= epn && v.view_stride <= kMaxViewStride),
+                 "view_stride (Q) must be 0 (= epn) or in [epn=", epn, ", ", kMaxViewStride, "], got ", v.view_stride);
+    // The serving groups: R*Q + B view rows, cu_seqlens [R][R*Q + B] indexed in int32.
+    const int64_t view_rows = int64_t(c.num_ranks) * stride_of(v, epn) + slots_of(v, epn);
+    FLATEP_CHECK(view_rows * c.num_ranks <= kInt32Max,
+                 "view_stride (Q) too large: cu_seqlens' R*(R*Q + B) = ", c.num_ranks, "*", view_rows,
+                 " must fit int32 (Q=", stride_of(v, epn), ")");
+}
 }  // namespace
+
+void check_num_slots(const char* who, int num_slots, int experts_per_rank) {
+    FLATEP_CHECK(num_slots == -1 || (num_slots >= 0 && num_slots <= experts_per_rank), who,
+                 "num_slots (B) must be -1 (= epn) or in [0, epn=", experts_per_rank, "], got ", num_slots);
+}
 
 void check_planner_kind(PlannerKind kind, const char* op) {
     FLATEP_CHECK(kind == PlannerKind::kGreedy || kind == PlannerKind::kBalanced || kind == PlannerKind::kOwner ||
@@ -56,15 +73,6 @@ void Config::validate(PlannerKind planner) const {
     // Plans index [d*E + e] and [d*2*epn + g] in int32, and the planner's workspace holds two R*E arrays.
     FLATEP_CHECK(int64_t(num_ranks) * num_experts * 2 <= kInt32Max,
                  "num_experts (E) too large: 2*R*E must fit int32, got 2*", num_ranks, "*", num_experts);
-    const int epn = num_experts / num_ranks;
-    FLATEP_CHECK(num_slots == -1 || (num_slots >= 0 && num_slots <= epn),
-                 "num_slots (B) must be -1 (= epn) or in [0, epn=", epn, "], got ", num_slots);
-    FLATEP_CHECK(view_stride == 0 || (view_stride >= epn && view_stride <= kMaxViewStride),
-                 "view_stride (Q) must be 0 (= epn) or in [epn=", epn, ", ", kMaxViewStride, "], got ", view_stride);
-    // The serving groups: R*Q + B view rows, cu_seqlens [R][R*Q + B] indexed in int32.
-    const int64_t view_rows = int64_t(num_ranks) * stride_of(*this) + slots_of(*this);
-    FLATEP_CHECK(view_rows * num_ranks <= kInt32Max, "view_stride (Q) too large: cu_seqlens' R*(R*Q + B) = ", num_ranks,
-                 "*", view_rows, " must fit int32 (Q=", stride_of(*this), ")");
     check_planner_kind(planner);
     FLATEP_CHECK(num_tokens >= 1, "num_tokens (S) must be positive, got ", num_tokens);
     FLATEP_CHECK(topk >= 1 && topk <= kMaxTopk, "topk (K) must be in [1, ", kMaxTopk, "], got ", topk);
@@ -86,7 +94,7 @@ void Config::validate(PlannerKind planner) const {
                      num_tokens, "*", topk, " = ", capacity, " rows must fit int32 (", why, ")");
     }
     FLATEP_CHECK(capacity <= kInt32Max, "capacity C = ceil(capacity_factor*S*K) must fit int32, got ", capacity);
-    const int64_t nvs = recv_rows_of(*this, capacity, planner);
+    const int64_t nvs = recv_rows_of(*this, capacity, planner);  // static: with B = epn, the largest any view has
     if (worst_case(planner)) {
         FLATEP_CHECK(nvs * num_ranks <= kInt32Max, worst, " planner: receive rows NvS = ", nvs,
                      " (capacity R*S*K = ", capacity, ") times R = ", num_ranks, " must fit int32 (", why, ")");
@@ -109,8 +117,6 @@ uint64_t Config::hash() const {
     static_assert(sizeof(bits) == sizeof(capacity_factor));
     __builtin_memcpy(&bits, &capacity_factor, sizeof(bits));
     h = fnv1a_mix(h, bits);
-    h = fnv1a_mix(h, uint64_t(uint32_t(num_slots)));
-    h = fnv1a_mix(h, uint64_t(uint32_t(view_stride)));
     return h;
 }
 
@@ -126,19 +132,17 @@ std::string Config::mismatch(const Config& o) const {
     field("hidden", hidden, o.hidden);
     field("align", align, o.align);
     field("capacity_factor", capacity_factor, o.capacity_factor);
-    field("num_slots", num_slots, o.num_slots);
-    field("view_stride", view_stride, o.view_stride);
     return os.str();
 }
 
 std::string Config::to_string() const {
     return detail::concat("Config(R=", num_ranks, ", rank=", rank, ", E=", num_experts, ", S=", num_tokens,
-                          ", K=", topk, ", H=", hidden, ", align=", align, ", capacity_factor=", capacity_factor,
-                          ", num_slots=", num_slots, ", view_stride=", view_stride, ")");
+                          ", K=", topk, ", H=", hidden, ", align=", align, ", capacity_factor=", capacity_factor, ")");
 }
 
-Layout make_layout(const Config& c, PlannerKind planner) {
+Layout make_layout(const Config& c, PlannerKind planner, const ViewShape& view) {
     c.validate(planner);
+    check_view(c, view);
     Layout l{};
     l.num_ranks = c.num_ranks;
     l.num_experts = c.num_experts;
@@ -149,12 +153,12 @@ Layout make_layout(const Config& c, PlannerKind planner) {
     l.align = c.align;
     const int64_t capacity = capacity_of(c, planner);
     l.capacity = int(capacity);
-    l.num_recv_rows = int(recv_rows_of(c, capacity, planner));
+    l.num_recv_rows = int(recv_rows_of(c, capacity, planner, view.num_slots));  // validate checked B = epn's
     l.owner = planner == PlannerKind::kOwner;
     l.placed = planner == PlannerKind::kStatic;
     l.exact = c.capacity_factor == 1.0 && !worst_case(planner);
-    l.num_slots = slots_of(c);
-    l.view_stride = stride_of(c);
+    l.num_slots = slots_of(view, l.experts_per_rank);
+    l.view_stride = stride_of(view, l.experts_per_rank);
     l.serving = l.num_slots < l.experts_per_rank;
     return l;
 }

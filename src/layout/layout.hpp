@@ -57,11 +57,25 @@ struct Layout {
     FLATEP_HD int padded(int rows) const { return round_up(rows, align); }
 };
 
-// Builds the layout of a validated config (calls config.validate(planner)) for plans of `planner`: the owner planner
-// gets capacity R*S*K and NvS = round_up(C + epn*(align-1), align) (own groups only); the static planner capacity
-// R*S*K and NvS = round_up(C + (epn + B)*(align-1), align) (own groups and the B placed slots); every other planner C
-// and NvS as above. The group layout (training or serving) follows config.num_slots whatever the planner.
-Layout make_layout(const Config& config, PlannerKind planner = PlannerKind::kBalanced);
+// The experts' weight view the groups follow (design §5): B replica slots per rank and Q view rows per rank. A Buffer
+// made from ExpertPools takes the pools' (ExpertPools::num_slots, view_stride); the default is the training layout.
+// The largest view stride Q.
+inline constexpr int kMaxViewStride = 1 << 20;
+
+struct ViewShape {
+    int num_slots = -1;   // B: -1 = epn (training: 2*epn groups); 0..epn-1 = serving (R*Q + B groups)
+    int view_stride = 0;  // Q: 0 = epn; else in [epn, 2^20] (the serving layout only uses it)
+};
+
+// The one range check of B: -1 (epn) or in [0, epn]. `who` prefixes the message ("" or e.g. "ExpertPools: ").
+void check_num_slots(const char* who, int num_slots, int experts_per_rank);
+
+// Builds the layout of a validated config (calls config.validate(planner), then checks `view` against it) for plans
+// of `planner`: the owner planner gets capacity R*S*K and NvS = round_up(C + epn*(align-1), align) (own groups only);
+// the static planner capacity R*S*K and NvS = round_up(C + (epn + B)*(align-1), align) (own groups and the B placed
+// slots); every other planner C and NvS as above. The group layout (training or serving) follows view.num_slots
+// whatever the planner.
+Layout make_layout(const Config& config, PlannerKind planner = PlannerKind::kBalanced, const ViewShape& view = {});
 
 // Throws kInvalidArgument "<op>planner kind must be greedy (0), balanced (1), owner (2) or static (3), got <kind>"
 // for a value of no PlannerKind (op: a prefix such as "plan: ", or "").

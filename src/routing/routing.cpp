@@ -28,6 +28,16 @@ double uniform(uint64_t stream, uint64_t index) {
     return (double(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0);
 }
 
+uint16_t finite_bf16(uint64_t seed, uint64_t index) {
+    const uint64_t r = mix64(seed * 0x9e3779b97f4a7c15ull + index);
+    return uint16_t(((r & 1) << 15) | ((110 + (r >> 1) % 23) << 7) | ((r >> 8) & 0x7f));  // exponents 2^-17 .. 2^5
+}
+
+float data_float(uint64_t seed, uint64_t index, float lo, float hi) {
+    const uint64_t r = mix64(seed * 0x9e3779b97f4a7c15ull + index);
+    return lo + (hi - lo) * float(double(r >> 11) / double(uint64_t(1) << 53));
+}
+
 double normal(uint64_t stream, uint64_t index) {
     const double u1 = uniform(stream, 2 * index);
     const double u2 = uniform(stream, 2 * index + 1);

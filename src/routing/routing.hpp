@@ -17,6 +17,11 @@ double uniform(uint64_t stream, uint64_t index);
 // Standard normal (Box-Muller on two uniforms) from the `index`-th pair of stream `stream`.
 double normal(uint64_t stream, uint64_t index);
 
+// Data of tests and benchmarks, value `index` of stream `seed`: the bits of a finite bf16 of either sign with a
+// magnitude in [2^-17, 2^6) (no NaN or Inf: their payloads differ between CPU and GPU adds), and a float in [lo, hi).
+uint16_t finite_bf16(uint64_t seed, uint64_t index);
+float data_float(uint64_t seed, uint64_t index, float lo, float hi);
+
 // Popularity of each expert: exp(sigma * z_e), z_e standard normal from `seed`. sigma = 0 gives all ones.
 std::vector<double> popularity(int num_experts, double sigma, uint64_t seed);
 

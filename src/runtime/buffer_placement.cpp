@@ -1,5 +1,5 @@
-// Buffer::set_placement (design §4 "The static planner"): the collective that gives a static Buffer its placement.
-// Kept apart from buffer.cpp: only the placement's state (runtime/placement.hpp) ties the two together.
+// Buffer::set_placement's work (design §4 "The static planner"): the collective that gives a static Buffer its
+// placement. Kept apart from buffer.cpp, which calls it between the op's entry and exit (runtime/placement.hpp).
 #include <cstring>
 
 #include "common/check.hpp"
@@ -40,31 +40,30 @@ std::string placement_disagreement(const std::vector<std::string>& blobs, int nu
 
 }  // namespace runtime
 
-void Buffer::set_placement(std::span<const int32_t> placement, const Launch& launch) {
-    const Launch run = enter("set_placement", launch);
-    FLATEP_CHECK(planner_ == PlannerKind::kStatic, "set_placement: this Buffer's planner is '", planner_name(planner_),
+namespace runtime {
+
+void set_placement(PlacementState& state, const Layout& layout, PlannerKind planner, Transport& transport,
+                   BufferBackend& backend, std::span<const int32_t> placement, const Launch& launch) {
+    FLATEP_CHECK(planner == PlannerKind::kStatic, "set_placement: this Buffer's planner is '", planner_name(planner),
                  "'; a placement is for the static planner (PlannerKind::kStatic)");
-    // Every rank's placement, before any rank judges its own: ranks that disagree, or that all pass the same invalid
-    // placement, fail together and keep the placement they had.
     const std::string mine(reinterpret_cast<const char*>(placement.data()), placement.size_bytes());
-    const std::vector<std::string> blobs = transport_->bootstrap().all_gather(mine);
-    const std::string disagree = runtime::placement_disagreement(blobs, layout_->num_slots);
+    const std::vector<std::string> blobs = transport.bootstrap().all_gather(mine);
+    const std::string disagree = placement_disagreement(blobs, layout.num_slots);
     if (!disagree.empty()) FLATEP_THROW(ErrorCategory::kMismatch, disagree);
-    const std::string bad = planner::check_placement(*layout_, placement);
+    const std::string bad = planner::check_placement(layout, placement);
     FLATEP_CHECK(bad.empty(), "set_placement: ", bad);
-    const std::vector<int32_t> table = planner::make_placement_table(*layout_, placement);
-    placement_->table = backend_->store_placement(table, run);
-    placement_->slots = std::make_shared<const std::vector<int32_t>>(placement.begin(), placement.end());
-    ++placement_->epoch;
-    after_op(run);
+    const std::vector<int32_t> table = planner::make_placement_table(layout, placement);
+    state.table = backend.store_placement(table, launch);
+    state.slots = std::make_shared<const std::vector<int32_t>>(placement.begin(), placement.end());
+    ++state.epoch;
 }
 
-std::span<const int32_t> Buffer::placement() const {
-    if (placement_->slots == nullptr) return {};
-    return {placement_->slots->data(), placement_->slots->size()};
+std::span<const int32_t> placement_of(const PlacementState& state) {
+    if (state.slots == nullptr) return {};
+    return {state.slots->data(), state.slots->size()};
 }
 
-uint64_t Buffer::placement_epoch() const { return placement_->epoch; }
+}  // namespace runtime
 
 uint64_t Plan::placement_epoch() const { return data().placement_epoch; }
 

@@ -12,6 +12,7 @@
 #include "planner/planner.hpp"
 #include "runtime/backend.hpp"
 #include "runtime/collective_guard.hpp"
+#include "runtime/internal.hpp"
 #include "runtime/launch.hpp"
 #include "runtime/plan_data.hpp"
 #include "runtime/serving_view.hpp"
@@ -36,64 +37,151 @@ constexpr int64_t kSyncBytes = kStatusOffset + 16;
 
 // ---- ExpertLayer ----
 
-ExpertLayer::ExpertLayer(ExpertLayer&& other) noexcept
-    : transport_(std::move(other.transport_)),
-      projections_(std::move(other.projections_)),
-      pools_id_(other.pools_id_),
-      on_device_(other.on_device_) {
-    other.projections_.clear();
-    other.pools_id_ = 0;
-    other.on_device_ = false;
-}
-
-ExpertLayer& ExpertLayer::operator=(ExpertLayer&& other) noexcept {
-    if (this != &other) {
-        reset();
-        transport_ = std::move(other.transport_);
-        projections_ = std::move(other.projections_);
-        pools_id_ = other.pools_id_;
-        on_device_ = other.on_device_;
-        other.projections_.clear();
-        other.pools_id_ = 0;
-        other.on_device_ = false;
-    }
-    return *this;
-}
-
-ExpertLayer::~ExpertLayer() { reset(); }
-
-void ExpertLayer::reset() noexcept {
-    if (transport_ != nullptr) {
-        for (Projection& p : projections_) {  // unmap_view / release_local skip what was never made
-            transport_->unmap_view(p.weights_view);
-            transport_->unmap_view(p.grads_view);
-            transport_->release_local(p.weights_own);
-            transport_->release_local(p.grads_own);
-            transport_->release(p.weights_shared);
+// A layer's memory per projection and its views (include/flatep/expert_pools.hpp).
+struct ExpertLayer::Impl {
+    struct Projection {
+        LocalMemory weights_own, grads_own;   // training: the layer's own memory; its data ends where the memory ends
+                                              // (serving: weights_own is the granule mapped into the view's gaps)
+        SymmetricRegion weights_shared;       // serving: the own weights, every rank's mapped (data at own_offset)
+        MappedView weights_view, grads_view;  // the compute views
+        uint16_t* weights = nullptr;          // start of the weights view's data
+        float* grads = nullptr;
+        uint8_t* own = nullptr;  // this rank's own experts [epn] (through their own mapping)
+    };
+    ~Impl() {  // unmap_view / release_local skip what was never made; never throws
+        if (transport == nullptr) return;
+        for (Projection& p : projections) {
+            transport->unmap_view(p.weights_view);
+            transport->unmap_view(p.grads_view);
+            transport->release_local(p.weights_own);
+            transport->release_local(p.grads_own);
+            transport->release(p.weights_shared);
         }
     }
-    projections_.clear();
-    transport_.reset();
-    on_device_ = false;
-}
+    const Projection& projection(int p) const {
+        FLATEP_CHECK(p >= 0 && p < int(projections.size()), "projection must be in [0, ", projections.size(), "), got ",
+                     p);
+        return projections[p];
+    }
+    std::shared_ptr<Transport> transport;  // frees the memory and the views
+    std::vector<Projection> projections;
+    uint64_t pools_id = 0;
+    bool on_device = false;
+};
 
-const ExpertLayer::Projection& ExpertLayer::projection(int p) const {
-    FLATEP_CHECK(p >= 0 && p < num_projections(), "projection must be in [0, ", num_projections(), "), got ", p);
-    return projections_[p];
+// An empty layer (default-constructed or moved from) has no Impl: no projection, pools id 0.
+ExpertLayer::ExpertLayer() = default;
+ExpertLayer::ExpertLayer(ExpertLayer&& other) noexcept = default;
+ExpertLayer& ExpertLayer::operator=(ExpertLayer&& other) noexcept = default;
+ExpertLayer::~ExpertLayer() = default;
+
+namespace {
+const ExpertLayer::Impl::Projection& projection_of(const std::unique_ptr<ExpertLayer::Impl>& impl, int p) {
+    FLATEP_CHECK(impl != nullptr, "projection must be in [0, 0), got ", p);
+    return impl->projection(p);
 }
-uint16_t* ExpertLayer::weights(int p) const { return projection(p).weights; }
-float* ExpertLayer::grads(int p) const { return projection(p).grads; }
-uint16_t* ExpertLayer::own_weights(int p) const { return reinterpret_cast<uint16_t*>(projection(p).own); }
+}  // namespace
+
+int ExpertLayer::num_projections() const { return impl_ == nullptr ? 0 : int(impl_->projections.size()); }
+uint64_t ExpertLayer::pools_id() const { return impl_ == nullptr ? 0 : impl_->pools_id; }
+bool ExpertLayer::on_device() const { return impl_ != nullptr && impl_->on_device; }
+uint16_t* ExpertLayer::weights(int p) const { return projection_of(impl_, p).weights; }
+float* ExpertLayer::grads(int p) const { return projection_of(impl_, p).grads; }
+uint16_t* ExpertLayer::own_weights(int p) const { return reinterpret_cast<uint16_t*>(projection_of(impl_, p).own); }
 float* ExpertLayer::own_grads(int p) const {
-    const Projection& pr = projection(p);
+    const Impl::Projection& pr = projection_of(impl_, p);
     if (pr.grads == nullptr) return nullptr;  // forward-only pools
     return reinterpret_cast<float*>(pr.grads_own.ptr + (reinterpret_cast<uint8_t*>(pr.grads) - pr.grads_view.base));
 }
 
 // ---- ExpertPools ----
 
+// The pools' state and ops (include/flatep/expert_pools.hpp documents each); ExpertPools forwards to it.
+struct ExpertPools::Impl {
+    Impl(std::shared_ptr<Transport> transport, int experts_per_rank, std::vector<ProjectionShape> projections,
+         int num_slots, int view_stride);
+    ~Impl();  // releases the pools; never throws
+
+    ExpertLayer register_layer();
+    ExpertLayer register_serving_layer();
+    void prefetch(const Plan& plan, const ExpertLayer& layer, const Launch& launch);
+    void reduce_grad(const Plan& plan, const ExpertLayer& layer, const Launch& launch);
+    void write_grads(const Plan& plan, const ExpertLayer& layer, int projection, const void* grad, int grad_bytes,
+                     bool accumulate, const Launch& launch);
+    bool serving() const { return num_slots_ < experts_per_rank_; }
+    int num_projections() const { return int(projections_.size()); }
+    int64_t view_rows() const;
+    int64_t view_row(int expert) const;
+    const ProjectionShape& shape(int projection) const;
+    uint16_t* slot_pool(int projection) const;
+    float* reduce_pool(int projection) const;
+    bool on_device() const;
+    bool poisoned() const;
+    void set_num_sms(int num_sms);
+    Launch enter(const Plan& plan, const ExpertLayer& layer, const char* op, const Launch& launch,
+                 bool takes_plan_ordered = false) const;
+    void check_trains(const char* op) const;
+
+    std::vector<runtime::ServingGeometry> serving_;  // serving: per projection, where the view's chunks go
+
+    std::shared_ptr<Transport> transport_;
+    int experts_per_rank_;
+    std::vector<ProjectionShape> projections_;
+    std::vector<SymmetricRegion> slot_regions_, reduce_regions_;
+    SymmetricRegion sync_region_;  // barrier flags + status words of the pool ops
+    uint64_t epoch_ = 0;
+    uint64_t id_;
+    std::unique_ptr<CollectiveGuard> guard_;
+    double timeout_s_ = 0;  // the transport's timeout when the pools were built: every op's waits
+    int num_sms_ = 0;
+    int num_slots_ = 0;
+    int view_stride_ = 0;
+    bool trains_ = false;
+    std::unique_ptr<runtime::PoolsBackend> backend_;
+};
+
+ExpertLayer::ExpertLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
 ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_rank,
-                         std::vector<ProjectionShape> projections, int num_slots)
+                         std::vector<ProjectionShape> projections, int num_slots, int view_stride)
+    : impl_(std::make_unique<Impl>(std::move(transport), experts_per_rank, std::move(projections), num_slots,
+                                   view_stride)) {}
+ExpertPools::~ExpertPools() = default;
+
+ExpertLayer ExpertPools::register_layer() { return impl_->register_layer(); }
+void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer, const Launch& launch) {
+    impl_->prefetch(plan, layer, launch);
+}
+void ExpertPools::reduce_grad(const Plan& plan, const ExpertLayer& layer, const Launch& launch) {
+    impl_->reduce_grad(plan, layer, launch);
+}
+void ExpertPools::write_grads(const Plan& plan, const ExpertLayer& layer, int projection, const void* grad,
+                              int grad_bytes, bool accumulate, const Launch& launch) {
+    impl_->write_grads(plan, layer, projection, grad, grad_bytes, accumulate, launch);
+}
+int ExpertPools::experts_per_rank() const { return impl_->experts_per_rank_; }
+int ExpertPools::num_slots() const { return impl_->num_slots_; }
+bool ExpertPools::serving() const { return impl_->serving(); }
+bool ExpertPools::trains() const { return impl_->trains_; }
+int ExpertPools::view_stride() const { return impl_->view_stride_; }
+int64_t ExpertPools::view_rows() const { return impl_->view_rows(); }
+int64_t ExpertPools::view_row(int expert) const { return impl_->view_row(expert); }
+int ExpertPools::num_projections() const { return impl_->num_projections(); }
+const ProjectionShape& ExpertPools::shape(int projection) const { return impl_->shape(projection); }
+uint16_t* ExpertPools::slot_pool(int projection) const { return impl_->slot_pool(projection); }
+float* ExpertPools::reduce_pool(int projection) const { return impl_->reduce_pool(projection); }
+uint64_t ExpertPools::id() const { return impl_->id_; }
+bool ExpertPools::on_device() const { return impl_->on_device(); }
+int ExpertPools::num_sms() const { return impl_->num_sms_; }
+void ExpertPools::set_num_sms(int num_sms) { impl_->set_num_sms(num_sms); }
+bool ExpertPools::poisoned() const { return impl_->poisoned(); }
+
+namespace internal {
+const std::shared_ptr<Transport>& transport(const ExpertPools& pools) { return pools.impl().transport_; }
+}  // namespace internal
+
+ExpertPools::Impl::Impl(std::shared_ptr<Transport> transport, int experts_per_rank,
+                        std::vector<ProjectionShape> projections, int num_slots, int view_stride)
     : transport_(std::move(transport)),
       experts_per_rank_(experts_per_rank),
       projections_(std::move(projections)),
@@ -103,8 +191,7 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
     timeout_s_ = transport_->timeout_s();  // these pools' bound, whatever later objects set on the shared transport
     FLATEP_CHECK(experts_per_rank_ >= 1, "ExpertPools: experts_per_rank must be positive, got ", experts_per_rank_);
     FLATEP_CHECK(!projections_.empty(), "ExpertPools: at least one projection is needed");
-    FLATEP_CHECK(num_slots == -1 || (num_slots >= 0 && num_slots <= experts_per_rank_),
-                 "ExpertPools: num_slots must be -1 (epn) or in [0, epn=", experts_per_rank_, "], got ", num_slots);
+    check_num_slots("ExpertPools: ", num_slots, experts_per_rank_);  // the one check of B
     num_slots_ = num_slots == -1 ? experts_per_rank_ : num_slots;
     trains_ = !serving();
     for (size_t p = 0; p < projections_.size(); ++p) {
@@ -131,16 +218,26 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
                      kExpertByteMultiple / eb);
     }
     view_stride_ = experts_per_rank_;
+    FLATEP_CHECK(view_stride == 0 || serving(),
+                 "ExpertPools: view_stride is for serving pools (num_slots < epn=", experts_per_rank_, "), got ",
+                 view_stride);
     if (serving()) {
         std::vector<int64_t> expert_bytes;
         for (const ProjectionShape& shape : projections_) expert_bytes.push_back(shape.expert_bytes());
         const int R = transport_->num_ranks();
-        view_stride_ =
-            int(runtime::serving_stride(R, experts_per_rank_, num_slots_, expert_bytes, transport_->granularity()));
-        for (int64_t eb : expert_bytes) {
+        const size_t g = transport_->granularity();
+        const int smallest = int(runtime::serving_stride(R, experts_per_rank_, num_slots_, expert_bytes, g));
+        // A larger stride than the smallest may be asked for: another transport's pools, whose plans must match.
+        FLATEP_CHECK(view_stride == 0 || (view_stride >= smallest && view_stride <= kMaxViewStride),
+                     "ExpertPools: view_stride must be 0 (the smallest that fits, ", smallest, ") or in [", smallest,
+                     ", ", kMaxViewStride, "], got ", view_stride);
+        view_stride_ = view_stride == 0 ? smallest : view_stride;
+        for (size_t p = 0; p < expert_bytes.size(); ++p) {
             bool fits = false;
-            serving_.push_back(runtime::serving_geometry(R, experts_per_rank_, num_slots_, eb,
-                                                         transport_->granularity(), view_stride_, &fits));
+            serving_.push_back(
+                runtime::serving_geometry(R, experts_per_rank_, num_slots_, expert_bytes[p], g, view_stride_, &fits));
+            FLATEP_CHECK(fits, "ExpertPools: view_stride ", view_stride_, " does not fit projection ", p, " (",
+                         expert_bytes[p], " bytes an expert) on this transport's ", g, "-byte granularity");
         }
     }
     backend_ = runtime::make_pools_backend(transport_, guard_.get());  // its device state on the transport's GPU
@@ -170,7 +267,7 @@ ExpertPools::ExpertPools(std::shared_ptr<Transport> transport, int experts_per_r
     }
 }
 
-ExpertPools::~ExpertPools() {
+ExpertPools::Impl::~Impl() {
     guard_->set_site({});  // before the flags go
     backend_.reset();      // frees its device state on the transport's GPU (runtime/device_backend.cpp)
     for (SymmetricRegion& r : slot_regions_) transport_->release(r);
@@ -178,49 +275,50 @@ ExpertPools::~ExpertPools() {
     transport_->release(sync_region_);
 }
 
-const ProjectionShape& ExpertPools::shape(int p) const {
+const ProjectionShape& ExpertPools::Impl::shape(int p) const {
     FLATEP_CHECK(p >= 0 && p < num_projections(), "projection must be in [0, ", num_projections(), "), got ", p);
     return projections_[p];
 }
-uint16_t* ExpertPools::slot_pool(int p) const {
+uint16_t* ExpertPools::Impl::slot_pool(int p) const {
     shape(p);
     if (slot_regions_[p].local == nullptr) return nullptr;  // serving with B = 0
     const size_t at = serving() ? serving_[p].data_at[transport_->num_ranks()] : 0;
     return reinterpret_cast<uint16_t*>(slot_regions_[p].local + at);
 }
-float* ExpertPools::reduce_pool(int p) const {
+float* ExpertPools::Impl::reduce_pool(int p) const {
     shape(p);
     return reinterpret_cast<float*>(reduce_regions_[p].local);
 }
 
-int64_t ExpertPools::view_rows() const {
+int64_t ExpertPools::Impl::view_rows() const {
     return serving() ? int64_t(transport_->num_ranks()) * view_stride_ + num_slots_ : 2 * int64_t(experts_per_rank_);
 }
 
-int64_t ExpertPools::view_row(int expert) const {
+int64_t ExpertPools::Impl::view_row(int expert) const {
     const int E = transport_->num_ranks() * experts_per_rank_;
     FLATEP_CHECK(expert >= 0 && expert < E, "view_row: expert must be in [0, E=", E, "), got ", expert);
     FLATEP_CHECK(serving(), "view_row: the serving view's rows (num_slots < epn); these pools train (num_slots = epn)");
     return int64_t(home_rank(expert, experts_per_rank_)) * view_stride_ + local_expert(expert, experts_per_rank_);
 }
 
-void ExpertPools::check_trains(const char* op) const {
+void ExpertPools::Impl::check_trains(const char* op) const {
     FLATEP_CHECK(trains_, op, ": these pools are forward-only (",
                  serving() ? "serving: num_slots < epn" : "a projection's weights are not bf16",
                  "); gradients need num_slots = epn and bf16 weights");
 }
 
 // Serving: the own weights are symmetric memory (collective), the view maps every rank's chunk and this rank's slots.
-ExpertLayer ExpertPools::register_serving_layer() {
-    ExpertLayer layer;  // frees what was made when a later step throws
-    layer.pools_id_ = id_;
-    layer.on_device_ = backend_->on_device();
-    layer.transport_ = transport_;
+ExpertLayer ExpertPools::Impl::register_serving_layer() {
+    auto made = std::make_unique<ExpertLayer::Impl>();  // frees what was made when a later step throws
+    ExpertLayer::Impl& layer = *made;
+    layer.pools_id = id_;
+    layer.on_device = backend_->on_device();
+    layer.transport = transport_;
     const int R = transport_->num_ranks(), me = transport_->rank();
     for (int p = 0; p < num_projections(); ++p) {
         const runtime::ServingGeometry& geo = serving_[p];
-        layer.projections_.emplace_back();
-        ExpertLayer::Projection& pr = layer.projections_.back();
+        layer.projections.emplace_back();
+        ExpertLayer::Impl::Projection& pr = layer.projections.back();
         pr.weights_shared = transport_->allocate(geo.own_bytes);
         std::vector<ViewPiece> pieces;
         for (int r = 0; r < R; ++r) {
@@ -261,18 +359,19 @@ ExpertLayer ExpertPools::register_serving_layer() {
         pr.weights = reinterpret_cast<uint16_t*>(pr.weights_view.base);  // rank 0's data starts the view (row 0)
         pr.own = pr.weights_shared.local + geo.data_at[me];
     }
-    return layer;
+    return ExpertLayer(std::move(made));
 }
 
-ExpertLayer ExpertPools::register_layer() {
+ExpertLayer ExpertPools::Impl::register_layer() {
     if (serving()) return register_serving_layer();
-    ExpertLayer layer;  // frees what was made when a later step throws
-    layer.pools_id_ = id_;
-    layer.on_device_ = backend_->on_device();
-    layer.transport_ = transport_;
+    auto made = std::make_unique<ExpertLayer::Impl>();  // frees what was made when a later step throws
+    ExpertLayer::Impl& layer = *made;
+    layer.pools_id = id_;
+    layer.on_device = backend_->on_device();
+    layer.transport = transport_;
     for (int p = 0; p < num_projections(); ++p) {
-        layer.projections_.emplace_back();
-        ExpertLayer::Projection& pr = layer.projections_.back();
+        layer.projections.emplace_back();
+        ExpertLayer::Impl::Projection& pr = layer.projections.back();
         const int64_t elems = experts_per_rank_ * projections_[p].elems();
         const size_t weights_data = size_t(elems * projections_[p].elem_bytes), grads_data = size_t(elems * 4);
         // The layer's data ends where its local memory ends (a granularity boundary), so this rank's pool region,
@@ -293,16 +392,16 @@ ExpertLayer ExpertPools::register_layer() {
         pr.own = pr.weights_own.ptr + (pr.weights_own.bytes - weights_data);
         if (trains_) pr.grads = reinterpret_cast<float*>(pr.grads_view.base + (pr.grads_own.bytes - grads_data));
     }
-    return layer;
+    return ExpertLayer(std::move(made));
 }
 
-bool ExpertPools::poisoned() const { return guard_->poisoned(); }
-bool ExpertPools::on_device() const { return backend_->on_device(); }
+bool ExpertPools::Impl::poisoned() const { return guard_->poisoned(); }
+bool ExpertPools::Impl::on_device() const { return backend_->on_device(); }
 
-void ExpertPools::set_num_sms(int num_sms) { num_sms_ = env::check_num_sms("ExpertPools", num_sms); }
+void ExpertPools::Impl::set_num_sms(int num_sms) { num_sms_ = env::check_num_sms("ExpertPools", num_sms); }
 
-Launch ExpertPools::enter(const Plan& plan, const ExpertLayer& layer, const char* op, const Launch& launch,
-                          bool takes_plan_ordered) const {
+Launch ExpertPools::Impl::enter(const Plan& plan, const ExpertLayer& layer, const char* op, const Launch& launch,
+                                bool takes_plan_ordered) const {
     const Launch resolved = runtime::resolve_launch(
         op, launch, num_sms_, takes_plan_ordered ? runtime::Takes::kPlanOrdered : runtime::Takes::kNoOption);
     guard_->enter(op, backend_->failure_message(), backend_->failure_code());
@@ -318,7 +417,7 @@ Launch ExpertPools::enter(const Plan& plan, const ExpertLayer& layer, const char
     FLATEP_CHECK(l.num_slots == num_slots_ && (!serving() || l.view_stride == view_stride_), op,
                  ": plan has num_slots=", l.num_slots, " view_stride=", l.view_stride,
                  " but the pools have num_slots=", num_slots_, " view_stride=", view_stride_,
-                 "; build the Buffer with the pools' num_slots and view_stride (ExpertPools::view_stride)");
+                 "; build the Buffer from these pools (Buffer(config, pools))");
     FLATEP_CHECK(plan.rank() == transport_->rank(), op, ": plan belongs to rank ", plan.rank(), ", pools to rank ",
                  transport_->rank());
     if (layer.pools_id() != id_) {
@@ -341,7 +440,7 @@ sync::SyncArgs pool_sync(const SymmetricRegion& region, uint64_t* epoch, int ran
 }
 }  // namespace
 
-void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer, const Launch& launch) {
+void ExpertPools::Impl::prefetch(const Plan& plan, const ExpertLayer& layer, const Launch& launch) {
     const Launch run = enter(plan, layer, "prefetch", launch, true);
     const int R = transport_->num_ranks();
     // Every projection in one op (one barrier for a pull, two for a push), kMaxPrefetchProjections at a time.
@@ -360,7 +459,7 @@ void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer, const Lau
             PrefetchProjection& pp = args.projections[i];
             pp.expert_bytes = projections_[p].expert_bytes();
             if (args.pull) {
-                const ExpertLayer::Projection& pr = layer.projection(p);
+                const ExpertLayer::Impl::Projection& pr = layer.impl().projection(p);
                 for (int r = 0; r < R; ++r) pp.owners[r] = pr.weights_shared.peers[r] + serving_[p].data_at[r];
                 pp.slot_pools[args.rank] = reinterpret_cast<uint8_t*>(slot_pool(p));
             } else {
@@ -376,7 +475,7 @@ void ExpertPools::prefetch(const Plan& plan, const ExpertLayer& layer, const Lau
     }
 }
 
-void ExpertPools::reduce_grad(const Plan& plan, const ExpertLayer& layer, const Launch& launch) {
+void ExpertPools::Impl::reduce_grad(const Plan& plan, const ExpertLayer& layer, const Launch& launch) {
     const Launch run = enter(plan, layer, "reduce_grad", launch);
     check_trains("reduce_grad");
     const int R = transport_->num_ranks();
@@ -397,8 +496,8 @@ void ExpertPools::reduce_grad(const Plan& plan, const ExpertLayer& layer, const 
     }
 }
 
-void ExpertPools::write_grads(const Plan& plan, const ExpertLayer& layer, int projection, const void* grad,
-                              int grad_bytes, bool accumulate, const Launch& launch) {
+void ExpertPools::Impl::write_grads(const Plan& plan, const ExpertLayer& layer, int projection, const void* grad,
+                                    int grad_bytes, bool accumulate, const Launch& launch) {
     const Launch run = enter(plan, layer, "write_grads", launch);
     check_trains("write_grads");
     FLATEP_CHECK(projection >= 0 && projection < num_projections(), "write_grads: projection must be in [0, ",

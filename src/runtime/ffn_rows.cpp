@@ -38,15 +38,18 @@ void check_rows(const char* op, int64_t rows, const char* cols_name, int64_t col
 }  // namespace
 
 void activate_rows(const uint16_t* h, uint16_t* a, int64_t rows, int64_t ffn, FfnActivation activation,
-                   const int32_t* end, const Launch& launch) {
+                   const int32_t* end, PastEnd past_end, const Launch& launch) {
     const char* op = "activate_rows";
     check_rows(op, rows, "ffn", ffn, end);
     FLATEP_CHECK(activation == FfnActivation::kSwiglu || activation == FfnActivation::kSilu, op,
                  ": activation must be FfnActivation::kSwiglu (0) or kSilu (1), got ", int(activation));
+    FLATEP_CHECK(past_end == PastEnd::kZero || past_end == PastEnd::kUntouched, op,
+                 ": past_end must be PastEnd::kZero (0) or kUntouched (1), got ", int(past_end));
     FLATEP_CHECK(rows == 0 || (h != nullptr && a != nullptr), op, ": h and a must be set when rows > 0");
     const int num_sms = resolve_num_sms(op, launch);
 #if defined(FLATEP_WITH_CUDA)
-    kernels::launch_activate_rows(h, a, rows, ffn, activation, end, static_cast<cudaStream_t>(launch.stream), num_sms);
+    kernels::launch_activate_rows(h, a, rows, ffn, activation, end, past_end == PastEnd::kZero,
+                                  static_cast<cudaStream_t>(launch.stream), num_sms);
 #else
     (void)num_sms;
     no_cuda(op);

@@ -71,6 +71,8 @@ namespace {
 
 class LocalHostTransport;
 
+// Rank `rank` of the world's all-gather; each wait bounded by its owner transport's timeout (or, without an owner,
+// by the world's).
 class ThreadBootstrap : public Bootstrap {
   public:
     ThreadBootstrap(std::shared_ptr<LocalHostWorld::State> state, const Transport* owner, int rank)
@@ -78,7 +80,7 @@ class ThreadBootstrap : public Bootstrap {
     int rank() const override { return rank_; }
     int size() const override { return state_->num_ranks; }
     std::vector<std::string> all_gather(const std::string& blob) override {
-        return state_->all_gather(rank_, blob, owner_->timeout_s());
+        return state_->all_gather(rank_, blob, owner_ != nullptr ? owner_->timeout_s() : state_->timeout_s);
     }
 
   private:
@@ -232,6 +234,12 @@ std::shared_ptr<Transport> LocalHostWorld::transport(int rank) {
         state_->transports[rank] = t;
     }
     return t;
+}
+
+std::vector<std::shared_ptr<Bootstrap>> LocalHostWorld::bootstraps() {
+    std::vector<std::shared_ptr<Bootstrap>> out;
+    for (int r = 0; r < state_->num_ranks; ++r) out.push_back(std::make_shared<ThreadBootstrap>(state_, nullptr, r));
+    return out;
 }
 
 }  // namespace flatep::transport

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "flatep/transport.hpp"
 
@@ -29,6 +30,9 @@ class LocalHostWorld {
     // The transport of `rank` (created on first call, the same object afterwards). Transports keep the shared
     // rendezvous alive, so they may outlive the world object.
     std::shared_ptr<Transport> transport(int rank);
+    // The world's all-gather alone, as one Bootstrap per rank (for a transport built over it, e.g. the ipc transport
+    // of virtual ranks): each wait bounded by the world's timeout. The bootstraps keep the rendezvous alive.
+    std::vector<std::shared_ptr<Bootstrap>> bootstraps();
 
     struct State;
 

@@ -21,6 +21,7 @@
 #include "device_test_util.hpp"
 #include "flatep/buffer.hpp"
 #include "flatep/ipc.hpp"
+#include "internal/api.hpp"
 #include "layout/layout.hpp"
 #include "planner/planner.hpp"
 #include "routing/routing.hpp"
@@ -83,7 +84,7 @@ void make_inputs(int R, std::vector<RankData>& data) {
 // Runs every op of one rank through `buffer` (host or device pointers come from the caller's `io`).
 template <typename Io>
 void run_ops(Buffer& buffer, Io& io, RankData& out, const Launch& on = {}) {
-    const Layout& l = buffer.layout();
+    const Layout& l = internal::layout(buffer);
     Plan plan = buffer.plan(io.idx, 4, io.s, nullptr, on);
     buffer.dispatch(plan, io.x, io.w, io.recv_x, io.recv_w, on);
     buffer.combine(plan, io.recv_x, io.recv_w, io.out_w, on);
@@ -91,7 +92,7 @@ void run_ops(Buffer& buffer, Io& io, RankData& out, const Launch& on = {}) {
     buffer.entry_values(plan, io.recv_w, io.values, on);
     buffer.check_status(on);
     io.copy_back(l, out);
-    const planner::HostPlan& h = plan.host_plan();
+    const planner::HostPlan& h = internal::host_plan(plan);
     out.plan_words.assign(h.view.tpe_all, h.view.tpe_all + make_plan_sizes(l).total_words);  // from the view base
 }
 
@@ -137,7 +138,7 @@ void host_reference(int R, std::vector<RankData>& data) {
         threads.emplace_back([&, r] {
             try {
                 Buffer buffer(config_for(R, r), world.transport(r));
-                const Layout& l = buffer.layout();
+                const Layout& l = internal::layout(buffer);
                 RankData& d = data[r];
                 const int s = num_tokens_of(r);
                 d.recv_x.assign(size_t(l.num_recv_rows) * l.hidden, 0);
@@ -174,7 +175,7 @@ int child(int R, int rank, std::shared_ptr<Bootstrap> boot, const RankData& ref,
     const int device = gpu_test::use_rank_device(rank, gpu_per_rank);
     auto transport = make_ipc_transport(boot, MemoryKind::kDevice, 60.0);
     Buffer buffer(config_for(R, rank), std::shared_ptr<Transport>(std::move(transport)));
-    const Layout& l = buffer.layout();
+    const Layout& l = internal::layout(buffer);
     const int s = num_tokens_of(rank);
     cudaStream_t stream;
     CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

@@ -26,6 +26,7 @@
 #include "flatep/buffer.hpp"
 #include "flatep/expert_pools.hpp"
 #include "flatep/ipc.hpp"
+#include "internal/api.hpp"
 #include "layout/layout.hpp"
 #include "planner/planner.hpp"
 #include "routing/routing.hpp"
@@ -104,7 +105,7 @@ void host_reference(int R, std::vector<RankData>& data) {
                 RankData& d = data[r];
                 Buffer buffer(config_for(R, r), world.transport(r));
                 Plan plan = buffer.plan(d.idx.data(), 4, num_tokens_of(r));
-                const planner::HostPlan& h = plan.host_plan();
+                const planner::HostPlan& h = internal::host_plan(plan);
                 d.slot_expert.assign(h.view.slot_expert, h.view.slot_expert + R * kEpn);
                 ExpertPools pools(world.transport(r), kEpn, {kShapes[0], kShapes[1]});
                 ExpertLayer layer0 = pools.register_layer();

@@ -25,6 +25,7 @@
 #include "flatep/buffer.hpp"
 #include "flatep/expert_pools.hpp"
 #include "flatep/ipc.hpp"
+#include "internal/api.hpp"
 #include "kernels/common/groups.cuh"
 #include "layout/layout.hpp"
 #include "routing/routing.hpp"
@@ -174,7 +175,7 @@ int child(int R, int rank, std::shared_ptr<Bootstrap> boot) {
                 own[size_t(g) * kH + h] = float_to_bf16(1.0f + float(((rank * kExpertsPerRank + g) * 7 + h) % 13) / 16);
         CUDA_OK(cudaMemcpy(layer.own_weights(0), own.data(), own.size() * 2, cudaMemcpyHostToDevice));
     }
-    const Layout& l = buffer.layout();
+    const Layout& l = internal::layout(buffer);
     Step st{};
     st.buffer = &buffer;
     st.pools = &pools;

@@ -1,12 +1,13 @@
-// L1/L1b GPU test of FP8 rows (design §6): the CUDA dispatch_fp8 bitwise against the CPU backend on R virtual ranks,
-// both input forms (bf16 rows quantised in the kernel, pre-quantised rows) and both scale modes, with canary rows
-// around separate receive buffers, a zero-copy case, and the rule's device build against its host build (every fp32
-// value through the e4m3 conversion, every bf16 amax through both scale modes). Plain main: PASS/FAIL per case with
-// the first mismatch, non-zero exit on failure, "SKIP: no CUDA device" (exit 0) where no GPU exists.
+// L1/L1b GPU test of FP8 rows (design §6): Buffer::dispatch_fp8 on the GPU bitwise against the CPU backend on R
+// virtual ranks, both input forms (bf16 rows quantised in the kernel, pre-quantised rows) and both scale modes, with
+// canary rows around separate receive buffers, a zero-copy case, and the rule's device build against its host build
+// (every fp32 value through the e4m3 conversion, every bf16 amax through both scale modes). Plain main: PASS/FAIL per
+// case with the first mismatch, non-zero exit on failure, "SKIP: no CUDA device" (exit 0) where no GPU exists.
 //
 //   test_gpu_fp8            all cases
 //   test_gpu_fp8 --quick    the small cases, and a sample of the fp32 values
 //   test_gpu_fp8 --case NAME
+//   test_gpu_fp8 --cpu      the dispatch cases with the "device" side on the CPU backend (no GPU needed; no rule)
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -16,11 +17,7 @@
 #include <vector>
 
 #include "common/fp8.hpp"
-#include "device_test_util.hpp"
 #include "gpu_harness.hpp"
-#include "ops/dispatch_fp8_args.hpp"
-#include "planner/planner.hpp"
-#include "sync/barrier_host.hpp"
 
 using namespace flatep;
 using namespace flatep::gpu_test;
@@ -29,9 +26,12 @@ namespace {
 
 std::string g_first;  // first mismatch of the current case
 
-constexpr int kCanaryRows = 3;
+bool fail(const std::string& why) {
+    g_first = why;
+    return false;
+}
+
 constexpr uint8_t kCanaryQ = 0xa5;
-constexpr uint32_t kCanaryF32 = 0x7fa5a5a5;  // an fp32 NaN pattern nothing writes
 
 const char* mode_name(Fp8Scale mode) { return mode == Fp8Scale::kUe8m0 ? "ue8m0" : "float"; }
 
@@ -204,11 +204,11 @@ bool run_rule(bool quick) {
 // bf16 rows of finite values (the harness's) with special blocks: zeros, a NaN, +-Inf, bf16 subnormals, huge values,
 // and blocks of (16 + j)/16 * 2^k under an amax of 448 * 2^k, whose UE8M0 quotients are exact e4m3 ties.
 void fill_rows(uint16_t* x, int64_t rows, int H, uint64_t seed) {
-    fill_bf16(x, rows * H, seed);
+    for (int64_t i = 0; i < rows * H; ++i) x[i] = routing::finite_bf16(seed, uint64_t(i));
     const int64_t num_blocks = rows * H / kFp8BlockSize;
     for (int64_t b = 0; b < num_blocks; ++b) {
         uint16_t* block = x + b * kFp8BlockSize;
-        const uint64_t h = mix(seed * 31 + uint64_t(b));
+        const uint64_t h = routing::mix64(seed * 31 + uint64_t(b));
         switch (h % 13) {
             case 0:
                 std::memset(block, 0, kFp8BlockSize * 2);
@@ -220,10 +220,12 @@ void fill_rows(uint16_t* x, int64_t rows, int H, uint64_t seed) {
                 block[h % 128] = (h & 256) ? 0xff80 : 0x7f80;  // -Inf / +Inf
                 break;
             case 3:
-                for (int i = 0; i < kFp8BlockSize; ++i) block[i] = uint16_t(mix(h + i) & 0x807f);  // subnormals
+                for (int i = 0; i < kFp8BlockSize; ++i)
+                    block[i] = uint16_t(routing::mix64(h + i) & 0x807f);  // subnormals
                 break;
             case 4:
-                for (int i = 0; i < kFp8BlockSize; ++i) block[i] = uint16_t(mix(h + i) & 0xff7f) | 0x7000;  // huge
+                for (int i = 0; i < kFp8BlockSize; ++i)
+                    block[i] = uint16_t(routing::mix64(h + i) & 0xff7f) | 0x7000;  // huge
                 break;
             case 5: {
                 const int k = int(h >> 8) % 40 - 20;
@@ -238,330 +240,127 @@ void fill_rows(uint16_t* x, int64_t rows, int H, uint64_t seed) {
     }
 }
 
-struct Inputs {
-    std::vector<std::vector<int64_t>> topk;  // [R][s*K]
-    std::vector<std::vector<uint16_t>> x;    // [R][s*H]
-    std::vector<std::vector<float>> weights;
-};
-
-Inputs make_fp8_inputs(const CaseSpec& c, const Layout& l) {
-    const int s = c.num_tokens < 0 ? l.num_tokens : c.num_tokens;
-    Inputs in;
-    in.topk = make_routing(c, c.seed);
-    in.x.resize(l.num_ranks);
-    in.weights.resize(l.num_ranks);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < l.num_ranks; ++r) {
-        threads.emplace_back([&, r] {
-            in.x[r].resize(size_t(s) * l.hidden);
-            fill_rows(in.x[r].data(), s, l.hidden, c.seed * 1000 + uint64_t(r));
-            in.weights[r].resize(size_t(s) * l.topk);
-            fill_f32(in.weights[r].data(), int64_t(s) * l.topk, c.seed * 1000 + 500 + uint64_t(r), -1.f, 1.f);
-        });
-    }
-    for (auto& t : threads) t.join();
-    return in;
-}
-
-// One rank's outputs of one dispatch_fp8 (host copies): receive rows [0, NvS) (separate buffers: with the canary rows
-// around them), the plan.
-struct Fp8Out {
-    std::vector<uint8_t> q;
-    std::vector<float> scales, w;
-};
-struct RankResult {
-    std::vector<int32_t> plan;
-    Fp8Out from_bf16, pre;  // bf16 input quantised in the op; the host-quantised rows
-};
-
-// The CPU backend (R threads): plan, dispatch_fp8 of the bf16 rows, a bf16 dispatch (rewrites the staging),
-// dispatch_fp8 of the same rows quantised on the host.
-std::vector<RankResult> run_host_fp8(const CaseSpec& c, const Layout& l, const Inputs& in, Fp8Scale mode) {
-    const int R = l.num_ranks, s = c.num_tokens < 0 ? l.num_tokens : c.num_tokens, H = l.hidden;
-    const int nvs = l.num_recv_rows, nb = H / kFp8BlockSize;
-    const SymmetricLayout sym = make_symmetric_layout(l);
-    transport::LocalHostWorld world(R, 120.0);
-    std::vector<RankResult> out(R);
-    std::vector<uint64_t> epochs(R, 0);
-    std::vector<std::string> errors(R);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < R; ++r) {
-        threads.emplace_back([&, r] {
-            try {
-                auto t = world.transport(r);
-                SymmetricRegion reg = t->allocate(size_t(sym.total_bytes));
-                sync::SyncArgs sync{};
-                for (int p = 0; p < R; ++p)
-                    sync.flags[p] = reinterpret_cast<uint64_t*>(reg.peers[p] + sym.barrier_offset);
-                sync.epoch = &epochs[r];
-                sync.status = reinterpret_cast<int32_t*>(reg.local + sym.status_offset);
-                sync.rank = r;
-                sync.num_ranks = R;
-                sync.timeout_s = 120.0;
-                planner::HostPlan plan(l);
-                PlanArgs pa{};
-                pa.layout = l;
-                pa.rank = r;
-                pa.num_tokens = s;
-                pa.topk_idx = in.topk[r].data();
-                pa.index_bytes = 8;
-                pa.planner = c.planner;
-                for (int p = 0; p < R; ++p) pa.peers[p] = reg.peers[p];
-                pa.plan = plan.view;
-                pa.sync = sync;
-                runtime::run_host_plan(pa);
-                DispatchFp8Args a{};
-                a.layout = l;
-                a.rank = r;
-                a.x_bf16 = in.x[r].data();
-                a.topk_weights = c.weighted ? in.weights[r].data() : nullptr;
-                a.scale_mode = mode;
-                a.plan = plan.view;
-                for (int p = 0; p < R; ++p) a.peers[p] = reg.peers[p];
-                a.sync = sync;
-                auto run = [&](Fp8Out& o) {
-                    const int rows = !c.separate_recv ? nvs : nvs + 2 * kCanaryRows;
-                    o.q.assign(size_t(rows) * H, kCanaryQ);
-                    o.scales.assign(size_t(rows) * nb, 0.0f);
-                    o.w.assign(size_t(rows), 0.0f);
-                    for (float& v : o.scales) std::memcpy(&v, &kCanaryF32, 4);
-                    for (float& v : o.w) std::memcpy(&v, &kCanaryF32, 4);
-                    const int at = !c.separate_recv ? 0 : kCanaryRows;
-                    a.recv_w = o.w.data() + at;
-                    if (!c.separate_recv) {
-                        a.recv_x = reg.local + fp8_recv_x_offset(sym);
-                        a.recv_scales = reinterpret_cast<float*>(reg.local + fp8_recv_scales_offset(l, sym));
-                    } else {
-                        a.recv_x = o.q.data() + at * H;
-                        a.recv_scales = o.scales.data() + at * nb;
-                    }
-                    host::run(a);
-                    if (!c.separate_recv) {
-                        std::memcpy(o.q.data(), a.recv_x, size_t(nvs) * H);
-                        std::memcpy(o.scales.data(), a.recv_scales, size_t(nvs) * nb * 4);
-                    }
-                };
-                run(out[r].from_bf16);
-                std::vector<uint16_t> recv16(size_t(nvs) * H);
-                DispatchArgs da{};
-                da.layout = l;
-                da.rank = r;
-                da.x = in.x[r].data();
-                da.plan = plan.view;
-                for (int p = 0; p < R; ++p) da.peers[p] = reg.peers[p];
-                da.recv_x = recv16.data();
-                da.sync = sync;
-                host::run(da);
-                std::vector<uint8_t> xq(size_t(s) * H);
-                std::vector<float> xs(size_t(s) * nb);
-                quantize_fp8_rows(in.x[r].data(), s, H, mode, xq.data(), xs.data());
-                a.x_bf16 = nullptr;
-                a.x_fp8 = xq.data();
-                a.x_scales = xs.data();
-                run(out[r].pre);
-                out[r].plan.assign(plan.view.tpe_all, plan.view.tpe_all + make_plan_sizes(l).total_words);
-                sync::host::barrier(sync, sync::kOpNone);  // every peer is done with this rank's region
-                t->release(reg);
-            } catch (const std::exception& e) {
-                errors[r] = e.what();
-            }
-        });
-    }
-    for (auto& t : threads) t.join();
-    for (int r = 0; r < R; ++r) FLATEP_CHECK_RUNTIME(errors[r].empty(), "host rank ", r, ": ", errors[r]);
-    return out;
-}
-
-// The same sequence on the GPU (virtual ranks of one LocalDeviceGroup).
-std::vector<RankResult> run_device_fp8(const CaseSpec& c, const Layout& l, const Inputs& in, Fp8Scale mode,
-                                       testing::LocalDeviceGroup& group) {
-    const int R = l.num_ranks, s = c.num_tokens < 0 ? l.num_tokens : c.num_tokens, H = l.hidden;
-    const int nvs = l.num_recv_rows, nb = H / kFp8BlockSize;
-    const SymmetricLayout sym = make_symmetric_layout(l);
-    std::vector<SymmetricRegion> regions = group.allocate(size_t(sym.total_bytes));
-    const size_t plan_words = size_t(make_plan_sizes(l).total_words);
-    const int rows = !c.separate_recv ? nvs : nvs + 2 * kCanaryRows, at = !c.separate_recv ? 0 : kCanaryRows;
-    struct Dev {
-        int32_t* plan;
-        void* workspace;
+// dispatch_fp8 of one case on a World: per rank, plan, dispatch_fp8 of the bf16 rows (quantised in the op), a bf16
+// dispatch (it rewrites the staging region in between), dispatch_fp8 of the same rows quantised on the host. Outputs:
+// the plan, each dispatch_fp8's receive rows, scales and weights (separate buffers: with the canary rows around them;
+// zero copy: rows [0, end), what the region holds past them is unspecified).
+// Both forms must give the same rows [0, end) (the rule is the same, wherever the rows are quantised): else *problem.
+Outputs run_fp8(const CaseSpec& c, World& world, Fp8Scale mode, std::string* problem) {
+    const int R = c.config.num_ranks, s = c.tokens_of(), H = c.config.hidden, K = c.config.topk;
+    const int nb = H / kFp8BlockSize;
+    const std::vector<std::vector<int64_t>> topk = make_routing(c, c.seed);
+    std::vector<std::unique_ptr<Buffer>> buffers(static_cast<size_t>(R));
+    run_threads(R, [&](int r) {
+        Config cfg = c.config;
+        cfg.rank = r;
+        buffers[size_t(r)] = std::make_unique<Buffer>(cfg, world.transport(r), c.planner, 0);
+    });
+    const int nvs = buffers[0]->num_recv_rows();
+    const int rows = c.separate_recv ? nvs + 2 * kCanaryRows : nvs, at = c.separate_recv ? kCanaryRows : 0;
+    struct Rank {
+        int32_t* storage;
         int64_t* topk;
         uint16_t *x, *recv16;
         float *weights, *xs, *scales[2], *w[2];
         uint8_t *xq, *q[2];
+        Plan plan;
     };
-    std::vector<Dev> dev(R);
+    std::vector<Rank> ranks(static_cast<size_t>(R));
     for (int r = 0; r < R; ++r) {
-        Dev& d = dev[r];
+        Rank& k = ranks[size_t(r)];
+        std::vector<uint16_t> x(size_t(s) * H);
+        fill_rows(x.data(), s, H, c.seed * 1000 + uint64_t(r));
         std::vector<uint8_t> xq(size_t(s) * H);
         std::vector<float> xs(size_t(s) * nb);
-        quantize_fp8_rows(in.x[r].data(), s, H, mode, xq.data(), xs.data());
-        d.plan = to_device(std::vector<int32_t>(plan_words, 0));
-        FLATEP_CUDA_CHECK(cudaMalloc(&d.workspace, runtime::plan_workspace_bytes(l)));
-        d.topk = to_device(in.topk[r], 1);
-        d.x = to_device(in.x[r], 8);
-        d.weights = to_device(in.weights[r], 1);
-        d.xq = to_device(xq, 16);
-        d.xs = to_device(xs, 1);
-        FLATEP_CUDA_CHECK(cudaMalloc(&d.recv16, size_t(nvs) * H * 2));
+        quantize_fp8_rows(x.data(), s, H, mode, xq.data(), xs.data());
+        k.storage = world.on_device() ? world.alloc<int32_t>(buffers[size_t(r)]->plan_words()) : nullptr;
+        k.topk = world.alloc<int64_t>(int64_t(s) * K);
+        world.put(k.topk, topk[size_t(r)]);
+        k.x = world.alloc<uint16_t>(int64_t(s) * H);
+        world.put(k.x, x);
+        k.weights = world.alloc<float>(int64_t(s) * K);
+        world.put(k.weights, random_f32(int64_t(s) * K, c.seed * 1000 + 500 + uint64_t(r), -1.f, 1.f));
+        k.xq = world.alloc<uint8_t>(int64_t(s) * H);
+        world.put(k.xq, xq);
+        k.xs = world.alloc<float>(int64_t(s) * nb);
+        world.put(k.xs, xs);
+        k.recv16 = world.alloc<uint16_t>(int64_t(nvs) * H);
         for (int v = 0; v < 2; ++v) {
-            d.q[v] = to_device(std::vector<uint8_t>(size_t(rows) * H, kCanaryQ));
-            d.scales[v] = to_device(std::vector<float>(size_t(rows) * nb, fp8::float_from_bits(kCanaryF32)));
-            d.w[v] = to_device(std::vector<float>(size_t(rows), fp8::float_from_bits(kCanaryF32)));
+            k.q[v] = world.alloc<uint8_t>(int64_t(rows) * H);
+            world.fill(k.q[v], int64_t(rows) * H, kCanaryQ);
+            k.scales[v] = world.alloc<float>(int64_t(rows) * nb);
+            world.fill(k.scales[v], int64_t(rows) * nb, canary_f32());
+            k.w[v] = world.alloc<float>(rows);
+            world.fill(k.w[v], rows, canary_f32());
         }
     }
-    FLATEP_CUDA_CHECK(cudaDeviceSynchronize());
-    auto sync = [&](int r) { return group.sync_args(r, regions, sym.barrier_offset, sym.status_offset); };
-    for (int r = 0; r < R; ++r) {
-        PlanArgs a{};
-        a.layout = l;
-        a.rank = r;
-        a.num_tokens = s;
-        a.topk_idx = dev[r].topk;
-        a.index_bytes = 8;
-        a.planner = c.planner;
-        for (int p = 0; p < R; ++p) a.peers[p] = regions[r].peers[p];
-        a.plan = make_plan_view(l, dev[r].plan);
-        a.sync = sync(r);
-        a.workspace = dev[r].workspace;
-        runtime::launch_plan(a, group.stream(r), group.num_sms());
-    }
-    auto fp8_args = [&](int r, int v) {
-        DispatchFp8Args a{};
-        a.layout = l;
-        a.rank = r;
-        a.x_bf16 = v == 0 ? dev[r].x : nullptr;
-        a.x_fp8 = v == 0 ? nullptr : dev[r].xq;
-        a.x_scales = v == 0 ? nullptr : dev[r].xs;
-        a.topk_weights = c.weighted ? dev[r].weights : nullptr;
-        a.scale_mode = mode;
-        a.plan = make_plan_view(l, dev[r].plan);
-        for (int p = 0; p < R; ++p) a.peers[p] = regions[r].peers[p];
-        a.recv_x = !c.separate_recv ? regions[r].local + fp8_recv_x_offset(sym) : dev[r].q[v] + int64_t(at) * H;
-        a.recv_scales = !c.separate_recv ? reinterpret_cast<float*>(regions[r].local + fp8_recv_scales_offset(l, sym))
-                                         : dev[r].scales[v] + int64_t(at) * nb;
-        a.recv_w = dev[r].w[v] + at;
-        a.sync = sync(r);
-        return a;
+    Outputs outs(static_cast<size_t>(R));
+    auto fp8 = [&](int r, int v) {  // v 0: quantised in the op; 1: pre-quantised
+        Rank& k = ranks[size_t(r)];
+        Buffer& b = *buffers[size_t(r)];
+        uint8_t* q = c.separate_recv ? k.q[v] + int64_t(at) * H : b.symmetric_recv_x_fp8();
+        float* sc = c.separate_recv ? k.scales[v] + int64_t(at) * nb : b.symmetric_recv_scales();
+        b.dispatch_fp8(k.plan, v == 0 ? k.x : nullptr, v == 0 ? nullptr : k.xq, v == 0 ? nullptr : k.xs,
+                       c.weighted ? k.weights : nullptr, q, sc, k.w[v] + at, mode, world.launch(r));
     };
-    std::vector<RankResult> out(R);
-    auto download = [&](int v) {
-        group.synchronize();
+    auto download = [&](int v) {  // zero copy: before the next ops rewrite the region
         for (int r = 0; r < R; ++r) {
-            Fp8Out& o = v == 0 ? out[r].from_bf16 : out[r].pre;
-            const uint8_t* q = !c.separate_recv ? regions[r].local + fp8_recv_x_offset(sym) : dev[r].q[v];
-            const float* sc = !c.separate_recv
-                                  ? reinterpret_cast<const float*>(regions[r].local + fp8_recv_scales_offset(l, sym))
-                                  : dev[r].scales[v];
-            o.q = from_device(q, int64_t(rows) * H);
-            o.scales = from_device(sc, int64_t(rows) * nb);
-            o.w = from_device(dev[r].w[v], rows);
+            Rank& k = ranks[size_t(r)];
+            Buffer& b = *buffers[size_t(r)];
+            const std::string tag =
+                std::string(v == 0 ? " (bf16 input, " : " (pre-quantised, ") + mode_name(mode) + ")";
+            const std::vector<int32_t> words = plan_words(world, b, k.plan, k.storage);
+            const int G = b.num_groups();
+            if (v == 0) outs[size_t(r)].push_back(blob("plan", words, int64_t(words.size())));
+            const int64_t end = make_plan_view(internal::layout(b), const_cast<int32_t*>(words.data()))
+                                    .cu_seqlens[int64_t(r) * G + G - 1];
+            const int64_t first = c.separate_recv ? kCanaryRows : 0, n = c.separate_recv ? rows : end;
+            outs[size_t(r)].push_back(
+                blob("recv_x" + tag, world.get(c.separate_recv ? k.q[v] : b.symmetric_recv_x_fp8(), n * H), H));
+            outs[size_t(r)].push_back(blob(
+                "recv_scales" + tag, world.get(c.separate_recv ? k.scales[v] : b.symmetric_recv_scales(), n * nb), nb));
+            outs[size_t(r)].push_back(blob("recv_w" + tag, world.get(k.w[v], rows), 1));
+            if (v == 0) continue;
+            const std::vector<Blob>& o = outs[size_t(r)];  // plan, then recv_x, scales, w of each form
+            for (const int a : {1, 2}) {
+                const size_t from = size_t(first * o[size_t(a)].row_bytes), len = size_t(end * o[size_t(a)].row_bytes);
+                if (std::memcmp(o[size_t(a)].bytes.data() + from, o[size_t(a) + 3].bytes.data() + from, len) != 0)
+                    *problem = "pre-quantised rows differ from rows quantised in the op (rank " + std::to_string(r) +
+                               tag + ")";
+            }
         }
     };
-    for (int r = 0; r < R; ++r) kernels::launch(fp8_args(r, 0), group.stream(r), group.num_sms());
-    download(0);                   // (zero copy: the next ops rewrite the region)
-    for (int r = 0; r < R; ++r) {  // a bf16 dispatch rewrites the staging region in between
-        DispatchArgs a{};
-        a.layout = l;
-        a.rank = r;
-        a.x = dev[r].x;
-        a.plan = make_plan_view(l, dev[r].plan);
-        for (int p = 0; p < R; ++p) a.peers[p] = regions[r].peers[p];
-        a.recv_x = dev[r].recv16;
-        a.sync = sync(r);
-        kernels::launch(a, group.stream(r), group.num_sms());
-    }
-    for (int r = 0; r < R; ++r) kernels::launch(fp8_args(r, 1), group.stream(r), group.num_sms());
+    world.run([&](int r) {
+        ranks[size_t(r)].plan =
+            buffers[size_t(r)]->plan(ranks[size_t(r)].topk, 8, s, ranks[size_t(r)].storage, world.launch(r));
+    });
+    world.run([&](int r) { fp8(r, 0); });
+    download(0);
+    world.run([&](int r) {
+        Rank& k = ranks[size_t(r)];
+        buffers[size_t(r)]->dispatch(k.plan, k.x, nullptr, k.recv16, nullptr, world.launch(r));
+    });
+    world.run([&](int r) { fp8(r, 1); });
     download(1);
-    for (int r = 0; r < R; ++r) out[r].plan = from_device(dev[r].plan, int64_t(plan_words));
-    for (Dev& d : dev) {
-        for (void* p : {(void*)d.plan, d.workspace, (void*)d.topk, (void*)d.x, (void*)d.recv16, (void*)d.weights,
-                        (void*)d.xs, (void*)d.xq, (void*)d.q[0], (void*)d.q[1], (void*)d.scales[0], (void*)d.scales[1],
-                        (void*)d.w[0], (void*)d.w[1]})
-            cudaFree(p);
+    for (int r = 0; r < R; ++r) {
+        const std::string status = status_of(*buffers[size_t(r)], world.launch(r));
+        outs[size_t(r)].push_back(blob("status", std::vector<char>(status.begin(), status.end()), 1));
     }
-    group.release(regions);
-    return out;
+    world.synchronize();
+    return outs;
 }
 
-template <typename T>
-bool same_bytes(const char* what, int rank, const T* got, const T* want, int64_t n, int64_t row_len,
-                int64_t row_offset) {
-    for (int64_t i = 0; i < n; ++i) {
-        if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
-            uint32_t g = 0, w = 0;
-            std::memcpy(&g, &got[i], sizeof(T));
-            std::memcpy(&w, &want[i], sizeof(T));
-            char buf[240];
-            std::snprintf(buf, sizeof(buf), "%s: rank %d row %lld col %lld: got 0x%x expected 0x%x", what, rank,
-                          (long long)(i / row_len + row_offset), (long long)(i % row_len), g, w);
-            g_first = buf;
-            return false;
-        }
-    }
-    return true;
-}
-
-// GPU against CPU: receive rows [0, end) bitwise, and (separate buffers) the canary rows before and every row from
-// the last group end on untouched.
-bool compare(const CaseSpec& c, const Layout& l, Fp8Scale mode, const std::vector<RankResult>& gpu,
-             const std::vector<RankResult>& cpu) {
-    const int H = l.hidden, nb = H / kFp8BlockSize;
-    const int64_t rows = !c.separate_recv ? l.num_recv_rows : l.num_recv_rows + 2 * kCanaryRows;
-    for (int r = 0; r < l.num_ranks; ++r) {
-        if (gpu[r].plan != cpu[r].plan) {
-            g_first = "plan of rank " + std::to_string(r) + " differs from the host planner's";
-            return false;
-        }
-        const PlanView pv = make_plan_view(l, const_cast<int32_t*>(cpu[r].plan.data()));
-        const int64_t end = pv.cu_seqlens[int64_t(r) * l.num_groups() + l.num_groups() - 1];
-        const int64_t first = !c.separate_recv ? 0 : kCanaryRows;
-        for (int v = 0; v < 2; ++v) {
-            const Fp8Out& g = v == 0 ? gpu[r].from_bf16 : gpu[r].pre;
-            const Fp8Out& h = v == 0 ? cpu[r].from_bf16 : cpu[r].pre;
-            const std::string tag = std::string(v == 0 ? "bf16 input" : "pre-quantised") + ", " + mode_name(mode);
-            const int64_t n = !c.separate_recv ? end : rows;  // zero copy: rows past the end are unspecified
-            const int64_t off = !c.separate_recv ? 0 : -kCanaryRows;
-            if (!same_bytes(("recv_x (" + tag + ")").c_str(), r, g.q.data(), h.q.data(), n * H, H, off) ||
-                !same_bytes(("recv_scales (" + tag + ")").c_str(), r, g.scales.data(), h.scales.data(), n * nb, nb,
-                            off) ||
-                !same_bytes(("recv_w (" + tag + ")").c_str(), r, g.w.data(), h.w.data(), rows, 1, off))
-                return false;
-            if (!!c.separate_recv) {  // the host run's canaries are the untouched pattern: compare against it directly
-                std::vector<uint8_t> canary_q(size_t(rows - first - end) * H, kCanaryQ);
-                if (!same_bytes(("recv_x past the end (" + tag + ")").c_str(), r, g.q.data() + (first + end) * H,
-                                canary_q.data(), int64_t(canary_q.size()), H, end))
-                    return false;
-            }
-        }
-        // The host's two input forms agree (rows [0, end): in the zero-copy case the region past them holds what the
-        // bf16 dispatch in between staged there).
-        const Fp8Out &hb = cpu[r].from_bf16, &hp = cpu[r].pre;
-        if (std::memcmp(hb.q.data() + first * H, hp.q.data() + first * H, size_t(end) * H) != 0 ||
-            std::memcmp(hb.scales.data() + first * nb, hp.scales.data() + first * nb, size_t(end) * nb * 4) != 0) {
-            g_first = "host: pre-quantised rows differ from rows quantised in the op (rank " + std::to_string(r) + ")";
-            return false;
-        }
-    }
-    return true;
-}
-
-bool run_case(const CaseSpec& c) {
-    const Layout l = make_layout(c.config);
-    const char* timeout_env = std::getenv("FLATEP_GPU_TEST_TIMEOUT");
-    testing::LocalDeviceGroup group(l.num_ranks, false, timeout_env != nullptr ? std::atof(timeout_env) : 20.0);
-    const Inputs in = make_fp8_inputs(c, l);
+// The "device" side on the GPU (or, with --cpu, the CPU backend) against the CPU backend, both scale modes.
+bool run_case(const CaseSpec& c, bool cpu) {
+    World world(c.config.num_ranks, !cpu);
     for (Fp8Scale mode : {Fp8Scale::kFloat, Fp8Scale::kUe8m0}) {
-        const std::vector<RankResult> cpu = run_host_fp8(c, l, in, mode);
-        const std::vector<RankResult> gpu = run_device_fp8(c, l, in, mode, group);
-        for (int r = 0; r < l.num_ranks; ++r) {
-            const sync::WaitRecord& w = group.wait_record(r);
-            if (w.code != 0) {
-                g_first = "wait failed: op " + std::string(sync::op_name(sync::OpId(w.op))) + " rank " +
-                          std::to_string(w.rank) + " peer " + std::to_string(w.peer);
-                return false;
-            }
-        }
-        if (!compare(c, l, mode, gpu, cpu)) return false;
+        World host_world(c.config.num_ranks, false);
+        std::string host_problem, problem;
+        const Outputs host = run_fp8(c, host_world, mode, &host_problem);
+        if (!host_problem.empty()) return fail("host: " + host_problem);
+        g_first = compare(run_fp8(c, world, mode, &problem), host);
+        if (g_first.empty() && !problem.empty()) g_first = problem;
+        if (!g_first.empty()) return false;
     }
     return true;
 }
@@ -570,16 +369,17 @@ bool run_case(const CaseSpec& c) {
 
 int main(int argc, char** argv) {
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
-    int num_devices = 0;
-    if (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0) {
-        std::printf("SKIP: no CUDA device\n");
-        return 0;
-    }
-    bool quick = false;
+    bool quick = false, cpu = false;
     std::string only;
     for (int i = 1; i < argc; ++i) {
         if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+        if (std::strcmp(argv[i], "--cpu") == 0) cpu = true;
         if (std::strcmp(argv[i], "--case") == 0 && i + 1 < argc) only = argv[++i];
+    }
+    int num_devices = 0;
+    if (!cpu && (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0)) {
+        std::printf("SKIP: no CUDA device\n");
+        return 0;
     }
     struct Entry {
         CaseSpec spec;
@@ -646,15 +446,15 @@ int main(int argc, char** argv) {
         }
         std::printf("%s %s%s%s\n", ok ? "PASS" : "FAIL", name.c_str(), ok ? "" : ": ", ok ? "" : g_first.c_str());
         if (!ok) {
-            std::printf("  reproduce: test_gpu_fp8 --case %s\n", name.c_str());
+            std::printf("  reproduce: test_gpu_fp8 --case %s%s\n", name.c_str(), cpu ? " --cpu" : "");
             ++failed;
         }
         std::fflush(stdout);
     };
-    if (only.empty() || only == "rule") report("rule", [&] { return run_rule(quick); });
+    if (!cpu && (only.empty() || only == "rule")) report("rule", [&] { return run_rule(quick); });
     for (const Entry& e : cases) {
         if ((only.empty() && (!quick || e.small)) || only == e.spec.name) {
-            report(e.spec.name, [&] { return run_case(e.spec); });
+            report(e.spec.name, [&] { return run_case(e.spec, cpu); });
         }
     }
     std::printf("%d of %d cases passed\n", run - failed, run);

@@ -1,10 +1,12 @@
-// L1/L1b GPU tests: every CUDA op against the CPU backend, R virtual ranks on one GPU (and one rank per GPU where
-// several exist). Plain main (the device machine has no GoogleTest): prints PASS/FAIL per case with the first
+// L1/L1b GPU tests: every op through the public Buffer and ExpertPools, R virtual ranks on one GPU (and one rank per
+// GPU where several exist), bitwise against the same step on the CPU backend; and the GPU planner alone against the
+// host planner. Plain main (the device machine has no GoogleTest): prints PASS/FAIL per case with the first
 // mismatch, returns non-zero on failure, exits 0 with "SKIP: no CUDA device" where no GPU exists.
 //
 //   test_gpu_ops            all cases
 //   test_gpu_ops --quick    the small cases only (compute-sanitizer runs)
 //   test_gpu_ops --case NAME
+//   test_gpu_ops --cpu      the step's "device" side on the CPU backend too (the harness itself; no GPU needed)
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -15,7 +17,7 @@
 #include <vector>
 
 #include "gpu_harness.hpp"
-#include "planner/planner.hpp"
+#include "planner/gpu_planner.cuh"
 
 using namespace flatep;
 using namespace flatep::gpu_test;
@@ -24,163 +26,245 @@ namespace {
 
 std::string g_first;  // first mismatch of the current case
 
-template <typename T>
-bool compare_words(const char* what, int rank, const T* got, const T* want, int64_t n, int64_t row_len,
-                   int64_t row_offset = 0) {
-    for (int64_t i = 0; i < n; ++i) {
-        if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
-            char buf[320];
-            std::snprintf(buf, sizeof(buf), "%s: rank %d row %lld col %lld: got 0x%llx expected 0x%llx", what, rank,
-                          (long long)(i / row_len + row_offset), (long long)(i % row_len),
-                          (unsigned long long)(uint64_t)got[i], (unsigned long long)(uint64_t)want[i]);
-            if (sizeof(T) == 4 && std::is_floating_point_v<T>) {
-                std::snprintf(buf + std::strlen(buf), sizeof(buf) - std::strlen(buf), " (%g vs %g)", double(got[i]),
-                              double(want[i]));
+// One step of every op of a case on a World, through Buffer and ExpertPools: plan (device: into storage read back
+// whole), write_grads (backward: a bf16 gradient, and an fp32 one with the bf16 one accumulated on top), dispatch,
+// prefetch, combine; backward: dispatch of the output gradient, combine_grad, combine (dispatch's backward);
+// reduce_grad. Serving layouts (B < epn) pull their B slots and have no gradients. Canary rows around every separate
+// output must come back untouched.
+class OpsStep {
+  public:
+    OpsStep(const CaseSpec& c, World& world, int view_stride)
+        : c_(c),
+          world_(world),
+          serving_(c.view.num_slots >= 0 && c.view.num_slots < c.config.num_experts / c.config.num_ranks) {
+        std::vector<ProjectionShape> shapes = {{1, c.expert_elems}};
+        if (c.backward && !serving_) shapes.insert(shapes.end(), 2, ProjectionShape{1, c.grads_elems});
+        for (RankObjects& o : make_rank_objects(world, c.config, c.view, c.planner, shapes, view_stride))
+            ranks_.push_back(Rank{std::move(o)});
+        const Buffer& b0 = *ranks_[0].buffer;
+        const int64_t S = c.config.num_tokens, H = c.config.hidden, nvs = b0.num_recv_rows();
+        const int64_t ge = 2 * int64_t(b0.experts_per_rank()) * c.grads_elems + 8;
+        for (Rank& k : ranks_) {
+            k.topk = world.alloc<int64_t>(S * c.config.topk);
+            k.x = world.alloc<uint16_t>(S * H);
+            k.weights = world.alloc<float>(S * c.config.topk);
+            k.recv = world.alloc<uint16_t>((nvs + 2 * kCanaryRows) * H);
+            k.recv_w = world.alloc<float>(nvs);
+            k.y = world.alloc<uint16_t>(nvs * H);
+            k.out = world.alloc<uint16_t>((S + kCanaryRows) * H);
+            if (!c.backward) continue;
+            k.gout = world.alloc<uint16_t>(S * H);
+            k.recv_g = world.alloc<uint16_t>((nvs + 2 * kCanaryRows) * H);
+            k.gy = world.alloc<uint16_t>(nvs * H);
+            k.gx = world.alloc<uint16_t>((S + kCanaryRows) * H);
+            k.grad_y = world.alloc<uint16_t>((nvs + 2 * kCanaryRows) * H);
+            k.grad_w = world.alloc<float>(nvs + 2 * kCanaryRows);
+            k.wgrad16 = world.alloc<uint16_t>(ge);
+            k.wgrad32 = world.alloc<float>(ge);
+        }
+    }
+    ~OpsStep() { world_.synchronize(); }  // the kernels done before the memory goes
+    int view_stride() const { return ranks_[0].buffer->view_stride(); }
+
+    // The inputs of a step (seeded; the same on every World) into the world's memory, canaries around the outputs.
+    void upload(uint64_t seed) {
+        const std::vector<std::vector<int64_t>> topk = make_routing(c_, seed);
+        const int s = c_.tokens_of(), K = c_.config.topk, epn = ranks_[0].buffer->experts_per_rank();
+        const int64_t H = c_.config.hidden, S = c_.config.num_tokens, nvs = ranks_[0].buffer->num_recv_rows();
+        for (int r = 0; r < world_.num_ranks(); ++r) {
+            Rank& k = ranks_[size_t(r)];
+            const uint64_t base = seed * 1000 + uint64_t(r) * 16;
+            if (c_.index_bytes == 8) {
+                world_.put(k.topk, topk[size_t(r)]);
+            } else {
+                world_.put(reinterpret_cast<int32_t*>(k.topk),
+                           std::vector<int32_t>(topk[size_t(r)].begin(), topk[size_t(r)].end()));
             }
-            g_first = buf;
-            return false;
+            if (k.storage != nullptr) world_.fill(k.storage, k.buffer->plan_words(), 0);
+            world_.put(k.x, random_bf16(s * H, base + 1));
+            world_.put(k.weights, random_f32(int64_t(s) * K, base + 2, -1.f, 1.f));
+            world_.put(k.y, random_bf16(nvs * H, base + 3));
+            world_.fill(k.recv, (nvs + 2 * kCanaryRows) * H, kCanary);
+            world_.fill(k.recv_w, nvs, 0.0f);
+            world_.fill(k.out, (S + kCanaryRows) * H, kCanary);
+            for (int p = 0; p < k.pools->num_projections(); ++p) {  // slots empty, and (training) the gradients
+                const int64_t n = k.pools->shape(p).elems();
+                if (k.pools->num_slots() > 0) world_.fill(k.pools->slot_pool(p), k.pools->num_slots() * n, uint16_t(0));
+                if (p == 0) world_.put(k.layer.own_weights(0), random_bf16(epn * n, base + 6));
+                if (p == 0 && !serving_) world_.put(k.layer.own_grads(0), random_f32(epn * n, base + 7, -1.f, 1.f));
+                if (p == 0 && !serving_) world_.put(k.pools->reduce_pool(0), random_f32(epn * n, base + 8, -1.f, 1.f));
+                if (p > 0) world_.fill(k.layer.grads(p), 2 * epn * n, canary_f32());  // untouched slots keep it
+            }
+            if (!c_.backward) continue;
+            world_.put(k.gout, random_bf16(s * H, base + 4));
+            world_.put(k.gy, random_bf16(nvs * H, base + 5));
+            world_.fill(k.recv_g, (nvs + 2 * kCanaryRows) * H, kCanary);
+            world_.fill(k.gx, (S + kCanaryRows) * H, kCanary);
+            world_.fill(k.grad_y, (nvs + 2 * kCanaryRows) * H, kCanary);
+            world_.fill(k.grad_w, nvs + 2 * kCanaryRows, canary_f32());
+            const int64_t ge = 2 * int64_t(epn) * c_.grads_elems;
+            world_.put(grad16(k), random_bf16(ge, base + 9));
+            world_.put(grad32(k), random_f32(ge, base + 10, -1.f, 1.f));
         }
     }
-    return true;
-}
 
-bool compare_outputs(const CaseSpec& c, const Layout& l, const std::vector<RankOutputs>& gpu,
-                     const std::vector<RankOutputs>& cpu) {
-    const int R = l.num_ranks;
-    const int64_t H = l.hidden, nvs = l.num_recv_rows, S = l.num_tokens;
-    const int s = c.num_tokens < 0 ? l.num_tokens : c.num_tokens;
-    const int kc = DeviceCase::kCanaryRows;
-    for (int r = 0; r < R; ++r) {
-        const RankOutputs &g = gpu[r], &h = cpu[r];
-        for (size_t w = 0; w < g.plan.size(); ++w) {
-            if (g.plan[w] != h.plan[w]) {
-                g_first = "plan: rank " + std::to_string(r) + " " + plan_word_name(l, int64_t(w)) + ": got " +
-                          std::to_string(g.plan[w]) + " expected " + std::to_string(h.plan[w]);
-                return false;
+    // Every rank's ops (device: enqueued, capturable). Bad ids: every rank's status read after the plan (a
+    // synchronising point, so not in a graph), as the CPU backend reports them after its plan.
+    void run() {
+        world_.run([&](int r) { plan(r); });
+        if (c_.routing == RoutingKind::kBadIds) {
+            world_.synchronize();
+            world_.run(
+                [&](int r) { ranks_[size_t(r)].status = status_of(*ranks_[size_t(r)].buffer, world_.launch(r)); });
+        }
+        world_.run([&](int r) { ops(r); });
+    }
+
+    Outputs download() {
+        world_.synchronize();
+        Outputs outs(size_t(world_.num_ranks()));
+        const int64_t H = c_.config.hidden, S = c_.config.num_tokens, nvs = ranks_[0].buffer->num_recv_rows();
+        for (int r = 0; r < world_.num_ranks(); ++r) {
+            Rank& k = ranks_[size_t(r)];
+            std::vector<Blob>& o = outs[size_t(r)];
+            const std::string status = k.status.empty() ? status_of(*k.buffer, world_.launch(r)) : k.status;
+            o.push_back(blob("status", std::vector<char>(status.begin(), status.end()), 1));
+            const std::vector<int32_t> words = plan_words(world_, *k.buffer, k.plan, k.storage);
+            o.push_back(blob("plan", words, int64_t(words.size())));
+            const int num_groups = k.buffer->num_groups();
+            const int64_t end = make_plan_view(internal::layout(*k.buffer), const_cast<int32_t*>(words.data()))
+                                    .cu_seqlens[int64_t(r) * num_groups + num_groups - 1];
+            if (c_.separate_recv) {
+                o.push_back(
+                    blob("dispatch recv_x (canary rows around)", world_.get(k.recv, (nvs + 2 * kCanaryRows) * H), H));
+            } else {  // zero copy: rows past the last group end hold what the region held
+                o.push_back(blob("dispatch recv_x", world_.get(k.buffer->symmetric_recv_x(), end * H), H));
+            }
+            o.push_back(blob("dispatch recv_w", world_.get(k.recv_w, nvs), 1));
+            o.push_back(blob("combine out (canary rows past s)", world_.get(k.out, (S + kCanaryRows) * H), H));
+            if (c_.backward) {
+                o.push_back(blob("combine-backward recv", world_.get(k.recv_g, (nvs + 2 * kCanaryRows) * H), H));
+                o.push_back(blob("dispatch-backward out", world_.get(k.gx, (S + kCanaryRows) * H), H));
+                o.push_back(blob("combine_grad grad_y", world_.get(k.grad_y, (nvs + 2 * kCanaryRows) * H), H));
+                o.push_back(blob("combine_grad grad_weights", world_.get(k.grad_w, nvs + 2 * kCanaryRows), 1));
+            }
+            for (int p = 0; p < k.pools->num_projections(); ++p) {
+                const int64_t n = k.pools->shape(p).elems(), epn = k.pools->experts_per_rank();
+                const std::string at = " of projection " + std::to_string(p);
+                o.push_back(
+                    blob("prefetch slot pool" + at, world_.get(k.pools->slot_pool(p), k.pools->num_slots() * n), n));
+                if (serving_) continue;
+                o.push_back(
+                    blob("write_grads / reduce_grad own grads" + at, world_.get(k.layer.own_grads(p), epn * n), n));
+                o.push_back(blob("reduce_grad pool" + at, world_.get(k.pools->reduce_pool(p), epn * n), n));
             }
         }
-        const PlanView pv = make_plan_view(l, const_cast<int32_t*>(h.plan.data()));
-        const int64_t end = pv.cu_seqlens[int64_t(r) * l.num_groups() + l.num_groups() - 1];
-        if (!compare_words("status", r, g.status, h.status, 4, 4)) return false;
-        const uint16_t* grecv = c.separate_recv ? g.recv_x.data() + kc * H : g.recv_x.data();
-        if (!compare_words("dispatch recv_x", r, grecv, h.recv_x.data(), end * H, H)) return false;
-        if (!compare_words("dispatch recv_w", r, g.recv_w.data(), h.recv_w.data(), end, 1)) return false;
-        if (c.separate_recv) {
-            std::vector<uint16_t> canary(size_t(kc * H), DeviceCase::kCanary);
-            if (!compare_words("recv_x canary before", r, g.recv_x.data(), canary.data(), kc * H, H, -kc)) return false;
-            const int64_t tail = (nvs + kc - end) * H;
-            std::vector<uint16_t> tail_canary(size_t(tail), DeviceCase::kCanary);
-            if (!compare_words("recv_x rows past the end / canary after", r, grecv + end * H, tail_canary.data(), tail,
-                               H, end))
-                return false;
-        }
-        if (!compare_words("combine out", r, g.out.data(), h.out.data(), int64_t(s) * H, H)) return false;
-        {
-            const int64_t tail = (S + kc - s) * H;
-            std::vector<uint16_t> canary(size_t(tail), DeviceCase::kCanary);
-            if (!compare_words("combine out canary", r, g.out.data() + int64_t(s) * H, canary.data(), tail, H, s))
-                return false;
-        }
-        if (c.backward) {
-            const uint16_t* gg = g.recv_gx.data() + kc * H;
-            if (!compare_words("combine-backward recv", r, gg, h.recv_gx.data(), end * H, H)) return false;
-            if (!compare_words("dispatch-backward out", r, g.gx.data(), h.gx.data(), int64_t(s) * H, H)) return false;
-            // combine_grad writes every one of the NvS rows (zeros outside real rows) and nothing around them.
-            const uint16_t* ggy = g.grad_y.data() + kc * H;
-            if (!compare_words("combine_grad grad_y", r, ggy, h.grad_y.data(), nvs * H, H)) return false;
-            if (!compare_words("combine_grad grad_weights", r, g.grad_w.data() + kc, h.grad_w.data(), nvs, 1))
-                return false;
-            std::vector<uint16_t> canary(size_t(kc * H), DeviceCase::kCanary);
-            if (!compare_words("combine_grad grad_y canary before", r, g.grad_y.data(), canary.data(), kc * H, H,
-                               -kc) ||
-                !compare_words("combine_grad grad_y canary after", r, ggy + nvs * H, canary.data(), kc * H, H, nvs))
-                return false;
-            const std::vector<uint32_t> canary_w(size_t(kc), DeviceCase::kCanaryF32);
-            const auto* gw_bits = reinterpret_cast<const uint32_t*>(g.grad_w.data());
-            if (!compare_words("combine_grad grad_weights canary before", r, gw_bits, canary_w.data(), kc, 1, -kc) ||
-                !compare_words("combine_grad grad_weights canary after", r, gw_bits + kc + nvs, canary_w.data(), kc, 1,
-                               nvs))
-                return false;
-            // write_grads: own groups, used slots; untouched slots keep the canary on both backends.
-            const int64_t ge = 2 * int64_t(l.experts_per_rank) * c.grads_elems;
-            if (!compare_words("write_grads bf16", r, g.wgrads16.data(), h.wgrads16.data(), ge, c.grads_elems) ||
-                !compare_words("write_grads fp32", r, g.wgrads32.data(), h.wgrads32.data(), ge, c.grads_elems))
-                return false;
-        }
-        const int64_t pe = int64_t(l.experts_per_rank) * c.expert_elems;
-        if (!compare_words("prefetch slot pool", r, g.slot_pool.data(), h.slot_pool.data(), pe, c.expert_elems))
-            return false;
-        if (!compare_words("prefetch pull slot pool", r, g.pull_pool.data(), h.slot_pool.data(), pe, c.expert_elems))
-            return false;
-        if (!compare_words("reduce_grad grads", r, g.grads.data(), h.grads.data(), pe, c.expert_elems)) return false;
-        if (!compare_words("reduce_grad pool", r, g.red_pool.data(), h.red_pool.data(), pe, c.expert_elems))
-            return false;
+        return outs;
     }
-    return true;
+
+    const Layout& layout() const { return internal::layout(*ranks_[0].buffer); }
+
+  private:
+    struct Rank : RankObjects {
+        std::string status;
+        int64_t* topk = nullptr;
+        uint16_t *x = nullptr, *recv = nullptr, *y = nullptr, *out = nullptr, *gout = nullptr, *recv_g = nullptr;
+        uint16_t *gy = nullptr, *gx = nullptr, *grad_y = nullptr, *wgrad16 = nullptr;
+        float *weights = nullptr, *recv_w = nullptr, *grad_w = nullptr, *wgrad32 = nullptr;
+    };
+    // The gradients write_grads reads: one element past an aligned start when the case wants them misaligned.
+    uint16_t* grad16(Rank& k) const { return k.wgrad16 + (c_.misaligned_grads ? 1 : 0); }
+    float* grad32(Rank& k) const { return k.wgrad32 + (c_.misaligned_grads ? 1 : 0); }
+
+    void plan(int r) {
+        Rank& k = ranks_[size_t(r)];
+        k.status.clear();
+        k.plan = k.buffer->plan(k.topk, c_.index_bytes, c_.tokens_of(), k.storage, world_.launch(r));
+    }
+    void ops(int r) {
+        Rank& k = ranks_[size_t(r)];
+        Buffer& b = *k.buffer;
+        const Launch L = world_.launch(r);
+        const int64_t H = c_.config.hidden;
+        uint16_t* recv_x = c_.separate_recv ? k.recv + kCanaryRows * H : b.symmetric_recv_x();
+        if (c_.backward && !serving_) {  // local, right after the plan
+            k.pools->write_grads(k.plan, k.layer, 1, grad16(k), 2, false, L);
+            k.pools->write_grads(k.plan, k.layer, 2, grad32(k), 4, false, L);
+            k.pools->write_grads(k.plan, k.layer, 2, grad16(k), 2, true, L);  // accumulated on top
+        }
+        b.dispatch(k.plan, k.x, c_.weighted ? k.weights : nullptr, recv_x, k.recv_w, L);
+        k.pools->prefetch(k.plan, k.layer, L);
+        b.combine(k.plan, k.y, c_.weighted ? k.recv_w : nullptr, k.out, L);
+        if (c_.backward) {
+            uint16_t* recv_g = k.recv_g + kCanaryRows * H;
+            b.dispatch(k.plan, k.gout, nullptr, recv_g, nullptr, L);
+            // y = the forward's rows when they are separate (past the last group end they hold NaN canaries that
+            // must not be read).
+            b.combine_grad(k.plan, recv_g, c_.separate_recv ? recv_x : k.y, k.recv_w, k.grad_y + kCanaryRows * H,
+                           k.grad_w + kCanaryRows, L);
+            b.combine(k.plan, k.gy, nullptr, k.gx, L);
+        }
+        if (!serving_) k.pools->reduce_grad(k.plan, k.layer, L);
+    }
+
+    CaseSpec c_;
+    World& world_;
+    bool serving_;
+    std::vector<Rank> ranks_;
+};
+
+// Both sides' outputs: the status each rank's check_status reports, the plan words (the first difference named by
+// its array), then every output.
+bool compare_outputs(const Layout& l, const Outputs& got, const Outputs& want) {
+    for (size_t r = 0; r < want.size(); ++r) {
+        const std::string gs(got[r][0].bytes.begin(), got[r][0].bytes.end());
+        const std::string ws(want[r][0].bytes.begin(), want[r][0].bytes.end());
+        if (gs != ws) {
+            g_first = "status of rank " + std::to_string(r) + ": '" + gs + "', expected '" + ws + "'";
+            return false;
+        }
+        const std::vector<uint8_t>&g = got[r][1].bytes, &w = want[r][1].bytes;
+        for (size_t i = 0; i < w.size() && i < g.size(); i += 4) {
+            if (std::memcmp(&g[i], &w[i], 4) == 0) continue;
+            int32_t gv, wv;
+            std::memcpy(&gv, &g[i], 4);
+            std::memcpy(&wv, &w[i], 4);
+            g_first = "plan: rank " + std::to_string(r) + " " + plan_word_name(l, int64_t(i / 4)) + ": got " +
+                      std::to_string(gv) + " expected " + std::to_string(wv);
+            return false;
+        }
+    }
+    g_first = compare(got, want);
+    return g_first.empty();
 }
 
-bool check_wait_records(testing::LocalDeviceGroup& group) {
-    for (int r = 0; r < group.num_ranks(); ++r) {
-        const sync::WaitRecord& w = group.wait_record(r);
-        if (w.code != 0) {
-            char buf[200];
-            std::snprintf(buf, sizeof(buf), "timeout: op %d rank %d waited for peer %d (expected %llu observed %llu)",
-                          w.op, w.rank, w.peer, (unsigned long long)w.expected, (unsigned long long)w.observed);
-            g_first = buf;
-            return false;
-        }
-    }
-    return true;
-}
-
-// One step (or, with graph, a captured step replayed twice with new routing written into the same inputs).
-bool run_case(const CaseSpec& c, bool graph, bool device_per_rank) {
-    const Layout l = make_layout(c.config, c.planner);
-    const char* timeout_env = std::getenv("FLATEP_GPU_TEST_TIMEOUT");
-    testing::LocalDeviceGroup group(l.num_ranks, device_per_rank,
-                                    timeout_env != nullptr ? std::atof(timeout_env) : 20.0);
-    DeviceCase dev(c, l, group);
-    const int replays = graph ? 2 : 1;
+// One step (with graph: captured on the first and replayed with new routing written into the same inputs), the
+// "device" side on the GPU (or, with --cpu, on the CPU backend), against a fresh CPU-backend world each step.
+bool run_case(const CaseSpec& c, bool graph, bool device_per_rank, bool cpu) {
+    std::vector<int> devices;
+    for (int d = 0; device_per_rank && d < c.config.num_ranks; ++d) devices.push_back(d);
+    World world(c.config.num_ranks, !cpu, devices);
+    OpsStep dev(c, world, 0);  // the smallest view stride the world's pools allow
     cudaGraphExec_t exec = nullptr;
-    cudaGraph_t graph_obj = nullptr;
-    for (int rep = 0; rep < replays; ++rep) {
+    for (int rep = 0; rep < (graph ? 2 : 1); ++rep) {
         const uint64_t seed = c.seed + 101 * rep;
-        const StepInputs in = make_inputs(c, l, seed);
-        const std::vector<RankOutputs> cpu = run_host(c, l, in);
-        dev.upload(in);
-        if (!graph) {
-            dev.enqueue_step();
+        World host_world(c.config.num_ranks, false);
+        OpsStep host(c, host_world, dev.view_stride());  // the device pools' view stride: the same groups
+        host.upload(seed);
+        host.run();
+        dev.upload(seed);
+        if (graph && !cpu) {
+            if (exec == nullptr) exec = world.capture([&] { dev.run(); });
+            world.replay(exec);
         } else {
-            if (exec == nullptr) {
-                // Capture every rank's stream into one graph: fork from stream 0, join back.
-                cudaStream_t s0 = group.stream(0);
-                cudaEvent_t fork, join[kMaxRanks];
-                FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-                FLATEP_CUDA_CHECK(cudaStreamBeginCapture(s0, cudaStreamCaptureModeRelaxed));
-                FLATEP_CUDA_CHECK(cudaEventRecord(fork, s0));
-                for (int r = 1; r < l.num_ranks; ++r) FLATEP_CUDA_CHECK(cudaStreamWaitEvent(group.stream(r), fork));
-                dev.enqueue_step();
-                for (int r = 1; r < l.num_ranks; ++r) {
-                    FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(&join[r], cudaEventDisableTiming));
-                    FLATEP_CUDA_CHECK(cudaEventRecord(join[r], group.stream(r)));
-                    FLATEP_CUDA_CHECK(cudaStreamWaitEvent(s0, join[r]));
-                }
-                FLATEP_CUDA_CHECK(cudaStreamEndCapture(s0, &graph_obj));
-                FLATEP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph_obj, 0));
-            }
-            FLATEP_CUDA_CHECK(cudaGraphLaunch(exec, group.stream(0)));
+            dev.run();
         }
-        const std::vector<RankOutputs> gpu = dev.download();
-        if (!check_wait_records(group)) return false;
-        if (!compare_outputs(c, l, gpu, cpu)) {
+        if (!compare_outputs(dev.layout(), dev.download(), host.download())) {
             if (graph) g_first += " (graph replay " + std::to_string(rep) + ")";
             return false;
         }
     }
-    if (exec != nullptr) {
-        cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph_obj);
-    }
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
     return true;
 }
 
@@ -204,7 +288,7 @@ bool run_planner_sweep(int num_matrices) {
         for (int K : {8, 16}) all.push_back(Shape{R, 896, 8192, K, 128, 1.0, true});
     const int num_small = int(sizeof(shapes) / sizeof(shapes[0]));
     constexpr int kSweepMatrices = 7;  // sigmas 0, 0.5, 1, 2, 3, 1 (another seed), one hot expert set
-    // Group layouts (Config::num_slots, view_stride = epn + stride_extra) and planner family.
+    // Group layouts (ViewShape: num_slots, view_stride = epn + stride_extra) and planner family.
     struct Variant {
         const char* name;
         int num_slots, stride_extra;
@@ -227,9 +311,8 @@ bool run_planner_sweep(int num_matrices) {
             cfg.hidden = 8;
             cfg.align = sh.align;
             cfg.capacity_factor = sh.cf;
-            cfg.num_slots = var.num_slots;
-            cfg.view_stride = var.stride_extra > 0 ? epn + var.stride_extra : 0;
-            const Layout l = make_layout(cfg, var.owner ? PlannerKind::kOwner : PlannerKind::kBalanced);
+            const ViewShape view{var.num_slots, var.stride_extra > 0 ? epn + var.stride_extra : 0};
+            const Layout l = make_layout(cfg, var.owner ? PlannerKind::kOwner : PlannerKind::kBalanced, view);
             const size_t words = size_t(make_plan_sizes(l).total_words);
             int32_t* d_plan = nullptr;
             void* ws = nullptr;
@@ -318,17 +401,17 @@ bool run_planner_sweep(int num_matrices) {
 
 int main(int argc, char** argv) {
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
-    // CUDA_MODULE_LOADING is left as the caller has it: LocalDeviceGroup loads every kernel first.
-    int num_devices = 0;
-    if (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0) {
-        std::printf("SKIP: no CUDA device\n");
-        return 0;
-    }
-    bool quick = false;
+    bool quick = false, cpu = false;
     std::string only;
     for (int i = 1; i < argc; ++i) {
         if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+        if (std::strcmp(argv[i], "--cpu") == 0) cpu = true;
         if (std::strcmp(argv[i], "--case") == 0 && i + 1 < argc) only = argv[++i];
+    }
+    int num_devices = 0;
+    if (!cpu && (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0)) {
+        std::printf("SKIP: no CUDA device\n");
+        return 0;
     }
     struct Entry {
         CaseSpec spec;
@@ -397,7 +480,8 @@ int main(int argc, char** argv) {
         s.num_tokens = 170;
         s.backward = true;
         s.sigma = 2.0;
-        s.grads_elems = 1003;
+        s.grads_elems = 1000;
+        s.misaligned_grads = true;
         add(s);
         // write_grads' grid-stride walk over all groups as one index space: more elements than the capped grid has
         // threads, so a thread carries its position from group to group (entering skipped and zeroed groups too),
@@ -410,7 +494,8 @@ int main(int argc, char** argv) {
         s.grads_elems = 65544;  // 8193 steps of 8 per group: 16 groups over 66 blocks x 512 threads, ~3.9 items each
         add(s);
         s.name = "r4_bwd_write_grads_walk_scalar";
-        s.grads_elems = 20011;  // ~9.5 elements per thread
+        s.grads_elems = 20008;  // ~9.5 elements per thread
+        s.misaligned_grads = true;
         add(s);
         s = CaseSpec{};
         s.name = "r4_decode_h7168_row_slices";  // 64 of S=1024 tokens: dispatch's push and combine's pull split rows
@@ -439,20 +524,19 @@ int main(int argc, char** argv) {
         s = CaseSpec{};
         s.name = "r4_serving_b1_skewed";
         s.config = make_config(4, 32, 256, 4, 128, 16);
-        s.config.num_slots = 1;
+        s.view.num_slots = 1;
         s.sigma = 2.5;
         add(s);
         s.name = "r8_serving_b0_pad_rows_ragged";
         s.config = make_config(8, 64, 512, 8, 256, 32);
-        s.config.num_slots = 0;
-        s.config.view_stride = 9;
+        s.view.num_slots = 0;  // pad rows between the ranks' view rows where the mapping granularity needs them
         s.num_tokens = 300;
         s.sigma = 2.0;
         add(s);
         s = CaseSpec{};
         s.name = "r8_serving_b4_graph";
         s.config = make_config(8, 64, 512, 8, 256, 16);
-        s.config.num_slots = 4;
+        s.view.num_slots = 4;
         s.sigma = 3.0;
         add(s, /*graph=*/true);
         s = CaseSpec{};
@@ -465,7 +549,7 @@ int main(int argc, char** argv) {
         s = CaseSpec{};
         s.name = "r8_owner_decode_view_b1_graph";
         s.config = make_config(8, 64, 128, 8, 256, 8);
-        s.config.num_slots = 1;
+        s.view.num_slots = 1;
         s.planner = PlannerKind::kOwner;
         s.num_tokens = 16;
         s.sigma = 2.0;
@@ -478,7 +562,7 @@ int main(int argc, char** argv) {
         }
     }
     int failed = 0, run = 0;
-    if (only.empty() || only == "planner_sweep") {
+    if (!cpu && (only.empty() || only == "planner_sweep")) {
         ++run;
         bool ok = false;
         try {
@@ -496,18 +580,18 @@ int main(int argc, char** argv) {
         g_first.clear();
         bool ok = false;
         try {
-            ok = run_case(e.spec, e.graph, e.device_per_rank);
+            ok = run_case(e.spec, e.graph, e.device_per_rank, cpu);
         } catch (const std::exception& ex) {
             g_first = ex.what();
         }
         std::printf("%s %s%s%s\n", ok ? "PASS" : "FAIL", e.spec.name.c_str(), ok ? "" : ": ",
                     ok ? "" : g_first.c_str());
         if (!ok) {
-            std::printf("  reproduce: test_gpu_ops --case %s\n", e.spec.name.c_str());
+            std::printf("  reproduce: test_gpu_ops --case %s%s\n", e.spec.name.c_str(), cpu ? " --cpu" : "");
             ++failed;
         }
         std::fflush(stdout);
     }
-    std::printf("%d of %d cases passed\n", run - failed, run);
+    std::printf("%d of %d cases passed%s\n", run - failed, run, cpu ? " (both sides on the CPU backend)" : "");
     return failed == 0 ? 0 : 1;
 }

@@ -64,8 +64,7 @@ int main(int argc, char** argv) {
     for (const Shape& sh : shapes) {
         Config c;
         c.num_ranks = sh.R, c.num_experts = sh.E, c.num_tokens = sh.S, c.topk = sh.K, c.align = sh.align;
-        c.num_slots = sh.B;
-        const Layout l = make_layout(c, PlannerKind::kStatic);
+        const Layout l = make_layout(c, PlannerKind::kStatic, {sh.B, 0});
         const int64_t words = make_plan_sizes(l).total_words, global = make_plan_sizes(l).entry_rank;
         int32_t *d_plan = nullptr, *d_table = nullptr;
         void* ws = nullptr;

@@ -161,3 +161,25 @@ def test_cycle_and_missing_block(tmp_path):
     rc, out, _ = check_layers("--root", str(tmp_path))
     assert rc == 1
     assert out.strip().endswith("no ```layers block (section 10)"), out
+
+
+def test_bindings_and_tools_include_only_the_public_headers_and_the_internal_api(tmp_path):
+    root = fake_tree(tmp_path)
+    write(root / "src" / "internal" / "api.hpp", '#pragma once\n#include "common/check.hpp"\n')
+    write(root / "docs" / "design.md", TABLE.replace("transport: common\n", "transport: common\ninternal:  common\n"))
+    write(root / "tools" / "json.hpp", "#pragma once\n")
+    write(root / "tools" / "plan.cpp", '#include <vector>\n#include "flatep/types.hpp"\n#include "internal/api.hpp"\n'
+          '#include "json.hpp"\n')
+    write(root / "bindings" / "python" / "module.cpp", '#include <pybind11/pybind11.h>\n#include "internal/api.hpp"\n')
+    rc, out, err = check_layers("--root", str(root))
+    assert rc == 0, out + err
+    # An internal header besides the internal API, and a file of another tree.
+    write(root / "tools" / "demo.cpp", '#include "ops/args.hpp"\n#include "gpu_harness.hpp"\n')
+    rc, out, _ = check_layers("--root", str(root))
+    assert rc == 1
+    assert out.splitlines() == [
+        'tools/demo.cpp:1: tools/ may include only the public headers (flatep/...), the internal API '
+        '("internal/api.hpp") and its own files, not "ops/args.hpp" (docs/design.md §10)',
+        'tools/demo.cpp:2: tools/ may include only the public headers (flatep/...), the internal API '
+        '("internal/api.hpp") and its own files, not "gpu_harness.hpp" (docs/design.md §10)',
+    ]

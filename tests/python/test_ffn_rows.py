@@ -58,6 +58,8 @@ ACTIVATE_CASES = {
                                "[4, 16]"),
     "out float32": (lambda: ffn.activate_rows(H, CU, "swiglu", out=torch.zeros(4, 8)),
                     "activate_rows: out must be bfloat16, got float32"),
+    "zero_past_end not a bool": (lambda: ffn.activate_rows(H, CU, "silu", zero_past_end=0),
+                                 "activate_rows: zero_past_end must be a bool, got 0"),
     "out not contiguous": (lambda: ffn.activate_rows(H, CU, "silu", out=H.t().contiguous().t()),
                            "activate_rows: out must be contiguous (row-major), got strides (1, 4) for shape [4, 16]"),
     "cu_seqlens int64": (lambda: ffn.activate_rows(H, CU.long(), "swiglu"),

@@ -92,6 +92,23 @@ def test_activate_rows_bitwise_below_the_end_zero_past_it(activation, ffn_size, 
 @pytest.mark.cuda
 @cuda_only
 @pytest.mark.parametrize("activation", ["swiglu", "silu"])
+@pytest.mark.parametrize("ffn_size", [8, 13])  # the 16-byte and the element kernel
+@pytest.mark.parametrize("end", end_cases(N))
+def test_activate_rows_leaves_the_rows_past_the_end_untouched_when_asked(activation, ffn_size, end):
+    """zero_past_end=False (the serving FFN: the second grouped GEMM reads no row past the end): the same bits below
+    the end, and the rows past it keep whatever they held (here NaN: no store reached them)."""
+    cols = 2 * ffn_size if activation == "swiglu" else ffn_size
+    h = make_h(N, cols, seed=ffn_size * 7 + end)
+    out = torch.full((N, ffn_size), float("nan"), dtype=BF16, device="cuda")
+    ffn.activate_rows(h, ends_of(end), activation, out=out, zero_past_end=False)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out[:end]), bits(ffn.activate(h[:end], activation))), f"rows below end={end} differ"
+    assert torch.isnan(out[end:].float()).all(), f"a row in [{end}, {N}) was written"
+
+
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("activation", ["swiglu", "silu"])
 def test_activate_rows_unaligned_pointers_take_the_element_path(activation):
     ffn_size, cols = 8, (16 if activation == "swiglu" else 8)
     h_full = make_h(1, N * cols + 1, seed=5).view(-1)
@@ -157,11 +174,24 @@ def torch_ops_ffn(x, w1, w2, cu, activation):
         return ffn.grouped_ffn(leaf, w1, w2, cu, activation).detach()
 
 
+class Calls(list):
+    """The kernels' names in call order; .keywords: each call's keyword arguments."""
+
+    keywords = None
+
+
 def count_kernel_calls(monkeypatch):
-    calls = []
+    calls = Calls()
+    calls.keywords = []
+
+    def spy(*a, _real, _name, **k):
+        calls.append(_name)
+        calls.keywords.append(k)
+        return _real(*a, **k)
+
     for name in ("activate_rows", "zero_rows_from_end"):
-        real = getattr(ffn, name)
-        monkeypatch.setattr(ffn, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+        monkeypatch.setattr(ffn, name, lambda *a, _real=getattr(ffn, name), _name=name, **k: spy(
+            *a, _real=_real, _name=_name, **k))
     return calls
 
 
@@ -200,6 +230,7 @@ def test_grouped_ffn_without_zeroing_is_bitwise_below_the_end(activation, monkey
     with torch.inference_mode():
         got = ffn.grouped_ffn(x, w1, w2, cu, activation, zero_past_end=False)
     assert calls == ["activate_rows"], "zero_past_end=False must not zero y"
+    assert calls.keywords[0].get("zero_past_end") is False, "nor store zeros past the end of the activation"
     torch.cuda.synchronize()
     assert torch.equal(bits(got[:80]), bits(want[:80])), "rows below the end differ"
     with torch.enable_grad():

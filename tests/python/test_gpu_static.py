@@ -22,6 +22,14 @@ NEW_PLACEMENT = [[27, 9, -1], [16, -1, 3], [1, 0, 6], [-1, 10, 20]]
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(CUDA_SKIP is not None, reason=f"cuda: {CUDA_SKIP}")]
 
 
+def static_buffer(group, device, align):
+    """A static Buffer for serving pools of B slots on `device` (the Buffer takes B from them; collective)."""
+    import flatep
+
+    pools = flatep.ExpertPools(group, EPN, [(64, 16)], num_slots=B, device=device)
+    return flatep.Buffer(group, S, H, E, K, align=align, planner="static", pools=pools, device=device)
+
+
 def step(buf, idx, x, w):
     plan = buf.plan(idx)
     recv_x, recv_w, cu = buf.dispatch(plan, x, w)
@@ -35,8 +43,7 @@ def test_gpu_static_plans_are_the_host_planners_bitwise():
     plans = {}
     for device in ("cpu", torch.device("cuda", 0)):
         group = virtual.virtual_ranks(R, device, timeout_s=30)
-        bufs = virtual.run_threads(R, lambda r: flatep.Buffer(group[r], S, H, E, K, align=8, planner="static",
-                                                              num_slots=B, device=device))
+        bufs = virtual.run_threads(R, lambda r: static_buffer(group[r], device, align=8))
         virtual.run_threads(R, lambda r: bufs[r].set_placement(PLACEMENT))
         for trial in range(4):
             idx = [testing.sample_topk(E, S - 17 * r, K, r, sigma=0.5 * trial, seed=trial).long().to(device)
@@ -63,8 +70,7 @@ def test_gpu_static_step_replays_as_cuda_graphs_and_follows_a_new_placement():
 
     device = torch.device("cuda", 0)
     group = virtual.virtual_ranks(R, device, timeout_s=30)
-    bufs = virtual.run_threads(R, lambda r: flatep.Buffer(group[r], S, H, E, K, align=1, planner="static",
-                                                          num_slots=B, device=device))
+    bufs = virtual.run_threads(R, lambda r: static_buffer(group[r], device, align=1))
     virtual.run_threads(R, lambda r: bufs[r].set_placement(PLACEMENT))
     ranks = graph_steps.GraphedRanks(bufs, device, S, H, E, K, step)
     ranks.write_inputs(0)

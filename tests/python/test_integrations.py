@@ -518,7 +518,7 @@ def test_vllm_serving_view_matches_the_dense_reference(R, num_slots, planner):
     idx = [i.to(torch.int32) for i in routing(R, seed=3)]
     serving = virtual.run_threads(R, lambda r: ServingExperts(ranks[r], epn, [(2 * FFN, H), (H, FFN)], num_slots))
     buffers = virtual.run_threads(R, lambda r: flatep.Buffer(
-        ranks[r], S, H, E, K, align=8, planner=planner, num_slots=num_slots, view_stride=serving[r].view_stride))
+        ranks[r], S, H, E, K, align=8, planner=planner, pools=serving[r].pools))
     for r in range(R):  # once, at load time: the memory every rank's view reads
         serving[r].layer.own_weights(0).copy_(w13[r * epn:(r + 1) * epn])
         serving[r].layer.own_weights(1).copy_(w2[r * epn:(r + 1) * epn])

@@ -35,10 +35,22 @@ def one_virtual_rank():
 
 
 # shared_buffer: (argument, base value, another value, how the Buffer shows the value)
+_SERVING_POOLS = []
+
+
+def serving_pools():
+    """Serving pools of the default group (one rank, epn = E, B = 1), made once: the Buffer made from them takes their
+    num_slots and view_stride."""
+    if not _SERVING_POOLS:
+        _SERVING_POOLS.append(flatep.ExpertPools(None, E, [(H, 8)], num_slots=1))
+    return _SERVING_POOLS[0]
+
+
 BUFFER_BASE = dict(num_tokens=S, hidden=H, num_experts=E, topk=K, align=1, capacity_factor=1.0, planner="balanced",
-                   num_slots=None, view_stride=None, device="cpu", num_sms=None, stream_priority=0)
+                   pools=None, device="cpu", num_sms=None, stream_priority=0)
+# A callable value is made when the test runs (pools are collective objects).
 BUFFER_OTHER = dict(num_tokens=S + 4, hidden=H + 8, num_experts=2 * E, topk=K + 1, align=8, capacity_factor=1.25,
-                    planner="greedy", num_slots=1, view_stride=E + 1, num_sms=3, stream_priority=-1)
+                    planner="greedy", pools=serving_pools, num_sms=3, stream_priority=-1)
 BUFFER_SEEN = dict(num_tokens="num_tokens", hidden="hidden", num_experts="num_experts", topk="topk", align="align",
                    capacity_factor="capacity_factor", planner="planner", num_sms="num_sms")
 
@@ -56,12 +68,16 @@ def test_shared_buffer_cases_cover_every_argument():
 @pytest.mark.parametrize("name", sorted(BUFFER_OTHER))
 def test_shared_buffer_differs_in_each_argument(name):
     base = make_buffer()
-    other = make_buffer(**{name: BUFFER_OTHER[name]})
-    assert other is not base, f"shared_buffer: {name}={BUFFER_OTHER[name]!r} got the Buffer of {BUFFER_BASE[name]!r}"
+    value = BUFFER_OTHER[name]() if callable(BUFFER_OTHER[name]) else BUFFER_OTHER[name]
+    other = make_buffer(**{name: value})
+    assert other is not base, f"shared_buffer: {name}={value!r} got the Buffer of {BUFFER_BASE[name]!r}"
     if name in BUFFER_SEEN:
-        assert getattr(other, BUFFER_SEEN[name]) == BUFFER_OTHER[name]
+        assert getattr(other, BUFFER_SEEN[name]) == value
         assert getattr(base, BUFFER_SEEN[name]) == (BUFFER_BASE[name] if name != "num_sms" else base.num_sms)
-    assert make_buffer(**{name: BUFFER_OTHER[name]}) is other  # and it is cached too
+    if name == "pools":  # the Buffer takes the pools' layout
+        assert (other.num_slots, other.view_stride, other.serving) == (1, value.view_stride, True)
+        assert (base.num_slots, base.serving) == (E, False)
+    assert make_buffer(**{name: value}) is other  # and it is cached too
     assert make_buffer() is base
 
 

@@ -163,8 +163,7 @@ def test_fp8_weights_and_scales_prefetched_bytewise(num_slots):
 
     def make(r):
         pools = flatep.ExpertPools(ranks[r], EPN, shapes, num_slots=num_slots)
-        slots = {} if num_slots is None else dict(num_slots=num_slots, view_stride=pools.view_stride)
-        buffer = flatep.Buffer(ranks[r], S, H, E, K, align=4, **slots)
+        buffer = flatep.Buffer(ranks[r], S, H, E, K, align=4, pools=pools)  # training pools: the training layout
         layer = pools.register_layer()
         g = torch.Generator().manual_seed(100 + r)
         for q in range(len(shapes)):
@@ -286,36 +285,44 @@ def test_use_planner_switches_buffers_over_the_same_weights():
 
 def test_errors_name_the_argument_and_the_value():
     ranks = virtual.virtual_ranks(1, "cpu", timeout_s=10)
-    with pytest.raises(ValueError, match=r"^ExpertPools: num_slots must be None or in \[0, epn=4\], got 5$"):
+    with pytest.raises(ValueError, match=r"^ExpertPools: num_slots \(B\) must be -1 \(= epn\) or in \[0, epn=4\], "
+                                         r"got 5$"):
         flatep.ExpertPools(ranks[0], 4, [(8, 8)], num_slots=5)
+    with pytest.raises(ValueError, match=r"^ExpertPools: num_slots must be None or an int >= 0, got -1$"):
+        flatep.ExpertPools(ranks[0], 4, [(8, 8)], num_slots=-1)
     with pytest.raises(ValueError, match=r"^ExpertPools: num_slots must be an int, got 1.5$"):
         flatep.ExpertPools(ranks[0], 4, [(8, 8)], num_slots=1.5)
     with pytest.raises(ValueError, match=r"projection 0 dtype must be one of"):
         flatep.ExpertPools(ranks[0], 4, [(8, 8, torch.float16)])
     with pytest.raises(ValueError, match=r"^ExpertPools: projection 0 of \[4\]\[3\] has 12 bytes per expert \(e4m3\)"):
         flatep.ExpertPools(ranks[0], 4, [(4, 3, torch.uint8)])
-    with pytest.raises(ValueError, match=r"^num_slots \(B\) must be -1 \(= epn\) or in \[0, epn=4\], got 6$"):
-        flatep.Buffer(ranks[0], S, H, 4, 1, num_slots=6)
+    with pytest.raises(ValueError, match=r"^Buffer: pools must be a flatep.ExpertPools or None, got int$"):
+        flatep.Buffer(ranks[0], S, H, 4, 1, pools=6)
     with pytest.raises(ValueError, match=r"^Buffer: planner must be 'balanced', 'greedy', 'owner' or 'static', got 'fast'$"):
         flatep.Buffer(ranks[0], S, H, 4, 1, planner="fast")
-    with pytest.raises(ValueError, match=r"^MoE: num_slots must be None or an int in \[0, epn=4\], got -1$"):
+    with pytest.raises(ValueError, match=r"^MoE: num_slots must be None or an int >= 0, got -1$"):
         flatep.nn.MoE(H, F, 4, 1, ranks[0], num_slots=-1)
+    with pytest.raises(ValueError, match=r"^ExpertPools: num_slots \(B\) must be -1 \(= epn\) or in \[0, epn=4\], "
+                                         r"got 5$"):
+        flatep.nn.MoE(H, F, 4, 1, ranks[0], num_slots=5)  # the one check of B: the pools
     # Training with B < epn.
     moe = flatep.nn.MoE(H, F, 4, 1, ranks[0], num_tokens=S, num_slots=2)
     with pytest.raises(ValueError, match=r"^MoE: num_slots=2 < epn=4 is inference only \(serving pools hold no "
                                          r"gradients\); run it under torch.no_grad\(\)"):
         moe(torch.randn(3, H))
     assert moe.w1.main_grad is None and not moe.w1.requires_grad
-    # Pools and Buffer that disagree on num_slots or view_stride.
+    # A plan of a Buffer not made from these pools: its groups differ.
     pools = moe.pools
     layer = moe.expert_layer
+    assert (moe.buffer.num_slots, moe.buffer.view_stride) == (pools.num_slots, pools.view_stride)  # taken from them
     training = flatep.Buffer(ranks[0], S, H, 4, 1)
     plan = training.plan(torch.zeros(3, 1, dtype=torch.long))
     with pytest.raises(ValueError, match=r"^prefetch: plan has num_slots=4 view_stride=4 but the pools have "
-                                         r"num_slots=2 view_stride=\d+; build the Buffer with the pools' num_slots"):
+                                         r"num_slots=2 view_stride=\d+; build the Buffer from these pools"):
         pools.prefetch(plan, layer)
-    other = flatep.Buffer(ranks[0], S, H, 4, 1, num_slots=2, view_stride=pools.view_stride + 1)
-    with pytest.raises(ValueError, match=r"^prefetch: plan has num_slots=2 view_stride=\d+ but the pools have"):
+    other_pools = flatep.ExpertPools(ranks[0], 4, [(8, 8)], num_slots=3)
+    other = flatep.Buffer(ranks[0], S, H, 4, 1, pools=other_pools)
+    with pytest.raises(ValueError, match=r"^prefetch: plan has num_slots=3 view_stride=\d+ but the pools have"):
         pools.prefetch(other.plan(torch.zeros(3, 1, dtype=torch.long)), layer)
     serving_plan = moe.buffer.plan(torch.zeros(3, 1, dtype=torch.long))
     with pytest.raises(ValueError, match=r"^prefetch: plan_ordered must be a bool, got 1$"):

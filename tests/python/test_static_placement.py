@@ -65,10 +65,15 @@ def split_loads(tpe_all, placement):
     return loads
 
 
-def static_buffers(num_slots=B):
+def static_buffers():
+    """Every rank's static Buffer for serving pools of B slots (the Buffer takes B from them)."""
     ranks = virtual.virtual_ranks(R, "cpu", timeout_s=30)
-    return virtual.run_threads(R, lambda r: flatep.Buffer(ranks[r], S, H, E, K, align=1, planner="static",
-                                                          num_slots=num_slots))
+
+    def make(r):
+        pools = flatep.ExpertPools(ranks[r], EPN, [(H, 2 * F), (F, H)], num_slots=B)
+        return flatep.Buffer(ranks[r], S, H, E, K, align=1, planner="static", pools=pools)
+
+    return virtual.run_threads(R, make)
 
 
 def test_bad_placements_fail_on_every_rank_and_keep_the_placement():

@@ -169,3 +169,150 @@ def test_create_destroy_cycles_leak_no_descriptors_or_mappings():
     for _ in range(29):
         cycle()
     assert counts() == first
+
+
+def test_each_rank_runs_on_the_same_thread_for_the_life_of_the_process():
+    """What a rank leaves on its thread (thread-local state, like a current CUDA stream or cuBLAS's handle) is there
+    at its next call: run_threads keeps one thread per rank."""
+    import threading
+
+    local = threading.local()
+    first = virtual.run_threads(3, lambda r: (threading.get_ident(), setattr(local, "mine", r * 10)))
+    again = virtual.run_threads(3, lambda r: (threading.get_ident(), getattr(local, "mine", None)))
+    assert [t for t, _ in again] == [t for t, _ in first]
+    assert [m for _, m in again] == [0, 10, 20]
+    assert len({t for t, _ in first}) == 3 and threading.get_ident() not in {t for t, _ in first}
+
+
+def test_run_threads_inside_run_threads_is_refused():
+    with pytest.raises(RuntimeError, match=r"run_threads: called on virtual rank thread 1, inside another"):
+        virtual.run_threads(2, lambda r: virtual.run_threads(2, lambda q: q) if r == 1 else None)
+    with pytest.raises(ValueError, match=r"run_threads: num_ranks must be in \[1, 64\], got 0"):
+        virtual.run_threads(0, lambda r: r)
+
+
+def _rows(r, n, seed=0):
+    return torch.randn(n, 5, generator=torch.Generator().manual_seed(100 * seed + r))
+
+
+def test_collectives_give_torch_distributed_results():
+    R = 4
+    ranks = virtual.virtual_ranks(R, "cpu", timeout_s=20)
+    values = [_rows(r, 7) for r in range(R)]
+    summed = virtual.run_threads(R, lambda r: ranks[r].all_reduce(values[r].clone()))
+    expected = values[0].clone()
+    for v in values[1:]:
+        expected += v  # rank order: every rank gets these bits
+    for r in range(R):
+        assert torch.equal(summed[r], expected), r
+    # all_to_all_single: rank r sends (r + p) % 3 rows to rank p
+    send = [[(r + p) % 3 for p in range(R)] for r in range(R)]
+    inputs = [_rows(r, sum(send[r]), seed=1) for r in range(R)]
+
+    def a2a(r):
+        recv = [send[p][r] for p in range(R)]
+        out = torch.full((sum(recv), 5), float("nan"))
+        return ranks[r].all_to_all_single(out, inputs[r], recv, send[r])
+
+    got = virtual.run_threads(R, a2a)
+    for r in range(R):
+        parts = []
+        for p in range(R):
+            lo = sum(send[p][:r])
+            parts.append(inputs[p][lo:lo + send[p][r]])
+        assert torch.equal(got[r], torch.cat(parts)), r
+    gathered = virtual.run_threads(R, lambda r: ranks[r].all_gather(values[r]))
+    assert all(torch.equal(g, v) for g, v in zip(gathered[2], values))
+    sent = virtual.run_threads(R, lambda r: ranks[r].broadcast(values[r].clone(), 2))
+    assert all(torch.equal(s, values[2]) for s in sent)
+    assert virtual.run_threads(R, lambda r: ranks[r].all_gather_object({"r": r})) == [[{"r": p} for p in range(R)]] * R
+
+
+def test_collectives_refuse_disagreeing_ranks_on_every_rank():
+    R = 3
+    ranks = virtual.virtual_ranks(R, "cpu", timeout_s=20)
+
+    def mixed(r):
+        if r == 2:
+            return ranks[r].barrier()
+        return ranks[r].all_reduce(torch.ones(2))
+
+    with pytest.raises(RuntimeError, match=r"virtual rank 0: all_reduce #1 met rank 2's barrier #1: every rank must "
+                                           r"call the same collectives in the same order") as info:
+        virtual.run_threads(R, mixed)
+    if hasattr(info.value, "__notes__"):  # every rank refuses, none waits
+        assert [n.split(":")[0] for n in info.value.__notes__] == ["virtual rank 1", "virtual rank 2"]
+        assert all("every rank must call the same collectives" in n for n in info.value.__notes__)
+
+    def sizes(r):  # rank 1 expects 2 rows from rank 0, which sends it 1
+        send = [1, 1, 1]
+        recv = [2 if (r, p) == (1, 0) else 1 for p in range(R)]
+        return ranks[r].all_to_all_single(torch.zeros(sum(recv)), torch.ones(3), recv, send)
+
+    with pytest.raises(ValueError, match=r"virtual rank 1: all_to_all_single: rank 0 sends 1 rows here, "
+                                         r"output_split_sizes\[0\] is 2"):
+        virtual.run_threads(R, sizes)
+    # the world still works after those failures
+    assert [t.tolist() for t in virtual.run_threads(R, lambda r: ranks[r].all_reduce(torch.ones(1)))] == [[3.0]] * 3
+
+
+def test_a_rank_that_fails_before_a_collective_is_named_by_the_others():
+    R = 3
+    ranks = virtual.virtual_ranks(R, "cpu", timeout_s=20)
+
+    def step(r):
+        if r == 1:
+            raise KeyError("rank one broke")
+        return ranks[r].all_reduce(torch.ones(1))
+
+    start = time.monotonic()
+    with pytest.raises(KeyError) as info:
+        virtual.run_threads(R, step)
+    assert time.monotonic() - start < 10, "the peers waited for the timeout instead of failing at once"
+    if hasattr(info.value, "__notes__"):
+        assert info.value.__notes__ == [f"virtual rank {r}: PeerFailed: virtual rank {r}: all_reduce: rank 1 "
+                                        f"(KeyError: 'rank one broke') failed" for r in (0, 2)]
+
+
+def test_a_rank_that_never_arrives_is_named_within_the_timeout():
+    R = 2
+    ranks = virtual.virtual_ranks(R, "cpu", timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"virtual rank 0: barrier \(posting\): rank 1 did not arrive within 0.5 s"):
+        virtual.run_threads(R, lambda r: ranks[r].barrier() if r == 0 else None)
+    assert time.monotonic() - start < 5
+
+
+def test_collective_ops_of_rank_threads_meet_on_the_host_first():
+    """flatep._bootstrap.arrive (every collective op calls it): on a CUDA device, an op on a virtual rank's own thread
+    waits on the host until every rank reached its op, so no rank's kernel can wait on the device for a peer whose
+    thread is still in work that blocks on the GPU (a cuBLAS handle, a kernel's first load); elsewhere it returns at
+    once. The CPU stands in for the device here: a group that says "cuda"."""
+    import threading
+    import types
+
+    from flatep import _bootstrap
+
+    R = 3
+    meeting = virtual._Meeting(R, 5.0)
+    groups = [types.SimpleNamespace(rank=r, device=torch.device("cuda", 0), _meeting=meeting) for r in range(R)]
+    order = []
+    lock = threading.Lock()
+
+    def op(r):
+        if r == 2:
+            time.sleep(0.3)  # the late rank: the others must not get past their op before it arrives
+        with lock:
+            order.append(("at", r))
+        _bootstrap.arrive(groups[r], "plan")
+        with lock:
+            order.append(("past", r))
+
+    virtual.run_threads(R, op)
+    assert [kind for kind, _ in order[:R]] == ["at"] * R, order
+    # off a rank thread (one thread enqueueing every rank's op, autograd's backward thread): no wait at all
+    start = time.monotonic()
+    _bootstrap.arrive(groups[0], "plan")
+    cpu_group = types.SimpleNamespace(rank=0, device=torch.device("cpu"), _meeting=meeting)
+    virtual.run_threads(1, lambda r: _bootstrap.arrive(cpu_group, "plan"))
+    assert time.monotonic() - start < 1.0

@@ -20,7 +20,7 @@ hot experts -- so the framework's grouped GEMM runs over 2*epn weight matrices:
   step (own experts from the framework's parameters, replicas fetched from their owners), differentiable: the own
   parameters' gradient includes what their replicas computed on other ranks.
 
-* :class:`ServingExperts` -- serving (a Buffer with num_slots B < epn): ``weights = serving(plan)`` is the pools'
+* :class:`ServingExperts` -- serving (a Buffer built from pools with num_slots B < epn): ``weights = serving(plan)`` is the pools'
   [R*Q + B, ...] weights view itself (every rank's own experts read in place, then this rank's B prefetched slots),
   one group per view row; inference only, no copy.
 

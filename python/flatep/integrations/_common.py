@@ -11,7 +11,7 @@ expert of each group, and ReplicatedExperts gives the [2*epn, ...] weights (own 
 replicas fetched from their owners by ExpertPools.prefetch), with a backward that sends the replicas' gradients back
 to their owners (ExpertPools.write_grads + reduce_grad), so the caller's own parameters get the whole gradient.
 
-Serving (a Buffer with num_slots B < epn; flatep.pools "Serving"): the plan has one group per row of the ExpertPools
+Serving (a Buffer built from pools with num_slots B < epn; flatep.pools "Serving"): the plan has one group per row of the ExpertPools
 weights view, R*Q + B of them (group r*Q + l: expert r*epn + l, read in place from rank r; R*Q + j: slot j; pad rows
 are empty groups), and ServingExperts gives that view itself (inference: no copy, no autograd).
 """
@@ -165,7 +165,7 @@ class ServingExperts:
         num_slots (int): B in [0, epn).
         pools (ExpertPools or None): serving pools to register with (None: pools of its own).
 
-    Build the step's Buffer with ``num_slots=experts.num_slots, view_stride=experts.view_stride``. Write the own
+    Build the step's Buffer from the pools, ``flatep.Buffer(..., pools=experts.pools)``. Write the own
     weights once into ``experts.layer.own_weights(p)`` (they are the memory every rank reads in place).
     ``experts(plan, *own_weights)`` -> tuple of the [R*Q + B, rows, cols] views (no copy): prefetch (collective)
     fills this rank's B slots from their owners; own_weights, when given, are written into the own memory first

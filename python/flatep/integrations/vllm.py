@@ -26,7 +26,7 @@ with each receive row a "token" of top-1:
 * The fused experts therefore run with **num_groups local experts and expert_map None**: w1 / w2 are the compute
   views ``flatep.integrations.ReplicatedExperts(...)(prepare_finalize.plan, w13_own, w2_own)`` ([2*epn, 2I, H] and
   [2*epn, H, I] in vLLM's layout), group g's expert is ``flatep.integrations.group_expert_ids(plan)[g]``.
-* Serving with B < epn slots (a Buffer built with num_slots=B and view_stride=experts.view_stride): the groups are
+* Serving with B < epn slots (a Buffer built from the serving pools, ``pools=experts.pools``): the groups are
   the R*Q + B rows of the pools' weights view, and w1 / w2 are that view itself,
   ``flatep.integrations.ServingExperts(group, epn, [(2I, H), (H, I)], B)(prepare_finalize.plan)`` (the own
   weights written once into ``experts.layer.own_weights(p)``; no per-step copy, replicas beyond the B slots read

@@ -41,16 +41,16 @@ FLATEP_DEVICE float activation_value(float gate, float up) {
 }
 
 // 16-byte kernel: item i is output word i (8 values of row i / words_per_row). The first loop covers the items of the
-// rows below the end (reading h), the second the rest (zero stores only); each is a grid-stride walk from the
-// thread's index, so a block whose items all lie past the end does no loads at all.
+// rows below the end (reading h), the second the rest (zero stores only, when zero_past_end); each is a grid-stride
+// walk from the thread's index, so a block whose items all lie past the end does no loads at all.
 template <bool kSwiglu>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     activate_rows_vec_kernel(const uint16_t* __restrict__ h, uint16_t* __restrict__ a, int64_t rows, int64_t ffn,
-                             const int32_t* end) {
+                             const int32_t* end, bool zero_past_end) {
     const int64_t words_per_row = ffn / kWordElems;
     const int64_t h_cols = kSwiglu ? 2 * ffn : ffn;
     const int64_t live = rows_below_end(end, rows) * words_per_row;
-    const int64_t total = rows * words_per_row;
+    const int64_t total = zero_past_end ? rows * words_per_row : live;
     const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     const int64_t stride = int64_t(gridDim.x) * blockDim.x;
     uint4* const out = reinterpret_cast<uint4*>(a);
@@ -71,10 +71,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 template <bool kSwiglu>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     activate_rows_scalar_kernel(const uint16_t* __restrict__ h, uint16_t* __restrict__ a, int64_t rows, int64_t ffn,
-                                const int32_t* end) {
+                                const int32_t* end, bool zero_past_end) {
     const int64_t h_cols = kSwiglu ? 2 * ffn : ffn;
     const int64_t live = rows_below_end(end, rows) * ffn;
-    const int64_t total = rows * ffn;
+    const int64_t total = zero_past_end ? rows * ffn : live;
     const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     const int64_t stride = int64_t(gridDim.x) * blockDim.x;
     for (int64_t i = first; i < live; i += stride) {
@@ -107,20 +107,20 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 }  // namespace
 
 void launch_activate_rows(const uint16_t* h, uint16_t* a, int64_t rows, int64_t ffn, FfnActivation activation,
-                          const int32_t* end, cudaStream_t stream, int num_sms) {
+                          const int32_t* end, bool zero_past_end, cudaStream_t stream, int num_sms) {
     if (rows == 0) return;
     const bool swiglu = activation == FfnActivation::kSwiglu;
     const bool vec = ffn % kWordElems == 0 && aligned16(h) && aligned16(a);
     const int64_t items = vec ? rows * (ffn / kWordElems) : rows * ffn;
     const int blocks = grid_blocks(num_sms, ceil_div<int64_t>(items, kThreads), kBlocksPerSm);
     if (vec && swiglu) {
-        activate_rows_vec_kernel<true><<<blocks, kThreads, 0, stream>>>(h, a, rows, ffn, end);
+        activate_rows_vec_kernel<true><<<blocks, kThreads, 0, stream>>>(h, a, rows, ffn, end, zero_past_end);
     } else if (vec) {
-        activate_rows_vec_kernel<false><<<blocks, kThreads, 0, stream>>>(h, a, rows, ffn, end);
+        activate_rows_vec_kernel<false><<<blocks, kThreads, 0, stream>>>(h, a, rows, ffn, end, zero_past_end);
     } else if (swiglu) {
-        activate_rows_scalar_kernel<true><<<blocks, kThreads, 0, stream>>>(h, a, rows, ffn, end);
+        activate_rows_scalar_kernel<true><<<blocks, kThreads, 0, stream>>>(h, a, rows, ffn, end, zero_past_end);
     } else {
-        activate_rows_scalar_kernel<false><<<blocks, kThreads, 0, stream>>>(h, a, rows, ffn, end);
+        activate_rows_scalar_kernel<false><<<blocks, kThreads, 0, stream>>>(h, a, rows, ffn, end, zero_past_end);
     }
     FLATEP_CUDA_CHECK_LAUNCH();
 }

@@ -13,12 +13,12 @@
 
 namespace flatep::kernels {
 
-// a [rows][ffn] = the activation of h [rows][2*ffn] (swiglu) or [rows][ffn] (silu) on rows r < clamp(*end, 0, rows),
-// zero on the others (h not read there): flatep::activate_rows' contract. The 16-byte kernel when ffn % 8 == 0 and h
-// and a are 16-byte aligned, else the element kernel. rows >= 0 (0: no launch), ffn >= 1, end non-null (checked by
-// the caller). num_sms: the SM budget, resolved (0: no cap).
+// a [rows][ffn] = the activation of h [rows][2*ffn] (swiglu) or [rows][ffn] (silu) on rows r < clamp(*end, 0, rows);
+// the others zero (zero_past_end; h not read there) or untouched: flatep::activate_rows' contract. The 16-byte kernel
+// when ffn % 8 == 0 and h and a are 16-byte aligned, else the element kernel. rows >= 0 (0: no launch), ffn >= 1, end
+// non-null (checked by the caller). num_sms: the SM budget, resolved (0: no cap).
 void launch_activate_rows(const uint16_t* h, uint16_t* a, int64_t rows, int64_t ffn, FfnActivation activation,
-                          const int32_t* end, cudaStream_t stream, int num_sms);
+                          const int32_t* end, bool zero_past_end, cudaStream_t stream, int num_sms);
 
 // y [rows][cols]: rows [clamp(*end, 0, rows), rows) set to zero, the others untouched: flatep::zero_rows_from_end's
 // contract. 16-byte stores when cols % 8 == 0 and y is 16-byte aligned. Arguments as launch_activate_rows.

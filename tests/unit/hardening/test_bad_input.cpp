@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,7 @@
 #include "flatep/expert_pools.hpp"
 #include "flatep/ffn.hpp"
 #include "flatep/ipc.hpp"
+#include "internal/api.hpp"
 #include "layout/layout.hpp"
 #include "ops/prefetch_args.hpp"
 #include "planner/planner.hpp"
@@ -62,13 +64,16 @@ Row config_row(const std::string& input, const std::string& message, const std::
 
 // A Config row of the serving layout or the owner planner: base_config() with E = 4 (epn = 4) and one change,
 // validated for `planner` (what Buffer's constructor runs with its planner).
-Row serving_config_row(const std::string& input, const std::string& message, const std::function<void(Config&)>& change,
+// A config and the view shape of its groups (B, Q: the pools' for a Buffer made from pools), through make_layout.
+Row serving_config_row(const std::string& input, const std::string& message,
+                       const std::function<void(Config&, ViewShape&)>& change,
                        PlannerKind planner = PlannerKind::kBalanced) {
     return Row{"Config: " + input, ErrorCategory::kInvalidArgument, message, [change, planner] {
                    Config c = base_config();
                    c.num_experts = 4;
-                   change(c);
-                   c.validate(planner);
+                   ViewShape v;
+                   change(c, v);
+                   make_layout(c, planner, v);
                }};
 }
 
@@ -219,7 +224,7 @@ TEST(BadInput, BufferAndPlanCalls) {
     const int32_t idx[4] = {0, 1, 1, 0};
     const Plan plan = buffer.plan(idx, 4, 4);
     const Plan foreign = other.plan(idx, 4, 4);
-    const int nvs = buffer.layout().num_recv_rows;
+    const int nvs = buffer.num_recv_rows();
     std::vector<uint16_t> x(4 * 8), recv(size_t(nvs) * 8), out(4 * 8);
     std::vector<float> values(static_cast<size_t>(nvs)), entry_out(4);
     const std::string foreign_text = " plan was made by buffer " + std::to_string(other.id()) +
@@ -409,37 +414,40 @@ TEST(BadInput, ServingAndOwner) {
     const std::string owner_fits = " must fit int32 (it is meant for decode-sized S)";
     const std::vector<Row> config_rows = {
         serving_config_row("num_slots = 5 (epn = 4)", "num_slots (B) must be -1 (= epn) or in [0, epn=4], got 5",
-                           [](Config& c) { c.num_slots = 5; }),
+                           [](Config&, ViewShape& v) { v.num_slots = 5; }),
         serving_config_row("num_slots = -2", "num_slots (B) must be -1 (= epn) or in [0, epn=4], got -2",
-                           [](Config& c) { c.num_slots = -2; }),
+                           [](Config&, ViewShape& v) { v.num_slots = -2; }),
         serving_config_row("view_stride = 3 (epn = 4)",
                            "view_stride (Q) must be 0 (= epn) or in [epn=4, 1048576], got 3",
-                           [](Config& c) { c.num_slots = 2, c.view_stride = 3; }),
+                           [](Config&, ViewShape& v) { v.num_slots = 2, v.view_stride = 3; }),
         serving_config_row("view_stride = 2^20 + 1",
                            "view_stride (Q) must be 0 (= epn) or in [epn=4, 1048576], got 1048577",
-                           [](Config& c) { c.num_slots = 2, c.view_stride = (1 << 20) + 1; }),
-        serving_config_row(
-            "R = E = 64, B = 1, view_stride = 2^20",
-            "view_stride (Q) too large: cu_seqlens' R*(R*Q + B) = 64*67108865 must fit int32 "
-            "(Q=1048576)",
-            [](Config& c) { c.num_ranks = 64, c.num_experts = 64, c.num_slots = 1, c.view_stride = 1 << 20; }),
+                           [](Config&, ViewShape& v) { v.num_slots = 2, v.view_stride = (1 << 20) + 1; }),
+        serving_config_row("R = E = 64, B = 1, view_stride = 2^20",
+                           "view_stride (Q) too large: cu_seqlens' R*(R*Q + B) = 64*67108865 must fit int32 "
+                           "(Q=1048576)",
+                           [](Config& c, ViewShape& v) {
+                               c.num_ranks = 64, c.num_experts = 64;
+                               v.num_slots = 1, v.view_stride = 1 << 20;
+                           }),
         serving_config_row(
             "planner kind 7", "planner kind must be greedy (0), balanced (1), owner (2) or static (3), got 7",
-            [](Config&) {}, PlannerKind(7)),
+            [](Config&, ViewShape&) {}, PlannerKind(7)),
         serving_config_row(
             "owner planner, R*S*K over int32 (R = 64, S = 2^22, K = 16)",
             "owner planner: its receive capacity R*S*K = 64*4194304*16 = 4294967296 rows" + owner_fits,
-            [](Config& c) { c.num_ranks = 64, c.num_experts = 64, c.num_tokens = 1 << 22, c.topk = 16; },
+            [](Config& c, ViewShape&) { c.num_ranks = 64, c.num_experts = 64, c.num_tokens = 1 << 22, c.topk = 16; },
             PlannerKind::kOwner),
         serving_config_row(
             "owner planner, R*NvS over int32 (R = 2, S = 2^29, K = 1, align = 1)",
             "owner planner: receive rows NvS = 1073741824 (capacity R*S*K = 1073741824) times R = 2" + owner_fits,
-            [](Config& c) { c.num_ranks = 2, c.num_experts = 2, c.num_tokens = 1 << 29; }, PlannerKind::kOwner),
+            [](Config& c, ViewShape&) { c.num_ranks = 2, c.num_experts = 2, c.num_tokens = 1 << 29; },
+            PlannerKind::kOwner),
         serving_config_row(
             "static planner, R*S*K over int32 (R = 64, S = 2^22, K = 16)",
             "static planner: its receive capacity R*S*K = 64*4194304*16 = 4294967296 rows must fit int32 (the worst "
             "case of any placement)",
-            [](Config& c) { c.num_ranks = 64, c.num_experts = 64, c.num_tokens = 1 << 22, c.topk = 16; },
+            [](Config& c, ViewShape&) { c.num_ranks = 64, c.num_experts = 64, c.num_tokens = 1 << 22, c.topk = 16; },
             PlannerKind::kStatic),
     };
     EXPECT_EQ(check_rows(config_rows), "");
@@ -487,24 +495,22 @@ TEST(BadInput, ServingAndOwner) {
     ASSERT_GE(serving.view_stride(), 4);
     Config training_config = base_config();
     training_config.num_experts = 4;
-    Config serving_config = training_config;
-    serving_config.num_slots = 2, serving_config.view_stride = serving.view_stride();
-    Config stride_config = serving_config;
-    stride_config.view_stride = serving.view_stride() + 1;
     Buffer training_buffer(training_config, world.transport(0));
-    Buffer serving_buffer(serving_config, world.transport(0));
-    Buffer stride_buffer(stride_config, world.transport(0));
+    Buffer serving_buffer(training_config, serving);  // made from the pools: their B and Q
+    // A Buffer of B = 2 and Q + 1 made without the pools (only the internal API can: a plan of other pools' groups).
+    const std::unique_ptr<Buffer> stride_buffer =
+        internal::make_buffer(training_config, world.transport(0), PlannerKind::kBalanced,
+                              ViewShape{.num_slots = 2, .view_stride = serving.view_stride() + 1});
     const int32_t idx[4] = {0, 1, 2, 3};
     const Plan training_plan = training_buffer.plan(idx, 4, 4);
     const Plan serving_plan = serving_buffer.plan(idx, 4, 4);
-    const Plan stride_plan = stride_buffer.plan(idx, 4, 4);
+    const Plan stride_plan = stride_buffer->plan(idx, 4, 4);
     // Training-layout pools (B = epn) that cannot train: an e4m3 projection; and bf16 training pools.
     ExpertPools e4m3(world.transport(0), 4, {{4, 8, 1}});
     ExpertLayer e4m3_layer = e4m3.register_layer();
     ExpertPools training(world.transport(0), 4, {{4, 8}});
     const std::vector<float> grad(size_t(4 * 2 * 4 * 8));
-    const std::string rebuild =
-        "; build the Buffer with the pools' num_slots and view_stride (ExpertPools::view_stride)";
+    const std::string rebuild = "; build the Buffer from these pools (Buffer(config, pools))";
     const std::string serving_only =
         "these pools are forward-only (serving: num_slots < epn); gradients need "
         "num_slots = epn and bf16 weights";
@@ -513,14 +519,32 @@ TEST(BadInput, ServingAndOwner) {
         "num_slots = epn and bf16 weights";
     const std::vector<Row> pools_rows = {
         {"ExpertPools: num_slots = 5 (epn = 4)", ErrorCategory::kInvalidArgument,
-         "ExpertPools: num_slots must be -1 (epn) or in [0, epn=4], got 5",
+         "ExpertPools: num_slots (B) must be -1 (= epn) or in [0, epn=4], got 5",
          [&] {
              ExpertPools p(world.transport(0), 4, {{4, 8}}, 5);
          }},
         {"ExpertPools: num_slots = -2", ErrorCategory::kInvalidArgument,
-         "ExpertPools: num_slots must be -1 (epn) or in [0, epn=4], got -2",
+         "ExpertPools: num_slots (B) must be -1 (= epn) or in [0, epn=4], got -2",
          [&] {
              ExpertPools p(world.transport(0), 4, {{4, 8}}, -2);
+         }},
+        {"ExpertPools: view_stride = 2 on training pools", ErrorCategory::kInvalidArgument,
+         "ExpertPools: view_stride is for serving pools (num_slots < epn=4), got 2",
+         [&] {
+             ExpertPools p(world.transport(0), 4, {{4, 8}}, -1, 2);
+         }},
+        {"ExpertPools: view_stride below the smallest that fits", ErrorCategory::kInvalidArgument,
+         "ExpertPools: view_stride must be 0 (the smallest that fits, " + q + ") or in [" + q + ", 1048576], got " +
+             std::to_string(serving.view_stride() - 1),
+         [&] {
+             ExpertPools p(world.transport(0), 4, {{4, 8}}, 2, serving.view_stride() - 1);
+         }},
+        {"Buffer(config, pools): E/R differs from the pools' epn", ErrorCategory::kInvalidArgument,
+         "Buffer: the config has E/R = 8/1 = 8 experts per rank but the pools have experts_per_rank=4",
+         [&] {
+             Config c = training_config;
+             c.num_experts = 8;
+             Buffer b(c, serving);
          }},
         {"ExpertPools: projection elem_bytes = 3", ErrorCategory::kInvalidArgument,
          "ExpertPools: projection 0 must have elem_bytes 1 (e4m3), 2 (bf16) or 4 (fp32), got 3",
@@ -661,9 +685,9 @@ TEST(BadInput, FfnRows) {
     static uint16_t rows_buf[16];
     static int32_t end_word = 0;
     const int32_t* end = &end_word;
-    auto activate = [](int64_t rows, int64_t ffn, FfnActivation act, const int32_t* at, const uint16_t* h,
-                       int num_sms) {
-        return [=] { activate_rows(h, rows_buf, rows, ffn, act, at, Launch{nullptr, num_sms}); };
+    auto activate = [](int64_t rows, int64_t ffn, FfnActivation act, const int32_t* at, const uint16_t* h, int num_sms,
+                       PastEnd past_end = PastEnd::kZero) {
+        return [=] { activate_rows(h, rows_buf, rows, ffn, act, at, past_end, Launch{nullptr, num_sms}); };
     };
     const FfnActivation swiglu = FfnActivation::kSwiglu;
     const std::vector<Row> rows = {
@@ -677,6 +701,9 @@ TEST(BadInput, FfnRows) {
         {"activate_rows: activation = 7", ErrorCategory::kInvalidArgument,
          "activate_rows: activation must be FfnActivation::kSwiglu (0) or kSilu (1), got 7",
          activate(1, 8, static_cast<FfnActivation>(7), end, rows_buf, 0)},
+        {"activate_rows: past_end = 2", ErrorCategory::kInvalidArgument,
+         "activate_rows: past_end must be PastEnd::kZero (0) or kUntouched (1), got 2",
+         activate(1, 8, swiglu, end, rows_buf, 0, static_cast<PastEnd>(2))},
         {"activate_rows: h = nullptr with rows = 1", ErrorCategory::kInvalidArgument,
          "activate_rows: h and a must be set when rows > 0", activate(1, 8, swiglu, end, nullptr, 0)},
         {"activate_rows: num_sms = -2", ErrorCategory::kInvalidArgument,

@@ -28,8 +28,10 @@
 #include "flatep/error.hpp"
 #include "flatep/expert_pools.hpp"
 #include "flatep/ipc.hpp"
+#include "internal/api.hpp"
 #include "layout/layout.hpp"
 #include "routing/routing.hpp"
+#include "unit/host/rank_threads.hpp"
 #include "unit/transport/test_ipc_util.hpp"
 
 namespace flatep {
@@ -102,17 +104,7 @@ class SharedPage {
     SharedState* state_;
 };
 
-Config make_config(int rank) {
-    Config c;
-    c.num_ranks = kRanks;
-    c.rank = rank;
-    c.num_experts = 2 * kRanks;
-    c.num_tokens = 16;
-    c.topk = 2;
-    c.hidden = 16;
-    c.align = 4;
-    return c;
-}
+Config config_of(int rank) { return testing::make_config(kRanks, 2 * kRanks, 16, 2, 16, 4, 1.0, rank); }
 
 // The victim takes itself down: SIGKILL, or SIGSTOP until the last survivor sends SIGCONT, then exits.
 [[noreturn]] void take_down(SharedState* shared, Fault fault) {
@@ -127,9 +119,9 @@ Config make_config(int rank) {
 
 int run_rank(Op op, Fault fault, SharedState* shared, int rank, std::shared_ptr<Bootstrap> boot) {
     std::shared_ptr<Transport> transport = make_ipc_transport(boot, MemoryKind::kHost, kTimeout);
-    const Config cfg = make_config(rank);
+    const Config cfg = config_of(rank);
     Buffer buffer(cfg, transport);
-    const Layout& l = buffer.layout();
+    const Layout& l = internal::layout(buffer);
     const int epn = l.experts_per_rank;
     ExpertPools pools(transport, epn, {{8, 16}});
     ExpertLayer layer = pools.register_layer();
@@ -312,7 +304,7 @@ TEST(ProcessMismatch, ConfigDifferenceIsReportedOnEveryRankForEveryField) {
             kRanks,
             [&](int rank, std::shared_ptr<Bootstrap> boot) {
                 std::shared_ptr<Transport> transport = make_ipc_transport(boot, MemoryKind::kHost, 5.0);
-                Config cfg = make_config(rank);
+                Config cfg = config_of(rank);
                 PlannerKind planner = PlannerKind::kBalanced;
                 if (rank == 2) fc.change(cfg, planner);
                 const Caught c = catch_error([&] { Buffer buffer(cfg, transport, planner); });
@@ -336,7 +328,7 @@ TEST(ProcessMismatch, RankRejectingItsOwnConfigIsNamedByTheOthers) {
         kRanks,
         [&](int rank, std::shared_ptr<Bootstrap> boot) {
             std::shared_ptr<Transport> transport = make_ipc_transport(boot, MemoryKind::kHost, kTimeout);
-            Config cfg = make_config(rank);
+            Config cfg = config_of(rank);
             if (rank == 2) {
                 cfg.num_ranks = 2 * kRanks;
                 const Caught c = catch_error([&] { Buffer buffer(cfg, transport); });
@@ -377,7 +369,7 @@ TEST(ProcessMismatch, ForeignPlanIsRejectedOnEveryRankWithoutDesynchronising) {
         kRanks,
         [&](int rank, std::shared_ptr<Bootstrap> boot) {
             std::shared_ptr<Transport> transport = make_ipc_transport(boot, MemoryKind::kHost, kTimeout);
-            const Config cfg = make_config(rank);
+            const Config cfg = config_of(rank);
             Buffer a(cfg, transport), b(cfg, transport);
             std::vector<int32_t> idx(size_t(cfg.num_tokens) * cfg.topk);
             routing::sample_topk(routing::popularity(cfg.num_experts, 1.0, 3), cfg.num_tokens, cfg.topk, 3, rank,
@@ -385,9 +377,9 @@ TEST(ProcessMismatch, ForeignPlanIsRejectedOnEveryRankWithoutDesynchronising) {
             const Plan pa = a.plan(idx.data(), 4, cfg.num_tokens);
             std::vector<uint16_t> x(size_t(cfg.num_tokens) * cfg.hidden), out(x.size());
             for (size_t i = 0; i < x.size(); ++i) x[i] = uint16_t(0x3f80 + (i % 64) + 64 * rank);
-            const size_t recv_elems = size_t(a.layout().num_recv_rows) * cfg.hidden;
+            const size_t recv_elems = size_t(a.num_recv_rows()) * cfg.hidden;
             std::vector<uint16_t> recv_a(recv_elems), recv_b(recv_elems);
-            std::vector<float> values(size_t(a.layout().num_recv_rows)), entry_out(idx.size());
+            std::vector<float> values(size_t(a.num_recv_rows())), entry_out(idx.size());
             const std::string want =
                 detail::concat(" plan was made by buffer ", a.id(), ", not by this buffer (", b.id(), ")");
             const Caught d = catch_error([&] { b.dispatch(pa, x.data(), nullptr, recv_b.data(), nullptr); });

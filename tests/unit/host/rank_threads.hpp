@@ -11,10 +11,24 @@
 #include <vector>
 
 #include "common/bf16.hpp"
+#include "flatep/config.hpp"
 #include "flatep/error.hpp"
 #include "routing/routing.hpp"
 
 namespace flatep::testing {
+
+// The Config of a test: R ranks, E experts, S tokens a rank, top-K, H, align, the capacity factor, and this rank (the
+// one helper of the host and GPU tests; the other fields at their defaults).
+inline Config make_config(int R, int E, int S, int K, int H, int align, double capacity_factor = 1.0, int rank = 0) {
+    return Config{.num_ranks = R,
+                  .rank = rank,
+                  .num_experts = E,
+                  .num_tokens = S,
+                  .topk = K,
+                  .hidden = H,
+                  .align = align,
+                  .capacity_factor = capacity_factor};
+}
 
 // Runs fn(rank) on R threads; returns each rank's exception text ("" when it returned normally).
 inline std::vector<std::string> run_ranks(int num_ranks, const std::function<void(int)>& fn) {

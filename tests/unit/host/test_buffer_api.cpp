@@ -11,6 +11,7 @@
 #include "common/bf16.hpp"
 #include "flatep/buffer.hpp"
 #include "host/op_stats.hpp"
+#include "internal/api.hpp"
 #include "layout/layout.hpp"
 #include "transport/local_host.hpp"
 #include "unit/host/rank_threads.hpp"
@@ -22,18 +23,6 @@ using transport::LocalHostWorld;
 
 using testing::failures;
 using testing::run_ranks;
-
-Config make_config(int R, int rank, int E, int S, int K, int H, int align) {
-    Config c;
-    c.num_ranks = R;
-    c.rank = rank;
-    c.num_experts = E;
-    c.num_tokens = S;
-    c.topk = K;
-    c.hidden = H;
-    c.align = align;
-    return c;
-}
 
 // Runs fn(rank, error) where fn is expected to throw; returns the caught Error's category and message per rank.
 struct Caught {
@@ -59,10 +48,10 @@ TEST(BufferNumerics, WeightedCombineUsesOneRoundingPerFusedMultiplyAdd) {
     // One rank, one token, two experts in one chain: acc = fma(w, y1, fma(w, y0, 0)). With w = 1 + 2^-23 and
     // y1 = -y0 = 1 + 2^-7 the exact product's 2^-30 term survives only with a fused multiply-add.
     LocalHostWorld world(1, 10.0);
-    Buffer buffer(make_config(1, 0, 2, 1, 2, 8, 1), world.transport(0));
+    Buffer buffer(testing::make_config(1, 2, 1, 2, 8, 1, 1.0, 0), world.transport(0));
     const int32_t idx[2] = {0, 1};
     const Plan plan = buffer.plan(idx, 4, 1);
-    const int nvs = buffer.layout().num_recv_rows;
+    const int nvs = buffer.num_recv_rows();
     const int row0 = plan.entry_rows()[0], row1 = plan.entry_rows()[1];
     ASSERT_EQ(plan.row_heads()[row1], row0);
     ASSERT_EQ(plan.row_nexts()[row0], row1);
@@ -90,12 +79,12 @@ TEST(BufferNumerics, PartialsAreRoundedToBf16BeforeTheCrossRankSum) {
     LocalHostWorld world(R, 10.0);
     std::vector<uint16_t> out(8, 0xffff);
     const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
-        Config c = make_config(R, rank, 4, 1, 3, 8, 1);
+        Config c = testing::make_config(R, 4, 1, 3, 8, 1, 1.0, rank);
         c.capacity_factor = 4.0;  // slack: every entry stays on its home rank
         Buffer buffer(c, world.transport(rank));
         const int32_t idx[3] = {2, 0, 3};
         const Plan plan = buffer.plan(idx, 4, rank == 0 ? 1 : 0);
-        const int nvs = buffer.layout().num_recv_rows;
+        const int nvs = buffer.num_recv_rows();
         std::vector<uint16_t> y(size_t(nvs) * 8, 0);
         const float tiny = std::ldexp(1.0f, -8);
         for (int i = 0; i < 8; ++i) {
@@ -115,7 +104,7 @@ TEST(BufferPlan, PlanStaysValidAfterLaterPlans) {
     const int R = 3, E = 6, S = 8, K = 2, H = 8;
     LocalHostWorld world(R, 10.0);
     const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
-        Buffer buffer(make_config(R, rank, E, S, K, H, 4), world.transport(rank));
+        Buffer buffer(testing::make_config(R, E, S, K, H, 4, 1.0, rank), world.transport(rank));
         std::vector<int32_t> idx_a(S * K), idx_b(S * K);
         for (int t = 0; t < S; ++t) {
             idx_a[t * K] = (t + rank) % E;
@@ -129,7 +118,7 @@ TEST(BufferPlan, PlanStaysValidAfterLaterPlans) {
         std::vector<uint16_t> x(S * H);
         for (int t = 0; t < S; ++t)
             for (int i = 0; i < H; ++i) x[t * H + i] = uint16_t(0x3f80 + rank * 64 + t);  // distinct finite bf16
-        const int nvs = buffer.layout().num_recv_rows;
+        const int nvs = buffer.num_recv_rows();
         std::vector<uint16_t> recv(size_t(nvs) * H), out(S * H);
         buffer.dispatch(a, x.data(), nullptr, recv.data(), nullptr);
         // Combine of the dispatched rows with weights 1 gives back K * x (exact: small integers times powers of 2).
@@ -143,11 +132,11 @@ TEST(BufferPlan, PlanStaysValidAfterLaterPlans) {
 
 TEST(BufferPlan, PlanFromAnotherBufferIsRejected) {
     LocalHostWorld world(1, 10.0);
-    Buffer first(make_config(1, 0, 2, 4, 1, 8, 1), world.transport(0));
-    Buffer second(make_config(1, 0, 2, 4, 1, 8, 1), world.transport(0));
+    Buffer first(testing::make_config(1, 2, 4, 1, 8, 1, 1.0, 0), world.transport(0));
+    Buffer second(testing::make_config(1, 2, 4, 1, 8, 1, 1.0, 0), world.transport(0));
     const int32_t idx[4] = {0, 1, 0, 1};
     const Plan plan = first.plan(idx, 4, 4);
-    std::vector<uint16_t> x(32), recv(size_t(second.layout().num_recv_rows) * 8);
+    std::vector<uint16_t> x(32), recv(size_t(second.num_recv_rows()) * 8);
     const Caught c = catch_error([&] { second.dispatch(plan, x.data(), nullptr, recv.data(), nullptr); });
     ASSERT_TRUE(c.thrown);
     EXPECT_EQ(c.category, ErrorCategory::kMismatch);
@@ -163,7 +152,7 @@ TEST(BufferErrors, ConfigMismatchIsReportedOnEveryRank) {
     LocalHostWorld world(R, 10.0);
     std::vector<Caught> caught(R);
     run_ranks(R, [&](int rank) {
-        Config c = make_config(R, rank, 8, 16, rank == 2 ? 4 : 8, 16, 4);
+        Config c = testing::make_config(R, 8, 16, rank == 2 ? 4 : 8, 16, 4, 1.0, rank);
         caught[rank] = catch_error([&] { Buffer buffer(c, world.transport(rank)); });
     });
     for (int r = 0; r < R; ++r) {
@@ -178,18 +167,20 @@ TEST(BufferErrors, InvalidConfigIsRejectedBeforeAnyCollective) {
     LocalHostWorld world(2, 0.5);
     // Rank 0 alone: an invalid config must throw at once (no all_gather, so no timeout).
     const auto start = std::chrono::steady_clock::now();
-    const Caught c = catch_error([&] { Buffer buffer(make_config(2, 0, 3, 4, 1, 8, 1), world.transport(0)); });
+    const Caught c =
+        catch_error([&] { Buffer buffer(testing::make_config(2, 3, 4, 1, 8, 1, 1.0, 0), world.transport(0)); });
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 0.4);
     ASSERT_TRUE(c.thrown);
     EXPECT_EQ(c.category, ErrorCategory::kInvalidArgument);
     EXPECT_EQ(c.message, "num_experts (E) must be a multiple of num_ranks (R): E=3 R=2");
-    const Caught rank = catch_error([&] { Buffer buffer(make_config(2, 1, 4, 4, 1, 8, 1), world.transport(0)); });
+    const Caught rank =
+        catch_error([&] { Buffer buffer(testing::make_config(2, 4, 4, 1, 8, 1, 1.0, 1), world.transport(0)); });
     EXPECT_EQ(rank.message, "Buffer: config.rank (1) differs from the transport's rank (0)");
 }
 
 TEST(BufferErrors, BadCallArgumentsNameTheArgument) {
     LocalHostWorld world(1, 10.0);
-    Buffer buffer(make_config(1, 0, 2, 4, 1, 8, 1), world.transport(0));
+    Buffer buffer(testing::make_config(1, 2, 4, 1, 8, 1, 1.0, 0), world.transport(0));
     const int32_t idx[4] = {0, 1, 0, 1};
     EXPECT_EQ(catch_error([&] { buffer.plan(idx, 2, 4); }).message,
               "plan: index_bytes must be 4 (int32) or 8 (int64), got 2");
@@ -197,7 +188,7 @@ TEST(BufferErrors, BadCallArgumentsNameTheArgument) {
     EXPECT_EQ(catch_error([&] { buffer.plan(idx, 4, -1); }).message, "plan: num_tokens must be in [0, S=4], got -1");
     EXPECT_EQ(catch_error([&] { buffer.plan(nullptr, 4, 4); }).message, "plan: topk_idx is null");
     const Plan plan = buffer.plan(idx, 4, 4);
-    std::vector<uint16_t> x(32), recv(size_t(buffer.layout().num_recv_rows) * 8);
+    std::vector<uint16_t> x(32), recv(size_t(buffer.num_recv_rows()) * 8);
     EXPECT_EQ(catch_error([&] { buffer.dispatch(plan, nullptr, nullptr, recv.data(), nullptr); }).message,
               "dispatch: x is null");
     EXPECT_EQ(catch_error([&] { buffer.dispatch(plan, x.data(), nullptr, nullptr, nullptr); }).message,
@@ -217,9 +208,9 @@ TEST(BufferErrors, BadExpertIdsAreSkippedRecordedAndReportedWithTheirIndex) {
     LocalHostWorld world(R, 10.0);
     std::vector<Caught> caught(R);
     const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
-        Buffer buffer(make_config(R, rank, E, S, K, H, 4), world.transport(rank));
+        Buffer buffer(testing::make_config(R, E, S, K, H, 4, 1.0, rank), world.transport(rank));
         host::OpStats stats;
-        buffer.set_op_stats(&stats);
+        internal::set_op_stats(buffer, &stats);
         // Rank 1: token 1 has an id of E, token 3 of -1 (first bad flat index 3); int64 with a huge id too.
         std::vector<int64_t> idx = {0, 1, 2, 3, 0, 2, 1, 3};
         if (rank == 1) {
@@ -228,7 +219,7 @@ TEST(BufferErrors, BadExpertIdsAreSkippedRecordedAndReportedWithTheirIndex) {
             idx[7] = int64_t(1) << 40;
         }
         const Plan plan = buffer.plan(idx.data(), 8, S);
-        const int nvs = buffer.layout().num_recv_rows;
+        const int nvs = buffer.num_recv_rows();
         const int canary = 2;
         std::vector<uint16_t> x(S * H, 0x3f80), recv((nvs + 2 * canary) * H, 0xa5a5), out((S + 2 * canary) * H, 0xa5a5);
         std::vector<float> w(nvs + 2 * canary, -7.0f);
@@ -262,7 +253,7 @@ TEST(BufferErrors, BadExpertIdsAreSkippedRecordedAndReportedWithTheirIndex) {
 TEST(BufferErrors, DebugModeReportsBadIdsAfterThePlan) {
     setenv("FLATEP_DEBUG", "1", 1);
     LocalHostWorld world(1, 10.0);
-    Buffer buffer(make_config(1, 0, 2, 2, 1, 8, 1), world.transport(0));
+    Buffer buffer(testing::make_config(1, 2, 2, 1, 8, 1, 1.0, 0), world.transport(0));
     unsetenv("FLATEP_DEBUG");
     const int32_t idx[2] = {1, 7};
     const Caught c = catch_error([&] { buffer.plan(idx, 4, 2); });
@@ -280,10 +271,10 @@ TEST(BufferErrors, MissingRankMakesTheOthersTimeOutNamingIt) {
     std::vector<double> seconds(R, 0.0);
     std::vector<Caught> status(R);
     const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
-        Buffer buffer(make_config(R, rank, 8, 4, 2, 8, 1), world.transport(rank));
+        Buffer buffer(testing::make_config(R, 8, 4, 2, 8, 1, 1.0, rank), world.transport(rank));
         const int32_t idx[8] = {0, 1, 2, 3, 4, 5, 6, 7};
         const Plan plan = buffer.plan(idx, 4, 4);
-        std::vector<uint16_t> x(32), recv(size_t(buffer.layout().num_recv_rows) * 8);
+        std::vector<uint16_t> x(32), recv(size_t(buffer.num_recv_rows()) * 8);
         if (rank == 3) return;  // rank 3 never calls dispatch
         const auto start = std::chrono::steady_clock::now();
         caught[rank] = catch_error([&] { buffer.dispatch(plan, x.data(), nullptr, recv.data(), nullptr); });
@@ -310,14 +301,14 @@ TEST(BufferDedup, OneRowCrossingPerTokenAndDestination) {
     LocalHostWorld world(R, 10.0);
     std::vector<host::OpStats> stats(R);
     const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
-        Config c = make_config(R, rank, E, S, K, H, 1);
+        Config c = testing::make_config(R, E, S, K, H, 1, 1.0, rank);
         c.capacity_factor = 4.0;  // slack: no replicas needed, every entry stays on rank 0
         Buffer buffer(c, world.transport(rank));
-        buffer.set_op_stats(&stats[rank]);
+        internal::set_op_stats(buffer, &stats[rank]);
         std::vector<int32_t> idx(S * K);
         for (int i = 0; i < S * K; ++i) idx[i] = i % K;
         const Plan plan = buffer.plan(idx.data(), 4, S);
-        std::vector<uint16_t> x(S * H, 0x4000), recv(size_t(buffer.layout().num_recv_rows) * H), out(S * H);
+        std::vector<uint16_t> x(S * H, 0x4000), recv(size_t(buffer.num_recv_rows()) * H), out(S * H);
         buffer.dispatch(plan, x.data(), nullptr, recv.data(), nullptr);
         buffer.combine(plan, recv.data(), nullptr, out.data());
         for (int t = 0; t < S; ++t) ASSERT_EQ(out[t * H], float_to_bf16(8.0f));

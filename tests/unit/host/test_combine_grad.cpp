@@ -12,6 +12,7 @@
 
 #include "common/bf16.hpp"
 #include "flatep/buffer.hpp"
+#include "internal/api.hpp"
 #include "layout/layout.hpp"
 #include "routing/routing.hpp"
 #include "transport/local_host.hpp"
@@ -95,7 +96,7 @@ RankResult run_rank(const Case& c, LocalHostWorld& world, int rank) {
                      .align = c.align,
                      .capacity_factor = c.capacity_factor};
     Buffer buffer(cfg, world.transport(rank));
-    const Layout& l = buffer.layout();
+    const Layout& l = internal::layout(buffer);
     const int H = c.H, nvs = l.num_recv_rows;
     const int s = c.partial ? (c.S * (rank + 1)) / (c.R + 1) : c.S;
     std::vector<int32_t> idx(size_t(c.S) * c.K);
@@ -209,7 +210,7 @@ TEST(CombineGrad, BadArgumentsNameTheArgument) {
     Buffer other(cfg, world.transport(0));
     const int32_t idx[2] = {0, 1};
     const Plan plan = buffer.plan(idx, 4, 2);
-    const int nvs = buffer.layout().num_recv_rows;
+    const int nvs = buffer.num_recv_rows();
     std::vector<uint16_t> rows(size_t(nvs) * 8), y(size_t(nvs) * 8), grad_y(size_t(nvs) * 8);
     std::vector<float> w(nvs), grad_w(nvs);
     EXPECT_EQ(

@@ -13,6 +13,7 @@
 #include "common/bf16.hpp"
 #include "flatep/buffer.hpp"
 #include "host/op_stats.hpp"
+#include "internal/api.hpp"
 #include "layout/layout.hpp"
 #include "planner/planner.hpp"
 #include "routing/routing.hpp"
@@ -125,7 +126,7 @@ StepOutputs run_threaded(const Case& c, const Layout& l, const std::vector<std::
         for (int step = 0; step < c.steps; ++step) {
             const RankInput& in = inputs[step][rank];
             RankOutput& o = outputs[step][rank];
-            buffer.set_op_stats(&o.stats);
+            internal::set_op_stats(buffer, &o.stats);
             const Plan plan = c.int64_idx ? buffer.plan(in.topk_idx64.data(), 8, in.num_tokens)
                                           : buffer.plan(in.topk_idx.data(), 4, in.num_tokens);
             o.recv_x.assign(size_t(nvs + 2 * kCanaryRows) * H, kCanaryX);
@@ -140,7 +141,7 @@ StepOutputs run_threaded(const Case& c, const Layout& l, const std::vector<std::
             }
             o.out.assign(size_t(c.S + 2 * kCanaryRows) * H, kCanaryX);
             buffer.combine(plan, in.y.data(), c.weighted ? recv_w : nullptr, o.out.data() + kCanaryRows * H);
-            buffer.set_op_stats(nullptr);
+            internal::set_op_stats(buffer, nullptr);
             buffer.check_status();
             auto copy = [](std::span<const int32_t> s) { return std::vector<int32_t>(s.begin(), s.end()); };
             o.alloc = copy(plan.alloc());

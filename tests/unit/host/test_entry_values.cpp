@@ -52,7 +52,7 @@ TEST(EntryValues, EachEntryReadsItsRowOnItsDestinationRank) {
         if (rank == 2) idx[2] = E;
         for (size_t i = 0; i < idx.size(); ++i) w[i] = float(1000 * rank + int(i) + 1);
         const Plan plan = buffer.plan(idx.data(), 4, s);
-        const int nvs = buffer.layout().num_recv_rows;
+        const int nvs = buffer.num_recv_rows();
         std::vector<uint16_t> x(size_t(s) * kH, float_to_bf16(1.0f)), recv_x(size_t(nvs) * kH);
         std::vector<float> recv_w(nvs, -3.0f), back(idx.size(), -5.0f), by_place(idx.size(), -5.0f);
         buffer.dispatch(plan, x.data(), w.data(), recv_x.data(), recv_w.data());
@@ -104,7 +104,7 @@ TEST(ExpertIdBoundary, MinusOneAndEAreInvalidEMinusOneIsValid) {
                 return index_bytes == 4 ? buffer.plan(ids32.data(), 4, S) : buffer.plan(ids.data(), 8, S);
             };
             const Plan plan = plan_of(mine);
-            const int nvs = buffer.layout().num_recv_rows;
+            const int nvs = buffer.num_recv_rows();
             std::vector<uint16_t> x(S * kH, float_to_bf16(1.0f)), recv(size_t(nvs) * kH);
             outs[rank].assign(S * kH, 0xffff);
             buffer.dispatch(plan, x.data(), nullptr, recv.data(), nullptr);

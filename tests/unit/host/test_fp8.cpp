@@ -13,6 +13,7 @@
 #include "flatep/buffer.hpp"
 #include "flatep/fp8.hpp"
 #include "host/op_stats.hpp"
+#include "internal/api.hpp"
 #include "layout/layout.hpp"
 #include "routing/routing.hpp"
 #include "transport/local_host.hpp"
@@ -331,7 +332,7 @@ std::vector<RankRun> run_case(const Shape& c, Fp8Scale mode, bool weighted, bool
     std::vector<RankRun> runs(c.R);
     const std::vector<std::string> errors = run_ranks(c.R, [&](int r) {
         Buffer buffer(config_of(c, r), world.transport(r));
-        const Layout& l = buffer.layout();
+        const Layout& l = internal::layout(buffer);
         const int nvs = l.num_recv_rows, H = c.H, nb = H / kFp8BlockSize;
         RankRun& run = runs[r];
         run.num_tokens = ragged ? (c.S * (r + 2)) % (c.S + 1) : c.S;
@@ -346,9 +347,9 @@ std::vector<RankRun> run_case(const Shape& c, Fp8Scale mode, bool weighted, bool
         run.row_heads.assign(plan.row_heads().begin(), plan.row_heads().end());
         run.recv_bf16.assign(size_t(nvs) * H, 0);
         run.recv_w_bf16.assign(size_t(nvs), 0.0f);
-        buffer.set_op_stats(&run.stats_bf16);
+        internal::set_op_stats(buffer, &run.stats_bf16);
         buffer.dispatch(plan, run.x.data(), w, run.recv_bf16.data(), run.recv_w_bf16.data());
-        buffer.set_op_stats(nullptr);
+        internal::set_op_stats(buffer, nullptr);
         std::vector<uint8_t> xq(size_t(s) * H);
         std::vector<float> xs(size_t(s) * nb);
         quantize_fp8_rows(run.x.data(), s, H, mode, xq.data(), xs.data());
@@ -360,9 +361,9 @@ std::vector<RankRun> run_case(const Shape& c, Fp8Scale mode, bool weighted, bool
             float* sc = run.scales[v].data() + kCanaryRows * nb;
             float* rw = run.recv_w[v].data() + kCanaryRows;
             if (v == 0) {
-                buffer.set_op_stats(&run.stats_fp8);
+                internal::set_op_stats(buffer, &run.stats_fp8);
                 buffer.dispatch_fp8(plan, run.x.data(), nullptr, nullptr, w, q, sc, rw, mode);
-                buffer.set_op_stats(nullptr);
+                internal::set_op_stats(buffer, nullptr);
             } else if (v == 1) {
                 buffer.dispatch_fp8(plan, nullptr, xq.data(), xs.data(), w, q, sc, rw, mode);
             } else {
@@ -457,7 +458,7 @@ TEST(DispatchFp8, BadInputIsOneLineNamingTheArgument) {
     Buffer buffer(config_of(c, 0), world.transport(0));
     const int32_t idx[16] = {0, 1, 1, 2, 2, 3, 3, 0, 0, 2, 1, 3, 2, 0, 3, 1};
     const Plan plan = buffer.plan(idx, 4, 8);
-    const int nvs = buffer.layout().num_recv_rows;
+    const int nvs = buffer.num_recv_rows();
     std::vector<uint16_t> x(8 * 128);
     std::vector<uint8_t> xq(8 * 128), q(size_t(nvs) * 128);
     std::vector<float> xs(8), s(static_cast<size_t>(nvs));
@@ -510,7 +511,7 @@ TEST(DispatchFp8, RanksInDispatchAndDispatchFp8FailOnEveryRank) {
         Buffer buffer(config_of(c, r), world.transport(r));
         const int32_t idx[8] = {0, 1, 2, 3, 1, 2, 3, 0};
         const Plan plan = buffer.plan(idx, 4, 4);
-        const int nvs = buffer.layout().num_recv_rows;
+        const int nvs = buffer.num_recv_rows();
         std::vector<uint16_t> x(4 * 128), recv(size_t(nvs) * 128);
         std::vector<uint8_t> q(size_t(nvs) * 128);
         std::vector<float> s(static_cast<size_t>(nvs));

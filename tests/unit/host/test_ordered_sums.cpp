@@ -58,7 +58,7 @@ TEST(OrderedSums, CombineAddsAChainInAscendingK) {
     Buffer buffer(config(1, 0, 3, 1, 3), world.transport(0));
     const int32_t idx[3] = {0, 1, 2};
     const Plan plan = buffer.plan(idx, 4, 1);
-    const int nvs = buffer.layout().num_recv_rows;
+    const int nvs = buffer.num_recv_rows();
     for (const Terms& t : {kTiesAway, kExactGap}) {
         std::vector<uint16_t> y(size_t(nvs) * kH, 0);
         const float term[3] = {t.a, t.b, t.c};
@@ -86,7 +86,7 @@ TEST(OrderedSums, CombineAddsPartialsInAscendingDestinationRank) {
     std::vector<std::vector<uint16_t>> outs(cases.size(), std::vector<uint16_t>(kH, 0xffff));
     const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
         Buffer buffer(config(R, rank, 3, 1, 3), world.transport(rank));
-        const int nvs = buffer.layout().num_recv_rows;
+        const int nvs = buffer.num_recv_rows();
         for (size_t c = 0; c < cases.size(); ++c) {
             const Plan plan = buffer.plan(orders[cases[c].first], 4, rank == 0 ? 1 : 0);
             ASSERT_EQ(plan.cu_seqlens(rank)[0], 1) << "rank " << rank << ": one row of its own expert";

@@ -49,7 +49,7 @@ TEST(PlanOrderedOps, NextDispatchWaitsForASlowReaderThroughThePlanOp) {
             const uint16_t* rows = buffer.symmetric_recv_x();
             const int32_t end = plan.cu_seqlens(rank).back();
             // The expert: y = rows as they are. combine sums each token's K rows: 2 * x (exact in bf16).
-            y.assign(rows, rows + int64_t(buffer.layout().num_recv_rows) * H);
+            y.assign(rows, rows + int64_t(buffer.num_recv_rows()) * H);
             buffer.combine(plan, y.data(), nullptr, out.data(), {.options = {.plan_ordered = true}});
             for (size_t i = 0; i < want.size(); ++i) want[i] = float_to_bf16(2.0f * bf16_to_float(x[i]));
             ASSERT_EQ(out, want) << "rank " << rank << " step " << step;

@@ -40,9 +40,9 @@ const int32_t kIdx[kS * kK] = {0, 1, 2, 3, 4, 5, 1, 2};
 struct Step {
     explicit Step(Buffer& b)
         : x(kS * kH, 0x3f80),
-          recv(size_t(b.layout().num_recv_rows) * kH),
+          recv(size_t(b.num_recv_rows()) * kH),
           out(kS * kH),
-          values(b.layout().num_recv_rows, 1.0f),
+          values(b.num_recv_rows(), 1.0f),
           per_entry(kS * kK) {}
     std::vector<uint16_t> x, recv, out;
     std::vector<float> values, per_entry;

@@ -17,6 +17,7 @@
 #include "common/bf16.hpp"
 #include "flatep/buffer.hpp"
 #include "host/op_stats.hpp"
+#include "internal/api.hpp"
 #include "layout/layout.hpp"
 #include "routing/routing.hpp"
 #include "transport/local_host.hpp"
@@ -41,8 +42,8 @@ struct Shape {
 struct Mode {
     std::string name;
     PlannerKind planner;
-    int num_slots;                   // Config::num_slots
-    int view_stride;                 // Config::view_stride
+    int num_slots;                   // ViewShape::num_slots (B)
+    int view_stride;                 // ViewShape::view_stride (Q)
     std::vector<int32_t> placement;  // the static planner's [R][B]
 };
 
@@ -112,8 +113,6 @@ Config config_of(const Shape& sh, const Mode& m, int rank) {
     c.topk = sh.K;
     c.hidden = sh.H;
     c.align = sh.align;
-    c.num_slots = m.num_slots;
-    c.view_stride = m.view_stride;
     return c;
 }
 
@@ -157,22 +156,25 @@ std::vector<RankOutput> run_mode(const Shape& sh, const Mode& m, const std::vect
     std::vector<RankOutput> outputs(static_cast<size_t>(sh.R));
     transport::LocalHostWorld world(sh.R, 30.0);
     const std::vector<std::string> errors = run_ranks(sh.R, [&](int rank) {
-        Buffer buffer(config_of(sh, m, rank), world.transport(rank), m.planner);
+        // Any B and Q the layout accepts, without pools (the internal API's Buffer of a given view shape).
+        const std::unique_ptr<Buffer> made = internal::make_buffer(config_of(sh, m, rank), world.transport(rank),
+                                                                   m.planner, {m.num_slots, m.view_stride});
+        Buffer& buffer = *made;
         if (m.planner == PlannerKind::kStatic) buffer.set_placement(m.placement);
         const RankInput& ri = in[size_t(rank)];
         RankOutput& o = outputs[size_t(rank)];
-        const Layout& l = buffer.layout();
+        const Layout& l = internal::layout(buffer);
         o.num_groups = l.num_groups();
         o.num_recv_rows = l.num_recv_rows;
         const Plan plan = buffer.plan(ri.topk_idx.data(), 4, ri.num_tokens);
-        buffer.set_op_stats(&o.stats);
+        internal::set_op_stats(buffer, &o.stats);
         o.recv_x.assign(size_t(l.num_recv_rows) * sh.H, kCanaryX);
         o.recv_w.assign(size_t(l.num_recv_rows), -1.0f);
         buffer.dispatch(plan, ri.x.data(), ri.weights.data(), o.recv_x.data(), o.recv_w.data());
         // The identity expert: y = the dispatched rows, combined with their routing weights.
         o.out.assign(size_t(ri.num_tokens) * sh.H, kCanaryX);
         buffer.combine(plan, o.recv_x.data(), o.recv_w.data(), o.out.data());
-        buffer.set_op_stats(nullptr);
+        internal::set_op_stats(buffer, nullptr);
         buffer.check_status();
         auto copy = [](std::span<const int32_t> s) { return std::vector<int32_t>(s.begin(), s.end()); };
         o.alloc = copy(plan.alloc());

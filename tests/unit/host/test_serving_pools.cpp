@@ -79,9 +79,10 @@ TEST_P(ServingPools, ViewReadsOwnersInPlaceAndPullFillsTheSlots) {
         ASSERT_EQ(pools.view_rows(), int64_t(R) * pools.view_stride() + B);
         Config config{
             .num_ranks = R, .rank = rank, .num_experts = E, .num_tokens = S, .topk = K, .hidden = 8, .align = 1};
-        config.num_slots = B;
-        config.view_stride = pools.view_stride();
-        Buffer buffer(config, world.transport(rank));
+        Buffer buffer(config, pools);  // takes the pools' B and Q
+        ASSERT_EQ(buffer.num_slots(), B);
+        ASSERT_EQ(buffer.view_stride(), pools.view_stride());
+        ASSERT_EQ(buffer.num_groups(), pools.view_rows());
         ExpertLayer layer = pools.register_layer();  // collective in serving
         for (int p = 0; p < 2; ++p) {
             const int64_t n = shapes[p].elems();
@@ -148,9 +149,7 @@ TEST(ServingPools, PlanOrderedPullSeesWeightsWrittenBeforeThePlan) {
         ExpertPools pools(world.transport(rank), epn, shapes, B);
         Config config{
             .num_ranks = R, .rank = rank, .num_experts = E, .num_tokens = S, .topk = K, .hidden = 8, .align = 1};
-        config.num_slots = B;
-        config.view_stride = pools.view_stride();
-        Buffer buffer(config, world.transport(rank));
+        Buffer buffer(config, pools);
         ExpertLayer layer = pools.register_layer();
         // Every token of every rank goes to rank 1's experts 4, 5, 6: rank 1 overflows, the others take replicas.
         std::vector<int32_t> idx(size_t(S) * K);
@@ -204,8 +203,29 @@ TEST(ServingPools, RefusesBadNumSlots) {
     transport::LocalHostWorld world(1, 10.0);
     EXPECT_NE(error_message([&] {
                   ExpertPools(world.transport(0), 4, {{4, 8}}, 5);
-              }).find("num_slots must be -1 (epn) or in [0, epn=4], got 5"),
+              }).find("num_slots (B) must be -1 (= epn) or in [0, epn=4], got 5"),
               std::string::npos);
+}
+
+// Pools over another transport must be able to lay out the same groups (the plans' bits then compare): they may take
+// a larger view stride than their own mapping needs, and a Buffer made from them takes it.
+TEST(ServingPools, ALargerViewStrideIsTakenByTheBuffer) {
+    transport::LocalHostWorld world(1, 10.0);
+    ExpertPools smallest(world.transport(0), 4, {{4, 8}}, 2);
+    const int q = smallest.view_stride() + 5;
+    ExpertPools pools(world.transport(0), 4, {{4, 8}}, 2, q);
+    EXPECT_EQ(pools.view_stride(), q);
+    EXPECT_EQ(pools.view_rows(), q + 2);
+    Config config{.num_ranks = 1, .rank = 0, .num_experts = 4, .num_tokens = 4, .topk = 1, .hidden = 8, .align = 1};
+    Buffer buffer(config, pools);
+    EXPECT_EQ(buffer.view_stride(), q);
+    EXPECT_TRUE(buffer.serving());
+    EXPECT_EQ(buffer.num_groups(), q + 2);
+    ExpertLayer layer = pools.register_layer();
+    const std::vector<int32_t> idx = {0, 1, 2, 3};
+    const Plan plan = buffer.plan(idx.data(), 4, 4);
+    pools.prefetch(plan, layer);  // the plan's groups are the pools' view rows
+    EXPECT_EQ(plan.cu_seqlens(0).size(), size_t(q + 2));
 }
 
 }  // namespace

@@ -5,12 +5,14 @@
 // and training's push).
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "flatep/buffer.hpp"
 #include "flatep/error.hpp"
 #include "flatep/expert_pools.hpp"
+#include "internal/api.hpp"
 #include "layout/layout.hpp"
 #include "transport/local_host.hpp"
 #include "unit/host/rank_threads.hpp"
@@ -27,11 +29,15 @@ using Ints = std::vector<int32_t>;
 
 constexpr int kR = 2, kEpn = 4, kE = kR * kEpn, kS = 4, kK = 2;
 
-Config config_of(int rank, int num_slots) {
+Config config_of(int rank) {
     Config c;
     c.num_ranks = kR, c.rank = rank, c.num_experts = kE, c.num_tokens = kS, c.topk = kK, c.hidden = 8, c.align = 1;
-    c.num_slots = num_slots;
     return c;
+}
+
+// A Buffer of `planner` whose groups have B = num_slots slots (-1: epn), without pools (the internal API).
+std::unique_ptr<Buffer> buffer_of(LocalHostWorld& world, int rank, int num_slots, PlannerKind planner) {
+    return internal::make_buffer(config_of(rank), world.transport(rank), planner, {num_slots, 0});
 }
 
 const int32_t kIdx[kS * kK] = {0, 5, 1, 4, 5, 6, 2, 7};
@@ -53,7 +59,8 @@ TEST(StaticPlacement, BadPlacementsFailOnEveryRankAndKeepThePlacement) {
     const Ints good = {5, -1, -1, 2};
     LocalHostWorld world(kR, 20.0);
     const std::vector<std::string> errors = run_ranks(kR, [&](int rank) {
-        Buffer buffer(config_of(rank, 2), world.transport(rank), PlannerKind::kStatic);
+        const std::unique_ptr<Buffer> made = buffer_of(world, rank, 2, PlannerKind::kStatic);
+        Buffer& buffer = *made;
         const Outcome none = outcome_of([&] { buffer.plan(kIdx, 4, kS); });
         EXPECT_EQ(none.message, "plan: the static planner has no placement yet: call set_placement (collective) first");
         for (const auto& [placement, message] : bad) {
@@ -93,7 +100,8 @@ TEST(StaticPlacement, RanksThatDisagreeAllFailNamingTheFirstDifference) {
     for (const auto& [other, message] : theirs) {
         LocalHostWorld world(kR, 20.0);
         const std::vector<std::string> errors = run_ranks(kR, [&](int rank) {
-            Buffer buffer(config_of(rank, 2), world.transport(rank), PlannerKind::kStatic);
+            const std::unique_ptr<Buffer> made = buffer_of(world, rank, 2, PlannerKind::kStatic);
+            Buffer& buffer = *made;
             const Outcome o = outcome_of([&] { buffer.set_placement(rank == 1 ? other : mine); });
             EXPECT_EQ(o.message, message) << "rank " << rank;
             EXPECT_EQ(o.category, int(ErrorCategory::kMismatch)) << "rank " << rank;
@@ -110,7 +118,7 @@ TEST(StaticPlacement, RanksThatDisagreeAllFailNamingTheFirstDifference) {
 TEST(StaticPlacement, OtherPlannersRefuseAPlacement) {
     LocalHostWorld world(kR, 20.0);
     const std::vector<std::string> errors = run_ranks(kR, [&](int rank) {
-        Buffer buffer(config_of(rank, -1), world.transport(rank), PlannerKind::kBalanced);
+        Buffer buffer(config_of(rank), world.transport(rank), PlannerKind::kBalanced);
         EXPECT_EQ(outcome_of([&] { buffer.set_placement(Ints(kR * kEpn, -1)); }).message,
                   "set_placement: this Buffer's planner is 'balanced'; a placement is for the static planner "
                   "(PlannerKind::kStatic)");
@@ -139,9 +147,7 @@ TEST(StaticPlacement, PrefetchMovesThePlacedReplicasAndPlacementBytesCountsThem)
         LocalHostWorld world(kR, 20.0);
         const std::vector<std::string> errors = run_ranks(kR, [&](int rank) {
             ExpertPools pools(world.transport(rank), kEpn, shapes, B);
-            Config config = config_of(rank, B);
-            config.view_stride = pools.serving() ? pools.view_stride() : 0;
-            Buffer buffer(config, world.transport(rank), PlannerKind::kStatic);
+            Buffer buffer(config_of(rank), pools, PlannerKind::kStatic);
             ExpertLayer layer = pools.register_layer();
             for (int p = 0; p < 2; ++p) {
                 const int64_t n = shapes[p].elems() * shapes[p].elem_bytes / 2;  // uint16 words
@@ -174,7 +180,7 @@ TEST(StaticPlacement, PlacementBytesNeedsAStaticPlan) {
     LocalHostWorld world(kR, 20.0);
     const std::vector<std::string> errors = run_ranks(kR, [&](int rank) {
         ExpertPools pools(world.transport(rank), kEpn, {{4, 8}});
-        Buffer buffer(config_of(rank, -1), world.transport(rank));
+        Buffer buffer(config_of(rank), world.transport(rank));
         const Plan plan = buffer.plan(kIdx, 4, kS);
         EXPECT_EQ(outcome_of([&] { pools.placement_bytes(plan, rank); }).message,
                   "placement_bytes: the plan's planner is 'balanced'; only a static plan has a placement");

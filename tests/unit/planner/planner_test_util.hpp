@@ -37,9 +37,7 @@ inline Layout layout_of(int R, int E, int S, int K, int align, int num_slots, in
     c.topk = K;
     c.align = align;
     c.capacity_factor = capacity_factor;
-    c.num_slots = num_slots;
-    c.view_stride = view_stride;
-    return make_layout(c, planner);
+    return make_layout(c, planner, {.num_slots = num_slots, .view_stride = view_stride});
 }
 
 // Plans `counts` with `kind`; the plan is returned for inspection.

@@ -145,18 +145,20 @@ void expect_same(const RankArrays& got, const RankArrays& want, const std::strin
     EXPECT_EQ(got.replicas_in, want.replicas_in) << what;
 }
 
-// R ranks of epn experts with a random align, slot count (training or serving) and view stride.
+// The layout for `planner` of R ranks of epn experts with a random align, slot count (training or serving) and view
+// stride.
 template <class Below>
-Config random_config(int R, int epn, Below& below) {
+Layout random_layout(int R, int epn, Below& below, PlannerKind planner = PlannerKind::kBalanced) {
     Config c;
     c.num_ranks = R;
     c.num_experts = R * epn;
     c.num_tokens = 64;
     c.topk = 1;
     c.align = 1 + below(3) * 3;
-    c.num_slots = below(3) == 0 ? -1 : below(epn + 1);
-    c.view_stride = below(2) == 0 ? 0 : epn + below(3);
-    return c;
+    ViewShape view;
+    view.num_slots = below(3) == 0 ? -1 : below(epn + 1);
+    view.view_stride = below(2) == 0 ? 0 : epn + below(3);
+    return make_layout(c, planner, view);
 }
 
 TEST(DeriveLanes, WarpShapedLaneGroupsDeriveAsOneLane) {
@@ -165,7 +167,7 @@ TEST(DeriveLanes, WarpShapedLaneGroupsDeriveAsOneLane) {
     int cases = 0, over_lanes = 0;
     for (int it = 0; it < 120; ++it) {
         const int R = 1 + below(6), epn = 1 + below(it % 3 == 0 ? 70 : 9), E = R * epn;
-        const Layout l = make_layout(random_config(R, epn, below));
+        const Layout l = random_layout(R, epn, below);
         // Own rows, and up to epn replicas per rank with rows from a small range (ties).
         std::vector<int32_t> alloc(size_t(R) * E, 0);
         for (int d = 0; d < R; ++d) {
@@ -200,7 +202,7 @@ TEST(DeriveLanes, StaticPlacementLaneGroupsDeriveAsOneLane) {
     auto below = [&](int n) { return int(routing::mix64(state++) % uint64_t(n)); };
     for (int it = 0; it < 80; ++it) {
         const int R = 2 + below(5), epn = 1 + below(it % 3 == 0 ? 70 : 9), E = R * epn;
-        const Layout l = make_layout(random_config(R, epn, below), PlannerKind::kStatic);
+        const Layout l = random_layout(R, epn, below, PlannerKind::kStatic);
         const int B = l.num_slots;
         std::vector<int32_t> placement(size_t(R) * B, -1);
         for (int d = 0; d < R; ++d) {

@@ -149,16 +149,16 @@ TEST(PlanRequest, ValidRequestAndDefaults) {
         "");
     EXPECT_EQ(req.config.align, 4);
     EXPECT_EQ(req.config.capacity_factor, 1.25);
-    EXPECT_EQ(req.config.num_slots, -1);
-    EXPECT_EQ(req.config.view_stride, 0);
+    EXPECT_EQ(req.view.num_slots, -1);
+    EXPECT_EQ(req.view.view_stride, 0);
 }
 
 TEST(PlanRequest, ServingFields) {
     PlanRequest req;
     const std::string head = "{\"R\":2,\"E\":4,\"S\":4,\"K\":2,\"tpe\":[[6,1,1,0],[4,2,0,2]],";
     ASSERT_EQ(parse_plan_request(head + "\"num_slots\":1,\"view_stride\":3}", false, req), "");
-    EXPECT_EQ(req.config.num_slots, 1);
-    EXPECT_EQ(req.config.view_stride, 3);
+    EXPECT_EQ(req.view.num_slots, 1);
+    EXPECT_EQ(req.view.view_stride, 3);
     EXPECT_EQ(request_error(head + "\"num_slots\":3}"), "num_slots (B) must be -1 (= epn) or in [0, epn=2], got 3");
     EXPECT_EQ(request_error(head + "\"view_stride\":1}"),
               "view_stride (Q) must be 0 (= epn) or in [epn=2, 1048576], got 1");

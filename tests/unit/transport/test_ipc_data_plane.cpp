@@ -18,6 +18,7 @@
 #include "flatep/error.hpp"
 #include "flatep/expert_pools.hpp"
 #include "flatep/ipc.hpp"
+#include "internal/api.hpp"
 #include "layout/layout.hpp"
 #include "routing/routing.hpp"
 #include "transport/local_host.hpp"
@@ -70,7 +71,7 @@ std::vector<uint8_t> run_rank(const Case& c, int rank, std::shared_ptr<Transport
     Buffer buffer(cfg, transport);
     ExpertPools pools(transport, c.epn, {kShapes[0], kShapes[1]});
     ExpertLayer layer = pools.register_layer();
-    const Layout& l = buffer.layout();
+    const Layout& l = internal::layout(buffer);
     const int nvs = l.num_recv_rows, E = c.R * c.epn;
     for (int p = 0; p < 2; ++p) {
         const int64_t n = kShapes[p].elems();
@@ -175,6 +176,25 @@ TEST_P(IpcDataPlane, ProcessesMatchThreadsBitwise) {
     ::munmap(area, area_bytes);
 }
 
+// The same steps on virtual ranks (make_virtual_ranks: R threads of this process, each with the ipc transport over an
+// in-process all-gather, as flatep.virtual builds them), driven by run_threads: the threads' bits again.
+TEST_P(IpcDataPlane, VirtualRanksMatchThreadsBitwise) {
+    const Case c = GetParam();
+    std::vector<std::vector<uint8_t>> expected(c.R), got(c.R);
+    LocalHostWorld world(c.R, 30.0);
+    ASSERT_EQ(testing::failures(testing::run_ranks(
+                  c.R, [&](int rank) { expected[rank] = run_rank(c, rank, world.transport(rank), nullptr); })),
+              "");
+    const std::vector<std::shared_ptr<Transport>> ranks = make_virtual_ranks(c.R, MemoryKind::kHost, 30.0);
+    ASSERT_EQ(ranks.size(), size_t(c.R));
+    for (int r = 0; r < c.R; ++r) {
+        EXPECT_EQ(ranks[r]->rank(), r);
+        EXPECT_STREQ(ranks[r]->name(), "ipc");
+    }
+    run_threads(c.R, [&](int rank) { got[rank] = run_rank(c, rank, ranks[rank], nullptr); });
+    for (int r = 0; r < c.R; ++r) EXPECT_EQ(got[r], expected[r]) << "rank " << r << " " << describe(c);
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, IpcDataPlane,
                          ::testing::Values(Case{2, 2, 32, 2, 64, 8, 1.5, 1}, Case{4, 2, 32, 4, 64, 4, 2.0, 2},
                                            Case{8, 2, 24, 4, 32, 1, 2.0, 3}));
@@ -202,7 +222,7 @@ TEST(IpcDataPlane, RankDyingBeforeDispatchIsNamedBySurvivors) {
             const Plan plan = buffer.plan(idx.data(), 4, c.S);
             if (rank == 2) ::_exit(3);
             const std::vector<uint16_t> x(size_t(c.S) * c.H, 0x3f80);
-            std::vector<uint16_t> recv_x(size_t(buffer.layout().num_recv_rows) * c.H);
+            std::vector<uint16_t> recv_x(size_t(buffer.num_recv_rows()) * c.H);
             const auto start = std::chrono::steady_clock::now();
             try {
                 buffer.dispatch(plan, x.data(), nullptr, recv_x.data(), nullptr);
@@ -220,6 +240,25 @@ TEST(IpcDataPlane, RankDyingBeforeDispatchIsNamedBySurvivors) {
         },
         ForkOptions{kTimeout, 20.0});
     EXPECT_EQ(codes, (std::vector<int>{0, 0, 3, 0}));
+}
+
+TEST(VirtualRanks, RunThreadsRethrowsTheLowestFailingRanksError) {
+    std::vector<int> ran(4, 0);
+    const std::string message = testing::error_message([&] {
+        run_threads(4, [&](int rank) {
+            ran[rank] = 1;
+            if (rank == 1 || rank == 3) FLATEP_THROW(ErrorCategory::kRuntime, "rank ", rank, " failed");
+        });
+    });
+    EXPECT_EQ(message, "rank 1 failed");
+    EXPECT_EQ(ran, std::vector<int>(4, 1)) << "every rank runs, whatever the others do";
+}
+
+TEST(VirtualRanks, BadArgumentsAreNamed) {
+    EXPECT_EQ(testing::error_message([] { make_virtual_ranks(0, MemoryKind::kHost); }),
+              "virtual ranks: num_ranks must be in [1, 64], got 0");
+    EXPECT_EQ(testing::error_message([] { make_virtual_ranks(2, MemoryKind::kHost, -1.0); }),
+              "virtual ranks: timeout_s must be a finite number of seconds in (0, 86400], got -1");
 }
 
 }  // namespace

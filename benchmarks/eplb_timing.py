@@ -1,0 +1,154 @@
+"""The GPU part of benchmarks/eplb_compare.py (--time): every policy's serving step timed on every step of the trace.
+
+A policy's layer is flatep.nn.MoE(num_slots=B) on R virtual ranks of one GPU (serving_step.py's layers: experts drawn
+on the device), its inference forward (plan, dispatch, the slots' pull for the balanced planner, both grouped GEMMs,
+combine) captured once as one CUDA graph per rank, checked bitwise against the eager step, then replayed on every
+step of the trace with that step's routing written into the graph's input (serving_step.Graphs: every rank's replay
+from one gated start, the time to the last rank's end). Policies:
+
+* flatep_b<B>, flatep_bepn: the balanced planner (B slots; B = epn: the training layout's pools);
+* owner: the same B-slot layer with the owner planner;
+* static_<N>: a layer with planner='static'; at steps t = 0, N, 2N, ... the placement from the N steps before
+  (eplb_compare's) is set (collective, outside the graph: the plan kernel reads it from device memory the graph
+  keeps) and its replicas' weights are moved by one collective prefetch, timed like a step (every rank's prefetch
+  on its stream from one gated start) and added to that step's time.
+"""
+
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+import serving_step  # noqa: E402  (its layers, inputs and graph replays)
+from flatep import eplb, testing, virtual  # noqa: E402
+
+
+class Shape:
+    """serving_step's argument object for the trace's shape."""
+
+    def __init__(self, routing, args, device):
+        self.ranks, self.tokens, self.experts, self.topk = routing.R, routing.S, routing.E, routing.K
+        self.hidden, self.ffn = routing.hidden, routing.ffn
+        self.epn, self.slots, self.align = routing.epn, args.slots, serving_step.DEFAULT_ALIGN
+        self.seed, self.library_init, self.gate_ms, self.device = args.seed, False, 3.0, device.type
+        self.decode_tokens = routing.S
+
+
+class TraceStep(serving_step.Step):
+    """serving_step.Step whose routing is the trace's: write_inputs(t) puts step t's ids into the graph's inputs."""
+
+    def __init__(self, a, moes, routing, device, streams):
+        super().__init__(a, moes, "trace", routing.S, 0.0, device, streams)
+        self.routing = routing
+        g = torch.Generator(device=device).manual_seed(a.seed)
+        for x in self.x:  # the tokens stay; the routing changes
+            x.copy_(torch.randn(x.shape, generator=g, device=device))
+
+    def write_inputs(self, t):
+        for r in range(self.a.ranks):
+            self.idx[r].copy_(self.routing.topk_idx(t, r))
+        torch.cuda.synchronize()
+
+
+def build(a, ranks, device, num_slots, planner):
+    moes = serving_step.build_layers(a, ranks, num_slots, device)
+    if planner != "balanced":
+        virtual.run_threads(a.ranks, lambda r: moes[r].use_planner(planner, a.tokens))
+    return moes
+
+
+def capture(step, routing, first_step):
+    """Two eager steps (the kernels loaded, a static layer's weights moved), then the graphs, checked bitwise."""
+    refs = []
+    for t in (first_step, first_step):
+        step.write_inputs(t)
+        refs.append(step.eager_cuda())
+    graphs = serving_step.Graphs(step)
+    step.write_inputs(first_step)
+    bad = serving_step.mismatches(graphs.replay(), refs[-1])
+    if bad:
+        raise SystemExit(f"eplb_compare --time: the replayed graphs differ from the eager step (rank, values): {bad}")
+    return graphs
+
+
+def timed_move(moes, streams, gate):
+    """The placed replicas' weights moved into the slots: one collective prefetch, every rank's on its stream from
+    one gated start (microseconds to the last rank's end). The layers' next eager forward would move them again
+    otherwise: they are marked moved."""
+    R = len(moes)
+    idx = [torch.zeros(1, moes[r].topk, dtype=torch.long, device=moes[r].device) for r in range(R)]
+    plans = []
+    for r in range(R):  # a plan of the new placement on every rank (its slot_expert is the placement)
+        with torch.cuda.stream(streams[r]):
+            plans.append(moes[r].buffer.plan(idx[r]))
+    torch.cuda.synchronize()
+    start, ends = torch.cuda.Event(enable_timing=True), [torch.cuda.Event(enable_timing=True) for _ in range(R)]
+    with torch.cuda.stream(gate.stream):
+        torch.cuda._sleep(gate.cycles)
+        start.record(gate.stream)
+    for r in range(R):
+        streams[r].wait_event(start)
+        with torch.cuda.stream(streams[r]):
+            moes[r].pools.prefetch(plans[r], moes[r].expert_layer)
+        ends[r].record(streams[r])
+    torch.cuda.synchronize()
+    for r in range(R):
+        moes[r]._static.moved(moes[r].pools, moes[r].expert_layer, plans[r])
+    return max(start.elapsed_time(e) for e in ends) * 1e3
+
+
+class Gate:
+    def __init__(self, a):
+        self.stream = torch.cuda.Stream()
+        props = torch.cuda.get_device_properties(0)
+        self.cycles = int(a.gate_ms * 1e-3 * getattr(props, "clock_rate", 1_980_000) * 1e3)
+
+
+def time_policies(results, routing, args):
+    """Adds time_us to every step record of `results` (eplb_compare.simulate's) for every policy."""
+    if args.device != "cuda" or not torch.cuda.is_available():
+        raise SystemExit("eplb_compare --time: needs a CUDA device (--device cuda)")
+    device = torch.device("cuda", 0)
+    a = Shape(routing, args, device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    os.environ.setdefault("FLATEP_NUM_SMS", str(max(1, sms // a.ranks)))
+    streams = [torch.cuda.Stream(device) for _ in range(a.ranks)]
+    ranks = virtual.virtual_ranks(a.ranks, device)
+    gate = Gate(a)
+    B = args.slots
+    runs = [(f"flatep_b{B}", B, "balanced"), ("owner", B, "owner"), ("flatep_bepn", routing.epn, "balanced")]
+    runs += [(f"static_{n}", B, "static") for n in args.intervals]
+    for name, num_slots, planner in runs:
+        t0 = time.perf_counter()
+        moes = build(a, ranks, device, num_slots, planner)
+        n = int(name.split("_")[1]) if planner == "static" else None
+        placement = None
+        if planner == "static":
+            placement = eplb.place(routing._counts[0:1].sum((0, 1)).tolist(), a.ranks, B)
+            virtual.run_threads(a.ranks, lambda r: moes[r].set_placement(placement))
+        step = TraceStep(a, moes, routing, device, streams)
+        graphs = capture(step, routing, 0)
+        for t, rec in enumerate(results[name]):
+            move_us = 0.0
+            if planner == "static" and t and t % n == 0:
+                window = routing._counts[t - n:t]
+                new = eplb.place(window.sum((0, 1)).tolist(), a.ranks, B)
+                if new != placement:
+                    placement = new
+                    virtual.run_threads(a.ranks, lambda r: moes[r].set_placement(placement))
+                    move_us = timed_move(moes, streams, gate)
+            step.write_inputs(t)
+            us, _ = graphs.timed()
+            rec["time_us"] = round(us + move_us, 2)
+            rec["move_us"] = round(move_us, 2)
+        times = [r["time_us"] for r in results[name]]
+        print(f"  {name}: median {statistics.median(times):.1f} us, mean {statistics.mean(times):.1f} us over "
+              f"{len(times)} steps ({time.perf_counter() - t0:.1f} s)", flush=True)
+        del graphs, step, moes
+        testing.release_all()
+        torch.cuda.empty_cache()
