@@ -7,9 +7,10 @@
 //                message;
 //   shaped mode: each row distributes its total (S*K, or any value up to it: partial batches) over the experts by
 //                cubed byte weights (so a few hot experts dominate), optionally one popularity shared by all rows.
-// Every valid matrix is planned by the greedy and balanced planners and, on its own layout (capacity R*S*K), by the
-// owner planner; check_plan (design §4 constraints 1-4, groups, slots, stats; the owner's rules) must return "" and
-// a second run must give the same plan (determinism).
+// Every valid matrix is planned by the greedy and balanced planners and, on their own layouts (capacity R*S*K), by the
+// owner planner and by the static planner with a placement decoded from the rest of the input (an invalid one must be
+// refused with check_placement's message); check_plan (design §4 constraints 1-4, groups, slots, stats; the owner's
+// and the static planner's rules) must return "" and a second run must give the same plan (determinism).
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -20,6 +21,7 @@
 #include "fuzz_input.hpp"
 #include "layout/layout.hpp"
 #include "planner/planner.hpp"
+#include "planner/static_placement.hpp"
 
 namespace planner = flatep::planner;
 
@@ -177,5 +179,47 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_ASSERT(violation.empty(), "owner plan violates its rules for %s: %s", c.to_string().c_str(),
                 violation.c_str());
     compare_plans(lo, first.view, second.view, "owner");
+
+    // The static planner on its own layout, with a placement from the rest of the input. Raw (a byte of 1 mod 4):
+    // every entry a signed byte (-1 empty; other negatives, ids >= E, own experts and repeats invalid). Otherwise
+    // valid by construction: a byte b gives b mod (E + 1) - 1, an own expert or a repeat becomes -1. An invalid one
+    // must be refused by make_placement_table with check_placement's message; a valid one planned twice, the same,
+    // and check_plan (the split rule written out, the slot table the placement) must accept it.
+    const flatep::Layout ls = flatep::make_layout(c, flatep::PlannerKind::kStatic, view);
+    std::vector<int32_t> placement(size_t(ls.num_ranks) * ls.num_slots);
+    const bool raw = in.u8() % 4 == 1;
+    for (int d = 0; d < ls.num_ranks; ++d) {
+        for (int j = 0; j < ls.num_slots; ++j) {
+            const uint8_t b = in.u8();
+            int32_t e = raw ? int32_t(int8_t(b)) : int32_t(b % (E + 1)) - 1;
+            const auto row = placement.begin() + int64_t(d) * ls.num_slots;
+            if (!raw && e >= 0 && (ls.home_rank(e) == d || std::find(row, row + j, e) != row + j)) e = -1;
+            placement[size_t(d) * ls.num_slots + j] = e;
+        }
+    }
+    const std::string bad = planner::check_placement(ls, placement);
+    std::vector<int32_t> table;
+    try {
+        table = planner::make_placement_table(ls, placement);
+        FUZZ_ASSERT(bad.empty(), "make_placement_table took a placement check_placement refuses: %s", bad.c_str());
+    } catch (const flatep::Error& e) {
+        FUZZ_ASSERT(!bad.empty() && e.message() == bad,
+                    "make_placement_table refused with '%s', check_placement "
+                    "said '%s'",
+                    e.message().c_str(), bad.c_str());
+        return 0;
+    }
+    planner::HostPlan one(ls), two(ls);
+    std::copy(tpe.begin(), tpe.end(), one.view.tpe_all);
+    std::copy(tpe.begin(), tpe.end(), two.view.tpe_all);
+    try {
+        planner::plan_counts(ls, flatep::PlannerKind::kStatic, one.view, table.data());
+        planner::plan_counts(ls, flatep::PlannerKind::kStatic, two.view, table.data());
+    } catch (const flatep::Error& e) {
+        FUZZ_ASSERT(false, "static planner threw on valid counts, %s: %s", c.to_string().c_str(), e.what());
+    }
+    const std::string broken = flatep::planner::check_plan(ls, one.view, placement.data());
+    FUZZ_ASSERT(broken.empty(), "static plan violates its rules for %s: %s", c.to_string().c_str(), broken.c_str());
+    compare_plans(ls, one.view, two.view, "static");
     return 0;
 }

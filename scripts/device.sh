@@ -52,8 +52,20 @@ step_build() {
 STEP_HELP[build_tests]="the GPU test mains and C++ benchmarks in $BUILD (after build)"
 STEP_LIMIT[build_tests]=300
 step_build_tests() {
-    cmake --build "$BUILD" -j"$JOBS" --target test_gpu_ops test_gpu_fp8 test_gpu_serving ipc_gpu_main ipc_buffer_gpu_main \
-        ipc_pools_gpu_main step_graph_gpu_main ops_bench serving_bench fp8_bench
+    cmake --build "$BUILD" -j"$JOBS" --target test_gpu_ops test_gpu_fp8 test_gpu_serving test_gpu_static ipc_gpu_main \
+        ipc_buffer_gpu_main ipc_pools_gpu_main step_graph_gpu_main ops_bench serving_bench fp8_bench
+}
+
+STEP_HELP[static]="the static planner on the GPU: test_gpu_static, test_gpu_serving's static_* cases, its Python tests"
+STEP_LIMIT[static]=420
+step_static() {
+    "$BUILD"/tests/gpu/test_gpu_static || return 1
+    local c
+    for c in static_b4_graph static_b1_graph static_bepn_push static_b2_pad_rows_unweighted; do
+        "$BUILD"/tests/gpu/test_gpu_serving --case "$c" || return 1
+    done
+    "$PY" -m pytest -q -rA -m cuda tests/python/test_gpu_static.py tests/python/test_gpu_graphs.py \
+        tests/python/test_static_placement.py
 }
 
 STEP_HELP[probe]="benchmarks/host_block_probe.py: which host calls wait for another stream's running kernel"

@@ -7,7 +7,8 @@
 #   gpu_ops      build-cuda/tests/gpu/test_gpu_ops: every kernel bitwise against the CPU backend on virtual ranks
 #   gpu_fp8      build-cuda/tests/gpu/test_gpu_fp8: FP8 dispatch (both input forms, both scale modes) and the FP8 rule
 #                bitwise against the CPU backend on virtual ranks
-#   serving      tests/gpu/test_gpu_serving: serving steps (B 0/1/4/epn, 3 planners, empty ranks, graphs) vs the CPU backend
+#   serving      tests/gpu/test_gpu_serving: serving steps (B 0/1/4/epn, 4 planners, empty ranks, graphs) vs the CPU
+#                backend, then tests/gpu/test_gpu_static: the static planner's GPU plans vs the host planner (R 1..64)
 #   ipc_gpu      ipc_gpu_main 2 4: R processes sharing GPU 0 through CUDA VMM fds
 #   ipc_buffer   ipc_buffer_gpu_main 2 4 8: flatep::Buffer on device memory, R processes, bitwise vs the CPU backend
 #   ipc_pools    ipc_pools_gpu_main: ExpertPools compute views, prefetch and reduce_grad on device memory
@@ -166,8 +167,8 @@ build_all() {
     cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLATEP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
         -DFLATEP_BUILD_TESTS=ON -DFLATEP_BUILD_TOOLS=OFF -DFLATEP_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PY" || return 1
     echo "$want" >"$stamp"
-    cmake --build "$BUILD" -j"$JOBS" --target test_gpu_ops test_gpu_fp8 test_gpu_serving ipc_gpu_main ipc_buffer_gpu_main \
-        ipc_pools_gpu_main step_graph_gpu_main flatep_python || return 1
+    cmake --build "$BUILD" -j"$JOBS" --target test_gpu_ops test_gpu_fp8 test_gpu_serving test_gpu_static ipc_gpu_main \
+        ipc_buffer_gpu_main ipc_pools_gpu_main step_graph_gpu_main flatep_python || return 1
     ls -l "$BUILD"/tests/gpu/test_gpu_ops "$BUILD"/tests/gpu/test_gpu_fp8 "$BUILD"/tests/gpu/test_gpu_serving "$BUILD"/tests/gpu/ipc_*_main \
         "$BUILD"/python/flatep/_C*.so
     # Benchmark drivers the coordinator runs by hand (not a suite step); a failure here does not fail the build step.
@@ -208,6 +209,12 @@ pytest_cuda_half() {
         if [[ $(basename "$f") < test_gpu_zz ]]; then first+=("$f"); else second+=("$f"); fi
     done
     if (($1 == 1)); then pytest_cuda_files "${first[@]}"; else pytest_cuda_files "${second[@]}"; fi
+}
+
+# The serving steps, then the static planner's GPU plans (both fail the step; each prints PASS / FAIL lines).
+serving() {
+    "$GPU_BIN"/test_gpu_serving || return 1
+    "$GPU_BIN"/test_gpu_static || return 1
 }
 
 virtual_gpu() {
@@ -312,7 +319,7 @@ for step in $ALL_STEPS; do  # in this order, whatever the order of SUITE_STEPS
         build) run_step build 420 "$SELF" __run build_all ;;
         gpu_ops) run_step gpu_ops 300 "$GPU_BIN"/test_gpu_ops ;;
         gpu_fp8) run_step gpu_fp8 240 "$GPU_BIN"/test_gpu_fp8 ;;
-        serving) run_step serving 240 "$GPU_BIN"/test_gpu_serving ;;
+        serving) run_step serving 240 "$SELF" __run serving ;;
         ipc_gpu) run_step ipc_gpu 150 "$GPU_BIN"/ipc_gpu_main 2 4 ;;
         ipc_buffer) run_step ipc_buffer 240 "$GPU_BIN"/ipc_buffer_gpu_main 2 4 8 ;;
         ipc_pools) run_step ipc_pools 180 "$GPU_BIN"/ipc_pools_gpu_main ;;

@@ -83,7 +83,7 @@ AREAS = {
                     "tests/python/test_contract_edges.py", "tests/python/test_moe_activation.py",
                     "tests/python/test_plan_ordered.py", "tests/python/test_prop_caches.py",
                     "tests/python/test_prop_bad_args.py", "tests/python/test_prop_dtypes.py",
-                    "tests/python/test_prop_grad_mode.py"]),
+                    "tests/python/test_prop_grad_mode.py", "tests/python/test_static_placement.py"]),
 }
 
 # Survivors accepted as equivalent: {id: why no input can tell it apart}.

@@ -186,6 +186,7 @@ void bind_plan(py::module_& m) {
         .def_property_readonly("rank", &Plan::rank)
         .def_property_readonly("num_tokens", &Plan::num_tokens)
         .def_property_readonly("planner", [](const Plan& p) { return std::string(planner_name(p.planner())); })
+        .def_property_readonly("placement_epoch", &Plan::placement_epoch)
         .def(
             "slot_expert",
             [](const Plan& p, int rank) {
@@ -273,6 +274,21 @@ void bind_buffer(py::module_& m) {
             },
             py::arg("topk_idx"), py::arg("index_bytes"), py::arg("num_tokens"), py::arg("plan_storage") = 0,
             py::kw_only(), py::arg("stream") = 0, py::arg("num_sms") = -1, Release())
+        .def(
+            "set_placement",
+            [](Buffer& b, const std::vector<int32_t>& placement, uintptr_t stream) {
+                b.set_placement(placement, launch_of(stream, -1));
+            },
+            py::arg("placement"), py::kw_only(), py::arg("stream") = 0, Release(),
+            "Collective: the static planner's placement, [R][B] expert ids flattened (-1: an empty slot)")
+        .def_property_readonly(
+            "placement",
+            [](const Buffer& b) {
+                const std::span<const int32_t> slots = b.placement();
+                return std::vector<int32_t>(slots.begin(), slots.end());
+            },
+            "the placement set last, flattened [R][B] (empty before set_placement)")
+        .def_property_readonly("placement_epoch", &Buffer::placement_epoch)
         .def_property_readonly("plan_words", &Buffer::plan_words)
         .def_property_readonly(
             "symmetric_recv",
@@ -430,6 +446,7 @@ void bind_pools(py::module_& m) {
             [](ExpertPools& p, long long num_sms) { p.set_num_sms(env::check_num_sms("ExpertPools", num_sms)); },
             "SM budget of calls that pass num_sms=-1 (0: no cap; starts at FLATEP_NUM_SMS)")
         .def_property_readonly("id", &ExpertPools::id)
+        .def("placement_bytes", &ExpertPools::placement_bytes, py::arg("plan"), py::arg("rank"))
         .def_property_readonly("experts_per_rank", &ExpertPools::experts_per_rank)
         .def_property_readonly("num_projections", &ExpertPools::num_projections)
         .def_property_readonly("num_slots", &ExpertPools::num_slots)

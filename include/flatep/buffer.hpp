@@ -54,6 +54,9 @@ class Plan {
     int rank() const;
     int num_tokens() const;  // s: tokens passed to plan()
     PlannerKind planner() const;
+    // The static planner: the Buffer's placement_epoch() when the plan was made (its slot_expert is that placement);
+    // 0 for the other planners.
+    uint64_t placement_epoch() const;
 
     std::span<const int32_t> tpe_all() const;              // [R][E] all-gathered counts
     std::span<const int32_t> alloc() const;                // [R][E] entries of expert e computed on rank d
@@ -110,6 +113,26 @@ class Buffer {
     // int32 words of one device plan (the storage plan() takes).
     int64_t plan_words() const;
     int num_plan_slots() const;
+
+    // The static planner (PlannerKind::kStatic; design §4 "The static planner"). Collective: every rank passes the
+    // same placement, [R][B] int32 expert ids in host memory (B = num_slots(): its pools' slots, or epn in the
+    // training layout), row d the experts rank d's slots hold, -1 for an empty slot. Valid: R*B entries, each -1 or an
+    // id in [0, E) that is not rank d's own expert, no expert twice in a row. Ranks whose placements differ all throw
+    // kMismatch naming the first difference; an invalid placement throws kInvalidArgument naming the entry and its
+    // value; either way the Buffer keeps the placement it had. A Buffer of another planner throws kInvalidArgument.
+    // From the next plan() on, every plan computes expert e on its copies (its home rank, then the ranks whose slots
+    // hold it, in ascending rank) with floor(T_e / n_e) entries each and one more for the T_e mod n_e copies from copy
+    // (e mod n_e) on, cyclically; slot_expert is the placement itself, every step. Which entries of a source go to
+    // which copy is the planners' keep / spill / take order (layout/plan.hpp), so routing is a fixed function of the
+    // counts. The weights are not moved here: ExpertPools::prefetch with a plan of this placement moves them.
+    // Device Buffers copy the placement to device memory on launch.stream (no host synchronisation of the step; the
+    // host waits only for a previous set_placement's copy still in flight): plan ops ordered after it on the device
+    // read it, a CUDA graph captured earlier included. plan() on a static Buffer without a placement throws.
+    void set_placement(std::span<const int32_t> placement, const Launch& launch = {});
+    // The placement set last ([R][B]; empty before the first set_placement) and how many set_placement calls took
+    // effect (what plans record: Plan::placement_epoch).
+    std::span<const int32_t> placement() const;
+    uint64_t placement_epoch() const;
 
     // x: [s][H] bf16; topk_weights: [s][K] fp32 or null (weight 1); recv_x: [NvS][H] bf16 out (may be
     // symmetric_recv_x()); recv_w: [NvS] fp32 out or null. Real rows get their token row and weight, padding rows

@@ -121,6 +121,12 @@ class ExpertPools {
     void write_grads(const Plan& plan, const ExpertLayer& layer, int projection, const void* grad, int grad_bytes,
                      bool accumulate = false, const Launch& launch = {});
 
+    // The bytes that a prefetch with a static plan (PlannerKind::kStatic) copies into the slots of `rank` (-1: of every
+    // rank, summed): its placed slots times one expert's bytes over all projections. Local, no synchronisation (the
+    // placement is known on the host). What moving a placement costs once: a static placement's later plans need no
+    // prefetch while the slots still hold it (prefetch moves the same bytes again whenever it is called).
+    int64_t placement_bytes(const Plan& plan, int rank) const;
+
     int experts_per_rank() const;
     int num_slots() const;    // B
     bool serving() const;     // B < epn

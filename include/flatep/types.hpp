@@ -15,9 +15,11 @@ enum class PlannerKind : int32_t {
     kGreedy = 0,    // one-donor greedy (design §4, constraint 3): the reference baseline
     kBalanced = 1,  // the default: balances donors and receivers jointly to lower the prefetch makespan
     kOwner = 2,     // no replicas: every entry computed on its expert's home rank (decode); receive capacity R*S*K
+    kStatic = 3,  // a fixed placement of replicas (Buffer::set_placement), each expert's entries split evenly over its
+                  // copies by a fixed rule (design §4 "The static planner"); receive capacity R*S*K
 };
 
-// "greedy", "balanced", "owner" ("unknown" for any other value).
+// "greedy", "balanced", "owner", "static" ("unknown" for any other value).
 const char* planner_name(PlannerKind kind);
 // The kind of a planner_name; throws flatep::Error(kInvalidArgument) naming the value for any other name.
 PlannerKind planner_from_name(const std::string& name);

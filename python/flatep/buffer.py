@@ -42,10 +42,11 @@ from ._tensors import address, cache_key, check_int, check_tensor, check_timeout
 from .autograd import CombineFunction, DispatchFunction
 from .distributed import group_rank_size, resolve_device, transport_for
 from .launch import EventHandle, OpLaunch, check_num_sms, device_guard, stream_handle
+from .placement import placement_words
 
 __all__ = ["Buffer", "Plan", "EventHandle", "shared_buffer", "release_shared_buffers"]
 
-_PLANNERS = ("balanced", "greedy", "owner")
+_PLANNERS = ("balanced", "greedy", "owner", "static")
 
 
 def _load_torch_kernels(device, plan_words):
@@ -141,6 +142,12 @@ class Plan:
         return self._plan.generation
 
     @property
+    def placement_epoch(self):
+        """int: the static planner: the Buffer's placement_epoch when this plan was made (its slot_expert is that
+        placement); 0 for the other planners."""
+        return self._plan.placement_epoch
+
+    @property
     def stats(self):
         """dict: loads (list[R] rows each rank computes), loads_before (list[R] without replicas), replicas (total
         replica slots used), P (prefetch makespan: max over ranks of replicas in/out), replicas_in, replicas_out
@@ -206,9 +213,11 @@ class Buffer:
         align (int): row padding of every non-empty expert group, 1..4096 (1: none).
         capacity_factor (float): 1.0 = exact mode (every rank receives S*K entries); in (1, 4] = slack mode (at most
             ceil(capacity_factor*S*K)).
-        planner (str): 'balanced' (default), 'greedy' (the one-donor baseline) or 'owner' (no replicas: every entry
+        planner (str): 'balanced' (default), 'greedy' (the one-donor baseline), 'owner' (no replicas: every entry
             computed on its expert's home rank, no prefetch needed; meant for decode-sized S: the receive capacity is
-            the worst case R*S*K rows, so NvS and the receive tensors grow R-fold).
+            the worst case R*S*K rows, so NvS and the receive tensors grow R-fold) or 'static' (a fixed placement of
+            replicas, set_placement; each expert's entries split evenly over its copies; the same worst-case
+            capacity as 'owner').
         pools (flatep.ExpertPools or None): the expert pools whose weights the plans are for, over the same group and
             device. The Buffer takes their layout: num_slots B and view_stride Q. None, or pools with B = epn: the
             training layout (2*epn groups); serving pools (B < epn): the serving layout (R*Q + B groups, one per row of
@@ -272,7 +281,7 @@ class Buffer:
             raise ValueError(f"Buffer: capacity_factor must be in [1, 4], got {capacity_factor}")
         timeout_s = check_timeout("Buffer", timeout_s)
         if planner not in _PLANNERS:
-            raise ValueError(f"Buffer: planner must be 'balanced', 'greedy' or 'owner', got {planner!r}")
+            raise ValueError(f"Buffer: planner must be 'balanced', 'greedy', 'owner' or 'static', got {planner!r}")
         cpools = None if pools is None else getattr(pools, "_pools", None)
         if pools is not None and not isinstance(cpools, _C.ExpertPools):
             raise ValueError(f"Buffer: pools must be a flatep.ExpertPools or None, got {type(pools).__name__}")
@@ -318,6 +327,47 @@ class Buffer:
     @num_sms.setter
     def num_sms(self, value):
         self._live("num_sms").num_sms = check_num_sms("Buffer", value, none_ok=False)
+
+    # ---- the static planner's placement ----
+
+    def set_placement(self, slots):
+        """The static planner's placement (collective; docs/design.md §4 "The static planner").
+
+        Args:
+            slots: [R, B] expert ids (a list of lists, or an int tensor on any device; B = num_slots, epn in the
+                training layout): row d the experts rank d's slots hold, -1 for an empty slot; never rank d's own
+                expert, no expert twice in a row. Every rank passes the same.
+        From the next plan() on, expert e's entries are split evenly over its copies (its home rank, then the ranks
+        whose slots hold it, in ascending rank): floor(T_e / n_e) each, one more for the T_e mod n_e copies from copy
+        (e mod n_e) on, cyclically; plan.slot_expert is the placement itself, every step. Move the weights with one
+        ExpertPools.prefetch of such a plan (ExpertPools.placement_bytes says how many bytes it copies); the slots
+        keep them until another prefetch of the pools. A bad placement raises ValueError naming the entry and its
+        value, ranks that pass different placements all raise ValueError naming the first difference; the Buffer
+        keeps the placement it had. On a CUDA device the placement is copied to device memory on the current stream
+        (no host synchronisation of the step); call it outside CUDA-graph capture: a graph captured before reads the
+        new placement in its plan op when replayed.
+        """
+        words, error = placement_words("set_placement", slots, self.num_ranks, self.num_slots)
+        with device_guard(self.device):
+            try:
+                self._live("set_placement").set_placement(words, stream=stream_handle(self.device))
+            except ValueError:
+                if error is None:
+                    raise
+        if error is not None:  # the other ranks were refused too (this rank's words never fit)
+            raise ValueError(error)
+
+    @property
+    def placement(self):
+        """[R, B] int32 tensor (CPU): the placement set last (static planner); None before set_placement."""
+        if self._buffer is None or self._buffer.placement_epoch == 0:
+            return None
+        return torch.tensor(self._buffer.placement, dtype=torch.int32).view(self.num_ranks, self.num_slots)
+
+    @property
+    def placement_epoch(self):
+        """int: how many set_placement calls took effect (what each plan records as plan.placement_epoch)."""
+        return self._live("placement_epoch").placement_epoch
 
     # ---- public ops ----
 

@@ -74,6 +74,8 @@ from .ffn import (  # noqa: F401 - the expert FFN's arithmetic (flatep.ffn), imp
     ACTIVATIONS, activate, check_activation, expert_ffn, expert_projections, experts_backward_step, ffn_backward,
     ffn_forward, grouped_ffn, w1_columns, _has_grouped_mm, _past_end,
 )
+from .buffer import Buffer
+from .placement import LayerPlacement
 from .pools import shared_pools
 from .serving import check_inference, check_num_slots, serving_experts
 
@@ -374,7 +376,12 @@ class MoE(torch.nn.Module):
         num_tokens (int or None): S, the most tokens per rank per call; None: the first call's s.
         align, capacity_factor, planner: see flatep.Buffer (align's default: DEFAULT_ALIGN). planner='owner' (no
             replicas, no prefetch) suits decode; ``use_planner`` switches planner and S between steps over the same
-            weights (e.g. balanced for prefill, owner for decode).
+            weights (e.g. balanced for prefill, owner for decode). planner='static' runs a fixed placement of
+            replicas, as serving engines' periodic expert placement does: ``set_placement(slots)`` (collective) gives
+            it, the next forward moves the placed weights into the slots (once: later forwards copy no weight while
+            the pools' slot pool still holds them; ``last_placement_bytes`` says what a forward moved), and every
+            step splits each expert's entries evenly over its copies (docs/design.md §4 "The static planner").
+            Its Buffers are the layer's own (a placement is per layer), not the process's shared ones.
         num_slots (int or None): B replica slots per rank (flatep.ExpertPools). None (default) or epn: training.
             B < epn: serving, inference only (forward under torch.no_grad() / torch.inference_mode(); a forward that
             autograd would record raises ValueError): the experts' grouped GEMM runs on the pools' [R*Q + B] weights
@@ -495,6 +502,8 @@ class MoE(torch.nn.Module):
         self.num_tokens = num_tokens
         self.last_plan = None
         self.last_plans = []
+        self._static = LayerPlacement()  # planner='static': the placement, the layer's Buffers, the slots' move
+        self.last_placement_bytes = 0  # bytes the last forward moved into this rank's slots (planner='static')
         if num_tokens is not None:
             self._make_buffer(num_tokens)
 
@@ -515,21 +524,56 @@ class MoE(torch.nn.Module):
         self._fp8 = value
 
     def _make_buffer(self, num_tokens):
-        # One Buffer per shape and process, shared by every layer of that shape (like the pools).
+        # One Buffer per shape and process, shared by every layer of that shape (like the pools); a static placement
+        # is the layer's own, and so are its Buffers (with the placement set last).
         serving = dict(pools=self.pools) if self.serving else {}  # the Buffer takes B and Q from the pools
-        self.buffer = shared_buffer(
-            self.group, num_tokens, self.hidden, self.num_experts, self.topk, self.align, self.capacity_factor,
-            planner=self.planner, device=self.device, **serving,
-        )
+        args = (self.group, num_tokens, self.hidden, self.num_experts, self.topk, self.align, self.capacity_factor)
+        if self.planner == "static":
+            buffer = self._static.buffers.get(num_tokens)
+            if buffer is None:
+                buffer = Buffer(*args, planner="static", device=self.device, **serving)
+                self._static.buffers[num_tokens] = buffer
+            held = buffer.placement
+            if self._static.slots is not None and (held is None or not torch.equal(held, self._static.slots)):
+                buffer.set_placement(self._static.slots)  # collective, like the Buffer's construction
+            self.buffer = buffer
+        else:
+            self.buffer = shared_buffer(*args, planner=self.planner, device=self.device, **serving)
         self.num_tokens = num_tokens
+
+    def set_placement(self, slots):
+        """planner='static': the layer's placement (collective): [R, B] expert ids (a list of lists or an int tensor;
+        B = num_slots, epn in training), row d the experts rank d's slots hold, -1 empty (flatep.Buffer.set_placement
+        says what is valid; flatep.eplb.place computes one from a window of loads). The next forward moves the placed
+        replicas' weights into the slots, once: later forwards copy no weight while the pools' slot pool holds them
+        (another layer's forward on the same pools, load_state_dict or load_dense make the next forward move them
+        again; so does calling set_placement again, e.g. after writing the experts' weights otherwise). A forward that
+        autograd records (training) prefetches every step, since the weights change with every optimizer step.
+        Bad placements raise ValueError on every rank and leave the layer's placement as it was. The layer needs its
+        Buffer first: num_tokens= at construction, or use_planner('static', num_tokens)."""
+        if self.planner != "static":
+            raise ValueError(f"MoE.set_placement: the layer plans with planner={self.planner!r}; a placement is for "
+                             "planner='static' (MoE(..., planner='static') or use_planner('static', num_tokens))")
+        if self.buffer is None:
+            raise ValueError("MoE.set_placement: the layer has no Buffer yet (S unknown): pass num_tokens= at "
+                             "construction or call use_planner('static', num_tokens) first")
+        self.buffer.set_placement(slots)  # collective; raises (every rank) before anything changes
+        self._static.slots = self.buffer.placement
+        self._static.weights_version += 1  # the next forward moves the weights
+
+    @property
+    def placement(self):
+        """planner='static': the layer's placement ([R, B] int32 tensor) set last; None before set_placement."""
+        return self._static.slots
 
     def use_planner(self, planner, num_tokens=None):
         """Switches the layer's Buffer (collective the first time a combination is used): later forwards plan with
-        `planner` ('balanced', 'greedy' or 'owner') for at most `num_tokens` tokens per rank (None: the current S),
-        over the same pools and weights. The Buffers are the process's shared ones (flatep.buffer.shared_buffer), so
-        switching back and forth builds nothing new, e.g. prefill with use_planner('balanced', S_prefill) and
-        decode with use_planner('owner', S_decode) (the owner planner's receive rows are R*S*K: keep its S small).
-        Returns the Buffer."""
+        `planner` ('balanced', 'greedy', 'owner' or 'static') for at most `num_tokens` tokens per rank (None: the
+        current S), over the same pools and weights. The Buffers are the process's shared ones
+        (flatep.buffer.shared_buffer), so switching back and forth builds nothing new, e.g. prefill with
+        use_planner('balanced', S_prefill) and decode with use_planner('owner', S_decode) (the owner planner's receive
+        rows are R*S*K: keep its S small). 'static' uses the layer's own Buffers, each given the placement set last
+        (set_placement; collective when it changes). Returns the Buffer."""
         num_tokens = self.num_tokens if num_tokens is None else num_tokens
         if num_tokens is None:
             raise ValueError("MoE.use_planner: num_tokens is needed before the first forward")
@@ -588,6 +632,11 @@ class MoE(torch.nn.Module):
             self.shared_w2.copy_(dense.shared_w2)
         self.w1.copy_(dense.w1[lo:hi])
         self.w2.copy_(dense.w2[lo:hi])
+        self._static.weights_version += 1  # planner='static': the slots hold the old weights
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)  # copies into the library's memory in place
+        self._static.weights_version += 1  # planner='static': the slots hold the old weights
 
     def _check_input(self, x, what="x"):
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
@@ -595,6 +644,11 @@ class MoE(torch.nn.Module):
             raise ValueError(f"MoE: {what} must be a [s, H={self.hidden}] tensor, got {shape}")
         if x.device != self.device:
             raise ValueError(f"MoE: {what} is on {x.device}, but the layer is on {self.device}")
+
+    def _check_placement(self):
+        if self.planner == "static" and self.buffer.placement_epoch == 0:
+            raise ValueError("MoE: planner='static' has no placement yet: call moe.set_placement(slots) (collective) "
+                             "before the first forward")
 
     def _overlapped(self):
         """Whether this forward runs the overlapped schedule (bf16 dispatch, eager, overlap=True)."""
@@ -619,7 +673,16 @@ class MoE(torch.nn.Module):
         # Serving pools, and the training layout's inference (autograd records nothing, eager): the FFN without an
         # autograd graph, whose activation and zeroing stop at the last group end (flatep.ffn.grouped_ffn).
         if self.serving or (not torch.is_grad_enabled() and not _ops.compiling()):
-            return serving_experts(self.pools, self.expert_layer, plan, recv_x, self.activation)
+            move = True
+            if self.planner == "static" and not _ops.compiling():  # the placed weights move once (set_placement)
+                move = self._static.needs_move(self.pools, self.expert_layer, plan)
+            y = serving_experts(self.pools, self.expert_layer, plan, recv_x, self.activation, move)
+            if self.planner == "static" and not _ops.compiling():
+                self._static.moved(self.pools, self.expert_layer, plan)
+                self.last_placement_bytes = self.pools.placement_bytes(plan) if move else 0
+            return y
+        if self.planner == "static" and not _ops.compiling():  # training: prefetched every step (the weights change)
+            self.last_placement_bytes = self.pools.placement_bytes(plan)
         if _ops.compiling():
             return _experts_compiled(self, plan, recv_x)
         return _ExpertsFunction.apply(self, plan, recv_x, self.w1, self.w2)
@@ -639,6 +702,7 @@ class MoE(torch.nn.Module):
         self._bind_context()
         if self.buffer is None:
             self._make_buffer(int(x.shape[0]))
+        self._check_placement()
         weights, idx = route(x, self.router.weight, self.topk, topk_idx)
         xb = x.to(_BF16)
         shared = None
@@ -729,6 +793,7 @@ class MoE(torch.nn.Module):
         self._bind_context()
         if self.buffer is None:
             self._make_buffer(max(int(x.shape[0]) for x in xs))
+        self._check_placement()
         if n == 1 or not self._overlapped():
             outs, plans = [], []
             for x, idx in zip(xs, idxs):

@@ -204,6 +204,7 @@ class ExpertPools:
             self.comm_stream = torch.cuda.Stream(self.device, priority=stream_priority)
         self._op_id = _ops.register_object(self) if _ops.AVAILABLE else None
         self.layers = []
+        self._slots_hold = None  # what the slot pool holds after a static placement's move (flatep.placement)
 
     def view_row(self, expert):
         """Serving: the row of expert e's own weights in every weights view (home(e)*Q + e % epn)."""
@@ -250,6 +251,7 @@ class ExpertPools:
     # raw ops (no checks; flatep.ops calls them inside its OpLaunch): on the current stream, with SM budget num_sms
     # (-1: the pools')
     def _prefetch_raw(self, plan, layer, *, num_sms=-1, plan_ordered=False):
+        self._slots_hold = None  # every prefetch rewrites the slot pool (flatep.nn.MoE records its static moves)
         with device_guard(self.device):
             _virtual_arrive(self.group, "prefetch")
             self._pools.prefetch(plan._plan, layer._layer, stream=stream_handle(self.device), num_sms=num_sms,
@@ -307,6 +309,16 @@ class ExpertPools:
             return None
         return self._run("prefetch", lambda n: self._prefetch_raw(plan, layer, num_sms=n, plan_ordered=plan_ordered),
                          stream, previous_event, async_finish, num_sms, (plan._storage,))
+
+    def placement_bytes(self, plan, all_ranks=False):
+        """Bytes that prefetch with a static plan (planner='static') copies into this rank's slots (all_ranks=True:
+        every rank's, summed): the placed slots times one expert's bytes over every projection. Local, no
+        synchronisation. It is what moving a placement costs once: later plans of the same placement need no
+        prefetch while the slots still hold it (prefetch moves the same bytes again whenever it is called)."""
+        if not isinstance(plan, Plan):
+            raise ValueError(f"placement_bytes: plan must be a flatep.Plan from Buffer.plan(), got "
+                             f"{type(plan).__name__}")
+        return self._pools.placement_bytes(plan._plan, -1 if all_ranks else self.rank)
 
     def reduce_grad(self, plan, layer=None, *, stream=None, previous_event=None, async_finish=False, num_sms=None):
         """Collective: adds the replicas' gradients (grads(p)[epn:] of every rank) into the owners' own_grads(p) in

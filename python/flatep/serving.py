@@ -14,9 +14,10 @@ import torch
 from .ffn import grouped_ffn
 
 
-def serving_experts(pools, layer, plan, recv_x, activation):
+def serving_experts(pools, layer, plan, recv_x, activation, prefetch=True):
     """The expert FFN of one inference step over the layer's weights views: prefetch (collective; skipped for the
-    owner planner, whose plans use no slot, on every rank alike), then the grouped FFN of flatep.ffn on
+    owner planner, whose plans use no slot, and with prefetch=False, which every rank passes alike: a static
+    placement whose replicas the slots already hold), then the grouped FFN of flatep.ffn on
     layer.weights(0) / layer.weights(1) with offs = plan.cu_seqlens. recv_x [NvS, H] bf16 -> y [NvS, H] bf16, for
     the step's combine, which reads only the plan's real rows: rows past the last group end are unspecified (on a GPU
     not zeroed: with the owner planner they are most of the R*S*K receive rows). Works for training pools too
@@ -24,7 +25,7 @@ def serving_experts(pools, layer, plan, recv_x, activation):
 
     Serving pools pull with plan_ordered: the caller (flatep.nn.MoE's forward) made `plan` in this call, after every
     write of the weights, and writes none before the step's combine."""
-    if plan._buffer.planner != "owner":
+    if prefetch and plan._buffer.planner != "owner":
         pools.prefetch(plan, layer, plan_ordered=pools.serving)
     with torch.no_grad():
         return grouped_ffn(recv_x, layer.weights(0), layer.weights(1), plan.cu_seqlens, activation,

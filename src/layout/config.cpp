@@ -14,17 +14,23 @@ constexpr int kMaxAlign = 4096;
 constexpr double kMaxCapacityFactor = 4.0;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
+// The owner and the static planner size the receive buffer for the worst case: every entry of the step on one rank.
+bool worst_case(PlannerKind planner) { return planner == PlannerKind::kOwner || planner == PlannerKind::kStatic; }
+
 int64_t capacity_of(const Config& c, PlannerKind planner) {
     const int64_t sk = int64_t(c.num_tokens) * c.topk;
-    if (planner == PlannerKind::kOwner) return int64_t(c.num_ranks) * sk;  // every source's entries to one rank
+    if (worst_case(planner)) return int64_t(c.num_ranks) * sk;  // every source's entries to one rank
     if (c.capacity_factor == 1.0) return sk;
     return int64_t(std::ceil(c.capacity_factor * double(sk)));
 }
 
-// Non-empty groups a rank may hold: epn own and (replicas, constraint 3) epn remote; the owner planner only its own.
-int64_t recv_rows_of(const Config& c, int64_t capacity, PlannerKind planner) {
+// Non-empty groups a rank may hold: epn own and (replicas, constraint 3) epn remote; the owner planner only its own;
+// the static planner its own and its B slots (num_slots; -1 = epn).
+int64_t recv_rows_of(const Config& c, int64_t capacity, PlannerKind planner, int num_slots = -1) {
     const int64_t epn = c.num_experts / c.num_ranks;
-    const int64_t groups = planner == PlannerKind::kOwner ? epn : 2 * epn;
+    const int64_t groups = planner == PlannerKind::kOwner    ? epn
+                           : planner == PlannerKind::kStatic ? epn + (num_slots < 0 ? epn : num_slots)
+                                                             : 2 * epn;
     return round_up<int64_t>(capacity + groups * (c.align - 1), c.align);
 }
 
@@ -51,6 +57,12 @@ void check_num_slots(const char* who, int num_slots, int experts_per_rank) {
                  "num_slots (B) must be -1 (= epn) or in [0, epn=", experts_per_rank, "], got ", num_slots);
 }
 
+void check_planner_kind(PlannerKind kind, const char* op) {
+    FLATEP_CHECK(kind == PlannerKind::kGreedy || kind == PlannerKind::kBalanced || kind == PlannerKind::kOwner ||
+                     kind == PlannerKind::kStatic,
+                 op, "planner kind must be greedy (0), balanced (1), owner (2) or static (3), got ", int(kind));
+}
+
 void Config::validate(PlannerKind planner) const {
     FLATEP_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks (R) must be in [1, ", kMaxRanks, "], got ",
                  num_ranks);
@@ -61,8 +73,7 @@ void Config::validate(PlannerKind planner) const {
     // Plans index [d*E + e] and [d*2*epn + g] in int32, and the planner's workspace holds two R*E arrays.
     FLATEP_CHECK(int64_t(num_ranks) * num_experts * 2 <= kInt32Max,
                  "num_experts (E) too large: 2*R*E must fit int32, got 2*", num_ranks, "*", num_experts);
-    FLATEP_CHECK(planner == PlannerKind::kGreedy || planner == PlannerKind::kBalanced || planner == PlannerKind::kOwner,
-                 "planner kind must be greedy (0), balanced (1) or owner (2), got ", int(planner));
+    check_planner_kind(planner);
     FLATEP_CHECK(num_tokens >= 1, "num_tokens (S) must be positive, got ", num_tokens);
     FLATEP_CHECK(topk >= 1 && topk <= kMaxTopk, "topk (K) must be in [1, ", kMaxTopk, "], got ", topk);
     FLATEP_CHECK(topk <= num_experts, "topk (K) must not exceed num_experts (E): K=", topk, " E=", num_experts);
@@ -74,16 +85,19 @@ void Config::validate(PlannerKind planner) const {
     const int64_t sk = int64_t(num_tokens) * topk;
     FLATEP_CHECK(sk <= kInt32Max, "num_tokens*topk (S*K) must fit int32, got ", sk);
     const int64_t capacity = capacity_of(*this, planner);
-    if (planner == PlannerKind::kOwner) {
-        FLATEP_CHECK(capacity <= kInt32Max, "owner planner: its receive capacity R*S*K = ", num_ranks, "*", num_tokens,
-                     "*", topk, " = ", capacity, " rows must fit int32 (it is meant for decode-sized S)");
+    // The owner planner is for decode; a static placement serves any step, but sized for the worst case.
+    const char* worst = planner == PlannerKind::kOwner ? "owner" : "static";
+    const char* why =
+        planner == PlannerKind::kOwner ? "it is meant for decode-sized S" : "the worst case of any placement";
+    if (worst_case(planner)) {
+        FLATEP_CHECK(capacity <= kInt32Max, worst, " planner: its receive capacity R*S*K = ", num_ranks, "*",
+                     num_tokens, "*", topk, " = ", capacity, " rows must fit int32 (", why, ")");
     }
     FLATEP_CHECK(capacity <= kInt32Max, "capacity C = ceil(capacity_factor*S*K) must fit int32, got ", capacity);
-    const int64_t nvs = recv_rows_of(*this, capacity, planner);
-    if (planner == PlannerKind::kOwner) {
-        FLATEP_CHECK(nvs * num_ranks <= kInt32Max, "owner planner: receive rows NvS = ", nvs,
-                     " (capacity R*S*K = ", capacity, ") times R = ", num_ranks,
-                     " must fit int32 (it is meant for decode-sized S)");
+    const int64_t nvs = recv_rows_of(*this, capacity, planner);  // static: with B = epn, the largest any view has
+    if (worst_case(planner)) {
+        FLATEP_CHECK(nvs * num_ranks <= kInt32Max, worst, " planner: receive rows NvS = ", nvs,
+                     " (capacity R*S*K = ", capacity, ") times R = ", num_ranks, " must fit int32 (", why, ")");
     }
     FLATEP_CHECK(nvs * num_ranks <= kInt32Max, "num_ranks * receive rows (R*NvS) must fit int32, got ", nvs, "*",
                  num_ranks);
@@ -139,9 +153,10 @@ Layout make_layout(const Config& c, PlannerKind planner, const ViewShape& view) 
     l.align = c.align;
     const int64_t capacity = capacity_of(c, planner);
     l.capacity = int(capacity);
-    l.num_recv_rows = int(recv_rows_of(c, capacity, planner));
+    l.num_recv_rows = int(recv_rows_of(c, capacity, planner, view.num_slots));  // validate checked B = epn's
     l.owner = planner == PlannerKind::kOwner;
-    l.exact = c.capacity_factor == 1.0 && !l.owner;
+    l.placed = planner == PlannerKind::kStatic;
+    l.exact = c.capacity_factor == 1.0 && !worst_case(planner);
     l.num_slots = slots_of(view, l.experts_per_rank);
     l.view_stride = stride_of(view, l.experts_per_rank);
     l.serving = l.num_slots < l.experts_per_rank;

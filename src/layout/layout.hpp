@@ -39,6 +39,7 @@ struct Layout {
     int view_stride;       // Q: weight-view rows per rank, >= epn (serving layout only)
     bool serving;          // B < epn: the view layout of the groups
     bool owner;            // laid out for the owner planner (no replicas, capacity R*S*K)
+    bool placed;           // laid out for the static planner (a fixed placement of B slots a rank, capacity R*S*K)
 
     FLATEP_HD int num_groups() const { return serving ? num_ranks * view_stride + num_slots : 2 * experts_per_rank; }
     // Serving: the weight-view row (and group) of expert e's rows on its home rank, home*Q + local.
@@ -71,9 +72,20 @@ void check_num_slots(const char* who, int num_slots, int experts_per_rank);
 
 // Builds the layout of a validated config (calls config.validate(planner), then checks `view` against it) for plans
 // of `planner`: the owner planner gets capacity R*S*K and NvS = round_up(C + epn*(align-1), align) (own groups only);
-// every other planner C and NvS as above. The group layout (training or serving) follows view.num_slots whatever the
-// planner.
+// the static planner capacity R*S*K and NvS = round_up(C + (epn + B)*(align-1), align) (own groups and the B placed
+// slots); every other planner C and NvS as above. The group layout (training or serving) follows view.num_slots
+// whatever the planner.
 Layout make_layout(const Config& config, PlannerKind planner = PlannerKind::kBalanced, const ViewShape& view = {});
+
+// Throws kInvalidArgument "<op>planner kind must be greedy (0), balanced (1), owner (2) or static (3), got <kind>"
+// for a value of no PlannerKind (op: a prefix such as "plan: ", or "").
+void check_planner_kind(PlannerKind kind, const char* op = "");
+
+// Whether a layout was made for `kind` (make_layout(config, kind)): the owner and the static planner each have a
+// layout of their own, the balancing planners share theirs.
+FLATEP_HD constexpr bool layout_fits(const Layout& l, PlannerKind kind) {
+    return l.owner == (kind == PlannerKind::kOwner) && l.placed == (kind == PlannerKind::kStatic);
+}
 
 // Offsets (in bytes) of the regions of one rank's symmetric buffer. Every rank's buffer has the same
 // layout, so a peer's region is peer_base + offset. Regions are 256-byte aligned.

@@ -18,6 +18,9 @@ struct PlanArgs {
     const void* topk_idx;  // [s][K] expert ids, int32 or int64 (index_bytes)
     int index_bytes;       // 4 or 8
     PlannerKind planner;
+    // The static planner's placement table (planner/static_placement.hpp), set up by Buffer::set_placement: host
+    // memory for the CPU twin, device memory for the CUDA plan op. Null for every other planner.
+    const int32_t* placement = nullptr;
     uint8_t* peers[kMaxRanks];  // every rank's symmetric buffer base (SymmetricLayout offsets)
     PlanView plan;              // this rank's plan allocation
     sync::SyncArgs sync;
@@ -38,12 +41,13 @@ inline void check_plan_inputs(const Layout& l, int num_tokens, const void* topk_
     FLATEP_CHECK(num_tokens == 0 || topk_idx != nullptr, "plan: topk_idx is null");
 }
 
-// The checks both backends' plan op make: the inputs above, the planner kind and the rank.
+// The checks both backends' plan op make: the inputs above, the planner kind (and the static planner's placement)
+// and the rank.
 inline void check_plan_args(const PlanArgs& a) {
     check_plan_inputs(a.layout, a.num_tokens, a.topk_idx, a.index_bytes);
-    FLATEP_CHECK(
-        a.planner == PlannerKind::kGreedy || a.planner == PlannerKind::kBalanced || a.planner == PlannerKind::kOwner,
-        "plan: planner kind must be greedy (0), balanced (1) or owner (2), got ", int(a.planner));
+    check_planner_kind(a.planner, "plan: ");
+    FLATEP_CHECK(a.planner != PlannerKind::kStatic || a.placement != nullptr,
+                 "plan: the static planner has no placement yet: call set_placement (collective) first");
     FLATEP_CHECK(a.rank >= 0 && a.rank < a.layout.num_ranks, "plan: rank must be in [0, ", a.layout.num_ranks,
                  "), got ", a.rank);
 }

@@ -7,13 +7,16 @@
 
 #include "common/check.hpp"
 #include "planner/planner.hpp"
+#include "planner/static_placement.hpp"
 
 namespace flatep::planner {
 
 namespace {
 using detail::concat;
 
-std::string check_stats(const Layout& l, const PlanView& p, const std::vector<int64_t>& group_load) {
+// copies[d][e]: d computes a replica of e (rows on d; the static planner: e in d's placement, rows or not).
+std::string check_stats(const Layout& l, const PlanView& p, const std::vector<int64_t>& group_load,
+                        const std::vector<std::vector<char>>& copies) {
     const int R = l.num_ranks, E = l.num_experts;
     const PlanStats& st = *p.stats;
     int64_t total = 0, on_source = 0;
@@ -24,7 +27,7 @@ std::string check_stats(const Layout& l, const PlanView& p, const std::vector<in
             total += t;
             on_source += std::min(a, t);
             after[d] += a;
-            if (a > 0 && l.home_rank(e) != d) ++in[d], ++out[l.home_rank(e)];
+            if (copies[d][e]) ++in[d], ++out[l.home_rank(e)];
         }
     }
     auto field = [](const char* name, int64_t got, int64_t want) -> std::string {
@@ -58,7 +61,57 @@ std::string check_stats(const Layout& l, const PlanView& p, const std::vector<in
 }
 }  // namespace
 
-std::string check_plan(const Layout& l, const PlanView& p) {
+// The static planner's slot table (design §4 "The static planner"): rank d's first B slots are its placement row, the
+// others -1; the placement is valid and, when `placement` is given, the one the plan was made for. Fills slotted.
+std::string check_static_slots(const Layout& l, const PlanView& p, const int32_t* placement,
+                               std::vector<std::vector<char>>& slotted) {
+    const int R = l.num_ranks, epn = l.experts_per_rank, B = l.num_slots;
+    std::vector<int32_t> rows(size_t(R) * B);
+    for (int d = 0; d < R; ++d) {
+        for (int j = 0; j < epn; ++j) {
+            const int32_t e = p.slot_expert[d * epn + j];
+            if (j < B) {
+                rows[size_t(d) * B + j] = e;
+                if (placement != nullptr && e != placement[d * B + j])
+                    return concat("slot_expert[", d, "][", j, "] = ", e, ", expected the placement's ",
+                                  placement[d * B + j]);
+            } else if (e != -1) {
+                return concat("slot_expert[", d, "][", j, "] = ", e, ", expected -1 (slot ", j, " >= B = ", B, ")");
+            }
+        }
+    }
+    const std::string bad = check_placement(l, rows);
+    if (!bad.empty()) return "static slots: " + bad;
+    for (int d = 0; d < R; ++d)
+        for (int j = 0; j < B; ++j)
+            if (rows[size_t(d) * B + j] >= 0) slotted[d][rows[size_t(d) * B + j]] = 1;
+    return "";
+}
+
+// The split rule of the static planner, written out: e's copies are its home and its slot holders in ascending rank,
+// each floor(T_e / n) entries, one more for the T_e mod n copies from copy e mod n on, cyclically.
+std::string check_static_split(const Layout& l, const PlanView& p, const std::vector<std::vector<char>>& slotted) {
+    const int R = l.num_ranks, E = l.num_experts;
+    for (int e = 0; e < E; ++e) {
+        std::vector<int> hosts;
+        int64_t t = 0;
+        for (int d = 0; d < R; ++d) {
+            t += p.tpe_all[int64_t(d) * E + e];
+            if (d == l.home_rank(e) || slotted[d][e]) hosts.push_back(d);
+        }
+        const int64_t n = int64_t(hosts.size());
+        std::vector<int64_t> want(R, 0);
+        for (int64_t c = 0; c < n; ++c) want[hosts[size_t(c)]] = t / n + (((c - e % n) + n) % n < t % n ? 1 : 0);
+        for (int d = 0; d < R; ++d) {
+            if (p.alloc[int64_t(d) * E + e] != want[d])
+                return concat("static split: alloc[", d, "][", e, "] = ", p.alloc[int64_t(d) * E + e], ", expected ",
+                              want[d], " (T_e = ", t, " over ", n, " copies)");
+        }
+    }
+    return "";
+}
+
+std::string check_plan(const Layout& l, const PlanView& p, const int32_t* placement) {
     const std::string bad_counts = validate_counts(l, p.tpe_all);
     if (!bad_counts.empty()) return "counts: " + bad_counts;
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
@@ -82,7 +135,10 @@ std::string check_plan(const Layout& l, const PlanView& p) {
     for (int d = 0; d < R; ++d) {
         int64_t load = 0;
         for (int e = 0; e < E; ++e) load += p.alloc[at(d, e)];
-        if (l.owner) {
+        if (l.placed) {
+            if (load > l.capacity)
+                return concat("static: rank ", d, " computes ", load, " entries, above capacity R*S*K = ", l.capacity);
+        } else if (l.owner) {
             for (int e = 0; e < E; ++e) {
                 if (l.home_rank(e) != d && p.alloc[at(d, e)] != 0)
                     return concat("owner: alloc[", d, "][", e, "] = ", p.alloc[at(d, e)], ", expected 0 (home rank ",
@@ -100,7 +156,15 @@ std::string check_plan(const Layout& l, const PlanView& p) {
     // Constraint 3 (slots) and the slot table: the replicas in ascending id (training), or the B with the most rows
     // on d (ties to the lower id), in ascending id (serving).
     std::vector<std::vector<char>> slotted(R, std::vector<char>(E, 0));
-    for (int d = 0; d < R; ++d) {
+    std::vector<std::vector<char>> copies(R, std::vector<char>(E, 0));
+    if (l.placed) {
+        const std::string bad = check_static_slots(l, p, placement, slotted);
+        if (!bad.empty()) return bad;
+        const std::string split = check_static_split(l, p, slotted);
+        if (!split.empty()) return split;
+        copies = slotted;
+    }
+    for (int d = 0; d < R && !l.placed; ++d) {
         std::vector<int32_t> replicas;
         for (int e = 0; e < E; ++e)
             if (p.alloc[at(d, e)] > 0 && l.home_rank(e) != d) replicas.push_back(e);
@@ -113,6 +177,7 @@ std::string check_plan(const Layout& l, const PlanView& p) {
         if (int(slots.size()) > l.num_slots) slots.resize(size_t(l.num_slots));
         std::sort(slots.begin(), slots.end());
         for (int32_t e : slots) slotted[d][e] = 1;
+        for (int32_t e : replicas) copies[d][e] = 1;
         for (int j = 0; j < epn; ++j) {
             const int32_t want = j < int(slots.size()) ? slots[j] : -1;
             if (p.slot_expert[d * epn + j] != want)
@@ -192,7 +257,7 @@ std::string check_plan(const Layout& l, const PlanView& p) {
                               " entries, expected ", p.alloc[at(d, e)]);
         }
     }
-    return check_stats(l, p, group_load);
+    return check_stats(l, p, group_load, copies);
 }
 
 }  // namespace flatep::planner

@@ -36,6 +36,7 @@
 #include "flatep/types.hpp"
 #include "layout/layout.hpp"
 #include "layout/plan.hpp"
+#include "planner/static_placement.hpp"
 
 // nvcc unrolls the batch loops of derive_experts; host compilers keep their own choice.
 #if defined(__CUDACC__)
@@ -146,14 +147,16 @@ FLATEP_HD int held_expert(const Layout& l, const int32_t* row, const int32_t* sl
     return e;
 }
 
-// Task d: rank d's slots (replica experts in ascending id, then -1; serving: the B chosen by choose_slots), its
-// group_row row (-1, then the start row of every group it holds), cu_seqlens (inclusive padded group ends), loads after
-// and replicas in. alloc: the allocation derived from; slot_s: a copy of slot_expert the group scan reads back
-// (p.slot_expert itself, or scratch). Each lane takes G::kItems consecutive items per pass (its loads in flight
-// together), the lanes in order, so a prefix sum of the lanes' counts places every item as the item-by-item walk would.
+// Task d: rank d's slots (replica experts in ascending id, then -1; serving: the B chosen by choose_slots; the static
+// planner: its placement row as given, then -1), its group_row row (-1, then the start row of every group it holds),
+// cu_seqlens (inclusive padded group ends), loads after and replicas in (the static planner: its placed slots). alloc:
+// the allocation derived from; slot_s: a copy of slot_expert the group scan reads back (p.slot_expert itself, or
+// scratch); placed: the static planner's placement (null slots for every other planner). Each lane takes G::kItems
+// consecutive items per pass (its loads in flight together), the lanes in order, so a prefix sum of the lanes' counts
+// places every item as the item-by-item walk would.
 template <class G>
 FLATEP_HD void derive_rank(const G& g, const Layout& l, const PlanView& p, const int32_t* alloc, int32_t* slot_s, int d,
-                           DeriveSums& sums) {
+                           DeriveSums& sums, PlacementView placed = {}) {
     const int E = l.num_experts, epn = l.experts_per_rank, lane = g.lane, num_groups = l.num_groups();
     constexpr int W = G::kWidth, Q = G::kItems;
     const int32_t* row = alloc + int64_t(d) * E;
@@ -161,6 +164,7 @@ FLATEP_HD void derive_rank(const G& g, const Layout& l, const PlanView& p, const
     int32_t* const slots_out = p.slot_expert + d * epn;
     int32_t* const slots_s = slot_s + d * epn;
     int32_t* const cu = p.cu_seqlens + int64_t(d) * num_groups;
+    const bool fixed = placed.slots != nullptr;  // the static planner: the slots are the placement
     int count = 0;
     unsigned after = 0;
     for (int base = 0; base < E; base += W * Q) {
@@ -175,7 +179,7 @@ FLATEP_HD void derive_rank(const G& g, const Layout& l, const PlanView& p, const
             const int e = first + q;
             if (e < E) group_row[e] = -1;
             after += unsigned(a[q]);
-            const bool pred = a[q] > 0 && (e < d * epn || e >= (d + 1) * epn);
+            const bool pred = !fixed && a[q] > 0 && (e < d * epn || e >= (d + 1) * epn);
             mine |= unsigned(pred) << q;
             n_mine += pred;
         }
@@ -191,7 +195,19 @@ FLATEP_HD void derive_rank(const G& g, const Layout& l, const PlanView& p, const
         }
         count += g.from_last(incl);
     }
-    for (int j = count + lane; j < epn; j += W) slots_out[j] = slots_s[j] = -1;
+    if (fixed) {
+        // Every slot of the placement, in its order, whether or not its copy has rows this step (its group is then
+        // empty): the slots hold those weights until the next placement.
+        int32_t placed_here = 0;
+        for (int j = lane; j < epn; j += W) {
+            const int32_t e = j < l.num_slots ? placed.slots[int64_t(d) * l.num_slots + j] : -1;
+            slots_out[j] = slots_s[j] = e;
+            placed_here += e >= 0 ? 1 : 0;
+        }
+        count = g.sum(placed_here);
+    } else {
+        for (int j = count + lane; j < epn; j += W) slots_out[j] = slots_s[j] = -1;
+    }
     after = g.sum(after);
     if (lane == 0) {
         sums.loads_after[d] = int32_t(after);
@@ -227,10 +243,11 @@ FLATEP_HD void derive_rank(const G& g, const Layout& l, const PlanView& p, const
 }
 
 // Task R + chunk: keep / spill / take of experts [chunk*W, (chunk+1)*W), one per lane, the ranks in batches whose
-// cells are loaded before any is stored; their loads before, replica copies and entries (kept) added to sums.
+// cells are loaded before any is stored; their loads before, replica copies (the static planner: placed copies, with
+// rows this step or not) and entries (kept) added to sums.
 template <class G>
 FLATEP_HD void derive_experts(const G& g, const Layout& l, const PlanView& p, const int32_t* tpe, const int32_t* alloc,
-                              int chunk, DeriveSums& sums) {
+                              int chunk, DeriveSums& sums, PlacementView placed = {}) {
     const int R = l.num_ranks, E = l.num_experts;
     constexpr int kBatch = 8;
     const int e = chunk * G::kWidth + g.lane;
@@ -261,7 +278,8 @@ FLATEP_HD void derive_experts(const G& g, const Layout& l, const PlanView& p, co
             take += a - k;
             total += t;
             kept += k;
-            copies += a > 0 && h != d;
+            const bool copy = placed.copy != nullptr ? valid && placed.copy[int64_t(d) * E + e] >= 0 : a > 0;
+            copies += copy && h != d;
         }
     }
     // Lanes of the same home rank: one add per rank and lane group.
@@ -324,10 +342,11 @@ FLATEP_HD void derive_stats(const X& x, const G& g, const Layout& l, const Deriv
 
 // derive_plan on executor x from the counts `tpe` and the allocation `alloc` (p.tpe_all / p.alloc, or copies of
 // them); slot_s: [R*epn] words the rank tasks may overwrite (p.slot_expert itself, or scratch); sums: scratch the
-// executor's threads share. Writes every derived array of p and *p.stats.
+// executor's threads share; placed: the static planner's placement (null slots otherwise). Writes every derived array
+// of p and *p.stats.
 template <class X>
 FLATEP_HD void derive_plan(const X& x, const Layout& l, const PlanView& p, const int32_t* tpe, const int32_t* alloc,
-                           int32_t* slot_s, DeriveSums& sums) {
+                           int32_t* slot_s, DeriveSums& sums, PlacementView placed = {}) {
     const int R = l.num_ranks;
     // Every sum starts at 0, the rank tasks' own too (x.merge may add them all up in a pass of its own).
     for (int r = x.thread(); r < kMaxRanks; r += x.threads())
@@ -338,9 +357,9 @@ FLATEP_HD void derive_plan(const X& x, const Layout& l, const PlanView& p, const
     const int chunks = ceil_div(l.num_experts, int(g.kWidth));
     for (int task = x.first_task(); task < R + chunks; task += x.task_stride()) {
         if (task < R) {
-            derive_rank(g, l, p, alloc, slot_s, task, sums);
+            derive_rank(g, l, p, alloc, slot_s, task, sums, placed);
         } else {
-            derive_experts(g, l, p, tpe, alloc, task - R, sums);
+            derive_experts(g, l, p, tpe, alloc, task - R, sums, placed);
         }
     }
     x.tasks_done();
@@ -350,9 +369,9 @@ FLATEP_HD void derive_plan(const X& x, const Layout& l, const PlanView& p, const
 }
 
 // derive_plan on one thread from p.tpe_all and p.alloc (the host planner, the serial GPU reference).
-FLATEP_HD void derive_plan(const Layout& l, const PlanView& p) {
+FLATEP_HD void derive_plan(const Layout& l, const PlanView& p, PlacementView placed = {}) {
     DeriveSums sums;
-    derive_plan(SerialDerive{}, l, p, p.tpe_all, p.alloc, p.slot_expert, sums);
+    derive_plan(SerialDerive{}, l, p, p.tpe_all, p.alloc, p.slot_expert, sums, placed);
 }
 
 }  // namespace flatep::planner

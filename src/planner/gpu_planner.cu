@@ -16,6 +16,7 @@
 #include "planner/gpu_planner.cuh"
 #include "planner/gpu_select.cuh"
 #include "planner/gpu_workspace.cuh"
+#include "planner/planner.hpp"
 #include "planner/warp_exec.cuh"
 
 namespace flatep::planner {
@@ -36,7 +37,7 @@ struct PlannerShared {
 
 __global__ void __launch_bounds__(kPlannerThreads)
     planner_parallel_kernel(Layout l, PlannerKind kind, PlanView p, PlannerWorkspace ws, bool use_smem,
-                            PlannerProfileRecord* rec) {
+                            PlannerProfileRecord* rec, PlacementView placed) {
     __shared__ PlannerShared sh;
     extern __shared__ int32_t total[];  // [E] T_e; greedy kind with use_smem: then the allocation [R*E]
     const int R = l.num_ranks, E = l.num_experts, epn = l.experts_per_rank;
@@ -51,7 +52,7 @@ __global__ void __launch_bounds__(kPlannerThreads)
     const bool alloc_in_smem = kind == PlannerKind::kGreedy && use_smem;
     int32_t* const alloc = alloc_in_smem ? total + E : p.alloc;
 
-    // init_home: T_e, the home allocation, group loads, N.
+    // init_home: T_e, the home allocation (the static planner: its split over the placed copies), group loads, N.
     if (tid < kMaxRanks) sh.load[tid] = 0;
     if (tid == 0) sh.n = 0;
     __syncthreads();
@@ -65,7 +66,11 @@ __global__ void __launch_bounds__(kPlannerThreads)
         if (valid) {
             for (int s = 0; s < R; ++s) t += p.tpe_all[s * E + e];
             total[e] = t;
-            for (int d = 0; d < R; ++d) alloc[d * E + e] = d == h ? t : 0;
+            if (kind == PlannerKind::kStatic) {
+                static_alloc_expert(l, p.tpe_all, placed, alloc, e);
+            } else {
+                for (int d = 0; d < R; ++d) alloc[d * E + e] = d == h ? t : 0;
+            }
         }
         const unsigned same = __match_any_sync(kFull, h);
         const unsigned group = __reduce_add_sync(same, unsigned(t));
@@ -84,7 +89,8 @@ __global__ void __launch_bounds__(kPlannerThreads)
     }
     __syncthreads();
 
-    // The owner planner's allocation is the home allocation above: it goes straight to the derive.
+    // The owner planner's allocation is the home allocation above, the static planner's its split: both go straight to
+    // the derive.
     // One-donor greedy (greedy_alloc), by warp 0 (the balanced planner reruns it inside plan_alloc).
     if (warp == 0 && kind == PlannerKind::kGreedy) {
         for (int fill = 0; fill < R; ++fill) {
@@ -151,7 +157,7 @@ __global__ void __launch_bounds__(kPlannerThreads)
         for (int64_t i = tid; i < int64_t(R) * E; i += blockDim.x) p.alloc[i] = alloc[i];
     }
     // total[] (T_e, and the counts' copy of the balanced planner) is no longer read: it holds the slot experts.
-    derive_plan(BlockDerive{tid, int(blockDim.x), rec, rec}, l, p, p.tpe_all, alloc, total, sh.sums);
+    derive_plan(BlockDerive{tid, int(blockDim.x), rec, rec}, l, p, p.tpe_all, alloc, total, sh.sums, placed);
 }
 
 // Main launch (first == 0, gridDim.x = G + 1): block G runs the greedy (the plan when no candidate is kept, and
@@ -469,9 +475,13 @@ __global__ void __launch_bounds__(select_threads(kShared))
     derive_plan(dx, l, p, smem, alloc_s, alloc_s + re, sh.sums);
 }
 
-__global__ void planner_serial_kernel(Layout l, PlannerKind kind, PlanView p, int32_t* ws) {
-    plan_alloc(l, kind, p.tpe_all, p.alloc, ws);
-    derive_plan(l, p);
+__global__ void planner_serial_kernel(Layout l, PlannerKind kind, PlanView p, int32_t* ws, PlacementView placed) {
+    if (kind == PlannerKind::kStatic) {
+        for (int e = 0; e < l.num_experts; ++e) static_alloc_expert(l, p.tpe_all, placed, p.alloc, e);
+    } else {
+        plan_alloc(l, kind, p.tpe_all, p.alloc, ws);
+    }
+    derive_plan(l, p, placed);
 }
 
 // select_derive_kernel's grid: its blocks, and whether the statistics are merged by the last block to finish its tasks
@@ -512,9 +522,9 @@ void launch_programmatic(void (*kernel)(Params...), int blocks, int threads, siz
 }
 
 void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, const PlannerWorkspace& ws,
-                         PlannerEngine engine, cudaStream_t stream) {
+                         PlannerEngine engine, cudaStream_t stream, const PlacementView& placed) {
     if (engine == PlannerEngine::kSerial) {
-        planner_serial_kernel<<<1, 1, 0, stream>>>(l, kind, p, ws.serial_ws);
+        planner_serial_kernel<<<1, 1, 0, stream>>>(l, kind, p, ws.serial_ws, placed);
     } else {
         PlannerProfileRecord* const prof = g_profile.load();
         const PlannerProfileSlots slots = planner_profile_slots(l);
@@ -553,7 +563,8 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
             (2 * size_t(l.num_ranks) * l.num_experts + size_t(planner_workspace_words(l))) * sizeof(int32_t);
         // Greedy kind: T_e [E] and the allocation [R*E] in shared memory when they fit.
         const size_t greedy_smem = (size_t(l.num_ranks) + 1) * l.num_experts * sizeof(int32_t);
-        // The owner planner: the home allocation (this kernel's first phase), then the derive; T_e alone in shared.
+        // The owner and static planners: their allocation (this kernel's first phase), then the derive; T_e alone in
+        // shared memory.
         const bool use_smem = kind == PlannerKind::kBalanced ? core_smem <= kMaxPlannerSmem
                               : kind == PlannerKind::kGreedy ? greedy_smem <= kMaxPlannerSmem
                                                              : false;
@@ -561,7 +572,7 @@ void launch_planner_impl(const Layout& l, PlannerKind kind, const PlanView& p, c
                                    use_smem ? (kind == PlannerKind::kBalanced ? core_smem : greedy_smem) : size_t(0));
         allow_smem(reinterpret_cast<const void*>(planner_parallel_kernel), smem);
         planner_parallel_kernel<<<1, kPlannerThreads, smem, stream>>>(
-            l, kind, p, ws, use_smem, prof != nullptr ? prof + slots.parallel : nullptr);
+            l, kind, p, ws, use_smem, prof != nullptr ? prof + slots.parallel : nullptr, placed);
     }
     FLATEP_CUDA_CHECK_LAUNCH();
 }
@@ -633,14 +644,16 @@ PlannerProfileSlots planner_profile_slots(const Layout& l) {
 void set_planner_profile(PlannerProfileRecord* records) { g_profile.store(records); }
 
 void launch_planner(const Layout& l, PlannerKind kind, const PlanView& plan, void* workspace, PlannerEngine engine,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, const int32_t* placement) {
     FLATEP_CHECK(workspace != nullptr, "launch_planner: workspace is null");
     FLATEP_CHECK(l.num_ranks <= kMaxRanks, "launch_planner: num_ranks ", l.num_ranks, " above ", kMaxRanks);
-    FLATEP_CHECK(kind == PlannerKind::kGreedy || kind == PlannerKind::kBalanced || kind == PlannerKind::kOwner,
-                 "launch_planner: planner kind must be greedy (0), balanced (1) or owner (2), got ", int(kind));
-    FLATEP_CHECK((kind == PlannerKind::kOwner) == l.owner, "launch_planner: planner ", planner_name(kind),
-                 " on a layout made for ", l.owner ? "the owner planner" : "a balancing planner");
-    launch_planner_impl(l, kind, plan, make_planner_workspace(l, workspace), engine, stream);
+    check_planner_kind(kind, "launch_planner: ");
+    FLATEP_CHECK(layout_fits(l, kind), "launch_planner: planner ", planner_name(kind), " on a layout made for ",
+                 layout_kind_name(l));
+    FLATEP_CHECK(kind != PlannerKind::kStatic || placement != nullptr,
+                 "launch_planner: planner static needs a placement table in device memory, got null");
+    const PlacementView placed = kind == PlannerKind::kStatic ? make_placement_view(l, placement) : PlacementView{};
+    launch_planner_impl(l, kind, plan, make_planner_workspace(l, workspace), engine, stream, placed);
 }
 
 void preload_planner_kernels() {

@@ -51,9 +51,10 @@ enum class PlannerEngine : int {
 };
 
 // From plan.tpe_all (already in device memory) computes the global part of the plan on `stream`. `workspace`: at
-// least planner_workspace_bytes(layout) bytes of device memory, not null.
+// least planner_workspace_bytes(layout) bytes of device memory, not null. placement: the static planner's placement
+// table (planner/static_placement.hpp) in device memory, read by the kernels; the other planners ignore it.
 void launch_planner(const Layout& layout, PlannerKind kind, const PlanView& plan, void* workspace, PlannerEngine engine,
-                    cudaStream_t stream);
+                    cudaStream_t stream, const int32_t* placement = nullptr);
 
 // Engine of the plan op's planner (process-wide; default kParallel).
 void set_planner_engine(PlannerEngine engine);

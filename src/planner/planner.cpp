@@ -17,14 +17,17 @@ const char* planner_name(PlannerKind kind) {
             return "balanced";
         case PlannerKind::kOwner:
             return "owner";
+        case PlannerKind::kStatic:
+            return "static";
     }
     return "unknown";
 }
 
 PlannerKind planner_from_name(const std::string& name) {
-    for (const PlannerKind kind : {PlannerKind::kGreedy, PlannerKind::kBalanced, PlannerKind::kOwner})
+    for (const PlannerKind kind :
+         {PlannerKind::kGreedy, PlannerKind::kBalanced, PlannerKind::kOwner, PlannerKind::kStatic})
         if (name == planner_name(kind)) return kind;
-    FLATEP_CHECK(false, "planner must be 'greedy', 'balanced' or 'owner', got '", name, "'");
+    FLATEP_CHECK(false, "planner must be 'greedy', 'balanced', 'owner' or 'static', got '", name, "'");
     return PlannerKind::kBalanced;
 }
 
@@ -61,14 +64,24 @@ std::string validate_counts(const Layout& l, const int32_t* tpe_all) {
     return "";
 }
 
-void plan_counts(const Layout& l, PlannerKind kind, const PlanView& p) {
-    FLATEP_CHECK(kind == PlannerKind::kGreedy || kind == PlannerKind::kBalanced || kind == PlannerKind::kOwner,
-                 "planner kind must be greedy (0), balanced (1) or owner (2), got ", int(kind));
-    FLATEP_CHECK((kind == PlannerKind::kOwner) == l.owner, "planner ", planner_name(kind), " on a layout made for ",
-                 l.owner ? "the owner planner" : "a balancing planner",
+const char* layout_kind_name(const Layout& l) {
+    return l.owner ? "the owner planner" : l.placed ? "the static planner" : "a balancing planner";
+}
+
+void plan_counts(const Layout& l, PlannerKind kind, const PlanView& p, const int32_t* placement) {
+    check_planner_kind(kind);
+    FLATEP_CHECK(layout_fits(l, kind), "planner ", planner_name(kind), " on a layout made for ", layout_kind_name(l),
                  ": make_layout(config, planner) with the same kind");
+    FLATEP_CHECK(kind != PlannerKind::kStatic || placement != nullptr,
+                 "planner static needs a placement table (make_placement_table), got null");
     const std::string bad = validate_counts(l, p.tpe_all);
     FLATEP_CHECK(bad.empty(), bad);
+    if (kind == PlannerKind::kStatic) {
+        const PlacementView placed = make_placement_view(l, placement);
+        for (int e = 0; e < l.num_experts; ++e) static_alloc_expert(l, p.tpe_all, placed, p.alloc, e);
+        derive_plan(l, p, placed);
+        return;
+    }
     std::vector<int32_t> workspace(size_t(planner_workspace_words(l)));
     plan_alloc(l, kind, p.tpe_all, p.alloc, workspace.data());
     derive_plan(l, p);

@@ -26,8 +26,12 @@ struct HostPlan {
 
 // Global part: from p.tpe_all (filled by the caller) computes alloc, keep, spill_start, take_start, group_row,
 // slot_expert, cu_seqlens and stats. Deterministic and identical on every rank. Throws on counts that do not fit
-// the layout (a row sum above S*K, negative counts).
-void plan_counts(const Layout& layout, PlannerKind kind, const PlanView& p);
+// the layout (a row sum above S*K, negative counts). The static planner reads its placement from `placement`, a
+// table of make_placement_table (planner/static_placement.hpp); the other planners ignore it.
+void plan_counts(const Layout& layout, PlannerKind kind, const PlanView& p, const int32_t* placement = nullptr);
+
+// "the owner planner", "the static planner" or "a balancing planner": what a layout was made for (error messages).
+const char* layout_kind_name(const Layout& layout);
 
 // Per-rank part: destination rank and row of every entry of this rank's topk_idx[num_tokens][K] (int32 or int64,
 // index_bytes 4 or 8), written to p.entry_rank / p.entry_row. Invalid ids get rank -1. Returns the flat index
@@ -37,7 +41,9 @@ int64_t route_entries(const Layout& layout, const PlanView& p, int rank, const v
 
 // Checks design §4's hard constraints 1-4 and the derived arrays (placement, cu_seqlens, stats) of a plan
 // computed from p.tpe_all. Returns "" when the plan is valid, else a one-line description of the first violation.
-std::string check_plan(const Layout& layout, const PlanView& p);
+// A static plan (layout.placed) is checked against the placement its slot table states (a valid placement, the split
+// rule of design §4 "The static planner"), and against `placement` ([R][B] expert ids) when that is given.
+std::string check_plan(const Layout& layout, const PlanView& p, const int32_t* placement = nullptr);
 
 // Validates a count matrix for a layout: sizes, non-negative, every row sum <= S*K. Returns "" or the message.
 std::string validate_counts(const Layout& layout, const int32_t* tpe_all);

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "flatep/buffer.hpp"
 #include "flatep/launch.hpp"
@@ -63,6 +64,10 @@ class BufferBackend : public OpsBackend {
     virtual void plan(PlanArgs& args, Plan::Data& data, int32_t* storage, const Launch& launch) = 0;
     virtual void dispatch(DispatchArgs& args, const Launch& launch) = 0;
     FLATEP_BUFFER_OPS(FLATEP_OP_VIRTUAL)
+    // The static planner's placement table (planner/static_placement.hpp) where the plan op reads it: the backend's
+    // own memory, the same address for every call (host: a copy; device: device memory it fills on launch.stream, no
+    // host synchronisation except a wait for the previous call's copy). Returns that address.
+    virtual const int32_t* store_placement(const std::vector<int32_t>& table, const Launch& launch) = 0;
 };
 
 // What a Buffer's backend needs of it at construction.

@@ -16,6 +16,7 @@
 #include "runtime/collective_guard.hpp"
 #include "runtime/internal.hpp"
 #include "runtime/launch.hpp"
+#include "runtime/placement.hpp"
 #include "runtime/plan_data.hpp"
 #include "sync/barrier_host.hpp"
 #include "sync/sync.hpp"
@@ -168,6 +169,7 @@ struct Buffer::Impl {
     double timeout_s_ = 0;  // the transport's timeout when this Buffer was built: every op's waits
     int num_plan_slots_ = 0;
     std::unique_ptr<runtime::BufferBackend> backend_;
+    std::unique_ptr<runtime::PlacementState> placement_;  // the static planner's (set_placement)
 };
 
 namespace {
@@ -235,6 +237,14 @@ uint16_t* Buffer::symmetric_recv_x() { return impl_->symmetric_recv_x(); }
 float* Buffer::symmetric_recv_w() { return impl_->symmetric_recv_w(); }
 uint8_t* Buffer::symmetric_recv_x_fp8() { return impl_->symmetric_recv_x_fp8(); }
 float* Buffer::symmetric_recv_scales() { return impl_->symmetric_recv_scales(); }
+void Buffer::set_placement(std::span<const int32_t> placement, const Launch& launch) {
+    const Launch run = impl_->enter("set_placement", launch);
+    runtime::set_placement(*impl_->placement_, *impl_->layout_, impl_->planner_, *impl_->transport_, *impl_->backend_,
+                           placement, run);
+    impl_->after_op(run);
+}
+std::span<const int32_t> Buffer::placement() const { return runtime::placement_of(*impl_->placement_); }
+uint64_t Buffer::placement_epoch() const { return impl_->placement_->epoch; }
 
 // The internal API (runtime/internal.hpp).
 namespace internal {
@@ -256,9 +266,11 @@ Buffer::Impl::Impl(const Config& config, std::shared_ptr<Transport> transport, P
       planner_(planner),
       id_(next_buffer_id++),
       guard_(std::make_unique<CollectiveGuard>("Buffer")),
-      num_plan_slots_(num_plan_slots) {
+      num_plan_slots_(num_plan_slots),
+      placement_(std::make_unique<runtime::PlacementState>()) {
     // Validate everything before allocating anything.
-    FLATEP_CHECK(planner == PlannerKind::kGreedy || planner == PlannerKind::kBalanced || planner == PlannerKind::kOwner,
+    FLATEP_CHECK(planner == PlannerKind::kGreedy || planner == PlannerKind::kBalanced ||
+                     planner == PlannerKind::kOwner || planner == PlannerKind::kStatic,
                  "Buffer: unknown planner kind ", int(planner));
     layout_ = std::make_unique<Layout>(make_layout(config_, planner, view));  // the owner planner's capacity is R*S*K
     FLATEP_CHECK(num_plan_slots >= 0 && num_plan_slots <= 1024, "Buffer: num_plan_slots must be in [0, 1024], got ",
@@ -388,6 +400,7 @@ Plan Buffer::Impl::plan(const void* topk_idx, int index_bytes, int num_tokens, i
     args.topk_idx = topk_idx;
     args.index_bytes = index_bytes;
     args.planner = planner_;
+    args.placement = placement_->table;  // the static planner's (null before set_placement)
     for (int p = 0; p < l.num_ranks; ++p) args.peers[p] = region_.peers[p];
     check_plan_args(args);  // before anything is allocated
 
@@ -397,6 +410,8 @@ Plan Buffer::Impl::plan(const void* topk_idx, int index_bytes, int num_tokens, i
     data->rank = config_.rank;
     data->num_tokens = num_tokens;
     data->planner = planner_;
+    data->placement = placement_->slots;
+    data->placement_epoch = placement_->epoch;
     args.sync = make_sync(region_, make_symmetric_layout(l), &epoch_, config_.rank, l.num_ranks, timeout_s_);
     args.sync.step = data->generation;
     backend_->plan(args, *data, plan_storage, run);

@@ -2,6 +2,7 @@
 // its SM budget and never synchronises with the host. The per-object device state (barrier epoch, host-mapped wait
 // record, plan workspace and slots) lives on the transport's GPU, created and freed with that GPU bound
 // (Transport::bind_device), whatever thread builds or drops the object.
+#include <algorithm>
 #include <memory>
 #include <vector>
 
@@ -121,10 +122,10 @@ class DeviceBufferBackend final : public DeviceOps<BufferBackend> {
     ~DeviceBufferBackend() override {
         try {
             const std::unique_ptr<DeviceBinding> bound = transport_->bind_device();
-            free_workspace();
+            free_device_memory();
         } catch (const std::exception& e) {
             FLATEP_LOG_WARN("Buffer: cannot bind the transport's device to free its workspace: ", e.what());
-            free_workspace();
+            free_device_memory();
         }
     }
 
@@ -157,12 +158,42 @@ class DeviceBufferBackend final : public DeviceOps<BufferBackend> {
         recv_marks_valid_ = true;  // this launch marks every row (stream order: the next dispatch sees them)
     }
     FLATEP_BUFFER_OPS(FLATEP_DEVICE_OP)
+    const int32_t* store_placement(const std::vector<int32_t>& table, const Launch& launch) override {
+        const std::unique_ptr<DeviceBinding> bound = transport_->bind_device();
+        const size_t bytes = table.size() * sizeof(int32_t);
+        if (placement_ == nullptr) {  // the first placement: its memory, kept for every later one (same size)
+            FLATEP_CUDA_CHECK(cudaMalloc(&placement_, bytes));
+            FLATEP_CUDA_CHECK(cudaHostAlloc(&placement_staging_, bytes, cudaHostAllocDefault));
+            FLATEP_CUDA_CHECK(cudaEventCreateWithFlags(&placement_copied_, cudaEventDisableTiming));
+        } else {
+            FLATEP_CUDA_CHECK(cudaEventSynchronize(placement_copied_));  // the previous copy has read the staging
+        }
+        std::copy(table.begin(), table.end(), placement_staging_);
+        FLATEP_CUDA_CHECK(
+            cudaMemcpyAsync(placement_, placement_staging_, bytes, cudaMemcpyHostToDevice, as_stream(launch)));
+        FLATEP_CUDA_CHECK(cudaEventRecord(placement_copied_, as_stream(launch)));
+        return placement_;
+    }
 
   private:
-    void free_workspace() noexcept {
+    void free_device_memory() noexcept {
         if (workspace_ != nullptr && cudaFree(workspace_) != cudaSuccess) FLATEP_LOG_WARN("Buffer: cudaFree failed");
         workspace_ = nullptr;
+        // The placement: its copy may still be in flight when the Buffer goes.
+        if (placement_copied_ != nullptr && cudaEventSynchronize(placement_copied_) != cudaSuccess)
+            FLATEP_LOG_WARN("Buffer: waiting for the placement's copy failed");
+        if (placement_ != nullptr && cudaFree(placement_) != cudaSuccess) FLATEP_LOG_WARN("Buffer: cudaFree failed");
+        if (placement_staging_ != nullptr && cudaFreeHost(placement_staging_) != cudaSuccess)
+            FLATEP_LOG_WARN("Buffer: cudaFreeHost failed");
+        if (placement_copied_ != nullptr && cudaEventDestroy(placement_copied_) != cudaSuccess)
+            FLATEP_LOG_WARN("Buffer: cudaEventDestroy failed");
+        placement_ = nullptr;
+        placement_staging_ = nullptr;
+        placement_copied_ = nullptr;
     }
+    int32_t* placement_ = nullptr;          // the static planner's placement table (device memory)
+    int32_t* placement_staging_ = nullptr;  // its pinned host copy, read by the last cudaMemcpyAsync
+    cudaEvent_t placement_copied_ = nullptr;
     int num_plan_slots_;
     int64_t plan_words_;
     void* workspace_ = nullptr;

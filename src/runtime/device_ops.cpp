@@ -53,7 +53,7 @@ void launch_plan(const PlanArgs& a, void* stream, int num_sms) {
     uint8_t* const ws = static_cast<uint8_t*>(kernels::prepare_plan(a, plan_workspace_bytes(l), s));
     preload_planner_once();
     kernels::launch_plan_counts(a, ws, s, num_sms);
-    planner::launch_planner(l, a.planner, a.plan, ws + plan_kernels_part(l), planner::planner_engine(), s);
+    planner::launch_planner(l, a.planner, a.plan, ws + plan_kernels_part(l), planner::planner_engine(), s, a.placement);
     kernels::launch_plan_routes(a, ws, s, num_sms);
 }
 

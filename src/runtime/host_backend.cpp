@@ -2,6 +2,7 @@
 // calling thread, inside the object's CollectiveGuard, and has finished when it returns. It ignores streams and SM
 // budgets.
 #include <memory>
+#include <vector>
 
 #include "host/op_stats.hpp"
 #include "runtime/backend.hpp"
@@ -74,6 +75,13 @@ class HostBufferBackend final : public HostOps<BufferBackend> {
     }
     FLATEP_HOST_OP(dispatch, DispatchArgs, collective)
     FLATEP_BUFFER_OPS(FLATEP_HOST_OP)
+    const int32_t* store_placement(const std::vector<int32_t>& table, const Launch&) override {
+        placement_ = table;  // the same size every time: the same storage (ops run synchronously, none in flight)
+        return placement_.data();
+    }
+
+  private:
+    std::vector<int32_t> placement_;
 };
 
 class HostPoolsBackend final : public HostOps<PoolsBackend> {

@@ -32,6 +32,9 @@ struct Plan::Data {
     int rank = 0;
     int num_tokens = 0;
     PlannerKind planner = PlannerKind::kBalanced;
+    // The static planner: the placement the plan was made with ([R][B]) and its epoch (Buffer::placement_epoch).
+    std::shared_ptr<const std::vector<int32_t>> placement;
+    uint64_t placement_epoch = 0;
 
     bool on_device() const { return device_words != nullptr; }
     // The view kernels / host ops read.

@@ -22,6 +22,26 @@
 
 namespace flatep::gpu_test {
 
+// Name of the plan array holding word w.
+inline std::string plan_word_name(const Layout& l, int64_t w) {
+    const PlanSizes s = make_plan_sizes(l);
+    const std::pair<const char*, int64_t> arrays[] = {
+        {"tpe_all", s.tpe_all},         {"alloc", s.alloc},           {"keep", s.keep},
+        {"spill_start", s.spill_start}, {"take_start", s.take_start}, {"group_row", s.group_row},
+        {"slot_expert", s.slot_expert}, {"cu_seqlens", s.cu_seqlens}, {"stats", s.stats},
+        {"entry_rank", s.entry_rank},   {"entry_row", s.entry_row},   {"row_head", s.row_head},
+        {"row_next", s.row_next},       {"header", s.header}};
+    std::string name = "?";
+    int64_t base = 0;
+    for (auto& a : arrays) {
+        if (w >= a.second) {
+            name = a.first;
+            base = a.second;
+        }
+    }
+    return name + "[" + std::to_string(w - base) + "]";
+}
+
 // R virtual ranks of one backend and the memory a test moves through them. Host memory: each op blocks its thread, so
 // run() gives every rank a thread; device memory (CUDA device `devices`, one per block of ranks): ops only enqueue, so
 // run() calls the ranks in order on this thread, each on its own stream, with an SM budget that keeps every rank's

@@ -26,26 +26,6 @@ namespace {
 
 std::string g_first;  // first mismatch of the current case
 
-// Name of the plan array holding word w.
-std::string plan_word_name(const Layout& l, int64_t w) {
-    const PlanSizes s = make_plan_sizes(l);
-    const std::pair<const char*, int64_t> arrays[] = {
-        {"tpe_all", s.tpe_all},         {"alloc", s.alloc},           {"keep", s.keep},
-        {"spill_start", s.spill_start}, {"take_start", s.take_start}, {"group_row", s.group_row},
-        {"slot_expert", s.slot_expert}, {"cu_seqlens", s.cu_seqlens}, {"stats", s.stats},
-        {"entry_rank", s.entry_rank},   {"entry_row", s.entry_row},   {"row_head", s.row_head},
-        {"row_next", s.row_next},       {"header", s.header}};
-    std::string name = "?";
-    int64_t base = 0;
-    for (auto& a : arrays) {
-        if (w >= a.second) {
-            name = a.first;
-            base = a.second;
-        }
-    }
-    return name + "[" + std::to_string(w - base) + "]";
-}
-
 // One step of every op of a case on a World, through Buffer and ExpertPools: plan (device: into storage read back
 // whole), write_grads (backward: a bf16 gradient, and an fp32 one with the bf16 one accumulated on top), dispatch,
 // prefetch, combine; backward: dispatch of the output gradient, combine_grad, combine (dispatch's backward);

@@ -1,16 +1,16 @@
-// Serving steps on the GPU (issues 43 and 47) through Buffer and serving ExpertPools, R virtual ranks on one GPU,
+// Serving steps on the GPU (issues 43, 47 and 60) through Buffer and serving ExpertPools, R virtual ranks on one GPU,
 // bitwise against the CPU backend: plan, dispatch, the pull prefetch of every rank's B slots (two projections: weights
 // and a small companion, as FP8 block scales travel) and combine, for B in {0, 1, 4, epn} with the greedy, balanced
-// and owner planners, ragged token counts with empty ranks (s = 0, null token inputs and outputs), pad rows in the
-// view (Q > epn, as the device's mapping granularity needs), plan-ordered ops, and graph-captured steps replayed with
-// new routing (bitwise equal to the CPU backend and to the same step run eagerly).
-// Before the GPU runs, the CPU backend's step is held to what serving promises, independently of the kernels: no
-// plan uses more than B slots (none with the owner planner, which hosts nothing remote), every slot holds its
-// owner's bytes of the plan's slot expert after the pull, every remote expert without a slot sits in its view-row
-// group, every entry lands on a host of its expert with its token's row and weight, check_plan accepts every plan,
-// and the cases meant to need more remote experts than B on some destination do.
-// Plain main: PASS/FAIL per case with the first mismatch and a reproducing command; exit 0 with "SKIP: no CUDA
-// device" where no GPU exists (after the CPU checks, which run everywhere).
+// and owner planners, and the static planner over a fixed placement (set_placement), ragged token counts with empty
+// ranks (s = 0, null token inputs and outputs), pad rows in the view (Q > epn, as the device's mapping granularity
+// needs), plan-ordered ops, and graph-captured steps replayed with new routing (bitwise equal to the CPU backend and to
+// the same step run eagerly). Before the GPU runs, the CPU backend's step is held to what serving promises,
+// independently of the kernels: no plan uses more than B slots (none with the owner planner, which hosts nothing
+// remote), every slot holds its owner's bytes of the plan's slot expert after the pull, every remote expert without a
+// slot sits in its view-row group, every entry lands on a host of its expert with its token's row and weight,
+// check_plan accepts every plan, and the cases meant to need more remote experts than B on some destination do. Plain
+// main: PASS/FAIL per case with the first mismatch and a reproducing command; exit 0 with "SKIP: no CUDA device" where
+// no GPU exists (after the CPU checks, which run everywhere).
 //
 //   test_gpu_serving             every case
 //   test_gpu_serving --quick     the small cases only
@@ -48,9 +48,10 @@ struct ServingSpec {
     PlannerKind planner = PlannerKind::kBalanced;
     std::vector<int> tokens;  // [R] tokens each rank passes (0 .. S)
     bool weighted = true;
-    bool prefetch = true;       // the step pulls the slots (the owner planner's step has none to pull)
-    bool plan_ordered = false;  // the pull without its barrier, as nn.MoE serves
-    bool step_ordered = false;  // dispatch and combine without their entry barriers, as nn.MoE serves
+    bool prefetch = true;            // the step pulls the slots (the owner planner's step has none to pull)
+    bool plan_ordered = false;       // the pull without its barrier, as nn.MoE serves
+    bool step_ordered = false;       // dispatch and combine without their entry barriers, as nn.MoE serves
+    std::vector<int32_t> placement;  // the static planner's [R][B] (set_placement once, before the steps)
 };
 
 // Inputs of one step (identical on both backends).
@@ -130,6 +131,11 @@ class ServingStep {
             }
             k.recv_w = world.alloc<float>(nvs);
             k.y = world.alloc<uint16_t>(nvs * H);
+        }
+        if (spec.planner ==
+            PlannerKind::kStatic) {  // collective over the bootstrap: a thread a rank, as at construction
+            run_threads(R, [&](int r) { ranks_[size_t(r)].buffer->set_placement(spec.placement, world.launch(r)); });
+            world.synchronize();
         }
     }
     ~ServingStep() { world_.synchronize(); }
@@ -243,7 +249,8 @@ bool check_host_step(const Entry& e, const Layout& l, const ServingInputs& in, c
     {
         planner::HostPlan copy(l);
         std::copy(h[0].plan.begin(), h[0].plan.end(), copy.view.tpe_all);
-        const std::string bad = planner::check_plan(l, copy.view);
+        const bool placed = e.spec.planner == PlannerKind::kStatic;
+        const std::string bad = planner::check_plan(l, copy.view, placed ? e.spec.placement.data() : nullptr);
         if (!bad.empty()) return fail("check_plan: " + bad);
     }
     int most_remote = 0;
@@ -387,6 +394,19 @@ bool run_case(const Entry& e, bool host_only, bool cpu) {
 
 Config serving_config(int R, int E, int S, int K, int H, int align) { return make_config(R, E, S, K, H, align); }
 
+// A static placement of B slots a rank (B = -1: epn): slot j of rank d holds an expert of rank d + 1 + j % (R - 1)
+// (mod R), local (j / (R - 1) * 5 + d) mod epn, so no rank holds its own expert or one twice (5 is odd, epn <= 64);
+// every third slot empty. Hot experts (the first ranks') land on some ranks, cold ones (copies without rows) on others.
+std::vector<int32_t> placement_of(const Config& c, int num_slots) {
+    const int R = c.num_ranks, epn = c.num_experts / R, B = num_slots < 0 ? epn : num_slots;
+    std::vector<int32_t> placement(size_t(R) * B, -1);
+    for (int d = 0; d < R && R > 1; ++d)
+        for (int j = 0; j < B; ++j)
+            if (j % 3 != 1)
+                placement[size_t(d) * B + j] = ((d + 1 + j % (R - 1)) % R) * epn + (j / (R - 1) * 5 + d) % epn;
+    return placement;
+}
+
 std::vector<Entry> make_cases() {
     std::vector<Entry> cases;
     // 8 ranks, E=256 (epn 32), S=128, K=8: an empty rank and a rank of one token; the experts of ranks 0-3 hot, so
@@ -455,6 +475,39 @@ std::vector<Entry> make_cases() {
     e.spec.view.num_slots = 1;
     e.spec.planner = PlannerKind::kOwner;
     e.needs_overflow = false;
+    cases.push_back(e);
+    // The static planner (issue 60): a fixed placement, its copies split evenly (empty copies too), pulled (serving) or
+    // pushed (training pools), graph replays with new routing over the same placement.
+    for (int B : {4, 1}) {
+        e = Entry{};
+        e.spec.name = "static_b" + std::to_string(B) + "_graph";
+        e.spec.config = serving_config(8, 256, 128, 8, 128, 8);
+        e.spec.view.num_slots = B;
+        e.spec.planner = PlannerKind::kStatic;
+        e.spec.placement = placement_of(e.spec.config, B);
+        e.spec.tokens = ragged;
+        e.spec.plan_ordered = true;
+        e.spec.step_ordered = true;
+        e.graph = true;
+        cases.push_back(e);
+    }
+    e = Entry{};
+    e.spec.name = "static_bepn_push";
+    e.spec.config = serving_config(8, 256, 128, 8, 128, 8);
+    e.spec.view.num_slots = -1;
+    e.spec.planner = PlannerKind::kStatic;
+    e.spec.placement = placement_of(e.spec.config, -1);
+    e.spec.tokens = ragged;
+    cases.push_back(e);
+    e = Entry{};
+    e.spec.name = "static_b2_pad_rows_unweighted";  // device: Q > epn
+    e.spec.config = serving_config(4, 32, 128, 4, 64, 16);
+    e.spec.view.num_slots = 2;
+    e.spec.planner = PlannerKind::kStatic;
+    e.spec.placement = placement_of(e.spec.config, 2);
+    e.spec.tokens = {0, 128, 5, 64};
+    e.hot_ranks = 2;
+    e.spec.weighted = false;
     cases.push_back(e);
     // Decode at DeepEP's E and H: S=128, one rank empty, one of one token.
     e = Entry{};

@@ -291,7 +291,7 @@ def test_bad_constructor_arguments():
     raises(lambda: flatep.Buffer(None, S, H, E, K, align=0), "align must be in [1, 4096], got 0")
     raises(
         lambda: flatep.Buffer(None, S, H, E, K, planner="best"),
-        "Buffer: planner must be 'balanced', 'greedy' or 'owner', got 'best'",
+        "Buffer: planner must be 'balanced', 'greedy', 'owner' or 'static', got 'best'",
     )
     raises(lambda: flatep.Buffer(None, 2.5, H, E, K), "Buffer: num_tokens must be an int, got 2.5")
     if not _C.has_cuda:

@@ -9,6 +9,7 @@ Reproduce on a GPU: python3 -m pytest -q tests/python/test_gpu_graphs.py
 import pytest
 import torch
 
+import graph_steps
 import mp_cases
 
 CUDA_SKIP = mp_cases.cuda_unavailable_reason()
@@ -25,51 +26,21 @@ def step(buf, idx, x, w):
 @pytest.mark.skipif(CUDA_SKIP is not None, reason=f"cuda: {CUDA_SKIP}")
 def test_public_step_replays_as_cuda_graphs_bitwise():
     import flatep
-    from flatep import testing, virtual
+    from flatep import virtual
 
     device = torch.device("cuda", 0)
     group = virtual.virtual_ranks(R, device, timeout_s=30)
     bufs = virtual.run_threads(R, lambda r: flatep.Buffer(group[r], S, H, E, K, align=1, device=device))
-    streams = [torch.cuda.Stream(device) for _ in range(R)]
-    idx = [torch.zeros(S, K, dtype=torch.int64, device=device) for _ in range(R)]
-    x = [torch.zeros(S, H, dtype=torch.bfloat16, device=device) for _ in range(R)]
-    w = [torch.zeros(S, K, device=device) for _ in range(R)]
-
-    def write_inputs(trial):
-        for r in range(R):
-            idx[r].copy_(testing.sample_topk(E, S, K, r, sigma=0.5 + 0.4 * trial, seed=trial).long())
-            g = torch.Generator().manual_seed(100 * trial + r)
-            x[r].copy_(torch.randn(S, H, generator=g).to(torch.bfloat16))
-            w[r].copy_(torch.rand(S, K, generator=g))
-        torch.cuda.synchronize()
-
-    def eager():
-        outs = []
-        for r in range(R):
-            with torch.cuda.stream(streams[r]), torch.no_grad():
-                outs.append(step(bufs[r], idx[r], x[r], w[r]))
-        torch.cuda.synchronize()
-        return [(o.clone(), int(cu[-1])) for o, cu in outs]
-
-    write_inputs(0)
-    eager()  # warm-up outside capture (kernel attributes, torch's allocator pools)
-    graphs, static = [], []
-    for r in range(R):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=streams[r], capture_error_mode="global"), torch.no_grad():
-            static.append(step(bufs[r], idx[r], x[r], w[r]))
-        graphs.append(graph)
-    torch.cuda.synchronize()
+    ranks = graph_steps.GraphedRanks(bufs, device, S, H, E, K, step)
+    ranks.write_inputs(0)
+    ranks.eager()  # warm-up outside capture (kernel attributes, torch's allocator pools)
+    ranks.capture()
     for trial in range(1, 6):
-        write_inputs(trial)
+        ranks.write_inputs(trial)
+        replayed = ranks.replay()
+        want = ranks.eager()
         for r in range(R):
-            with torch.cuda.stream(streams[r]):
-                graphs[r].replay()
-        torch.cuda.synchronize()
-        replayed = [(o.clone(), int(cu[-1])) for o, cu in static]
-        want = eager()
-        for r in range(R):
-            assert replayed[r][1] == S * K and want[r][1] == S * K, f"trial {trial} rank {r}: rows"
+            assert int(replayed[r][1][-1]) == S * K and int(want[r][1][-1]) == S * K, f"trial {trial} rank {r}: rows"
             assert torch.equal(replayed[r][0].view(torch.int16), want[r][0].view(torch.int16)), (
                 f"trial {trial} rank {r}: the replayed step differs from the eager one"
             )

@@ -298,7 +298,7 @@ def test_errors_name_the_argument_and_the_value():
         flatep.ExpertPools(ranks[0], 4, [(4, 3, torch.uint8)])
     with pytest.raises(ValueError, match=r"^Buffer: pools must be a flatep.ExpertPools or None, got int$"):
         flatep.Buffer(ranks[0], S, H, 4, 1, pools=6)
-    with pytest.raises(ValueError, match=r"^Buffer: planner must be 'balanced', 'greedy' or 'owner', got 'fast'$"):
+    with pytest.raises(ValueError, match=r"^Buffer: planner must be 'balanced', 'greedy', 'owner' or 'static', got 'fast'$"):
         flatep.Buffer(ranks[0], S, H, 4, 1, planner="fast")
     with pytest.raises(ValueError, match=r"^MoE: num_slots must be None or an int >= 0, got -1$"):
         flatep.nn.MoE(H, F, 4, 1, ranks[0], num_slots=-1)

@@ -269,7 +269,32 @@ TEST(ServingConfig, OwnerCapacityIsTheWorstCase) {
     EXPECT_EQ(error_of(c, PlannerKind::kOwner),
               "owner planner: receive rows NvS = 1073741824 (capacity R*S*K = 1073741824) times R = 2 must fit int32 "
               "(it is meant for decode-sized S)");
-    EXPECT_EQ(error_of(small(), PlannerKind(7)), "planner kind must be greedy (0), balanced (1) or owner (2), got 7");
+    EXPECT_EQ(error_of(small(), PlannerKind(7)),
+              "planner kind must be greedy (0), balanced (1), owner (2) or static (3), got 7");
+}
+
+// The static planner: the worst-case capacity of the owner planner, with room for the padding of the own groups and
+// the B placed slots.
+TEST(ServingConfig, StaticCapacityIsTheWorstCaseWithSlotGroups) {
+    Config c = small();
+    const Layout l = make_layout(c, PlannerKind::kStatic);
+    EXPECT_TRUE(l.placed);
+    EXPECT_FALSE(l.owner);
+    EXPECT_FALSE(l.exact);
+    EXPECT_EQ(l.capacity, 4 * 32 * 2);  // R*S*K
+    EXPECT_EQ(l.num_recv_rows, 312);    // round_up(C + (epn + B)*(align-1), align) = round_up(256 + 8*7, 8)
+    EXPECT_TRUE(layout_fits(l, PlannerKind::kStatic));
+    for (PlannerKind kind : {PlannerKind::kGreedy, PlannerKind::kBalanced, PlannerKind::kOwner})
+        EXPECT_FALSE(layout_fits(l, kind)) << int(kind);
+    EXPECT_FALSE(layout_fits(make_layout(c, PlannerKind::kOwner), PlannerKind::kStatic));
+    const Layout s = make_layout(c, PlannerKind::kStatic, {.num_slots = 1});
+    EXPECT_EQ(s.num_groups(), 17);    // the serving view's
+    EXPECT_EQ(s.num_recv_rows, 296);  // round_up(256 + (4 + 1)*7, 8)
+    c = small();
+    c.num_ranks = 64, c.num_experts = 64, c.num_tokens = 1 << 22, c.topk = 16;  // R*S*K = 2^32
+    EXPECT_EQ(error_of(c, PlannerKind::kStatic),
+              "static planner: its receive capacity R*S*K = 64*4194304*16 = 4294967296 rows must fit int32 (the "
+              "worst case of any placement)");
 }
 
 TEST(ServingConfig, TheViewIsNotPartOfTheConfig) {

@@ -431,7 +431,7 @@ TEST(BadInput, ServingAndOwner) {
                                v.num_slots = 1, v.view_stride = 1 << 20;
                            }),
         serving_config_row(
-            "planner kind 7", "planner kind must be greedy (0), balanced (1) or owner (2), got 7",
+            "planner kind 7", "planner kind must be greedy (0), balanced (1), owner (2) or static (3), got 7",
             [](Config&, ViewShape&) {}, PlannerKind(7)),
         serving_config_row(
             "owner planner, R*S*K over int32 (R = 64, S = 2^22, K = 16)",
@@ -443,6 +443,12 @@ TEST(BadInput, ServingAndOwner) {
             "owner planner: receive rows NvS = 1073741824 (capacity R*S*K = 1073741824) times R = 2" + owner_fits,
             [](Config& c, ViewShape&) { c.num_ranks = 2, c.num_experts = 2, c.num_tokens = 1 << 29; },
             PlannerKind::kOwner),
+        serving_config_row(
+            "static planner, R*S*K over int32 (R = 64, S = 2^22, K = 16)",
+            "static planner: its receive capacity R*S*K = 64*4194304*16 = 4294967296 rows must fit int32 (the worst "
+            "case of any placement)",
+            [](Config& c, ViewShape&) { c.num_ranks = 64, c.num_experts = 64, c.num_tokens = 1 << 22, c.topk = 16; },
+            PlannerKind::kStatic),
     };
     EXPECT_EQ(check_rows(config_rows), "");
 
@@ -461,7 +467,7 @@ TEST(BadInput, ServingAndOwner) {
     const std::string same_kind = ": make_layout(config, planner) with the same kind";
     const std::vector<Row> planner_rows = {
         {"planner_from_name(\"fast\")", ErrorCategory::kInvalidArgument,
-         "planner must be 'greedy', 'balanced' or 'owner', got 'fast'", [] { planner_from_name("fast"); }},
+         "planner must be 'greedy', 'balanced', 'owner' or 'static', got 'fast'", [] { planner_from_name("fast"); }},
         {"plan_counts: balanced planner on an owner layout", ErrorCategory::kInvalidArgument,
          "planner balanced on a layout made for the owner planner" + same_kind,
          plan_with(owner_layout, PlannerKind::kBalanced)},
@@ -471,6 +477,12 @@ TEST(BadInput, ServingAndOwner) {
         {"plan_counts: owner planner on a balancing layout", ErrorCategory::kInvalidArgument,
          "planner owner on a layout made for a balancing planner" + same_kind,
          plan_with(balanced_layout, PlannerKind::kOwner)},
+        {"plan_counts: static planner on a balancing layout", ErrorCategory::kInvalidArgument,
+         "planner static on a layout made for a balancing planner" + same_kind,
+         plan_with(balanced_layout, PlannerKind::kStatic)},
+        {"plan_counts: static planner without a placement table", ErrorCategory::kInvalidArgument,
+         "planner static needs a placement table (make_placement_table), got null",
+         plan_with(make_layout(owner_config, PlannerKind::kStatic), PlannerKind::kStatic)},
     };
     EXPECT_EQ(check_rows(planner_rows), "");
 

@@ -68,6 +68,24 @@ std::string error_message(F&& fn) {
     return "(no error)";
 }
 
+// What a call threw: the flatep::Error's message and category ("(no error)" and -1 when it returned).
+struct Outcome {
+    std::string message = "(no error)";
+    int category = -1;
+};
+
+template <class F>
+Outcome outcome_of(F&& fn) {
+    Outcome o;
+    try {
+        fn();
+    } catch (const Error& e) {
+        o.message = e.message();
+        o.category = int(e.category());
+    }
+    return o;
+}
+
 // The bits of an fp32 value, and back.
 inline uint32_t bits_of(float f) {
     uint32_t b;

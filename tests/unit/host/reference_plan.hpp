@@ -27,9 +27,11 @@ struct ReferencePlan {
 // expert id. Serving (B < epn): the replicas of d ordered by (rows on d descending, id ascending), the first B get the
 // slots (in ascending id); groups g < R*Q are the view rows (rank g / Q's expert g % Q, or padding when g % Q >= epn),
 // holding that expert's rows when it is d's own or a replica of d without a slot; groups R*Q + j the slots. A
-// non-empty group is padded to a multiple of align.
-inline ReferencePlan reference_groups(int R, int E, int align, const std::vector<int32_t>& alloc, int B = -1,
-                                      int Q = 0) {
+// non-empty group is padded to a multiple of align. A static plan (placement: [R][B] expert ids, -1 empty) has the
+// placement as its slots instead, in the placement's order, each slot's group holding its expert's rows (none or
+// some).
+inline ReferencePlan reference_groups(int R, int E, int align, const std::vector<int32_t>& alloc, int B = -1, int Q = 0,
+                                      const std::vector<int32_t>* placement = nullptr) {
     ReferencePlan p;
     p.R = R, p.E = E, p.epn = E / R, p.align = align;
     const int epn = p.epn;
@@ -47,7 +49,9 @@ inline ReferencePlan reference_groups(int R, int E, int align, const std::vector
         for (int e = 0; e < E; ++e)
             if (e / epn != d && alloc[size_t(d) * E + e] > 0) replicas.push_back(e);
         std::vector<int> slotted = replicas;
-        if (serving) {
+        if (placement != nullptr) {
+            slotted.assign(placement->begin() + int64_t(d) * B, placement->begin() + int64_t(d + 1) * B);
+        } else if (serving) {
             std::vector<int> by_rows = replicas;
             std::stable_sort(by_rows.begin(), by_rows.end(),
                              [&](int a, int b) { return alloc[size_t(d) * E + a] > alloc[size_t(d) * E + b]; });
@@ -91,8 +95,9 @@ inline ReferencePlan reference_groups(int R, int E, int align, const std::vector
 // sources in ascending rank, each in (token, k) order, cut among the hosts in ascending rank into alloc - kept
 // pieces. Inside a group rows follow (source rank, token, k).
 inline ReferencePlan reference_plan(int R, int E, int align, const std::vector<int32_t>& alloc,
-                                    const std::vector<std::vector<int32_t>>& topk_idx, int B = -1, int Q = 0) {
-    ReferencePlan p = reference_groups(R, E, align, alloc, B, Q);
+                                    const std::vector<std::vector<int32_t>>& topk_idx, int B = -1, int Q = 0,
+                                    const std::vector<int32_t>* placement = nullptr) {
+    ReferencePlan p = reference_groups(R, E, align, alloc, B, Q, placement);
     std::vector<int64_t> tpe(size_t(R) * E, 0);
     for (int s = 0; s < R; ++s) {
         for (int32_t e : topk_idx[s]) {

@@ -22,6 +22,8 @@ namespace {
 using transport::LocalHostWorld;
 
 using testing::failures;
+using testing::Outcome;
+using testing::outcome_of;
 using testing::run_ranks;
 
 constexpr int kR = 3, kE = 6, kS = 4, kK = 2, kH = 8;
@@ -30,23 +32,6 @@ Config config_of(int rank) {
     Config c;
     c.num_ranks = kR, c.rank = rank, c.num_experts = kE, c.num_tokens = kS, c.topk = kK, c.hidden = kH, c.align = 1;
     return c;
-}
-
-struct Outcome {
-    std::string message = "(no error)";
-    int category = -1;
-};
-
-template <class F>
-Outcome outcome_of(F&& fn) {
-    Outcome o;
-    try {
-        fn();
-    } catch (const Error& e) {
-        o.message = e.message();
-        o.category = int(e.category());
-    }
-    return o;
 }
 
 const int32_t kIdx[kS * kK] = {0, 1, 2, 3, 4, 5, 1, 2};

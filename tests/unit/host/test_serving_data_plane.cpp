@@ -1,12 +1,14 @@
 // The CPU backend end to end (plan, dispatch, combine over R rank threads) in serving mode (B < epn slots, the view
-// groups) and with the owner planner, against training mode on the same inputs and against testing::reference_plan
-// (the group layout of layout/layout.hpp's contract, written without FlatEP code).
+// groups), with the owner planner and with the static planner (a fixed placement), against training mode on the same
+// inputs and against testing::reference_plan (the group layout of layout/layout.hpp's contract, written without
+// FlatEP code).
 //
 // Exactness across modes: x holds small integers and the routing weights are 0.5, 1 or 2, so every product and every
 // partial sum of combine (y = the dispatched rows, weighted by recv_w) is exact in fp32 and in bf16: a token's output
 // is sum_k w_k * x_t bitwise, wherever its rows were computed. So every mode must give the same bits, and these bits.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -40,19 +42,66 @@ struct Shape {
 struct Mode {
     std::string name;
     PlannerKind planner;
-    int num_slots;    // ViewShape::num_slots (B)
-    int view_stride;  // ViewShape::view_stride (Q)
+    int num_slots;                   // ViewShape::num_slots (B)
+    int view_stride;                 // ViewShape::view_stride (Q)
+    std::vector<int32_t> placement;  // the static planner's [R][B]
 };
+
+// A valid placement of B slots a rank (B = -1: epn), drawn from `seed`: each slot empty one time in four, else an
+// expert of another rank not yet in the row, in no particular order.
+std::vector<int32_t> placement_of(const Shape& sh, int num_slots, uint64_t seed) {
+    const int R = sh.R, epn = sh.epn, E = R * epn, B = num_slots < 0 ? epn : num_slots;
+    std::vector<int32_t> placement(size_t(R) * B, -1);
+    for (int d = 0; d < R; ++d) {
+        for (int j = 0; j < B && R > 1; ++j) {
+            if (routing::mix64(seed + uint64_t(d * 131 + j)) % 4 == 0) continue;
+            for (int tries = 0; tries < 16; ++tries) {
+                const int e = int(routing::mix64(seed * 7 + uint64_t(d * 1009 + j * 31 + tries)) % uint64_t(E));
+                const auto row = placement.begin() + int64_t(d) * B;
+                if (e / epn != d && std::find(row, row + B, e) == row + B) {
+                    placement[size_t(d) * B + j] = e;
+                    break;
+                }
+            }
+        }
+    }
+    return placement;
+}
 
 std::vector<Mode> modes_of(const Shape& sh) {
     const int epn = sh.epn;
-    std::vector<Mode> modes = {{"training", PlannerKind::kBalanced, -1, 0}};
-    modes.push_back({"serving B=0", PlannerKind::kBalanced, 0, 0});
-    if (epn > 1) modes.push_back({"serving B=1 Q=epn+1", PlannerKind::kGreedy, 1, epn + 1});
-    if (epn > 2) modes.push_back({"serving B=epn-1", PlannerKind::kBalanced, epn - 1, 0});
-    modes.push_back({"owner", PlannerKind::kOwner, -1, 0});
-    modes.push_back({"owner B=0 Q=epn+2", PlannerKind::kOwner, 0, epn + 2});
+    std::vector<Mode> modes = {{"training", PlannerKind::kBalanced, -1, 0, {}}};
+    modes.push_back({"serving B=0", PlannerKind::kBalanced, 0, 0, {}});
+    if (epn > 1) modes.push_back({"serving B=1 Q=epn+1", PlannerKind::kGreedy, 1, epn + 1, {}});
+    if (epn > 2) modes.push_back({"serving B=epn-1", PlannerKind::kBalanced, epn - 1, 0, {}});
+    modes.push_back({"owner", PlannerKind::kOwner, -1, 0, {}});
+    modes.push_back({"owner B=0 Q=epn+2", PlannerKind::kOwner, 0, epn + 2, {}});
+    modes.push_back({"static B=epn", PlannerKind::kStatic, -1, 0, placement_of(sh, -1, sh.seed)});
+    if (epn > 1)
+        modes.push_back(
+            {"static B=epn-1 Q=epn+1", PlannerKind::kStatic, epn - 1, epn + 1, placement_of(sh, epn - 1, sh.seed + 1)});
+    modes.push_back({"static B=0", PlannerKind::kStatic, 0, 0, {}});
     return modes;
+}
+
+// The static planner's allocation, from its rule (design §4): e's copies are its home and the ranks whose slots hold
+// it, ascending; each gets floor(T_e / n), and the T_e mod n copies from copy e mod n on, cyclically, one more.
+std::vector<int32_t> static_alloc_of(int R, int E, int B, const std::vector<int32_t>& tpe,
+                                     const std::vector<int32_t>& placement) {
+    const int epn = E / R;
+    std::vector<int32_t> alloc(size_t(R) * E, 0);
+    for (int e = 0; e < E; ++e) {
+        std::vector<int> copies;
+        int t = 0;
+        for (int d = 0; d < R; ++d) {
+            t += tpe[size_t(d) * E + e];
+            const auto row = placement.begin() + int64_t(d) * B;
+            if (e / epn == d || std::find(row, row + B, e) != row + B) copies.push_back(d);
+        }
+        const int n = int(copies.size());
+        for (int i = 0; i < t; ++i) ++alloc[size_t(copies[size_t((e % n + i) % n)]) * E + e];  // round-robin from e % n
+    }
+    return alloc;
 }
 
 Config config_of(const Shape& sh, const Mode& m, int rank) {
@@ -111,6 +160,7 @@ std::vector<RankOutput> run_mode(const Shape& sh, const Mode& m, const std::vect
         const std::unique_ptr<Buffer> made = internal::make_buffer(config_of(sh, m, rank), world.transport(rank),
                                                                    m.planner, {m.num_slots, m.view_stride});
         Buffer& buffer = *made;
+        if (m.planner == PlannerKind::kStatic) buffer.set_placement(m.placement);
         const RankInput& ri = in[size_t(rank)];
         RankOutput& o = outputs[size_t(rank)];
         const Layout& l = internal::layout(buffer);
@@ -156,7 +206,10 @@ void check_mode(const Shape& sh, const Mode& m, const std::vector<RankInput>& in
         topk[size_t(r)] = in[size_t(r)].topk_idx;
     }
     const std::vector<int32_t>& alloc = out[0].alloc;
-    if (m.planner == PlannerKind::kOwner) {
+    const int B = m.num_slots < 0 ? epn : m.num_slots;
+    if (m.planner == PlannerKind::kStatic) {
+        ASSERT_EQ(alloc, static_alloc_of(R, E, B, tpe, m.placement));
+    } else if (m.planner == PlannerKind::kOwner) {
         for (int d = 0; d < R; ++d) {
             for (int e = 0; e < E; ++e) {
                 int32_t t = 0;
@@ -169,7 +222,9 @@ void check_mode(const Shape& sh, const Mode& m, const std::vector<RankInput>& in
     } else {
         ASSERT_EQ(testing::alloc_violation(R, E, true, int64_t(sh.S) * K, tpe, alloc), "");
     }
-    const testing::ReferencePlan ref = testing::reference_plan(R, E, sh.align, alloc, topk, m.num_slots, m.view_stride);
+    const bool placed = m.planner == PlannerKind::kStatic;
+    const testing::ReferencePlan ref = testing::reference_plan(R, E, sh.align, alloc, topk, m.num_slots, m.view_stride,
+                                                               placed ? &m.placement : nullptr);
     for (int r = 0; r < R; ++r) {
         ASSERT_EQ(out[size_t(r)].num_groups, ref.num_groups);
         ASSERT_EQ(out[size_t(r)].alloc, alloc) << "rank " << r;
@@ -274,7 +329,8 @@ void run_shape(const Shape& sh, int& over_slots) {
         const std::vector<RankOutput> out = m.name == "training" ? training : run_mode(sh, m, in);
         if (::testing::Test::HasFailure()) return;
         check_mode(sh, m, in, out, training);
-        if (m.planner != PlannerKind::kOwner) over_slots += ranks_over_slots(sh, m, out[0].alloc);
+        if (m.planner != PlannerKind::kOwner && m.planner != PlannerKind::kStatic)
+            over_slots += ranks_over_slots(sh, m, out[0].alloc);
         if (::testing::Test::HasFatalFailure()) return;
     }
 }

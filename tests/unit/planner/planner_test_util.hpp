@@ -27,6 +27,19 @@ inline Layout make_test_layout(int R, int E, int S, int K, int align = 1, double
     return make_layout(c);
 }
 
+// A layout with B = num_slots slots (-1: epn) and view stride Q (0: epn), for `planner`.
+inline Layout layout_of(int R, int E, int S, int K, int align, int num_slots, int view_stride = 0,
+                        PlannerKind planner = PlannerKind::kBalanced, double capacity_factor = 1.0) {
+    Config c;
+    c.num_ranks = R;
+    c.num_experts = E;
+    c.num_tokens = S;
+    c.topk = K;
+    c.align = align;
+    c.capacity_factor = capacity_factor;
+    return make_layout(c, planner, {.num_slots = num_slots, .view_stride = view_stride});
+}
+
 // Plans `counts` with `kind`; the plan is returned for inspection.
 inline std::unique_ptr<planner::HostPlan> plan_of(const Layout& l, const std::vector<int32_t>& counts,
                                                   PlannerKind kind) {
@@ -34,6 +47,17 @@ inline std::unique_ptr<planner::HostPlan> plan_of(const Layout& l, const std::ve
     std::copy(counts.begin(), counts.end(), plan->view.tpe_all);
     planner::plan_counts(l, kind, plan->view);
     return plan;
+}
+
+// The message of the flatep::Error fn() throws, or "(no error)".
+template <class F>
+std::string error_of(F&& fn) {
+    try {
+        fn();
+    } catch (const Error& e) {
+        return e.message();
+    }
+    return "(no error)";
 }
 
 inline std::vector<int32_t> copy_of(const int32_t* p, int64_t n) { return std::vector<int32_t>(p, p + n); }

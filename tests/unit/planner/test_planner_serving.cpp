@@ -14,32 +14,11 @@ namespace flatep {
 namespace {
 
 using test::copy_of;
+using test::error_of;
+using test::layout_of;
 using test::plan_of;
 
 using Ints = std::vector<int32_t>;
-
-// The message of the flatep::Error fn() throws, or "(no error)".
-template <class F>
-std::string error_of(F&& fn) {
-    try {
-        fn();
-    } catch (const Error& e) {
-        return e.message();
-    }
-    return "(no error)";
-}
-
-Layout layout_of(int R, int E, int S, int K, int align, int num_slots, int view_stride = 0,
-                 PlannerKind planner = PlannerKind::kBalanced, double capacity_factor = 1.0) {
-    Config c;
-    c.num_ranks = R;
-    c.num_experts = E;
-    c.num_tokens = S;
-    c.topk = K;
-    c.align = align;
-    c.capacity_factor = capacity_factor;
-    return make_layout(c, planner, {.num_slots = num_slots, .view_stride = view_stride});
-}
 
 // R=2, E=8 (epn=4), S=6, K=1: S*K = 6. Rank 0 routes [2,2,1,1], rank 1 [1,3,1,1] (all to rank 0's experts): T =
 // [3,5,2,2], G = [12, 0], targets 6 and 6. Greedy: rank 1 (deficit 6) from rank 0: its largest expert e1 (5) moves
@@ -179,11 +158,12 @@ TEST(PlannerServing, OwnerPlanner) {
 }
 
 TEST(PlannerServing, PlannerNames) {
-    for (PlannerKind kind : {PlannerKind::kGreedy, PlannerKind::kBalanced, PlannerKind::kOwner})
+    for (PlannerKind kind : {PlannerKind::kGreedy, PlannerKind::kBalanced, PlannerKind::kOwner, PlannerKind::kStatic})
         EXPECT_EQ(planner_from_name(planner_name(kind)), kind);
     EXPECT_STREQ(planner_name(PlannerKind::kOwner), "owner");
+    EXPECT_STREQ(planner_name(PlannerKind::kStatic), "static");
     EXPECT_EQ(error_of([] { planner_from_name("fast"); }),
-              "planner must be 'greedy', 'balanced' or 'owner', got 'fast'");
+              "planner must be 'greedy', 'balanced', 'owner' or 'static', got 'fast'");
 }
 
 // ---- Invariants ----
