@@ -40,7 +40,8 @@ class Shape:
 
 
 class TraceStep(serving_step.Step):
-    """serving_step.Step whose routing is the trace's: write_inputs(t) puts step t's ids into the graph's inputs."""
+    """serving_step.Step whose routing is the trace's: write_inputs(t) puts step t's ids into the graph's inputs
+    (on the CPU backend: the eager step's inputs)."""
 
     def __init__(self, a, moes, routing, device, streams):
         super().__init__(a, moes, "trace", routing.S, 0.0, device, streams)
@@ -52,7 +53,8 @@ class TraceStep(serving_step.Step):
     def write_inputs(self, t):
         for r in range(self.a.ranks):
             self.idx[r].copy_(self.routing.topk_idx(t, r))
-        torch.cuda.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
 
 def build(a, ranks, device, num_slots, planner):
@@ -74,6 +76,20 @@ def capture(step, routing, first_step):
     if bad:
         raise SystemExit(f"eplb_compare --time: the replayed graphs differ from the eager step (rank, values): {bad}")
     return graphs
+
+
+def timed_move_cpu(moes):
+    """The CPU backend's weight move: one collective prefetch on R threads (its wall time, microseconds)."""
+    R = len(moes)
+
+    def move(r):
+        plan = moes[r].buffer.plan(torch.zeros(1, moes[r].topk, dtype=torch.long))
+        moes[r].pools.prefetch(plan, moes[r].expert_layer)
+        moes[r]._static.moved(moes[r].pools, moes[r].expert_layer, plan)
+
+    t0 = time.perf_counter()
+    virtual.run_threads(R, move)
+    return (time.perf_counter() - t0) * 1e6
 
 
 def timed_move(moes, streams, gate):
@@ -110,16 +126,21 @@ class Gate:
 
 
 def time_policies(results, routing, args):
-    """Adds time_us to every step record of `results` (eplb_compare.simulate's) for every policy."""
-    if args.device != "cuda" or not torch.cuda.is_available():
-        raise SystemExit("eplb_compare --time: needs a CUDA device (--device cuda)")
-    device = torch.device("cuda", 0)
+    """Adds time_us to every step record of `results` (eplb_compare.simulate's) for every policy: CUDA graph replays on
+    a GPU; on the CPU backend (--device cpu, the code path's own check: its times are no result) eager steps."""
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("eplb_compare --time: --device cuda needs a CUDA device (or --device cpu)")
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     a = Shape(routing, args, device)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    os.environ.setdefault("FLATEP_NUM_SMS", str(max(1, sms // a.ranks)))
-    streams = [torch.cuda.Stream(device) for _ in range(a.ranks)]
+    if cuda:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        os.environ.setdefault("FLATEP_NUM_SMS", str(max(1, sms // a.ranks)))
+        streams = [torch.cuda.Stream(device) for _ in range(a.ranks)]
+        gate = Gate(a)
+    else:
+        streams, gate = [None] * a.ranks, None
     ranks = virtual.virtual_ranks(a.ranks, device)
-    gate = Gate(a)
     B = args.slots
     runs = [(f"flatep_b{B}", B, "balanced"), ("owner", B, "owner"), ("flatep_bepn", routing.epn, "balanced")]
     runs += [(f"static_{n}", B, "static") for n in args.intervals]
@@ -132,7 +153,10 @@ def time_policies(results, routing, args):
             placement = eplb.place(routing._counts[0:1].sum((0, 1)).tolist(), a.ranks, B)
             virtual.run_threads(a.ranks, lambda r: moes[r].set_placement(placement))
         step = TraceStep(a, moes, routing, device, streams)
-        graphs = capture(step, routing, 0)
+        graphs = capture(step, routing, 0) if cuda else None
+        if not cuda:  # the eager warm-up: a static layer's first forward moves the placed weights
+            step.write_inputs(0)
+            step.eager_cpu()
         for t, rec in enumerate(results[name]):
             move_us = 0.0
             if planner == "static" and t and t % n == 0:
@@ -141,9 +165,14 @@ def time_policies(results, routing, args):
                 if new != placement:
                     placement = new
                     virtual.run_threads(a.ranks, lambda r: moes[r].set_placement(placement))
-                    move_us = timed_move(moes, streams, gate)
+                    move_us = timed_move(moes, streams, gate) if cuda else timed_move_cpu(moes)
             step.write_inputs(t)
-            us, _ = graphs.timed()
+            if cuda:
+                us, _ = graphs.timed()
+            else:
+                outs, us = step.eager_cpu()
+                if planner == "static" and any(m.last_placement_bytes for m in moes):
+                    raise SystemExit(f"eplb_compare --time: {name} step {t} moved weights inside the step")
             rec["time_us"] = round(us + move_us, 2)
             rec["move_us"] = round(move_us, 2)
         times = [r["time_us"] for r in results[name]]
@@ -151,4 +180,5 @@ def time_policies(results, routing, args):
               f"{len(times)} steps ({time.perf_counter() - t0:.1f} s)", flush=True)
         del graphs, step, moes
         testing.release_all()
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()

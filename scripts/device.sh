@@ -68,6 +68,25 @@ step_static() {
         tests/python/test_static_placement.py
 }
 
+STEP_HELP[build_serving]="test_gpu_serving alone in $BUILD (after build): the serving and static cases' binary"
+STEP_LIMIT[build_serving]=240
+step_build_serving() { cmake --build "$BUILD" -j"$JOBS" --target test_gpu_serving; }
+
+STEP_HELP[serving_quick]="test_gpu_serving --quick: serving steps (B slots, every planner, graphs) bitwise vs the CPU backend"
+STEP_LIMIT[serving_quick]=240
+step_serving_quick() { "$BUILD"/tests/gpu/test_gpu_serving --quick; }
+
+STEP_HELP[capture]="tests/python/test_first_call.py's capture cases on CUDA (virtual ranks: flatep.virtual.graph)"
+STEP_LIMIT[capture]=180
+step_capture() { FLATEP_SPAWN_TIMEOUT_S=150 "$PY" -m pytest -q -rA -m cuda tests/python/test_first_call.py -k capture; }
+
+STEP_HELP[eplb_real]="benchmarks/eplb_compare.py --time on the training run's routing (layer 3, 150 steps)"
+STEP_LIMIT[eplb_real]=300
+step_eplb_real() {
+    "$PY" benchmarks/eplb_compare.py --trace benchmarks/results/train_e2e_h100/trace_flatep.npz --layer 3 --steps 150 \
+        --time --out "$RESULTS/eplb_real"
+}
+
 STEP_HELP[probe]="benchmarks/host_block_probe.py: which host calls wait for another stream's running kernel"
 STEP_LIMIT[probe]=90
 step_probe() { "$PY" benchmarks/host_block_probe.py; }
