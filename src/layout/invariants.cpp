@@ -1,5 +1,7 @@
 #include "layout/invariants.hpp"
 
+#include <algorithm>
+
 #include "common/check.hpp"
 #include "common/env.hpp"
 #include "layout/plan.hpp"
@@ -123,15 +125,20 @@ std::string slot_table_violation(const Layout& l, const int32_t* slot_expert) {
     for (int d = 0; d < l.num_ranks; ++d) {
         bool unused_seen = false;
         int32_t previous = -1;
+        const int32_t* const row = slot_expert + int64_t(d) * epn;
         for (int j = 0; j < epn; ++j) {
-            const int32_t e = slot_expert[int64_t(d) * epn + j];
+            const int32_t e = row[j];
+            // A planned table fills slots from 0 in ascending expert order; a static placement (l.placed) keeps the
+            // user's order and gaps, and holds an expert at most once a rank.
             const char* why = e < -1 || e >= l.num_experts ? "not -1 or an expert id in [0, E)"
                               : e < 0                      ? nullptr
                               : j >= l.num_slots           ? "a used slot past the rank's B slots"
                               : l.home_rank(e) == d        ? "a replica of the rank's own expert"
-                              : unused_seen                ? "a used slot after an unused one"
-                              : e <= previous              ? "not above the slot before it"
-                                                           : nullptr;
+                              : l.placed && std::find(row, row + j, e) != row + j ? "an expert repeated on the rank"
+                              : l.placed                                          ? nullptr
+                              : unused_seen                                       ? "a used slot after an unused one"
+                              : e <= previous                                     ? "not above the slot before it"
+                                                                                  : nullptr;
             if (why != nullptr)
                 return concat("slot_expert[", d, "][", j, "] = ", e, ": ", why, " (E=", l.num_experts,
                               ", B=", l.num_slots, ")");

@@ -68,7 +68,8 @@ std::string training_view_violation(int epn, int pool_rows, int64_t row_bytes, s
 
 // A plan's slot table slot_expert [R][epn] (host memory; null: nothing to check, e.g. a device plan): slot j of rank d
 // holds -1 or an expert id in [0, E) that rank d does not own, j >= B holds -1, and the used slots come first, in
-// ascending expert id.
+// ascending expert id; a static placement's table (l.placed) keeps the user's order and gaps, an expert at most once
+// a rank.
 std::string slot_table_violation(const Layout& l, const int32_t* slot_expert);
 
 }  // namespace flatep

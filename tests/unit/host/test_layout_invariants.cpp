@@ -154,6 +154,19 @@ TEST(LayoutInvariants, SlotTables) {
     };
     for (const auto& [table, why] : bad)
         EXPECT_NE(slot_table_violation(l, table.data()).find(why), std::string::npos) << why;
+    // A static placement keeps the user's order and gaps; every other rule still holds, and an expert is placed at
+    // most once a rank.
+    l.placed = true;
+    EXPECT_EQ(slot_table_violation(l, good.data()), "");
+    EXPECT_EQ(slot_table_violation(l, std::vector<int32_t>{6, 4, -1, -1, -1, 1, 0, -1}.data()), "");
+    const std::vector<std::pair<std::vector<int32_t>, std::string>> bad_placed = {
+        {{6, 6, -1, -1, 0, 1, 3, -1}, "an expert repeated on the rank"},
+        {{4, 6, -1, -1, 0, 1, 3, 2}, "past the rank's B slots"},
+        {{4, 6, -1, -1, -1, 5, 3, -1}, "a replica of the rank's own expert"},
+        {{4, 9, -1, -1, 0, 1, 3, -1}, "not -1 or an expert id"},
+    };
+    for (const auto& [table, why] : bad_placed)
+        EXPECT_NE(slot_table_violation(l, table.data()).find(why), std::string::npos) << why;
 }
 
 }  // namespace
