@@ -128,9 +128,6 @@ def main():
     idx = [testing.sample_topk(E, S, K, r, sigma=args.sigma, seed=3).long().to(device) for r in range(R)]
     split = {"shared": [S], "microbatch2": [S // 2, S - S // 2]}
     timer = Timer(R, device)
-    for r in range(R):  # cuBLAS loads a GEMM's kernels at first use: not while a peer's collective spins
-        with torch.cuda.stream(timer.streams[r]) if device.type == "cuda" else torch.no_grad():
-            testing.warm_up_local(moes[r], sorted({S, S // 2, S - S // 2}), backward=False)
 
     def pieces(r, mode):
         sizes, at, out = split[mode], 0, []

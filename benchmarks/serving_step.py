@@ -165,15 +165,13 @@ def phase_bytes(a, ffn, num_slots, steps):
     # The expert FFN's live tensors over NvS rows: recv_x, h [2F], h in fp32, silu(gate) and the product (fp32);
     # later recv_x, h, a [F] and y. Per token: the input, its fp32 copy (route), the output, logits and softmax.
     temps = nvs * max(2 * H + 20 * ffn, 4 * H + 6 * ffn) + s_max * (H * 8 + E * 12)
-    view_rows = 2 * epn if training else a.ranks * epn + num_slots
-    warmup = view_rows * eb + nvs * 2 * H + temps  # testing.warm_up_local clones the whole weights view
-    parts = dict(own_weights=own, pools=pools, buffers=buffers, temps=temps, warmup=warmup)
-    return pools + buffers, temps, warmup, parts
+    parts = dict(own_weights=own, pools=pools, buffers=buffers, temps=temps)
+    return pools + buffers, temps, parts
 
 
 def phase_need(a, ffn, num_slots, steps):
-    static, temps, warmup, parts = phase_bytes(a, ffn, num_slots, steps)
-    peak = a.ranks * static + max(a.ranks * temps, warmup if a.device == "cuda" else 0)
+    static, temps, parts = phase_bytes(a, ffn, num_slots, steps)
+    peak = a.ranks * (static + temps)
     return int(peak * 1.02) + (SLACK_BYTES if a.device == "cuda" else 0), parts
 
 
@@ -432,12 +430,6 @@ def run_phase(a, ranks, num_slots, steps, sigma, device, streams):
     R = a.ranks
     t0 = time.perf_counter()
     moes = build_layers(a, ranks, num_slots, device)
-    if device.type == "cuda":  # the torch kernels of the forward, loaded before any collective (one rank at a time:
-        for r, m in enumerate(moes):  # each clones its whole weights view)
-            with torch.cuda.stream(streams[r]):
-                testing.warm_up_local(m, sorted({a.tokens, a.decode_tokens}), backward=False)
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
     print(f"B={num_slots}: layers built in {time.perf_counter() - t0:.1f} s", flush=True)
     records = []
     for planner, s in steps:

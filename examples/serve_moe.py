@@ -61,8 +61,6 @@ def main(argv=None):
     moes = virtual.run_threads(R, lambda r: flatep.nn.MoE(
         H, args.ffn, E, K, ranks[r], num_tokens=args.prefill_tokens, num_slots=args.slots, seed=args.seed,
         device=device, align=8))
-    for m in moes:  # the torch kernels of the layer's forward, loaded before any collective (a no-op on the CPU)
-        testing.warm_up_local(m, [args.prefill_tokens, args.decode_tokens], backward=False)
     dense = testing.DenseMoE(H, args.ffn, E, K, seed=args.seed)
     streams = [torch.cuda.Stream(device) for _ in range(R)] if device.type == "cuda" else [None] * R
     pools = moes[0].pools

@@ -272,47 +272,6 @@ class DenseMoE(torch.nn.Module):
         return out.to(x.dtype)
 
 
-def warm_up_local(moe, token_counts, backward=True):
-    """Runs, once per token count and without any collective, the torch computations of `moe`'s forward (and
-    backward) that pick GPU kernels by shape: the router GEMM and softmax/top-K, the shared expert's GEMMs, the
-    experts' grouped GEMMs (on copies of the compute views, over [NvS, H] zero rows; once the Buffer exists). For
-    virtual ranks driven by one host thread: cuBLAS loads a GEMM's kernels at its first use, and that load waits for
-    the GPU's running kernels, among them a peer's collective spinning until this thread enqueues that peer's part
-    (a deadlock the peer's timeout ends). Call it for every layer before the first step, on the stream the rank's
-    step will use. The gradients it makes are dropped (the replicated parameters' .grad is restored). A no-op on the
-    CPU backend."""
-    if moe.device.type != "cuda":
-        return
-    # Not an oracle: it must run the layer's own computations, whose kernels it loads.
-    from .nn import grouped_ffn, route, shared_expert_ffn
-
-    params = moe.replicated_parameters()
-    saved = [p.grad for p in params]
-    with torch.enable_grad():
-        for s in token_counts:
-            x = torch.randn(int(s), moe.hidden, device=moe.device, requires_grad=backward)
-            weights, _ = route(x, moe.router.weight, moe.topk)
-            loss = weights.sum()
-            if moe.shared_ffn is not None:
-                shared = shared_expert_ffn(x.to(_BF16), moe.shared_w1, moe.shared_w2, moe.activation)
-                loss = loss + shared.float().sum()
-            if backward:
-                loss.backward()
-        if moe.buffer is not None:  # the experts' grouped GEMMs over [NvS, H] rows, on copies of the compute views
-            rows = moe.buffer.num_recv_rows
-            layer = moe.expert_layer
-            w1 = layer.weights(0).detach().clone().requires_grad_(backward)
-            w2 = layer.weights(1).detach().clone().requires_grad_(backward)
-            groups = w1.shape[0]
-            ends = torch.arange(1, groups + 1, device=moe.device, dtype=torch.int32) * (rows // groups)
-            x = torch.zeros(rows, moe.hidden, device=moe.device, dtype=_BF16, requires_grad=backward)
-            y = grouped_ffn(x, w1, w2, ends, moe.activation)
-            if backward:
-                y.float().sum().backward()
-    for p, g in zip(params, saved):
-        p.grad = g
-
-
 # ---- multi-process launcher ----
 
 

@@ -41,13 +41,11 @@ def inputs(counts, seed):
 def serve(device, num_slots, planner, xs, idx):
     """One inference step on R virtual ranks of `device`: (outputs on the CPU, plans, layers)."""
     import flatep
-    from flatep import testing, virtual
+    from flatep import virtual
 
     ranks = virtual.virtual_ranks(R, device, timeout_s=60)
     moes = virtual.run_threads(R, lambda r: flatep.nn.MoE(H, F, E, K, ranks[r], num_tokens=S, align=8, seed=3,
                                                           num_slots=num_slots, planner=planner, device=device))
-    for m in moes:
-        testing.warm_up_local(m, [S], backward=False)
     streams = [torch.cuda.Stream(device) if device.type == "cuda" else None for _ in range(R)]
 
     def run(r):
@@ -122,8 +120,6 @@ def test_inference_step_replays_as_one_cuda_graph_per_rank_bitwise():
     moes = virtual.run_threads(R, lambda r: flatep.nn.MoE(H, F, E, K, ranks[r], num_tokens=S, align=8, seed=3,
                                                           num_slots=1, device=device))
     decode_s = 8
-    for m in moes:
-        testing.warm_up_local(m, [S, decode_s], backward=False)
     streams = [torch.cuda.Stream(device) for _ in range(R)]
     for planner, s_max in (("balanced", S), ("owner", decode_s)):
         virtual.run_threads(R, lambda r: moes[r].use_planner(planner, s_max))

@@ -14,9 +14,8 @@ CPU backend (virtual ranks; no streams, every op synchronous, run in the schedul
 * the arguments' checks.
 GPU (marker cuda; skipped without one): the same comparisons on virtual ranks of one GPU, overlapped (comm_stream)
 against serial (current stream), bitwise, in a process of its own with CUDA_MODULE_LOADING=EAGER (see
-step_graph_cases.run_virtual for why), each rank's forward from a thread of its own and every layer's GEMMs run once
-beforehand (flatep.testing.warm_up_local: cuBLAS loads a kernel at first use, and the load waits for a peer's
-collective that the blocked thread has yet to enqueue; backward runs on torch's one autograd thread per device).
+step_graph_cases.run_virtual for why: backward runs on torch's one autograd thread per device), each rank's forward
+from a thread of its own, with no warm-up of the layer's kernels (FlatEP's ops meet on the host first).
 
 Reproduce: PYTHONPATH=python:build/python /usr/bin/python3 -m pytest -q tests/python/test_moe_overlap.py
 """
@@ -282,9 +281,6 @@ def run_gpu_case(rank, world_size, out_path):
             res.append(d)
         return res
 
-    for r in range(GPU_R):  # cuBLAS loads kernels at first use: not while a peer's collective spins
-        with torch.cuda.stream(streams[r]):
-            testing.warm_up_local(moes[r], [GPU_S, GPU_S // 2])
     errors = []
     for pipelined in (False, True):
         once(pipelined, False)  # warm-up
