@@ -705,10 +705,11 @@ for step in "${steps[@]}"; do
         FAILED=1
     fi
     echo "$result $step ($((SECONDS - t0)) s)" | tee -a "$SUMMARY"
+    if [[ $result != PASS ]] || ! declare -F "summary_$step" >/dev/null; then
+        tail -n 25 "$log"
+    fi
     if declare -F "summary_$step" >/dev/null; then
         "summary_$step" "$log" | tee -a "$SUMMARY"
-    else
-        tail -n 25 "$log"
     fi
 done
 echo "device.sh: $((SECONDS - START)) s" | tee -a "$SUMMARY"
