@@ -6,8 +6,8 @@ may run side by side; each fork names kernels that may.
 
     python3 scripts/graph_forks.py step_graph_rank1.dot [--limit 12]
 
-Used by scripts/device_suite.sh's step_graph_repeat on the whole-step test's graphs (docs/performance.md: the known
-failure).
+Used by scripts/device.sh's step_graph_repeat step on the whole-step test's graphs (benchmarks/results/LOG.md: the
+known failure).
 """
 
 import argparse
