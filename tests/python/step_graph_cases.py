@@ -262,8 +262,8 @@ def errors_in_processes(out_path, R=2):
 
 def main():
     """The in-processes test's body from a plain python3 parent (no pytest): `python3 tests/python/step_graph_cases.py`
-    prints `pass`, or `FAIL` and the errors (exit status 1). scripts/device_suite.sh's step_graph_repeat runs it and
-    the pytest test alternately (docs/performance.md: a race of results() once made it flaky)."""
+    prints `pass`, or `FAIL` and the errors (exit status 1). scripts/device.sh step_graph_repeat runs it and
+    the pytest test alternately (benchmarks/results/LOG.md: a race of results() once made it flaky)."""
     import tempfile
 
     import step_graph_cases as cases  # by its module name, so that the spawned processes import the same functions

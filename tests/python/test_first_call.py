@@ -6,7 +6,7 @@ step captured as a CUDA graph per rank from the rank's own thread and replayed w
 eager (CUDA only).
 
 On the CPU backend (CI) the same programs check the cases themselves against the dense reference; on a GPU
-(`python3 -m pytest -q tests/python/test_first_call.py -m cuda`, scripts/device_suite.sh step first_call) they are
+(`python3 -m pytest -q tests/python/test_first_call.py -m cuda`, scripts/device.sh first_call) they are
 the issue's failures: an empty rank's first step and a capture from user code.
 """
 

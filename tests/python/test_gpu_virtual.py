@@ -9,7 +9,7 @@
 * 30 create/destroy cycles of virtual ranks, Buffer, ExpertPools and a layer leave device memory flat and print no
   warning.
 
-Reproduce on a GPU: python3 -m pytest -q tests/python/test_gpu_virtual.py   (scripts/device_suite.sh: virtual_gpu)
+Reproduce on a GPU: python3 -m pytest -q tests/python/test_gpu_virtual.py   (scripts/device.sh virtual_gpu)
 """
 
 import gc
