@@ -31,7 +31,7 @@ README = os.path.join(ROOT, "README.md")
 CUDA_SKIP = mp_cases.cuda_unavailable_reason()
 # The docs the README links to and that link back into the tree (design.md and adding.md are checked by their owner).
 LINKED_DOCS = ["README.md", "docs/performance.md", "docs/api.md", "docs/errors.md", "docs/testing.md",
-               "benchmarks/results/LOG.md"]
+               "docs/eplb.md", "benchmarks/results/LOG.md"]
 MAX_LINES = 260  # a newcomer's five minutes (about 250 lines); the figures are in docs/performance.md
 
 
