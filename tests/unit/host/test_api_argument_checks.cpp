@@ -219,5 +219,22 @@ TEST(ApiArgs, ExpertPoolsRefusesEmptyOrOversizedProjectionsAndBadIndices) {
               "view_row: the serving view's rows (num_slots < epn); these pools train (num_slots = epn)");
 }
 
+TEST(ApiArgs, ForwardOnlyPoolsHaveNoGradientMemory) {
+    // Serving pools (B = 1 < epn = 2) and pools with an fp32 projection do not train: no grads, own or viewed.
+    LocalHostWorld world(1, 10.0);
+    const std::shared_ptr<Transport> t = world.transport(0);
+    ExpertPools serving(t, 2, {{2, 8}}, 1);
+    ExpertPools scales(t, 2, {{2, 8}, {1, 4, 4}});
+    ExpertLayer a = serving.register_layer(), b = scales.register_layer();
+    EXPECT_FALSE(serving.trains());
+    EXPECT_FALSE(scales.trains());
+    for (const ExpertLayer* layer : {&a, &b}) {
+        EXPECT_EQ(layer->grads(0), nullptr);
+        EXPECT_EQ(layer->own_grads(0), nullptr);
+        EXPECT_NE(layer->own_weights(0), nullptr);
+    }
+    EXPECT_EQ(scales.reduce_pool(1), nullptr);
+}
+
 }  // namespace
 }  // namespace flatep
