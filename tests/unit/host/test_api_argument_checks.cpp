@@ -6,13 +6,16 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flatep/buffer.hpp"
 #include "flatep/error.hpp"
 #include "flatep/expert_pools.hpp"
+#include "layout/layout.hpp"
 #include "transport/local_host.hpp"
 #include "unit/host/rank_threads.hpp"
 
@@ -234,6 +237,67 @@ TEST(ApiArgs, ForwardOnlyPoolsHaveNoGradientMemory) {
         EXPECT_NE(layer->own_weights(0), nullptr);
     }
     EXPECT_EQ(scales.reduce_pool(1), nullptr);
+}
+
+TEST(ApiArgs, ADefaultOrMovedFromLayerHasNoProjection) {
+    LocalHostWorld world(1, 10.0);
+    ExpertPools pools(world.transport(0), 2, {{2, 8}});
+    ExpertLayer real = pools.register_layer();
+    EXPECT_FALSE(real.on_device());
+    EXPECT_EQ(real.num_projections(), 1);
+    ExpertLayer taken = std::move(real);
+    const ExpertLayer empty;
+    for (const ExpertLayer* layer : {static_cast<const ExpertLayer*>(&real), &empty}) {
+        EXPECT_EQ(layer->num_projections(), 0);
+        EXPECT_EQ(layer->pools_id(), 0u);
+        EXPECT_FALSE(layer->on_device());
+        EXPECT_EQ(outcome_of([&] { layer->weights(0); }).message, "projection must be in [0, 0), got 0");
+        EXPECT_EQ(outcome_of([&] { layer->own_grads(0); }).message, "projection must be in [0, 0), got 0");
+    }
+    EXPECT_EQ(taken.pools_id(), pools.id());
+    EXPECT_NE(taken.weights(0), nullptr);
+}
+
+TEST(ApiArgs, ServingPoolsRefuseAViewStrideOutOfRange) {
+    LocalHostWorld world(1, 10.0);
+    const std::shared_ptr<Transport> t = world.transport(0);
+    const int smallest = ExpertPools(t, 2, {{2, 8}}, 1).view_stride();
+    const std::string range = "ExpertPools: view_stride must be 0 (the smallest that fits, " +
+                              std::to_string(smallest) + ") or in [" + std::to_string(smallest) + ", " +
+                              std::to_string(kMaxViewStride) + "], got ";
+    for (const int stride : {-1, smallest - 1, kMaxViewStride + 1}) {
+        const Outcome o = outcome_of([&] { ExpertPools p(t, 2, {{2, 8}}, 1, stride); });
+        EXPECT_EQ(o.message, range + std::to_string(stride));
+        EXPECT_EQ(o.category, kInvalid);
+    }
+    EXPECT_EQ(ExpertPools(t, 2, {{2, 8}}, 1, smallest + 3).view_stride(), smallest + 3);
+}
+
+TEST(ApiArgs, PlacementBytesRefusesAnEmptyPlanOtherPoolsAndARankBelowMinusOne) {
+    LocalHostWorld world(1, 10.0);
+    const std::shared_ptr<Transport> t = world.transport(0);
+    ExpertPools pools(t, 4, {{2, 8}}), fewer(t, 2, {{2, 8}}), serving(t, 4, {{2, 8}}, 1);
+    Buffer buffer(make_config(1, 4, 2, 1, 8, 1), t, PlannerKind::kStatic);
+    buffer.set_placement(std::vector<int32_t>(4, -1));  // one rank: every expert at home, no replica
+    const int32_t idx[2] = {0, 3};
+    const Plan plan = buffer.plan(idx, 4, 2);
+    EXPECT_EQ(pools.placement_bytes(plan, -1), 0);
+    EXPECT_EQ(pools.placement_bytes(plan, 0), 0);
+    const std::vector<std::pair<std::string, std::function<void()>>> rows = {
+        {"placement_bytes: plan is empty (default-constructed); get one from Buffer::plan()",
+         [&] { pools.placement_bytes(Plan(), -1); }},
+        {"placement_bytes: plan has epn=4 num_slots=4 but the pools have epn=2 num_slots=2",
+         [&] { fewer.placement_bytes(plan, -1); }},
+        {"placement_bytes: plan has epn=4 num_slots=4 but the pools have epn=4 num_slots=1",
+         [&] { serving.placement_bytes(plan, -1); }},
+        {"placement_bytes: rank must be in [0, 1) or -1 (every rank), got -2",
+         [&] { pools.placement_bytes(plan, -2); }},
+    };
+    for (const auto& [want, call] : rows) {
+        const Outcome o = outcome_of(call);
+        EXPECT_EQ(o.message, want);
+        EXPECT_EQ(o.category, kInvalid) << want;
+    }
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -289,6 +290,33 @@ TEST(TransportArgs, LocalMemoryAndViewsRefuseHugeSizesAndPiecesPastTheEnd) {
     EXPECT_EQ(view.base[g], 7);
     t->unmap_view(view);
     t->release_local(two);
+}
+
+TEST(TransportArgs, VirtualRanksRefuseSizesDevicesAndMemoryKindsTheyCannotSplit) {
+    const std::vector<std::pair<std::string, std::function<void()>>> rows = {
+        {"virtual ranks: num_ranks must be in [1, 64], got 65", [] { make_virtual_ranks(65, MemoryKind::kHost); }},
+        {"virtual ranks: 2 ranks cannot be split evenly over 1 devices (host memory has none)",
+         [] { make_virtual_ranks(2, MemoryKind::kHost, 1.0, {0}); }},
+        {"virtual ranks: 3 ranks cannot be split evenly over 2 devices",
+         [] {
+             make_virtual_ranks(3, MemoryKind::kDevice, 1.0, {0, 1});
+         }},
+        {"virtual ranks: 1 ranks cannot be split evenly over 2 devices",
+         [] {
+             make_virtual_ranks(1, MemoryKind::kDevice, 1.0, {0, 1});
+         }},
+        {"virtual ranks: memory kind must be kHost (0) or kDevice (1), got 7",
+         [] { make_virtual_ranks(2, static_cast<MemoryKind>(7)); }},
+    };
+    for (const auto& [want, call] : rows) {
+        const Outcome o = outcome_of(call);
+        EXPECT_EQ(o.message, want);
+        EXPECT_EQ(o.category, kInvalid) << want;
+    }
+    const std::vector<std::shared_ptr<Transport>> ranks = make_virtual_ranks(2, MemoryKind::kHost, 1.0);
+    ASSERT_EQ(ranks.size(), 2u);
+    EXPECT_EQ(ranks[1]->rank(), 1);
+    EXPECT_EQ(ranks[1]->num_ranks(), 2);
 }
 
 }  // namespace
