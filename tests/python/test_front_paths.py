@@ -298,3 +298,81 @@ def test_free_port_is_a_port_nothing_listens_on():
     assert 0 < port < 65536
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # free: binds
+
+
+# ---- argument checks of the EPLB placement helpers, static placements and virtual ranks' collectives ----
+
+
+def test_eplb_refuses_shapes_and_copies_it_cannot_place():
+    from flatep import eplb
+
+    loads = [8, 4, 2, 1]
+    with pytest.raises(ValueError, match=r"^pack: num_slots must be an int, got 1.5$"):
+        eplb.pack(loads, [1, 1, 1, 1], 2, 1.5)
+    with pytest.raises(ValueError, match=r"^pack: num_ranks must be an int, got True$"):
+        eplb.pack(loads, [1, 1, 1, 1], True, 1)
+    with pytest.raises(ValueError, match=r"^replicate: extra=3 copies do not fit R\*B=2 slots$"):
+        eplb.replicate(loads, 2, 3, num_slots=1)
+    with pytest.raises(ValueError, match=r"^pack: copies must be E=4 counts in \[1, R=2\] with at most R\*B=2 extra$"):
+        eplb.pack(loads, [1, 1, 1], 2, 1)
+    with pytest.raises(ValueError, match=r"^pack: copies must be E=4 counts in \[1, R=2\] with at most R\*B=2 extra$"):
+        eplb.pack(loads, [3, 1, 1, 1], 2, 1)
+    copies = eplb.replicate(loads, 2, 2, num_slots=1)
+    # Expert 0's copy takes rank 1's only slot, so expert 1 (rank 0's too) cannot get one: expert 2 does, on rank 0.
+    assert copies == [2, 1, 2, 1]
+    assert eplb.pack(loads, copies, 2, 1) == [[2], [0]]
+
+
+def test_static_placement_refuses_ids_beyond_int32():
+    buffer = flatep.Buffer(None, S, H, E, K, align=1, planner="static")
+    with pytest.raises(ValueError, match=r"^set_placement: placement\[0\]\[2\] = 1099511627776 is not an expert id "
+                                         r"\(int32\) or -1 \(empty\)$"):
+        buffer.set_placement([[-1, -1, 2**40, -1]])
+    buffer.set_placement([[-1] * E])
+    assert buffer.placement.tolist() == [[-1] * E]
+
+
+def test_a_static_layer_reuses_its_buffer_when_it_comes_back_to_a_token_count():
+    moe = flatep.nn.MoE(H, 8, E, K, planner="static", num_tokens=S)
+    first = moe.buffer
+    moe.use_planner("balanced", S)
+    assert moe.buffer is not first
+    moe.use_planner("static", S)
+    assert moe.buffer is first
+
+
+def test_pools_placement_bytes_and_drifting_popularity_refuse_bad_arguments():
+    pools = flatep.ExpertPools(None, E, [(H, 8)])
+    with pytest.raises(ValueError, match=r"^placement_bytes: plan must be a flatep.Plan from Buffer.plan\(\), got str$"):
+        pools.placement_bytes("plan")
+    for args in ((4, 0), (0, 3), (4, 3, 1.0, 0.05, -1)):
+        with pytest.raises(ValueError, match=r"^drifting_popularity: num_steps and num_experts must be >= 1 and "
+                                             r"shift_every >= 0, got "):
+            testing.drifting_popularity(*args)
+    assert testing.drifting_popularity(4, 3).shape == (3, 4)
+
+
+def test_virtual_collectives_refuse_split_sizes_and_tensors_that_do_not_match():
+    ranks = virtual.virtual_ranks(2)
+
+    def outcome(fn):
+        try:
+            return fn()
+        except ValueError as e:
+            return str(e)
+
+    def on_ranks(fn):
+        return virtual.run_threads(2, lambda r: outcome(lambda: fn(r, ranks[r])))
+
+    rows = torch.zeros(4, 2)
+    assert on_ranks(lambda r, v: v.all_to_all_single(torch.zeros(4, 2), rows, [2, 2], [2, 1])) == [
+        "all_to_all_single: split sizes sum to 3 (input) and 4 (output), the tensors have 4 and 4 rows"] * 2
+    assert on_ranks(lambda r, v: v.all_to_all_single(torch.zeros(4, 2), rows, [2, 2], [4])) == [
+        "all_to_all_single: input_split_sizes must be 2 non-negative ints, got [4]"] * 2
+    assert on_ranks(lambda r, v: v.all_to_all_single(torch.zeros(4, 2), rows, [5, -1], [2, 2])) == [
+        "all_to_all_single: output_split_sizes must be 2 non-negative ints, got [5, -1]"] * 2
+    got = on_ranks(lambda r, v: v.all_reduce(torch.ones(2 + r)))
+    assert got[0] == "virtual rank 0: all_reduce: rank 1's tensor is float32 [3], this rank's float32 [2]"
+    assert got[1] == "virtual rank 1: all_reduce: rank 0's tensor is float32 [2], this rank's float32 [3]"
+    sums = on_ranks(lambda r, v: v.all_reduce(torch.full((2,), float(r + 1))))
+    assert all(torch.equal(t, torch.full((2,), 3.0)) for t in sums)
