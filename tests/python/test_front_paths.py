@@ -343,7 +343,8 @@ def test_a_static_layer_reuses_its_buffer_when_it_comes_back_to_a_token_count():
 
 def test_pools_placement_bytes_and_drifting_popularity_refuse_bad_arguments():
     pools = flatep.ExpertPools(None, E, [(H, 8)])
-    with pytest.raises(ValueError, match=r"^placement_bytes: plan must be a flatep.Plan from Buffer.plan\(\), got str$"):
+    with pytest.raises(ValueError,
+                       match=r"^placement_bytes: plan must be a flatep.Plan from Buffer.plan\(\), got str$"):
         pools.placement_bytes("plan")
     for args in ((4, 0), (0, 3), (4, 3, 1.0, 0.05, -1)):
         with pytest.raises(ValueError, match=r"^drifting_popularity: num_steps and num_experts must be >= 1 and "
