@@ -319,5 +319,33 @@ TEST(TransportArgs, VirtualRanksRefuseSizesDevicesAndMemoryKindsTheyCannotSplit)
     EXPECT_EQ(ranks[1]->num_ranks(), 2);
 }
 
+TEST(TransportArgs, AnAllocateMetByAnotherCollectiveNamesThePeerInsteadOfReadingPastItsBlob) {
+    // Rank 1 is in a plain all-gather of an empty blob while rank 0 allocates: rank 0 used to copy a region's 24
+    // bytes out of that empty blob (reading past it) and report the garbage as the bytes rank 1 asked for.
+    LocalHostWorld world(2, 10.0);
+    std::vector<Outcome> got(2);
+    std::vector<std::string> gathered;
+    const std::vector<std::string> errors = testing::run_ranks(2, [&](int rank) {
+        const std::shared_ptr<Transport> t = world.transport(rank);
+        if (rank == 0) {
+            got[0] = outcome_of([&] { t->allocate(4096); });
+        } else {
+            gathered = t->bootstrap().all_gather("");
+        }
+        SymmetricRegion region = t->allocate(4096);  // both in step again: the world still works
+        got[rank].category = region.peers[1 - rank] != nullptr ? got[rank].category : -2;
+        t->release(region);
+    });
+    EXPECT_EQ(testing::failures(errors), "");
+    EXPECT_EQ(got[0].message,
+              "allocate: rank 0 asked for 4096 bytes but rank 1 is in another collective (it sent 0 "
+              "bytes, not a region's 24)");
+    EXPECT_EQ(got[0].category, int(ErrorCategory::kMismatch));
+    EXPECT_EQ(got[1].category, -1);  // no error, and the peer's region mapped
+    ASSERT_EQ(gathered.size(), 2u);
+    EXPECT_EQ(gathered[0].size(), 24u);
+    EXPECT_EQ(gathered[1], "");
+}
+
 }  // namespace
 }  // namespace flatep
