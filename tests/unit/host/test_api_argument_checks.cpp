@@ -300,5 +300,31 @@ TEST(ApiArgs, PlacementBytesRefusesAnEmptyPlanOtherPoolsAndARankBelowMinusOne) {
     }
 }
 
+TEST(ApiArgs, RanksWhosePoolsHaveDifferentSlotsOrStridesFailTheBufferOnEveryRank) {
+    // The pools' B and Q come with the Buffer made from them: ranks that passed different ones to their pools (whose
+    // allocations round to the same pages: 32-byte experts) meet the difference at the Buffer's config exchange.
+    const int R = 2;
+    LocalHostWorld world(R, 10.0);
+    for (const bool strides : {true, false}) {
+        std::vector<Outcome> got(R);
+        std::vector<std::string> shape(R);
+        const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
+            const int smallest = ExpertPools(world.transport(rank), 4, {{2, 8}}, 1).view_stride();
+            const int slots = strides || rank == 0 ? 1 : 2, stride = strides && rank == 1 ? smallest + 1 : 0;
+            ExpertPools pools(world.transport(rank), 4, {{2, 8}}, slots, stride);
+            shape[rank] = std::to_string(pools.num_slots()) + ", " + std::to_string(pools.view_stride());
+            got[rank] = outcome_of([&] { Buffer b(make_config(R, 8, 2, 1, 8, 1, 1.0, rank), pools); });
+        });
+        EXPECT_EQ(failures(errors), "");
+        EXPECT_NE(shape[0], shape[1]);
+        EXPECT_EQ(got[0].message,
+                  "config mismatch with rank 1: num_slots, view_stride: " + shape[0] + " vs " + shape[1]);
+        EXPECT_EQ(got[1].message,
+                  "config mismatch with rank 0: num_slots, view_stride: " + shape[1] + " vs " + shape[0]);
+        EXPECT_EQ(got[0].category, kMismatch);
+        EXPECT_EQ(got[1].category, kMismatch);
+    }
+}
+
 }  // namespace
 }  // namespace flatep

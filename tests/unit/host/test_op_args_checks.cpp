@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "flatep/error.hpp"
+#include "flatep/ffn.hpp"
 #include "flatep/fp8.hpp"
 #include "layout/layout.hpp"
 #include "ops/combine_grad_args.hpp"
@@ -234,6 +235,24 @@ TEST(OpArgsChecks, QuantizeFp8RowsRefusesABadHiddenRowCountOrNullPointers) {
     EXPECT_EQ(q[0], 0x7e);
     EXPECT_EQ(q[255], 0x7e);
     EXPECT_EQ(scales[1], 1.0f / 448.0f);
+}
+
+TEST(OpArgsChecks, FfnRowsPassTheirChecksWithNoRowsSiluAndUntouchedRowsPastTheEnd) {
+    // Valid arguments reach the launch: a build without CUDA says so (kRuntime); the checks before it let through
+    // rows = 0 with null rows, the silu activation and PastEnd::kUntouched.
+#if defined(FLATEP_WITH_CUDA)
+    GTEST_SKIP() << "a CUDA build launches the kernels; the GPU tests run them";
+#else
+    static const int32_t end = 0;
+    const std::string no_cuda = ": this FlatEP build has no CUDA support (nvcc was not found at build time)";
+    const Outcome act =
+        outcome_of([] { activate_rows(nullptr, nullptr, 0, 8, FfnActivation::kSilu, &end, PastEnd::kUntouched); });
+    EXPECT_EQ(act.message, "activate_rows" + no_cuda);
+    EXPECT_EQ(act.category, int(ErrorCategory::kRuntime));
+    const Outcome zero = outcome_of([] { zero_rows_from_end(nullptr, 0, 8, &end); });
+    EXPECT_EQ(zero.message, "zero_rows_from_end" + no_cuda);
+    EXPECT_EQ(zero.category, int(ErrorCategory::kRuntime));
+#endif
 }
 
 }  // namespace
