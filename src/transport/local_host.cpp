@@ -148,6 +148,11 @@ class LocalHostTransport : public Transport {
             // Check every blob before mapping any fd: all ranks see the same blobs, so all of them throw here
             // together and nobody maps an fd its owner is about to close.
             for (int p = 0; p < num_ranks; ++p) {
+                if (blobs[p].size() != sizeof(RegionBlob)) {  // a peer in another collective: its blob is no region
+                    FLATEP_THROW(ErrorCategory::kMismatch, "allocate: rank ", rank_, " asked for ", bytes,
+                                 " bytes but rank ", p, " is in another collective (it sent ", blobs[p].size(),
+                                 " bytes, not a region's ", sizeof(RegionBlob), ")");
+                }
                 std::memcpy(&theirs[p], blobs[p].data(), sizeof(RegionBlob));
                 if (theirs[p].bytes != bytes) {
                     FLATEP_THROW(ErrorCategory::kMismatch, "allocate: rank ", rank_, " asked for ", bytes,

@@ -77,28 +77,7 @@ Row serving_config_row(const std::string& input, const std::string& message,
                }};
 }
 
-// Sets an environment variable for its lifetime, then restores the old value (or unsets it).
-class ScopedEnv {
-  public:
-    ScopedEnv(const char* name, const char* value) : name_(name) {
-        const char* old = std::getenv(name);
-        had_ = old != nullptr;
-        if (had_) old_ = old;
-        ::setenv(name, value, 1);
-    }
-    ~ScopedEnv() {
-        if (had_) {
-            ::setenv(name_, old_.c_str(), 1);
-        } else {
-            ::unsetenv(name_);
-        }
-    }
-
-  private:
-    const char* name_;
-    bool had_ = false;
-    std::string old_;
-};
+using testing::ScopedEnv;
 
 // A FLATEP_TIMEOUT_S row: the variable set to `text` while the process's timeout is read.
 Row env_timeout_row(const std::string& text) {
