@@ -26,8 +26,10 @@ std::string size_text(int64_t bytes) {
     char buf[48];
     if (bytes >= kGiB)
         std::snprintf(buf, sizeof buf, "%.2f GiB", double(bytes) / double(kGiB));
-    else
+    else if (bytes >= (1 << 20))
         std::snprintf(buf, sizeof buf, "%.1f MiB", double(bytes) / double(1 << 20));
+    else
+        std::snprintf(buf, sizeof buf, "%.1f KiB", double(bytes) / 1024.0);
     return buf;
 }
 
@@ -57,9 +59,10 @@ MemoryEstimate kernel_step_memory(const Layout& l, const std::vector<int64_t>& e
     e.add("expert outputs", nvs * row, R);
     e.add("combine output", S * row, R);
     e.add("receive weights", nvs * 4, R);
-    for (int64_t bytes : expert_bytes) {
-        e.add("own experts", epn * bytes, R);
-        e.add("slot pool", int64_t(pool_slots) * bytes, R);
+    for (size_t q = 0; q < expert_bytes.size(); ++q) {
+        const std::string of = expert_bytes.size() > 1 ? " of projection " + std::to_string(q) : "";
+        e.add("own experts" + of, epn * expert_bytes[q], R);
+        e.add("slot pool" + of, int64_t(pool_slots) * expert_bytes[q], R);
     }
     if (grads && !expert_bytes.empty()) {  // fp32 over projection 0's bf16 elements: twice its bytes
         e.add("fp32 grads", epn * expert_bytes[0] * 2, R);
@@ -106,8 +109,14 @@ int64_t available_bytes(double memory_gib, int64_t device_free) {
 
 void require_fit(const std::string& program, const std::vector<MemoryEstimate>& estimates, int64_t free_bytes,
                  const std::string& device, bool given) {
-    for (const MemoryEstimate& e : estimates)
-        std::printf("memory estimate: %s: %s\n", e.what.c_str(), e.describe().c_str());
+    // Cases that differ only where no size depends (the routing's skew) have the same estimate: printed once.
+    std::vector<std::string> printed;
+    for (const MemoryEstimate& e : estimates) {
+        const std::string line = e.what + ": " + e.describe();
+        if (std::find(printed.begin(), printed.end(), line) != printed.end()) continue;
+        printed.push_back(line);
+        std::printf("memory estimate: %s\n", line.c_str());
+    }
     for (const MemoryEstimate& e : estimates) {
         const std::string refusal = does_not_fit(e, free_bytes, device, given);
         if (refusal.empty()) continue;

@@ -38,13 +38,14 @@ struct MemoryEstimate {
     std::string describe() const;  // "symmetric region 8 x 4.29 GiB, plan 8 x 2.00 MiB, ...; 97.31 GiB"
 };
 
-// "12.34 GiB" (>= 1 GiB) or "5.6 MiB".
+// "12.34 GiB" (>= 1 GiB), "5.6 MiB" (>= 1 MiB) or "0.5 KiB".
 std::string size_text(int64_t bytes);
 
 // The device buffers of common/kernel_step.cuh's KernelStep on each of the layout's R virtual ranks (one GPU): the
 // symmetric region, the plan and its workspace (plan_workspace_bytes: runtime::plan_workspace_bytes(l), CUDA-side),
 // the inputs (top-k ids, rows, weights), the expert outputs and combine output, the expert pools (own experts and
-// pool_slots slots per projection) and, with grads, fp32 gradients and reduce pools of projection 0.
+// pool_slots slots per projection, "of projection q" where there are several) and, with grads, fp32 gradients and
+// reduce pools of projection 0.
 MemoryEstimate kernel_step_memory(const Layout& l, const std::vector<int64_t>& expert_bytes, int pool_slots, bool grads,
                                   int64_t plan_workspace_bytes);
 
@@ -63,8 +64,8 @@ std::string does_not_fit(const MemoryEstimate& e, int64_t free_bytes, const std:
 // The free bytes to compare with: --memory-gib's when > 0, else `device_free` (cudaMemGetInfo's).
 int64_t available_bytes(double memory_gib, int64_t device_free);
 
-// Prints every estimate ("memory estimate: ..."); when one does not fit, prints "PROGRAM: does not fit: ..." for
-// the first such on stderr and exits 2. The drivers call it before they allocate anything.
+// Prints every estimate ("memory estimate: ...", one line for equal ones); when one does not fit, prints "PROGRAM: does
+// not fit: ..." for the first such on stderr and exits 2. The drivers call it before they allocate anything.
 void require_fit(const std::string& program, const std::vector<MemoryEstimate>& estimates, int64_t free_bytes,
                  const std::string& device, bool given);
 

@@ -142,6 +142,7 @@ TEST(BenchCommon, RefusesWhatDoesNotFit) {
     EXPECT_EQ(available_bytes(0, 80 * kGiB), 80 * kGiB);
     EXPECT_EQ(e.describe(), "pools 8 x 3.00 GiB, allowance 1.00 GiB: 25.00 GiB");
     EXPECT_EQ(size_text(3 << 19), "1.5 MiB");
+    EXPECT_EQ(size_text(512), "0.5 KiB");
     EXPECT_EXIT(require_fit("prog", {e}, 24 * kGiB, "cuda:0", false), ::testing::ExitedWithCode(2),
                 "prog: does not fit: preset k3 \\(R8_S4096_E896_H7168_K8\\) needs 25.00 GiB on cuda:0, 24.00 GiB free");
 }
