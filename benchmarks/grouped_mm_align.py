@@ -52,8 +52,8 @@ import flatep  # noqa: E402
 from flatep import testing, virtual  # noqa: E402
 from flatep.nn import grouped_ffn  # noqa: E402
 
-sys.path.insert(0, HERE)
-import moe_fp8  # noqa: E402  (its CUDA-event timer)
+sys.path.insert(0, os.path.join(HERE, "common"))
+import bench_timing  # noqa: E402
 
 BF16 = torch.bfloat16
 GEMMS = ["gemm1_fwd", "gemm2_fwd", "gemm2_wgrad", "gemm2_dgrad", "gemm1_wgrad", "gemm1_dgrad"]
@@ -244,17 +244,10 @@ def layouts(args, ranks, sigma):
 def time_op(fn, device, reps, warmup):
     """Median ms of fn() over `reps` runs after `warmup` (CUDA events on a GPU, the host clock elsewhere)."""
     if device.type == "cuda":
-        return moe_fp8.timed(fn, reps, warmup)
-    import time
-
+        return statistics.median(bench_timing.time_calls(fn, reps, warmup))
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return statistics.median(bench_timing.wall_ms(fn)[0] for _ in range(reps))
 
 
 class Tensors:

@@ -24,7 +24,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
 
+import bench_timing  # noqa: E402
 import flatep  # noqa: E402
 from flatep import testing  # noqa: E402
 from flatep.nn import dequantize_rows  # noqa: E402
@@ -50,17 +52,7 @@ def rel_l2(a, b):
 
 
 def timed(fn, iters, warmup=1):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    return statistics.median(bench_timing.time_calls(fn, iters, warmup))
 
 
 def rowwise_quant(t):

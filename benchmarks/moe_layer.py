@@ -35,7 +35,6 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -52,6 +51,8 @@ from flatep.baseline import (  # noqa: E402, F401 - the baseline's helpers (one 
 from flatep.nn import DEFAULT_ALIGN, grouped_ffn, route  # noqa: E402
 
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "common"))
+import bench_timing  # noqa: E402
 import layer_probe  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -125,11 +126,7 @@ class Timer:
         self._opened = {}
 
     def _stamp(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
+        return bench_timing.stamp(self.cuda)
 
     def sync(self):
         if self.cuda:
@@ -160,7 +157,7 @@ class Timer:
         out = {}
         for name, a, b in self.marks:
             assert b is not None, f"phase {name} never ended"
-            ms = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+            ms = bench_timing.elapsed_ms(a, b)
             out[name] = out.get(name, 0.0) + ms
         self.enabled, self.marks = False, []
         return out

@@ -60,7 +60,9 @@ import torch  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, os.path.join(HERE, "common"))
 
+import bench_timing  # noqa: E402
 import flatep  # noqa: E402
 import layer_probe  # noqa: E402
 import moe_layer as ml  # noqa: E402
@@ -87,8 +89,7 @@ class Clock:
         self.devices = devices  # per rank
         self.streams = [torch.cuda.Stream(device=d) for d in devices] if self.cuda else [None] * R
         if self.cuda:  # GATE_S of spinning (see together), from the SM clock
-            clock_khz = getattr(torch.cuda.get_device_properties(devices[0]), "clock_rate", 1_980_000)
-            self.gate_cycles = int(GATE_S * clock_khz * 1e3)
+            self.gate_cycles = bench_timing.gate_cycles(devices[0], GATE_S)
         self.enabled = False
         self.times = {}
         self.counters = layer_probe.PhaseCounters()
@@ -140,20 +141,22 @@ class Clock:
                     s = self.streams[r]
                     self.sync()
                     before = self._alloc_counters()
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record(s)
                     call = (lambda: fn(r)) if i == 0 else (lambda res=res: fn(r, res))
-                    with self.rank_stream(r), self._range(phase, r):
-                        res = call() if self.memory is None else self.memory.local(r, call)
-                    b.record(s)
-                    b.synchronize()
-                    self._add(phase, r, a.elapsed_time(b))
+
+                    def timed(r=r, phase=phase, call=call):
+                        with self.rank_stream(r), self._range(phase, r):
+                            return call() if self.memory is None else self.memory.local(r, call)
+
+                    ms, res = bench_timing.time_on_stream(s, timed)
+                    self._add(phase, r, ms)
                     self.counters.add(phase, before, self._alloc_counters())
                 else:
-                    t0 = time.perf_counter()
-                    with self._range(phase, r):
-                        res = fn(r) if i == 0 else fn(r, res)
-                    self._add(phase, r, (time.perf_counter() - t0) * 1e3)
+                    def timed_cpu(r=r, phase=phase, fn=fn, i=i, res=res):
+                        with self._range(phase, r):
+                            return fn(r) if i == 0 else fn(r, res)
+
+                    ms, res = bench_timing.wall_ms(timed_cpu)
+                    self._add(phase, r, ms)
             out[r] = res
         return out
 
@@ -187,37 +190,25 @@ class Clock:
     def _together_cuda(self, phase, fn, finish):
         self.sync()
         before = self._alloc_counters()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.R)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.R)]
+
+        def ranged(r):
+            with self._range(phase, r):
+                return fn(r)
+
         # A gate: every stream first spins for GATE_S, longer than the host takes to enqueue every rank's part, so the
         # ranks start together (as R processes would) instead of in host launch order; the timing starts after it.
+        t = bench_timing.ranks_together(self.streams, ranged, self.gate_cycles, finish=finish, enter=self.rank_stream,
+                                        sync=self.sync)
         for r in range(self.R):
-            with self.rank_stream(r):
-                torch.cuda._sleep(self.gate_cycles)
-            starts[r].record(self.streams[r])
-        out = [None] * self.R
-        for r in range(self.R):
-            with self.rank_stream(r), self._range(phase, r):
-                out[r] = fn(r)
-        if finish is not None:
-            for r in range(self.R):
-                with self.rank_stream(r):
-                    finish(r)
-        for r in range(self.R):
-            ends[r].record(self.streams[r])
-        self.sync()
-        for r in range(self.R):
-            self._add(phase, r, starts[r].elapsed_time(ends[r]))
+            self._add(phase, r, t.ms[r])
         self.counters.add(phase, before, self._alloc_counters())
-        return out
+        return t.out
 
     def host(self, phase, fn):
         """fn() once (it involves every rank and a host sync); its host time counts for every rank."""
         self.sync()
         before = self._alloc_counters()
-        t0 = time.perf_counter()
-        res = fn()
-        ms = (time.perf_counter() - t0) * 1e3
+        ms, res = bench_timing.wall_ms(fn)
         for r in range(self.R):
             self._add(phase, r, ms)
         self.counters.add(phase, before, self._alloc_counters())

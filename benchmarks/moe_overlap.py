@@ -44,7 +44,9 @@ import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, os.path.join(HERE, "common"))
 
+import bench_timing  # noqa: E402
 import flatep  # noqa: E402
 from flatep import testing, virtual  # noqa: E402
 from flatep.nn import add_shared, grouped_ffn, route, shared_expert_ffn  # noqa: E402
@@ -62,28 +64,16 @@ class Timer:
         self.R, self.device, self.cuda = R, device, device.type == "cuda"
         self.streams = [torch.cuda.Stream(device) for _ in range(R)] if self.cuda else [None] * R
         if self.cuda:
-            khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 1_980_000)
-            self.gate_cycles = int(GATE_S * khz * 1e3)
+            self.gate_cycles = bench_timing.gate_cycles(device, GATE_S)
 
     def run(self, fn):
         if not self.cuda:  # CPU backend: ops block until every rank arrives, so the ranks run on threads
-            t0 = time.perf_counter()
-            out = virtual.run_threads(self.R, fn)
-            return (time.perf_counter() - t0) * 1e3, out
+            return bench_timing.wall_ms(lambda: virtual.run_threads(self.R, fn))
         torch.cuda.synchronize(self.device)
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.R)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.R)]
-        for r in range(self.R):
-            with torch.cuda.stream(self.streams[r]):
-                torch.cuda._sleep(self.gate_cycles)
-                starts[r].record()
-        out = []
-        for r in range(self.R):  # one thread enqueues every rank's work, each on its own stream
-            with torch.cuda.stream(self.streams[r]):
-                out.append(fn(r))
-                ends[r].record()
-        torch.cuda.synchronize(self.device)
-        return max(s.elapsed_time(e) for s, e in zip(starts, ends)), out
+        # one thread enqueues every rank's work, each on its own stream
+        t = bench_timing.ranks_together(self.streams, fn, self.gate_cycles,
+                                        sync=lambda: torch.cuda.synchronize(self.device))
+        return t.max_ms, t.out
 
 
 def main():

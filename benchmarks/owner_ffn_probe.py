@@ -11,6 +11,7 @@ costs the FFN, phase by phase (first grouped GEMM, activation, second grouped GE
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -20,8 +21,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
 from flatep import ffn  # noqa: E402
 
-sys.path.insert(0, HERE)
-import moe_fp8  # noqa: E402  (its CUDA-event timer)
+sys.path.insert(0, os.path.join(HERE, "common"))
+import bench_timing  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -41,8 +42,8 @@ def parse_args(argv=None):
 
 
 def timed(fn, reps, warmup):
-    """Median of `reps` CUDA-event timings of fn() in microseconds, after `warmup` calls (moe_fp8's timer)."""
-    return moe_fp8.timed(fn, reps, warmup) * 1e3
+    """Median of `reps` CUDA-event timings of fn() in microseconds, after `warmup` calls."""
+    return statistics.median(bench_timing.time_calls(fn, reps, warmup)) * 1e3
 
 
 def main(argv=None):
