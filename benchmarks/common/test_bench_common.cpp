@@ -129,6 +129,27 @@ TEST(BenchCommon, KernelStepMemoryFromTheShapes) {
     EXPECT_EQ((MemoryPart{"x", 0, 5}.total()), 0);
 }
 
+TEST(BenchCommon, EpRankMemoryFromTheShapes) {
+    const Layout l = small_layout();
+    const MemoryEstimate e = ep_rank_memory(l, 1000, /*plan_slots=*/4);
+    int64_t allocations = 0, bytes_of_nccl_receive = 0;
+    for (const MemoryPart& p : e.parts) {
+        allocations += p.name == "nccl communicator (allowance)" ? 0 : p.count;
+        if (p.name == "nccl dedup receive rows" || p.name == "nccl entries receive rows")
+            bytes_of_nccl_receive += p.bytes;
+        if (p.name == "symmetric region") {
+            EXPECT_EQ(p.bytes, 266496);
+        }
+        if (p.name == "plan slots") {
+            EXPECT_EQ(p.bytes, 4 * make_plan_sizes(l).total_words * 4);
+        }
+    }
+    // The worst case of every source's rows to this rank: dedup R*S rows, entries R*S*min(K, epn) rows of 512 bytes.
+    EXPECT_EQ(bytes_of_nccl_receive, 2 * 64 * 512 + 2 * 64 * 2 * 512);
+    EXPECT_EQ(allocations, 19);
+    EXPECT_EQ(e.total(), 19 * kAllocationGranule + kNcclAllowance + kMemoryAllowance);
+}
+
 TEST(BenchCommon, RefusesWhatDoesNotFit) {
     MemoryEstimate e;
     e.what = "preset k3 (R8_S4096_E896_H7168_K8)";
