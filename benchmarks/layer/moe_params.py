@@ -3,8 +3,8 @@
 how many expert-weight-sized copies and clones a step makes (torch profiler). Run it once with this tree's
 python/flatep and once with an older one (--label) to get the before/after table of docs/performance.md.
 
-    python3 benchmarks/moe_params.py --layers 2 --csv $OUT/moe_params.csv --label after
-    FLATEP_PYTHON=<old tree>/python python3 benchmarks/moe_params.py --label before --csv ...
+    python3 benchmarks/layer/moe_params.py --layers 2 --csv $OUT/moe_params.csv --label after
+    FLATEP_PYTHON=<old tree>/python python3 benchmarks/layer/moe_params.py --label before --csv ...
 
 One rank (a one-rank world, no peers: every expert is local, so the step is the layer's own work: router, plan,
 dispatch, prefetch, grouped GEMMs, combine and their backward), epn = E experts of W1 [H, 2F] (SwiGLU, the default;
@@ -26,8 +26,8 @@ import torch
 if "FLATEP_PYTHON" in os.environ:  # another tree's package (the "before" run), ahead of this tree's
     sys.path.insert(0, os.environ["FLATEP_PYTHON"])
 else:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
 
 import bench_timing  # noqa: E402
 import flatep  # noqa: E402

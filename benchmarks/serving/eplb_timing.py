@@ -1,4 +1,5 @@
-"""The GPU part of benchmarks/eplb_compare.py (--time): every policy's serving step timed on every step of the trace.
+"""The GPU part of benchmarks/serving/eplb_compare.py (--time): every policy's serving step timed on every step of
+the trace.
 
 A policy's layer is flatep.nn.MoE(num_slots=B) on R virtual ranks of one GPU (serving_step.py's layers: experts drawn
 on the device), its inference forward (plan, dispatch, the slots' pull for the balanced planner, both grouped GEMMs,
@@ -21,7 +22,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "common"))
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
 
 import torch  # noqa: E402
 

@@ -3,13 +3,13 @@
 baseline, every rank's share of every phase timed, and the critical path (the slowest rank per phase) reported.
 
     # one GPU, MoonEP's shape with H'=1024 (eight ranks' weights, pools and fp32 gradients must fit one GPU):
-    python3 benchmarks/moe_layer_virtual.py --config moonep --ffn 1024 --device cuda
-    python3 benchmarks/moe_layer_virtual.py --config deepep --ffn 1024 --device cuda
+    python3 benchmarks/layer/moe_layer_virtual.py --config moonep --ffn 1024 --device cuda
+    python3 benchmarks/layer/moe_layer_virtual.py --config deepep --ffn 1024 --device cuda
     # CPU smoke run (its numbers are not results):
-    /usr/bin/python3 benchmarks/moe_layer_virtual.py --device cpu --ranks 4 --tokens 64 --hidden 64 --ffn 32 \\
+    /usr/bin/python3 benchmarks/layer/moe_layer_virtual.py --device cpu --ranks 4 --tokens 64 --hidden 64 --ffn 32 \\
         --experts 16 --topk 2 --iters 2 --warmup 1 --out /tmp/moe_layer_virtual
 
-The layer and both implementations are those of benchmarks/moe_layer.py (router, grouped FFN y = silu(x W1) W2 per
+The layer and both implementations are those of benchmarks/layer/moe_layer.py (router, grouped FFN y = silu(x W1) W2 per
 expert, weighted sum of each token's K outputs, fp32 expert gradients), written out phase by phase because the R
 ranks live in one process (flatep.virtual: R ranks over the ipc transport, one CUDA stream each). How a phase is
 timed depends on what it is:
@@ -37,7 +37,7 @@ is chunked (--baseline-unpermute lean; 'autograd' is the expression autograd run
 rank, cached per stream: with 8 ranks on one GPU the suspected cause of the caching allocator freeing and mapping
 memory again inside combine_bwd at maxvio 20, which the allocator columns show).
 Both implementations add their bf16 expert gradients into fp32 main gradients (--wgrad-mode). Besides time,
-per (maxvio, implementation): memory per rank (benchmarks/layer_probe.py: static, the step's peak, from one extra
+per (maxvio, implementation): memory per rank (benchmarks/layer/layer_probe.py: static, the step's peak, from one extra
 untimed step) and per phase the caching allocator's cache-flushing retries and device allocations (the timed
 iterations). --profile-baseline DIR captures one baseline step at --profile-maxvio with torch.profiler (tables of
 the top ops and kernels, the phases' ranges, a chrome trace).
@@ -59,8 +59,8 @@ import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
-sys.path.insert(0, os.path.join(HERE, "common"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
 
 import bench_timing  # noqa: E402
 import flatep  # noqa: E402
@@ -71,7 +71,7 @@ from flatep.nn import grouped_ffn, route  # noqa: E402
 
 BF16 = ml.BF16
 # FlatEP's A/B switches of this benchmark: (flag, choices with the default first, help); the second choices are the
-# issue-48 run's (benchmarks/moe_layer.py has the baseline's, --baseline-unpermute and --wgrad-mode)
+# issue-48 run's (benchmarks/layer/moe_layer.py has the baseline's, --baseline-unpermute and --wgrad-mode)
 AB_SWITCHES = (
     ("--flatep-local-ops", ["uncapped", "capped"],
      "FlatEP's local ops (combine_grad, write_grads) on the whole GPU or under the comm phases' SM budget"),
@@ -694,7 +694,7 @@ def main(argv=None):
         own.add_argument(flag, choices=choices, default=choices[0], help=what)
     extra, rest = own.parse_known_args(argv)
     args = ml.parse_args(rest)
-    args.command = " ".join(["benchmarks/moe_layer_virtual.py"] + argv)
+    args.command = " ".join(["benchmarks/layer/moe_layer_virtual.py"] + argv)
     args.timeout, args.gpus = extra.timeout, extra.gpus
     args.profile_baseline, args.profile_maxvio = extra.profile_baseline, extra.profile_maxvio
     args.flatep_local_ops, args.flatep_combine_bwd = extra.flatep_local_ops, extra.flatep_combine_bwd

@@ -13,9 +13,10 @@ CPU backend nn.MoE's loop over groups, flatep.ffn.grouped_ffn) and the weighted 
 Every mode plans for its own s: the layer's Buffer is the one for (planner, s) (MoE.use_planner(planner, s)), so a
 decode step's receive rows are sized for decode, as a server would run it.
 
-    python3 benchmarks/serving_step.py --preset deepep --ffn 1536 --iters 10 --csv serving_step_deepep.csv
-    python3 benchmarks/serving_step.py --preset k3 --iters 10 --csv serving_step_k3.csv
-    PYTHONPATH=python:build/python /usr/bin/python3 benchmarks/serving_step.py --quick --device cpu --csv /tmp/q.csv
+    python3 benchmarks/serving/serving_step.py --preset deepep --ffn 1536 --iters 10 --csv serving_step_deepep.csv
+    python3 benchmarks/serving/serving_step.py --preset k3 --iters 10 --csv serving_step_k3.csv
+    PYTHONPATH=python:build/python /usr/bin/python3 benchmarks/serving/serving_step.py --quick --device cpu \
+        --csv /tmp/q.csv
 
 Presets: deepep (R=8, S=4096, E=256, H=7168, K=8, F=2048, uniform routing), k3 (R=8, S=4096, E=896, H=7168, K=8,
 F=512, routing skew maxvio 1 as serving_bench's k3: sigma by bisection, seed 42); --ffn overrides F, --quick is a tiny
@@ -59,8 +60,8 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))  # source checkout: python/ (the extension: PYTHONPATH)
-sys.path.insert(0, os.path.join(HERE, "common"))  # bench_timing
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))  # source checkout: python/ (the extension: PYTHONPATH)
+sys.path.insert(0, os.path.join(HERE, "..", "common"))  # bench_timing
 
 from flatep import virtual  # noqa: E402  (first: it sets CUDA's loading mode before CUDA starts)
 import torch  # noqa: E402

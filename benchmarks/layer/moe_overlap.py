@@ -4,9 +4,9 @@ sum of its parts, measured in the same run, with a figure and a CSV.
 
     # H200, MoonEP's per-rank sizes (S=8192, epn=48, H=7168, K=8, F=2048) and a shared expert of F_s=2048 on 2
     # virtual ranks (~25 GB each); about a minute of device time:
-    python3 benchmarks/moe_overlap.py --device cuda --out benchmarks/results/moe_overlap_h200
+    python3 benchmarks/layer/moe_overlap.py --device cuda --out benchmarks/results/moe_overlap_h200
     # CPU smoke run (its numbers are not results):
-    /usr/bin/python3 benchmarks/moe_overlap.py --device cpu --ranks 2 --tokens 64 --hidden 64 --ffn 32 \\
+    /usr/bin/python3 benchmarks/layer/moe_overlap.py --device cpu --ranks 2 --tokens 64 --hidden 64 --ffn 32 \\
         --shared-ffn 48 --experts-per-rank 4 --topk 2 --iters 2 --warmup 1 --out /tmp/moe_overlap
 
 Two modes, each forward only (torch.no_grad), every rank's layer with a shared expert:
@@ -16,8 +16,8 @@ Two modes, each forward only (torch.no_grad), every rank's layer with a shared e
   the expert GEMMs of the first, and the combine of the first during the second's shared expert and GEMMs.
 
 Per mode and iteration, all ranks at once (each on its own stream; a GATE_S spin on every stream first so that the
-host enqueues every rank's work before any starts, as in benchmarks/moe_layer_virtual.py; the communication kernels
-on --num-sms blocks per launch, the GEMMs on the rest of the GPU):
+host enqueues every rank's work before any starts, as in benchmarks/layer/moe_layer_virtual.py; the communication
+kernels on --num-sms blocks per launch, the GEMMs on the rest of the GPU):
 * overlapped: the layer with overlap=True, from the gate's end to the end of the rank's compute stream;
 * serial layer: the same with overlap=False (every op on the compute stream, one after the other);
 * parts: each part on its own, the exact calls the layer makes (flatep.nn.route; Buffer.plan / dispatch / combine;
@@ -43,8 +43,8 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
-sys.path.insert(0, os.path.join(HERE, "common"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
 
 import bench_timing  # noqa: E402
 import flatep  # noqa: E402
