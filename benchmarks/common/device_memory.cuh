@@ -1,15 +1,15 @@
-// The CUDA half of common/memory.hpp's check: the free bytes of the current device and its name, and the entry of
-// every driver's main that turns an exception into one line and exit status 1 (instead of std::terminate).
+// The CUDA half of common/memory.hpp's check: the free bytes of the current device and its name. Drivers that include
+// it get common/run_main.hpp too (every driver's main).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstdio>
-#include <exception>
 #include <string>
 
 #include "common/memory.hpp"
+#include "common/run_main.hpp"
 #include "internal/api.hpp"
 
 namespace flatep::bench {
@@ -35,19 +35,6 @@ inline void require_device_fit(const std::string& program, const std::vector<Mem
     const bool given = memory_gib > 0;
     const int64_t free_bytes = available_bytes(memory_gib, given ? 0 : device_free_bytes());
     require_fit(program, estimates, free_bytes, current_device_name(), given);
-}
-
-// Runs a driver's body; an exception (flatep::Error: a CUDA call that failed, a wait that timed out) ends the
-// program with "PROGRAM: error: what" on stderr and exit status 1.
-template <class Body>
-int run_main(const char* program, Body&& body) {
-    try {
-        return body();
-    } catch (const std::exception& e) {
-        std::fflush(stdout);
-        std::fprintf(stderr, "%s: error: %s\n", program, e.what());
-        return 1;
-    }
 }
 
 }  // namespace flatep::bench
