@@ -9,7 +9,7 @@ and compares with the `packages=(...)` lists of scripts/setup.sh. Each problem i
 file and line, the module and the package setup.sh lacks (or, for a module with no entry in DEBIAN_PACKAGES, saying
 to add one); then the exit status is 1:
 
-    check_deps: benchmarks/moe_layer_plot.py:34: imports matplotlib, but scripts/setup.sh does not install ...
+    check_deps: benchmarks/layer/moe_layer_plot.py:34: imports matplotlib, but scripts/setup.sh does not install ...
 
 An import inside `try: ... except ImportError:` is optional: its module must still be in DEBIAN_PACKAGES, but a
 package that setup.sh does not install is only a note. Standard library only; run with Debian's python3:

@@ -171,6 +171,13 @@ void Flags::add_timing(int* iters, int* warmup) {
 
 void Flags::add_csv(std::string* path) { impl_->app.add_option("--csv", *path, "CSV output path"); }
 
+void Flags::add_memory(double* gib) {
+    impl_->app
+        .add_option("--memory-gib", *gib,
+                    "GiB of device memory to plan the cases for, instead of what cudaMemGetInfo finds free (0: that)")
+        ->check(CLI::Range(0.0, 1e6));
+}
+
 void Flags::add(const std::string& name, int* value, const std::string& help, int min, int max) {
     impl_->app.add_option(name, *value, help)->check(CLI::Range(min, max));
 }

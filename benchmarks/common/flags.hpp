@@ -8,7 +8,7 @@
 //   --maxvio a,b,..  | --sigma a,b,..
 //                                the routing's skew: target maxvios (the generator's sigma found by bisection) or
 //                                the sigmas themselves (0: uniform); one replaces the other's preset values
-//   --iters N --warmup N --csv PATH
+//   --iters N --warmup N --csv PATH --memory-gib G
 //
 // and driver-specific flags on top (add()). An unknown flag, a missing or malformed value, or a value out of range
 // ends the program with "PROGRAM: error: ..." on stderr and exit status 2; --help prints every flag and the presets.
@@ -82,6 +82,9 @@ class Flags {
     void add_shape(Shape* shape);
     void add_timing(int* iters, int* warmup);  // --iters (>= 1) --warmup (>= 0)
     void add_csv(std::string* path);
+    // --memory-gib G (>= 0): the device memory a driver checks its cases' estimates against (common/memory.hpp)
+    // instead of the free bytes cudaMemGetInfo reports; 0, the default: those.
+    void add_memory(double* gib);
 
     // Driver-specific flags (the current value is the default shown by --help). Lists take a,b,.. .
     void add(const std::string& name, int* value, const std::string& help, int min = INT32_MIN, int max = INT32_MAX);

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/memory.hpp"
 #include "internal/api.hpp"
 
 namespace flatep::bench {
@@ -45,6 +46,12 @@ struct KernelStepSpec {
     int pool_slots = 0;
     bool grads = false;
 };
+
+// What KernelStep(spec, ..) allocates on the device (common/memory.hpp: its constructor's buffers, every rank).
+inline MemoryEstimate kernel_step_memory(const KernelStepSpec& spec) {
+    return kernel_step_memory(spec.layout, spec.expert_bytes, spec.pool_slots, spec.grads,
+                              int64_t(runtime::plan_workspace_bytes(spec.layout)));
+}
 
 class KernelStep {
   public:

@@ -28,8 +28,8 @@ def arrive(group, op):
     CUDA device, when the op runs on a virtual rank's own thread (flatep.virtual.run_threads), it first waits on the
     host until every rank of the world reached its own call of an op: no rank's kernel then waits on the device for
     a peer whose thread is still in work before the op. That work may block the host until the GPU's running kernels
-    end (measured on an H100 by benchmarks/host_block_probe.py: making a thread's cuBLAS handle, a GEMM kernel's first
-    load), and with a rank's collective kernel waiting for that very thread the first step would hang until the
+    end (measured on an H100 by benchmarks/probes/host_block_probe.py: making a thread's cuBLAS handle, a GEMM
+    kernel's first load), and with a rank's collective kernel waiting for that very thread the first step would hang until the
     timeout (issue 59). Ops on other threads (one thread enqueueing every rank's op; autograd's backward thread) do
     not wait: one thread enqueues every rank's part there; nor do ops being captured into a CUDA graph, which run
     nothing (flatep.virtual.graph captures the ranks one at a time)."""

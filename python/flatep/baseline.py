@@ -35,7 +35,7 @@ peers inside the autograd engine's one worker thread per device and wait forever
 its ops never block the host.
 
 The pure helpers (by_expert, by_local_expert, weighted_sum, weighted_unpermute_backward, all_to_all_rows) are also
-those of benchmarks/moe_layer.py's Baseline.
+those of benchmarks/layer/moe_layer.py's Baseline.
 """
 
 import torch
@@ -512,7 +512,7 @@ class AllToAllMoE(torch.nn.Module):
         self.num_tokens = num_tokens
         #: The order of each token's K terms in the combine's fp32 sum: 'expert' (Megatron's: by expert id) or
         #: 'reversed' (the opposite). Only the summation order changes: what that alone does to a training run is the
-        #: noise floor of the loss comparison (benchmarks/train_e2e.py --spread).
+        #: noise floor of the loss comparison (benchmarks/training/train_e2e.py --spread).
         self.combine_order = "expert"
         self.last_counts = None
         self.last_loads = None

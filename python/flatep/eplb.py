@@ -6,8 +6,8 @@ even, moves the weights, and until the next rearrangement routes each token row 
 fixed rule. This module is that placement algorithm, written from the engines' public descriptions (replicate by
 load, then pack replicas onto ranks; optionally nodes first, then the ranks of each node), on FlatEP's layout: rank r
 owns experts [r*epn, (r+1)*epn) for good (their weights never move) and has B slots for replicas of other ranks'
-experts. ``flatep.Buffer(planner="static")`` with ``set_placement`` runs the placement; benchmarks/eplb_compare.py
-sets it against FlatEP's per-step plan.
+experts. ``flatep.Buffer(planner="static")`` with ``set_placement`` runs the placement;
+benchmarks/serving/eplb_compare.py sets it against FlatEP's per-step plan.
 
     loads = window_counts.sum(0)                        # [E] entries per expert over the window
     slots = flatep.eplb.place(loads, num_ranks=8, num_slots=4)    # [R][B] expert ids, -1 = empty slot

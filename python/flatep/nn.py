@@ -19,7 +19,7 @@ expert FFN runs in bf16 from there (torch._grouped_mm; _FP8DispatchExpertsFuncti
 torch._scaled_grouped_mm). Backward is all bf16: the rows' gradient is the gradient at the dequantised rows, sent back
 to the tokens through an unweighted bf16 combine (straight through the quantisation, as bf16 dispatch's backward),
 the routing weights' through entry_values; the expert GEMMs' backward is bf16 with fp32 weight gradients, as without
-FP8. Accuracy against the bf16 layer: tests/python/test_moe_fp8.py and benchmarks/moe_fp8.py.
+FP8. Accuracy against the bf16 layer: tests/python/test_moe_fp8.py and benchmarks/layer/moe_fp8.py.
 
 Shared expert (shared_ffn=F_s): a dense FFN of the layer's activation, W1 [H, 2F_s] (swiglu) or [H, F_s], W2 [F_s, H],
 applied to every token and added to the routed output: out = bf16(fp32(routed) + fp32(shared)). Its weights are
@@ -82,9 +82,10 @@ from .serving import check_inference, check_num_slots, serving_experts
 _BF16 = torch.bfloat16
 
 #: nn.MoE's default row padding of every expert group (Buffer's `align`), chosen by measurement: the grouped GEMMs'
-#: time over FlatEP's groups at align 16/32/64/128 (benchmarks/grouped_mm_align.py). torch._grouped_mm itself needs
-#: no group alignment for the operand layouts this module passes (16-byte aligned bases and strides only). On the H200
-#: (MoonEP's shape, F 512 / 2048, maxvio 0.2 / 20; benchmarks/results/grouped_mm_align_R8_S8192_E384_H7168_K8_h200.csv)
+#: time over FlatEP's groups at align 16/32/64/128 (benchmarks/probes/grouped_mm_align.py). torch._grouped_mm itself
+#: needs no group alignment for the operand layouts this module passes (16-byte aligned bases and strides only). On
+#: the H200 (MoonEP's shape, F 512 / 2048, maxvio 0.2 / 20;
+#: benchmarks/results/grouped_mm_align_R8_S8192_E384_H7168_K8_h200.csv)
 #: the expert FFN's forward + backward summed 66.7 / 67.0 / 68.2 / 70.5 ms at align 16 / 32 / 64 / 128: the GEMMs' time
 #: barely moves with align, the receive rows (and every pass over them) shrink with it.
 DEFAULT_ALIGN = 16
@@ -190,8 +191,8 @@ def dequantize_rows(q, scales):
 
 def _make_triton_dequantize():
     """One-pass dequantisation on a GPU (Triton, where installed): reads the e4m3 bytes and the block scales once and
-    writes bf16, ~4x less time than the two torch passes (benchmarks/moe_fp8.py). The same arithmetic: e4m3 -> fp32
-    (exact), one fp32 multiply, round to nearest even to bf16."""
+    writes bf16, ~4x less time than the two torch passes (benchmarks/layer/moe_fp8.py). The same arithmetic: e4m3 ->
+    fp32 (exact), one fp32 multiply, round to nearest even to bf16."""
     # Triton comes with CUDA builds of torch (a dependency of torch's CUDA wheels) and has no Debian package; the
     # CPU backend never needs it: an optional import (scripts/check_deps.py's BUNDLED_OPTIONAL).
     try:

@@ -23,7 +23,7 @@ that safe, and importing this module before CUDA starts sets both unless they ar
   model's norm, say, between two ranks' ops) may wait for the kernels running in the context, among them a rank's
   kernel spinning for a peer this thread has yet to enqueue: the first step hangs until the timeout. FlatEP loads its
   own kernels, and the torch kernels its ops launch, when a Buffer is built; eager loading covers yours. Its cost,
-  measured once per process on an H200 with torch 2.11 (benchmarks/module_loading_cost.py, 2026-12-03): against
+  measured once per process on an H200 with torch 2.11 (benchmarks/probes/module_loading_cost.py, 2026-12-03): against
   lazy loading, CUDA's start-up takes 1.90 s more and the first step 1.19 s more; device memory is 644 MiB more
   after start-up and 1054 MiB more after the first step.
 
@@ -378,7 +378,7 @@ class _RankThread:
 def _make_blas_handles(device):
     """This thread's cuBLAS handles (and, once a process and device, those of autograd's backward thread) made now,
     while no rank's kernel can be waiting: making one waits for every kernel running on the GPU (3.4 s behind a 1 s
-    kernel on an H100, benchmarks/host_block_probe.py), and a rank's first GEMM would otherwise make it while a
+    kernel on an H100, benchmarks/probes/host_block_probe.py), and a rank's first GEMM would otherwise make it while a
     peer's collective kernel waits for this rank (issue 59)."""
     torch.cuda.current_blas_handle()
     if device.index not in _autograd_warm:

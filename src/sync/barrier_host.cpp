@@ -18,8 +18,8 @@ namespace flatep::sync::host {
 
 namespace {
 
-// The waiting ladder of wait_flag_at_least (measured in benchmarks/soak.cpp on a 2-CPU VM; benchmarks/results/LOG.md,
-// Soak).
+// The waiting ladder of wait_flag_at_least (measured in benchmarks/soak/soak.cpp on a 2-CPU VM;
+// benchmarks/results/LOG.md, Soak).
 // 1. Spin, at most kSpinSeconds, only while it pays: every rank can own a CPU (num_ranks <= the CPUs of this
 //    process's affinity mask) and this thread's recent waits were short. A spinning rank keeps its CPU, so when the
 //    peer it waits for has been pushed off its own CPU (more ranks than CPUs, other load) the spin delays that very

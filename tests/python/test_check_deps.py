@@ -40,7 +40,7 @@ def test_setup_without_matplotlib_fails_naming_the_importer(tmp_path):
     lines = [l for l in out.splitlines() if "imports matplotlib" in l]
     assert lines, out
     assert all("does not install python3-matplotlib" in l for l in lines), out
-    assert any(l.startswith("check_deps: benchmarks/moe_layer_plot.py:") for l in lines), out
+    assert any(l.startswith("check_deps: benchmarks/layer/moe_layer_plot.py:") for l in lines), out
     problems = [l for l in out.splitlines() if not l.startswith("check_deps: note:")]
     assert not any("torch" in l for l in problems), out  # only the package taken out is reported
 

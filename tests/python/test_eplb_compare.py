@@ -1,5 +1,5 @@
-"""benchmarks/eplb_compare.py on the CPU: its closed forms of every policy's rows (the static split rule, the owner
-loads), the tiny preset end to end with the plans checked against the CPU backend, and its one-line refusals.
+"""benchmarks/serving/eplb_compare.py on the CPU: its closed forms of every policy's rows (the static split rule, the
+owner loads), the tiny preset end to end with the plans checked against the CPU backend, and its one-line refusals.
 
 Reproduce: PYTHONPATH=python:build/python /usr/bin/python3 -m pytest -q tests/python/test_eplb_compare.py
 """
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks", "serving"))
 
 import eplb_compare  # noqa: E402
 

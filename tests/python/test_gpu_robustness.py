@@ -4,7 +4,7 @@ Several ranks in one process, one host thread enqueuing every rank's plan + disp
 under lazy loading, any kernel loaded for the first time between two ranks' launches (FlatEP's own, or a torch kernel
 the Python layer launches) may wait for every running kernel of the context, among them a rank's kernel that spins
 for a peer this thread has not launched yet: the first step then hangs until the timeout, and every later step runs
-on barriers the timeout left out of step. Each case runs benchmarks/gpu_soak.py in a fresh process (the variable is
+on barriers the timeout left out of step. Each case runs benchmarks/soak/gpu_soak.py in a fresh process (the variable is
 read when CUDA starts) and asserts that it passes its checks (exact S*K rows, bitwise replays, clean status, flat
 memory) within a time far below the timeout it sets.
 
@@ -37,7 +37,7 @@ def run_soak(loading, mode, ranks, steps):
     env["FLATEP_TIMEOUT_S"] = str(TIMEOUT_S)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     cmd = [
-        sys.executable, os.path.join(ROOT, "benchmarks", "gpu_soak.py"), "--mode", mode, "--ranks", str(ranks),
+        sys.executable, os.path.join(ROOT, "benchmarks", "soak", "gpu_soak.py"), "--mode", mode, "--ranks", str(ranks),
         "--steps", str(steps), "--tokens", "1024", "--hidden", "2048", "--experts", "64", "--topk", "8",
         "--warmup", "10", "--replay-every", "25", "--max-seconds", str(TIMEOUT_S / 2),
     ]

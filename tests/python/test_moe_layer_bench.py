@@ -1,5 +1,5 @@
-"""benchmarks/moe_layer.py at a tiny size on the CPU (2 gloo processes): it runs FlatEP and the standard EP baseline
-on the same routing, writes one CSV row per maxvio x implementation x phase, and its equality check passes (and
+"""benchmarks/layer/moe_layer.py at a tiny size on the CPU (2 gloo processes): it runs FlatEP and the standard EP
+baseline on the same routing, writes one CSV row per maxvio x implementation x phase, and its equality check passes (and
 fails when the baseline is made to compute something else).
 
 Reproduce: PYTHONPATH=python:build/python /usr/bin/python3 -m pytest -q tests/python/test_moe_layer_bench.py
@@ -13,6 +13,7 @@ import sys
 import flatep
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+LAYER = os.path.join(ROOT, "benchmarks", "layer")  # the layer benchmarks
 TINY = ["--device", "cpu", "--ranks", "2", "--tokens", "64", "--hidden", "64", "--ffn", "32", "--experts", "8",
         "--topk", "2", "--iters", "2", "--warmup", "1"]
 BASELINE_PHASES = {"router_fwd", "plan", "dispatch_fwd", "gemm_fwd", "combine_fwd", "combine_bwd", "gemm_bwd",
@@ -24,7 +25,7 @@ FLATEP_PHASES = BASELINE_PHASES | {"prefetch", "reduce_grad"}
 def run(tmp_path, *extra):
     paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "moe_layer.py"), *TINY, "--out", str(tmp_path), *extra]
+    cmd = [sys.executable, os.path.join(LAYER, "moe_layer.py"), *TINY, "--out", str(tmp_path), *extra]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -39,7 +40,7 @@ def test_moe_layer_bench_tiny_cpu(tmp_path):
     assert {name + ".png", name + "_layer.png"} <= set(os.listdir(tmp_path))
     with open(tmp_path / csvs[0]) as f:
         lines = f.readlines()
-    assert lines[0].startswith("# command: benchmarks/moe_layer.py --device cpu")
+    assert lines[0].startswith("# command: benchmarks/layer/moe_layer.py --device cpu")
     assert lines[1].startswith("# device: ")
     rows = list(csv.DictReader(l for l in lines if not l.startswith("#")))
     phases = {}
@@ -67,14 +68,14 @@ def test_moe_layer_bench_equality_check_fails_loudly(tmp_path):
 
 
 def test_moe_layer_virtual_tiny_cpu(tmp_path):
-    """benchmarks/moe_layer_virtual.py: R=4 virtual ranks in one process, same CSV layout, the equality check passes;
-    'layer' is the sum over phases of the slowest rank."""
+    """benchmarks/layer/moe_layer_virtual.py: R=4 virtual ranks in one process, same CSV layout, the equality check
+    passes; 'layer' is the sum over phases of the slowest rank."""
     paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     args = list(TINY)
     args[args.index("--ranks") + 1] = "4"
     args[args.index("--experts") + 1] = "16"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "moe_layer_virtual.py"), *args, "--out", str(tmp_path),
+    cmd = [sys.executable, os.path.join(LAYER, "moe_layer_virtual.py"), *args, "--out", str(tmp_path),
            "--no-plot"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -84,7 +85,7 @@ def test_moe_layer_virtual_tiny_cpu(tmp_path):
     assert csvs[0].endswith("-virtual.csv"), csvs
     with open(tmp_path / csvs[0]) as f:
         lines = f.readlines()
-    assert lines[0].startswith("# command: benchmarks/moe_layer_virtual.py")
+    assert lines[0].startswith("# command: benchmarks/layer/moe_layer_virtual.py")
     assert "4 virtual ranks in one process" in lines[1]
     rows = list(csv.DictReader(l for l in lines if not l.startswith("#")))
     by = {(float(r["maxvio_target"]), r["impl"], r["phase"]): float(r["median_ms"]) for r in rows}
@@ -103,7 +104,7 @@ def test_moe_layer_virtual_before48_switches_cpu(tmp_path):
     the same layer: the equality check passes at both skews."""
     paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "moe_layer_virtual.py"), *TINY, "--out", str(tmp_path),
+    cmd = [sys.executable, os.path.join(LAYER, "moe_layer_virtual.py"), *TINY, "--out", str(tmp_path),
            "--no-plot", "--maxvio", "0.2", "20", "--baseline-unpermute", "autograd", "--flatep-local-ops", "capped",
            "--flatep-combine-bwd", "copy", "--wgrad-mode", "overwrite"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -114,7 +115,7 @@ def test_moe_layer_virtual_before48_switches_cpu(tmp_path):
 def test_moe_layer_virtual_check_catches_a_mismatch(tmp_path):
     paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "moe_layer_virtual.py"), *TINY, "--out", str(tmp_path),
+    cmd = [sys.executable, os.path.join(LAYER, "moe_layer_virtual.py"), *TINY, "--out", str(tmp_path),
            "--no-plot", "--maxvio", "1", "--inject-mismatch"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
@@ -126,7 +127,7 @@ def test_baseline_lean_unpermute_backward_is_autograds():
     temporaries) gives autograd's bits for the forward expression, in chunks that do not divide S*K."""
     import torch
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, LAYER)
     import moe_layer as ml
 
     g = torch.Generator().manual_seed(5)
@@ -161,7 +162,7 @@ def test_moe_layer_virtual_profile_baseline_cpu(tmp_path):
     paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     prof = tmp_path / "prof"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "moe_layer_virtual.py"), *TINY, "--out", str(tmp_path),
+    cmd = [sys.executable, os.path.join(LAYER, "moe_layer_virtual.py"), *TINY, "--out", str(tmp_path),
            "--no-plot", "--maxvio", "1", "20", "--profile-baseline", str(prof), "--profile-maxvio", "1"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -186,11 +187,11 @@ def test_moe_layer_virtual_profile_baseline_cpu(tmp_path):
 
 
 def test_grouped_mm_align_layouts_and_csv_cpu(tmp_path):
-    """benchmarks/grouped_mm_align.py on the CPU (a loop of mm per group): the layouts it measures hold what they say
-    (FlatEP's 2*epn groups padded to align over S*K real rows; the same rows in epn groups; the [E+B] serving view
+    """benchmarks/probes/grouped_mm_align.py on the CPU (a loop of mm per group): the layouts it measures hold what they
+    say (FlatEP's 2*epn groups padded to align over S*K real rows; the same rows in epn groups; the [E+B] serving view
     with the own groups at rank*epn and the rest in B slots or home rows; the baseline's hottest rank) and the CSV has
     one row per F, maxvio, layout, align and op."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "probes"))
     import grouped_mm_align as gma
     from flatep import testing, virtual
 

@@ -1,7 +1,7 @@
-"""benchmarks/serving_step.py (issue 43: a whole serving step through nn.MoE, expert GEMM included) at its tiny --quick
-shape on the CPU backend: every mode's row in the CSV with positive, ordered times, the plan's columns consistent with
-the layout (receive rows, rows per rank, no replica for the owner planner), the ratio columns the quotient of the
-times; the memory check refuses before allocating anything; the graph check's comparison is bitwise.
+"""benchmarks/serving/serving_step.py (issue 43: a whole serving step through nn.MoE, expert GEMM included) at its tiny
+--quick shape on the CPU backend: every mode's row in the CSV with positive, ordered times, the plan's columns
+consistent with the layout (receive rows, rows per rank, no replica for the owner planner), the ratio columns the
+quotient of the times; the memory check refuses before allocating anything; the graph check's comparison is bitwise.
 
 Reproduce: PYTHONPATH=python:build/python /usr/bin/python3 -m pytest -q tests/python/test_serving_step_bench.py
 """
@@ -16,7 +16,7 @@ import torch
 import flatep
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-SCRIPT = os.path.join(ROOT, "benchmarks", "serving_step.py")
+SCRIPT = os.path.join(ROOT, "benchmarks", "serving", "serving_step.py")
 # --quick: R=4, S=256, E=32 (epn 8), H=64, K=4, F=32; B=4; decode s=128; align 16 (nn.MoE's default)
 R, S, E, H, K, F, EPN, B, DECODE, ALIGN = 4, 256, 32, 64, 4, 32, 8, 4, 128, 16
 MODES = {("balanced_b4", S), ("balanced_bepn", S), ("balanced_b4", DECODE), ("balanced_bepn", DECODE),
@@ -94,7 +94,7 @@ def test_bad_arguments_name_the_flag():
 
 
 def bench_module():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "serving"))
     import serving_step
 
     return serving_step

@@ -1,6 +1,6 @@
 """Issue 58's end-to-end training on the CPU backend: the all-to-all baseline layer against flatep.nn.MoE, the
-language-model example (examples/train_lm.py) and the benchmark (benchmarks/train_e2e.py) as a user runs them, the
-routing trace (flatep.trace), bitwise resume, the data loader, and one-line errors.
+language-model example (examples/train_lm.py) and the benchmark (benchmarks/training/train_e2e.py) as a user runs
+them, the routing trace (flatep.trace), bitwise resume, the data loader, and one-line errors.
 
 Reproduce: PYTHONPATH=python:build/python /usr/bin/python3 -m pytest -q tests/python/test_train_lm.py
 """
@@ -21,7 +21,7 @@ from flatep.trace import RoutingTrace, synthesise_topk
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "training"))
 import train_lm  # noqa: E402
 import train_e2e  # noqa: E402
 
@@ -332,7 +332,7 @@ def test_bad_flags_give_one_line_errors(argv, message):
 
 @pytest.mark.parametrize("mode", ["virtual", "processes"])
 def test_train_e2e_tiny_runs_both_and_checks_the_loss(tmp_path, mode):
-    proc = run_script("benchmarks/train_e2e.py", "--preset", "tiny", "--steps", "8", "--out", str(tmp_path),
+    proc = run_script("benchmarks/training/train_e2e.py", "--preset", "tiny", "--steps", "8", "--out", str(tmp_path),
                       *(["--processes"] if mode == "processes" else []))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "every step within tolerance" in proc.stdout
@@ -367,7 +367,7 @@ def test_train_e2e_tiny_runs_both_and_checks_the_loss(tmp_path, mode):
 
 
 def test_train_e2e_fails_when_the_losses_part(tmp_path):
-    proc = run_script("benchmarks/train_e2e.py", "--preset", "tiny", "--steps", "6", "--out", str(tmp_path),
+    proc = run_script("benchmarks/training/train_e2e.py", "--preset", "tiny", "--steps", "6", "--out", str(tmp_path),
                       "--no-plot", "--inject-mismatch")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "OUT OF TOLERANCE" in proc.stdout
@@ -395,7 +395,7 @@ def test_train_e2e_refuses_what_does_not_fit_before_allocating(monkeypatch, caps
 
 
 def test_train_e2e_on_cpu_refuses_the_gpu_preset():
-    proc = run_script("benchmarks/train_e2e.py", "--preset", "h200", timeout=120)
+    proc = run_script("benchmarks/training/train_e2e.py", "--preset", "h200", timeout=120)
     if flatep._C.has_cuda and torch.cuda.is_available():
         pytest.skip("a GPU is here")
     assert proc.returncode == 2
@@ -408,7 +408,7 @@ def test_train_e2e_on_cpu_refuses_the_gpu_preset():
 def test_spread_of_summation_order_is_inside_the_tolerance():
     """The tolerance's empirical check, short: the baseline against itself with reversed summation order, and FlatEP
     against the baseline, at K=4 (where the order of a token's terms matters)."""
-    proc = run_script("benchmarks/train_e2e.py", "--preset", "tiny", "--steps", "12", "--topk", "4", "--spread")
+    proc = run_script("benchmarks/training/train_e2e.py", "--preset", "tiny", "--steps", "12", "--topk", "4", "--spread")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ratios = [float(l.split("= ")[1].split()[0]) for l in proc.stdout.splitlines() if l.startswith("spread:")]
     assert len(ratios) == 2 and all(0 <= r < 1 for r in ratios), proc.stdout

@@ -1,5 +1,5 @@
 """flatep.virtual: R ranks as threads of one process over the ipc transport (CPU backend here; the same code runs
-on one GPU in benchmarks/moe_layer_virtual.py).
+on one GPU in benchmarks/layer/moe_layer_virtual.py).
 
 Reproduce: PYTHONPATH=python:build/python /usr/bin/python3 -m pytest -q tests/python/test_virtual.py
 """

@@ -3,8 +3,8 @@
 bf16 with nn.py's operand layouts, on the rows per group FlatEP's planner gives (issue 48), and the same rows over a
 mostly-empty [E+B] view of groups against the compact [2*epn] one (issue 43's serving layout).
 
-    python3 benchmarks/grouped_mm_align.py                        # MoonEP's shape, F 512 and 2048, maxvio 0.2 / 20
-    /usr/bin/python3 benchmarks/grouped_mm_align.py --device cpu --tokens 64 --hidden 64 --ffn 32 --experts 16 \\
+    python3 benchmarks/probes/grouped_mm_align.py                 # MoonEP's shape, F 512 and 2048, maxvio 0.2 / 20
+    /usr/bin/python3 benchmarks/probes/grouped_mm_align.py --device cpu --tokens 64 --hidden 64 --ffn 32 --experts 16 \\
         --ranks 4 --topk 2 --reps 2 --warmup 1 --out /tmp/gmm     # CPU smoke run (a loop of mm per group)
 
 Rows per group: the routing generator's routing at each maxvio (flatep.testing, the layer benchmark's seed), planned
@@ -21,7 +21,7 @@ the rank measured is the one with the most padded rows (FlatEP) and the hottest 
                 flatep_2epn's forward at the same align (target within 1.05x)
 
 Ops (nn.py's calls): gemm1_fwd x @ W1, gemm2_fwd a @ W2, gemm2_wgrad a^T @ dy, gemm2_dgrad dy @ W2^T, gemm1_wgrad
-x^T @ dh, gemm1_dgrad dh @ W1^T (silu: W1 [H, F], W2 [F, H], as benchmarks/moe_layer*.py), and the layer's whole
+x^T @ dh, gemm1_dgrad dh @ W1^T (silu: W1 [H, F], W2 [F, H], as benchmarks/layer/moe_layer*.py), and the layer's whole
 expert FFN as the benchmarks' gemm_fwd / gemm_bwd phases run it (flatep.nn.grouped_ffn: GEMMs, activation, rows past
 the end zeroed; its autograd backward): ffn_fwd, ffn_bwd. Each: median of --reps CUDA-event timings after --warmup.
 
@@ -46,14 +46,14 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 
 import flatep  # noqa: E402
 from flatep import testing, virtual  # noqa: E402
 from flatep.nn import grouped_ffn  # noqa: E402
 
-sys.path.insert(0, HERE)
-import moe_fp8  # noqa: E402  (its CUDA-event timer)
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
+import bench_timing  # noqa: E402
 
 BF16 = torch.bfloat16
 GEMMS = ["gemm1_fwd", "gemm2_fwd", "gemm2_wgrad", "gemm2_dgrad", "gemm1_wgrad", "gemm1_dgrad"]
@@ -88,14 +88,14 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=os.path.join(HERE, "..", "results"))
     p.add_argument("--tag", default=None, help="file name suffix (default: from the device)")
     args = p.parse_args(argv)
     if args.experts % args.ranks:
         p.error(f"--experts {args.experts} must be a multiple of --ranks {args.ranks}")
     if not 0 <= args.slots <= args.experts // args.ranks:
         p.error(f"--slots {args.slots} must be in [0, epn={args.experts // args.ranks}]")
-    args.command = " ".join(["benchmarks/grouped_mm_align.py"] + (sys.argv[1:] if argv is None else list(argv)))
+    args.command = " ".join(["benchmarks/probes/grouped_mm_align.py"] + (sys.argv[1:] if argv is None else list(argv)))
     return args
 
 
@@ -244,17 +244,10 @@ def layouts(args, ranks, sigma):
 def time_op(fn, device, reps, warmup):
     """Median ms of fn() over `reps` runs after `warmup` (CUDA events on a GPU, the host clock elsewhere)."""
     if device.type == "cuda":
-        return moe_fp8.timed(fn, reps, warmup)
-    import time
-
+        return statistics.median(bench_timing.time_calls(fn, reps, warmup))
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return statistics.median(bench_timing.wall_ms(fn)[0] for _ in range(reps))
 
 
 class Tensors:

@@ -1,8 +1,8 @@
 """What CUDA_MODULE_LOADING=EAGER (flatep.virtual's default when it is imported before CUDA starts) costs against
 LAZY: start-up time and device memory of a fresh interpreter, each mode measured in its own fresh processes.
 
-    python3 benchmarks/module_loading_cost.py                 # 3 runs per mode, alternating, one CSV row per run
-    python3 benchmarks/module_loading_cost.py --repeats 5 --csv $OUT/module_loading.csv
+    python3 benchmarks/probes/module_loading_cost.py                 # 3 runs per mode, alternating, one CSV row per run
+    python3 benchmarks/probes/module_loading_cost.py --repeats 5 --csv $OUT/module_loading.csv
 
 Each run is a new python3 with CUDA_MODULE_LOADING set to the mode (and nothing else changed) that times, on one GPU:
   init_s        torch's CUDA start: the first tensor on the device, synchronised (context creation; EAGER also loads
@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 FIELDS = ["init_s", "first_step_s", "total_s", "used_init_mib", "used_step_mib"]
 
 

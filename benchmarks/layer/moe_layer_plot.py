@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Figures of a benchmarks/moe_layer.py CSV.
+"""Figures of a benchmarks/layer/moe_layer.py CSV.
 
-    python3 benchmarks/moe_layer_plot.py benchmarks/results/moe_layer_<...>.csv
+    python3 benchmarks/layer/moe_layer_plot.py benchmarks/results/moe_layer_<...>.csv
 
 Writes <prefix>.png (2x2: dispatch fwd/bwd, combine fwd/bwd, expert GEMM fwd/bwd, stacked comm / planning /
 prefetch per maxvio and implementation) and <prefix>_layer.png (end-to-end layer time against maxvio), with the

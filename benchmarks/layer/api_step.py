@@ -2,7 +2,7 @@
 soon as the step is done) and replayed as CUDA graphs, at s = S tokens and at a decode-sized s, against the step of
 the same ops' kernels alone (ops_bench, same config, run beside it; pass its medians with --kernel-us).
 
-    python3 benchmarks/api_step.py --ranks 8 --tokens 4096 --hidden 7168 --experts 256 --topk 8 --small 128 \\
+    python3 benchmarks/layer/api_step.py --ranks 8 --tokens 4096 --hidden 7168 --experts 256 --topk 8 --small 128 \\
         --kernel-us 1234.5 --csv api_step.csv
 
 One host thread enqueues every rank's ops, each rank on its own stream (FLATEP_NUM_SMS = SMs / R unless set). A
@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 
 import torch  # noqa: E402
 

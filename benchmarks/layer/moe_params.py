@@ -3,8 +3,8 @@
 how many expert-weight-sized copies and clones a step makes (torch profiler). Run it once with this tree's
 python/flatep and once with an older one (--label) to get the before/after table of docs/performance.md.
 
-    python3 benchmarks/moe_params.py --layers 2 --csv $OUT/moe_params.csv --label after
-    FLATEP_PYTHON=<old tree>/python python3 benchmarks/moe_params.py --label before --csv ...
+    python3 benchmarks/layer/moe_params.py --layers 2 --csv $OUT/moe_params.csv --label after
+    FLATEP_PYTHON=<old tree>/python python3 benchmarks/layer/moe_params.py --label before --csv ...
 
 One rank (a one-rank world, no peers: every expert is local, so the step is the layer's own work: router, plan,
 dispatch, prefetch, grouped GEMMs, combine and their backward), epn = E experts of W1 [H, 2F] (SwiGLU, the default;
@@ -26,8 +26,10 @@ import torch
 if "FLATEP_PYTHON" in os.environ:  # another tree's package (the "before" run), ahead of this tree's
     sys.path.insert(0, os.environ["FLATEP_PYTHON"])
 else:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
 
+import bench_timing  # noqa: E402
 import flatep  # noqa: E402
 from flatep import testing  # noqa: E402
 
@@ -93,16 +95,12 @@ def main():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(device)
     torch_before = torch.cuda.memory_allocated(device)
-    times = []
-    for _ in range(a.iters):
+
+    def clear_grads():
         for p in params:
             p.grad = None
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
+
+    times = bench_timing.time_calls(step, a.iters, before=clear_grads)
     peak = after_layer[-1] + (torch.cuda.max_memory_allocated(device) - torch_before)
     shapes = [list(p.shape) for p in layers[0].expert_parameters()]  # [epn, H, 2F or F], [epn, F, H]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:

@@ -8,7 +8,7 @@ probe measures both, for the calls a program like tests/python/test_streams.py m
 sleeps about one second on stream A, times one call issued for stream B on the host, then enqueues a tiny kernel on B
 and checks, 0.3 s later, whether it has run: a call that made B's later work wait for A's kernel shows SERIALISED.
 
-    python3 benchmarks/host_block_probe.py    # one line per call: host milliseconds, BLOCKED / ok, SERIALISED / ok
+    python3 benchmarks/probes/host_block_probe.py  # one line per call: host milliseconds, BLOCKED / ok, SERIALISED / ok
 """
 
 import os

@@ -1,4 +1,5 @@
-"""The GPU part of benchmarks/eplb_compare.py (--time): every policy's serving step timed on every step of the trace.
+"""The GPU part of benchmarks/serving/eplb_compare.py (--time): every policy's serving step timed on every step of
+the trace.
 
 A policy's layer is flatep.nn.MoE(num_slots=B) on R virtual ranks of one GPU (serving_step.py's layers: experts drawn
 on the device), its inference forward (plan, dispatch, the slots' pull for the balanced planner, both grouped GEMMs,
@@ -21,9 +22,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
 
 import torch  # noqa: E402
 
+import bench_timing  # noqa: E402
 import serving_step  # noqa: E402  (its layers, inputs and graph replays)
 from flatep import eplb, testing, virtual  # noqa: E402
 
@@ -87,9 +90,7 @@ def timed_move_cpu(moes):
         moes[r].pools.prefetch(plan, moes[r].expert_layer)
         moes[r]._static.moved(moes[r].pools, moes[r].expert_layer, plan)
 
-    t0 = time.perf_counter()
-    virtual.run_threads(R, move)
-    return (time.perf_counter() - t0) * 1e6
+    return bench_timing.wall_ms(lambda: virtual.run_threads(R, move))[0] * 1e3
 
 
 def timed_move(moes, streams, gate):
@@ -103,26 +104,17 @@ def timed_move(moes, streams, gate):
         with torch.cuda.stream(streams[r]):
             plans.append(moes[r].buffer.plan(idx[r]))
     torch.cuda.synchronize()
-    start, ends = torch.cuda.Event(enable_timing=True), [torch.cuda.Event(enable_timing=True) for _ in range(R)]
-    with torch.cuda.stream(gate.stream):
-        torch.cuda._sleep(gate.cycles)
-        start.record(gate.stream)
-    for r in range(R):
-        streams[r].wait_event(start)
-        with torch.cuda.stream(streams[r]):
-            moes[r].pools.prefetch(plans[r], moes[r].expert_layer)
-        ends[r].record(streams[r])
-    torch.cuda.synchronize()
+    t = bench_timing.ranks_together(streams, lambda r: moes[r].pools.prefetch(plans[r], moes[r].expert_layer),
+                                    gate.cycles, gate_stream=gate.stream)
     for r in range(R):
         moes[r]._static.moved(moes[r].pools, moes[r].expert_layer, plans[r])
-    return max(start.elapsed_time(e) for e in ends) * 1e3
+    return t.max_ms * 1e3
 
 
 class Gate:
     def __init__(self, a):
         self.stream = torch.cuda.Stream()
-        props = torch.cuda.get_device_properties(0)
-        self.cycles = int(a.gate_ms * 1e-3 * getattr(props, "clock_rate", 1_980_000) * 1e3)
+        self.cycles = bench_timing.gate_cycles(0, a.gate_ms * 1e-3)
 
 
 def time_policies(results, routing, args):

@@ -23,10 +23,14 @@
 // Every row is a function of (source rank, token) (elements 0-3 spell them), every weight of (source, token, k).
 //
 //   ep_bench_multi [--csv ep_bench_multi.csv] [--ranks R] [--iters 20] [--warmup 5] [--preset deepep,moonep]
-//                  [--maxvio 0.2,1,10,20] [shape flags] [--timeout 60] [--deadline 600]
+//                  [--maxvio 0.2,1,10,20] [shape flags] [--timeout 60] [--deadline 600] [--memory-gib G]
 //
 // Flags: benchmarks/common/flags.hpp (the set every driver shares); --ranks is one value here (default: every
 // visible GPU) and replaces the presets' R.
+//
+// Before anything is allocated every rank prints nothing but checks its GPU's free memory against the estimate of a
+// rank's device memory (common/memory.hpp; rank 0 prints it) and all refuse together, exit status 2 and one line, when
+// a case does not fit one GPU (--memory-gib G: G GiB a GPU, checked before the ranks start).
 //
 // CSV: one row per (config, maxvio, op, impl); the columns are described at kCsvHeader. Exits 0 with "SKIP" when
 // fewer than 2 GPUs are visible.
@@ -47,6 +51,7 @@
 #include <vector>
 
 #include "common/cuda_timing.cuh"
+#include "common/device_memory.cuh"
 #include "common/flags.hpp"
 #include "flatep/buffer.hpp"
 #include "flatep/ipc.hpp"
@@ -442,6 +447,7 @@ struct Options {
     int iters = 20, warmup = 5;
     std::vector<bench::Case> cases;  // the sweep (ranks replaced by the process count)
     double timeout_s = 60, deadline_s = 600;
+    double memory_gib = 0;  // --memory-gib: 0, each GPU's free memory
 };
 
 // Everything one rank process does for one case. Returns the rank's summary; times[op] holds its iterations (us).
@@ -833,10 +839,52 @@ void report(const Case& c, int R, int iters, const std::vector<RankSummary>& ran
 
 // ---- Process roles ----
 
+// A rank's device memory per case (common/memory.hpp), every rank alike.
+std::vector<bench::MemoryEstimate> rank_memory(const std::vector<Case>& cases, int R) {
+    std::vector<bench::MemoryEstimate> all;
+    for (const Case& c : cases) {
+        const Layout l = make_layout(Config{
+            .num_ranks = R, .num_experts = c.E, .num_tokens = c.S, .topk = c.K, .hidden = c.H, .align = c.align});
+        bench::MemoryEstimate e =
+            bench::ep_rank_memory(l, int64_t(runtime::plan_workspace_bytes(l)), Buffer::kDefaultPlanSlots);
+        e.what = "preset " + c.config + " (R" + std::to_string(R) + "_S" + std::to_string(c.S) + "_E" +
+                 std::to_string(c.E) + "_H" + std::to_string(c.H) + "_K" + std::to_string(c.K) + ", a rank)";
+        all.push_back(e);
+    }
+    return all;
+}
+
+// Rank process exit status when the cases do not fit a GPU (every rank exits with it).
+constexpr int kRankRefused = 2;
+
+// Every rank checks its GPU's free memory before NCCL or the transport allocate anything; the refusals are gathered
+// so that all ranks stop together (rank 0 prints the estimate and the first refusal). kRankRefused or 0.
+int check_rank_memory(int rank, int R, Bootstrap& boot, const std::vector<Case>& cases) {
+    const std::vector<bench::MemoryEstimate> estimates = rank_memory(cases, R);
+    const int64_t free_bytes = bench::device_free_bytes();
+    std::string refusal;
+    for (const bench::MemoryEstimate& e : estimates)
+        if (refusal.empty()) refusal = bench::does_not_fit(e, free_bytes, bench::current_device_name(), false);
+    const std::vector<std::string> all = boot.all_gather(refusal);
+    if (rank == 0)
+        for (const bench::MemoryEstimate& e : estimates)
+            std::printf("memory estimate: %s: %s\n", e.what.c_str(), e.describe().c_str());
+    for (const std::string& r : all) {
+        if (r.empty()) continue;
+        if (rank == 0) {
+            std::fflush(stdout);
+            std::fprintf(stderr, "ep_bench_multi: does not fit: %s\n", r.c_str());
+        }
+        return kRankRefused;
+    }
+    return 0;
+}
+
 int rank_main(int rank, int R, std::shared_ptr<Bootstrap> boot, const std::vector<Case>& cases,
               const Options& options) {
     FLATEP_CUDA_CHECK(cudaSetDevice(rank));
     FLATEP_CUDA_CHECK(cudaFree(nullptr));  // the primary context, current now: the ipc transport allocates on it
+    if (options.memory_gib <= 0 && check_rank_memory(rank, R, *boot, cases) != 0) return kRankRefused;
     cudaStream_t stream;
     FLATEP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
@@ -918,6 +966,7 @@ void parse(int argc, char** argv, Options& o) {
     flags.add_csv(&o.csv_path);
     flags.add("--timeout", &o.timeout_s, "seconds any wait may take");
     flags.add("--deadline", &o.deadline_s, "seconds the whole run may take");
+    flags.add_memory(&o.memory_gib);
     flags.parse(argc, argv);
     o.cases = flags.cases();
     if (flags.given("--ranks")) {
@@ -930,7 +979,7 @@ void parse(int argc, char** argv, Options& o) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
     Options options;
     parse(argc, argv, options);
     // Inherited by the rank processes: NVLink multicast stays off (design §7; a must on shared hosts), and every
@@ -1000,12 +1049,19 @@ int main(int argc, char** argv) {
         return 2;
     }
 
+    // --memory-gib: the estimate against it here, before a rank starts (no CUDA in this process); else every rank
+    // checks its GPU's free memory.
+    if (options.memory_gib > 0)
+        bench::require_fit("ep_bench_multi", rank_memory(cases, R), bench::available_bytes(options.memory_gib, 0),
+                           "each GPU", true);
+
     ForkOptions fork_options;
     fork_options.timeout_s = options.timeout_s;
     fork_options.deadline_s = options.deadline_s;
     const std::vector<int> codes = run_forked(
         R, [&](int rank, std::shared_ptr<Bootstrap> boot) { return rank_main(rank, R, boot, cases, options); },
         fork_options);
+    if (std::all_of(codes.begin(), codes.end(), [](int code) { return code == kRankRefused; })) return 2;
     bool ok = true;
     std::string text;
     for (int r = 0; r < R; ++r) {
@@ -1016,4 +1072,8 @@ int main(int argc, char** argv) {
                 cases.size(), options.csv_path.c_str(), text.c_str());
     if (!ok) std::printf("  repro: ep_bench_multi --ranks %d --csv %s\n", R, options.csv_path.c_str());
     return ok ? 0 : 1;
+}
+
+int main(int argc, char** argv) {
+    return bench::run_main("ep_bench_multi", [&] { return run(argc, argv); });
 }

@@ -3,13 +3,13 @@
 baseline, every rank's share of every phase timed, and the critical path (the slowest rank per phase) reported.
 
     # one GPU, MoonEP's shape with H'=1024 (eight ranks' weights, pools and fp32 gradients must fit one GPU):
-    python3 benchmarks/moe_layer_virtual.py --config moonep --ffn 1024 --device cuda
-    python3 benchmarks/moe_layer_virtual.py --config deepep --ffn 1024 --device cuda
+    python3 benchmarks/layer/moe_layer_virtual.py --config moonep --ffn 1024 --device cuda
+    python3 benchmarks/layer/moe_layer_virtual.py --config deepep --ffn 1024 --device cuda
     # CPU smoke run (its numbers are not results):
-    /usr/bin/python3 benchmarks/moe_layer_virtual.py --device cpu --ranks 4 --tokens 64 --hidden 64 --ffn 32 \\
+    /usr/bin/python3 benchmarks/layer/moe_layer_virtual.py --device cpu --ranks 4 --tokens 64 --hidden 64 --ffn 32 \\
         --experts 16 --topk 2 --iters 2 --warmup 1 --out /tmp/moe_layer_virtual
 
-The layer and both implementations are those of benchmarks/moe_layer.py (router, grouped FFN y = silu(x W1) W2 per
+The layer and both implementations are those of benchmarks/layer/moe_layer.py (router, grouped FFN y = silu(x W1) W2 per
 expert, weighted sum of each token's K outputs, fp32 expert gradients), written out phase by phase because the R
 ranks live in one process (flatep.virtual: R ranks over the ipc transport, one CUDA stream each). How a phase is
 timed depends on what it is:
@@ -37,7 +37,7 @@ is chunked (--baseline-unpermute lean; 'autograd' is the expression autograd run
 rank, cached per stream: with 8 ranks on one GPU the suspected cause of the caching allocator freeing and mapping
 memory again inside combine_bwd at maxvio 20, which the allocator columns show).
 Both implementations add their bf16 expert gradients into fp32 main gradients (--wgrad-mode). Besides time,
-per (maxvio, implementation): memory per rank (benchmarks/layer_probe.py: static, the step's peak, from one extra
+per (maxvio, implementation): memory per rank (benchmarks/layer/layer_probe.py: static, the step's peak, from one extra
 untimed step) and per phase the caching allocator's cache-flushing retries and device allocations (the timed
 iterations). --profile-baseline DIR captures one baseline step at --profile-maxvio with torch.profiler (tables of
 the top ops and kernels, the phases' ranges, a chrome trace).
@@ -59,8 +59,10 @@ import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
 
+import bench_timing  # noqa: E402
 import flatep  # noqa: E402
 import layer_probe  # noqa: E402
 import moe_layer as ml  # noqa: E402
@@ -69,7 +71,7 @@ from flatep.nn import grouped_ffn, route  # noqa: E402
 
 BF16 = ml.BF16
 # FlatEP's A/B switches of this benchmark: (flag, choices with the default first, help); the second choices are the
-# issue-48 run's (benchmarks/moe_layer.py has the baseline's, --baseline-unpermute and --wgrad-mode)
+# issue-48 run's (benchmarks/layer/moe_layer.py has the baseline's, --baseline-unpermute and --wgrad-mode)
 AB_SWITCHES = (
     ("--flatep-local-ops", ["uncapped", "capped"],
      "FlatEP's local ops (combine_grad, write_grads) on the whole GPU or under the comm phases' SM budget"),
@@ -87,8 +89,7 @@ class Clock:
         self.devices = devices  # per rank
         self.streams = [torch.cuda.Stream(device=d) for d in devices] if self.cuda else [None] * R
         if self.cuda:  # GATE_S of spinning (see together), from the SM clock
-            clock_khz = getattr(torch.cuda.get_device_properties(devices[0]), "clock_rate", 1_980_000)
-            self.gate_cycles = int(GATE_S * clock_khz * 1e3)
+            self.gate_cycles = bench_timing.gate_cycles(devices[0], GATE_S)
         self.enabled = False
         self.times = {}
         self.counters = layer_probe.PhaseCounters()
@@ -140,20 +141,22 @@ class Clock:
                     s = self.streams[r]
                     self.sync()
                     before = self._alloc_counters()
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record(s)
                     call = (lambda: fn(r)) if i == 0 else (lambda res=res: fn(r, res))
-                    with self.rank_stream(r), self._range(phase, r):
-                        res = call() if self.memory is None else self.memory.local(r, call)
-                    b.record(s)
-                    b.synchronize()
-                    self._add(phase, r, a.elapsed_time(b))
+
+                    def timed(r=r, phase=phase, call=call):
+                        with self.rank_stream(r), self._range(phase, r):
+                            return call() if self.memory is None else self.memory.local(r, call)
+
+                    ms, res = bench_timing.time_on_stream(s, timed)
+                    self._add(phase, r, ms)
                     self.counters.add(phase, before, self._alloc_counters())
                 else:
-                    t0 = time.perf_counter()
-                    with self._range(phase, r):
-                        res = fn(r) if i == 0 else fn(r, res)
-                    self._add(phase, r, (time.perf_counter() - t0) * 1e3)
+                    def timed_cpu(r=r, phase=phase, fn=fn, i=i, res=res):
+                        with self._range(phase, r):
+                            return fn(r) if i == 0 else fn(r, res)
+
+                    ms, res = bench_timing.wall_ms(timed_cpu)
+                    self._add(phase, r, ms)
             out[r] = res
         return out
 
@@ -187,37 +190,25 @@ class Clock:
     def _together_cuda(self, phase, fn, finish):
         self.sync()
         before = self._alloc_counters()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.R)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.R)]
+
+        def ranged(r):
+            with self._range(phase, r):
+                return fn(r)
+
         # A gate: every stream first spins for GATE_S, longer than the host takes to enqueue every rank's part, so the
         # ranks start together (as R processes would) instead of in host launch order; the timing starts after it.
+        t = bench_timing.ranks_together(self.streams, ranged, self.gate_cycles, finish=finish, enter=self.rank_stream,
+                                        sync=self.sync)
         for r in range(self.R):
-            with self.rank_stream(r):
-                torch.cuda._sleep(self.gate_cycles)
-            starts[r].record(self.streams[r])
-        out = [None] * self.R
-        for r in range(self.R):
-            with self.rank_stream(r), self._range(phase, r):
-                out[r] = fn(r)
-        if finish is not None:
-            for r in range(self.R):
-                with self.rank_stream(r):
-                    finish(r)
-        for r in range(self.R):
-            ends[r].record(self.streams[r])
-        self.sync()
-        for r in range(self.R):
-            self._add(phase, r, starts[r].elapsed_time(ends[r]))
+            self._add(phase, r, t.ms[r])
         self.counters.add(phase, before, self._alloc_counters())
-        return out
+        return t.out
 
     def host(self, phase, fn):
         """fn() once (it involves every rank and a host sync); its host time counts for every rank."""
         self.sync()
         before = self._alloc_counters()
-        t0 = time.perf_counter()
-        res = fn()
-        ms = (time.perf_counter() - t0) * 1e3
+        ms, res = bench_timing.wall_ms(fn)
         for r in range(self.R):
             self._add(phase, r, ms)
         self.counters.add(phase, before, self._alloc_counters())
@@ -703,7 +694,7 @@ def main(argv=None):
         own.add_argument(flag, choices=choices, default=choices[0], help=what)
     extra, rest = own.parse_known_args(argv)
     args = ml.parse_args(rest)
-    args.command = " ".join(["benchmarks/moe_layer_virtual.py"] + argv)
+    args.command = " ".join(["benchmarks/layer/moe_layer_virtual.py"] + argv)
     args.timeout, args.gpus = extra.timeout, extra.gpus
     args.profile_baseline, args.profile_maxvio = extra.profile_baseline, extra.profile_maxvio
     args.flatep_local_ops, args.flatep_combine_bwd = extra.flatep_local_ops, extra.flatep_combine_bwd

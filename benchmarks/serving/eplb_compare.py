@@ -2,11 +2,11 @@
 """FlatEP against periodic expert placement ("EPLB", what serving engines run) on one routing trace, same slot memory.
 
     # a drifting trace (flatep.testing.drifting_popularity), DeepEP's serving shape, 1000 steps, rows and bytes only:
-    python3 benchmarks/eplb_compare.py --trace drift --preset deepep --steps 1000 --out /tmp/eplb
-    # the routing a training run recorded (benchmarks/train_e2e.py's trace), its deepest MoE layer:
-    python3 benchmarks/eplb_compare.py --trace benchmarks/results/train_e2e_h100/trace_flatep.npz --layer 3
+    python3 benchmarks/serving/eplb_compare.py --trace drift --preset deepep --steps 1000 --out /tmp/eplb
+    # the routing a training run recorded (benchmarks/training/train_e2e.py's trace), its deepest MoE layer:
+    python3 benchmarks/serving/eplb_compare.py --trace benchmarks/results/train_e2e_h100/trace_flatep.npz --layer 3
     # the serving step's time too (a GPU; every policy's nn.MoE step graph-replayed on every step of the trace):
-    python3 benchmarks/eplb_compare.py --trace drift --preset deepep --steps 200 --time --device cuda
+    python3 benchmarks/serving/eplb_compare.py --trace drift --preset deepep --steps 200 --time --device cuda
 
 Policies, every one with B replica slots a rank (the same slot memory), on the same routing:
 
@@ -36,7 +36,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -81,7 +81,7 @@ def parse_args(argv=None):
         p.error(f"--intervals must be a comma list of positive ints, got {a.intervals}")
     if a.steps < 1:
         p.error(f"--steps must be >= 1, got {a.steps}")
-    a.command = " ".join(["benchmarks/eplb_compare.py"] + (sys.argv[1:] if argv is None else list(argv)))
+    a.command = " ".join(["benchmarks/serving/eplb_compare.py"] + (sys.argv[1:] if argv is None else list(argv)))
     return a
 
 
@@ -343,7 +343,7 @@ def main(argv=None):
     results = simulate(routing, args)
     text = summarise(results, routing, args)
     if args.time:
-        import eplb_timing  # the GPU part: benchmarks/eplb_timing.py
+        import eplb_timing  # the GPU part: benchmarks/serving/eplb_timing.py
 
         eplb_timing.time_policies(results, routing, args)
         text += "\n\n" + summarise(results, routing, args, key="time_us", label="serving step time (us)")

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """End-to-end training: FlatEP against the all-to-all baseline on the same MoE language model, data and init.
 
-    /usr/bin/python3 benchmarks/train_e2e.py --preset tiny --out /tmp/e2e            # CPU, 2 virtual ranks, seconds
-    python3 benchmarks/train_e2e.py --preset h200 --out benchmarks/results/train_e2e_h200      # 8 virtual ranks, 1 GPU
-    python3 benchmarks/train_e2e.py --preset h200 --router-bias 1 --router-bias-ramp 300 \\
+    /usr/bin/python3 benchmarks/training/train_e2e.py --preset tiny --out /tmp/e2e    # CPU, 2 virtual ranks, seconds
+    python3 benchmarks/training/train_e2e.py --preset h200 --out benchmarks/results/train_e2e_h200  # 8 ranks, 1 GPU
+    python3 benchmarks/training/train_e2e.py --preset h200 --router-bias 1 --router-bias-ramp 300 \\
         --out benchmarks/results/train_e2e_h200_bias                                # the imbalance made to grow
-    python3 benchmarks/train_e2e.py --preset h200 --processes --steps 40 --memory-every 5 \\
+    python3 benchmarks/training/train_e2e.py --preset h200 --processes --steps 40 --memory-every 5 \\
         --out benchmarks/results/train_e2e_h200_processes                           # one process per rank, one GPU
 
 The model, data, optimizer and both MoE layers are examples/train_lm.py's (every one of its flags applies; --impl is
@@ -78,7 +78,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
 
 import train_lm as lm  # noqa: E402  (imports flatep.virtual before CUDA starts)
 import torch  # noqa: E402
@@ -542,7 +542,7 @@ def spread(args, corpus):
 
 def main(argv=None):
     args = parse_args(argv)
-    args.command = "benchmarks/train_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.command = "benchmarks/training/train_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv)
     R = args.ranks
     need, text = memory_estimate(args, R)
     flops = flops_per_token(args)

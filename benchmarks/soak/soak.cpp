@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "common/flags.hpp"
+#include "common/run_main.hpp"
 #include "flatep/buffer.hpp"
 #include "flatep/error.hpp"
 #include "flatep/expert_pools.hpp"
@@ -510,7 +511,7 @@ TimeStats time_stats(const std::vector<double>& series, double ratio) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
     const Options o = parse(argc, argv);
     const int R = o.config.num_ranks;
     const int num_measured = o.steps - o.warmup;
@@ -696,4 +697,8 @@ int main(int argc, char** argv) {
     else
         std::printf("soak: FAILED:%s\n", failed.c_str());
     return ok ? 0 : 1;
+}
+
+int main(int argc, char** argv) {
+    return flatep::bench::run_main("flatep-soak", [&] { return run(argc, argv); });
 }

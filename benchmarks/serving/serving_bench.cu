@@ -30,13 +30,15 @@
 //
 //   serving_bench [--preset deepep,k3] [shape and skew flags] [--tokens-per-call 1,16,128,512,S] [--slots 4]
 //                 [--owner-tokens 512] [--ffn 2048] [--iters 20] [--warmup 3] [--batch 1] [--num-sms 0]
-//                 [--csv serving_bench.csv]
+//                 [--csv serving_bench.csv] [--memory-gib G]
 //   serving_bench --quick     tiny shapes (E=64, H=512, F=256, S=256), a smoke of every row in seconds
 //
 // Defaults: DeepEP's shape (E=256, H=7168, K=8, uniform routing) and Kimi K3's (E=896, H=7168, K=8, maxvio 1), both
 // at S = 4096 on 8 ranks; --ffn F = 2048: one projection of F x H bf16 per expert (a whole expert is three such
 // matrices: three times the prefetch bytes). At K3 every rank's pools (own experts and epn slots, bf16 and FP8) take
-// 10 GB, 80 GB for 8 ranks, plus 2.7 GB a rank of step buffers at S = 4096: within one H200's 141 GB.
+// 10 GB, 80 GB for 8 ranks, plus 2.7 GB a rank of step buffers at S = 4096: within one H200's 141 GB. Before it
+// allocates anything it prints every case's and mode's estimate of device memory (common/memory.hpp) and refuses, exit
+// status 2 and one line, one that does not fit the GPU's free memory (--memory-gib G: G GiB instead).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -46,6 +48,7 @@
 
 #include "common/csv.hpp"
 #include "common/cuda_timing.cuh"
+#include "common/device_memory.cuh"
 #include "common/flags.hpp"
 #include "common/kernel_step.cuh"
 #include "common/routing_cases.hpp"
@@ -64,6 +67,7 @@ struct Options {
     int num_sms = 0;
     int batch = 1;
     bool quick = false;
+    double memory_gib = 0;  // --memory-gib: 0, the device's free memory
 };
 
 constexpr int kScaleBlock = 128;  // FP8 weights: one fp32 scale per 1x128 block
@@ -217,12 +221,50 @@ void print_ratio(const char* what, double num, double den, const char* target) {
     std::printf("  %-62s %8.3f   %s\n", what, num / den, target);
 }
 
+std::vector<Mode> modes_of(const Options& o) {
+    return {{"owner", PlannerKind::kOwner, o.num_slots, true},
+            {"balanced_b" + std::to_string(o.num_slots), PlannerKind::kBalanced, o.num_slots, false},
+            {"balanced_bepn", PlannerKind::kBalanced, -1, false}};
+}
+
+// One projection's bytes per expert: bf16 F x H, and FP8 with its fp32 scales of 1x128 blocks.
+std::vector<int64_t> projection_bytes(const bench::Shape& sh) {
+    const int64_t elems = int64_t(sh.hidden) * sh.ffn;
+    return {elems * 2, elems, elems / kScaleBlock * 4};
+}
+
+// A mode's device buffers at s tokens per call (the owner's layout at S = --owner-tokens).
+bench::KernelStepSpec mode_spec(const Options& o, const bench::Case& c, const Mode& m, int s) {
+    Config cfg = c.shape.config();
+    if (m.owner) cfg.num_tokens = o.owner_tokens;
+    bench::KernelStepSpec spec;
+    spec.layout = make_layout(cfg, m.planner, ViewShape{.num_slots = m.num_slots});
+    spec.planner = m.planner;
+    spec.tokens.assign(size_t(cfg.num_ranks), s);
+    spec.expert_bytes = projection_bytes(c.shape);
+    spec.pool_slots = spec.layout.experts_per_rank;  // every rank's pools hold epn slots; the pull fills the first B
+    return spec;
+}
+
+// Every case's and mode's device memory (one mode's KernelStep at a time; s changes no size).
+std::vector<bench::MemoryEstimate> serving_memory(const Options& o, const std::vector<bench::Case>& cases) {
+    std::vector<bench::MemoryEstimate> all;
+    for (const bench::Case& c : cases) {
+        for (const Mode& m : modes_of(o)) {
+            bench::MemoryEstimate e = bench::kernel_step_memory(mode_spec(o, c, m, 1));
+            e.what = "preset " + c.preset + " (" + c.shape.label() + ", ffn " + std::to_string(c.shape.ffn) + ", " +
+                     m.name + ")";
+            all.push_back(e);
+        }
+    }
+    return all;
+}
+
 void run_case(const Options& o, const bench::Case& c, double sigma, const std::vector<int>& calls, Report& report) {
     const bench::Shape& sh = c.shape;
     const Layout base = make_layout(sh.config());
     const int R = base.num_ranks, epn = base.experts_per_rank, B = o.num_slots;
-    const int64_t elems = int64_t(sh.hidden) * sh.ffn;
-    const std::vector<int64_t> bytes = {elems * 2, elems, elems / kScaleBlock * 4};  // bf16; FP8 and its scales
+    const std::vector<int64_t> bytes = projection_bytes(sh);  // bf16; FP8 and its scales
     testing::LocalDeviceGroup group(R, false, 60.0, o.num_sms);
     // Slot memory of one rank: one row per B, bf16 and FP8 with its scales.
     for (int slots : {B, epn}) {
@@ -233,21 +275,11 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
         row.bytes_max = row.bytes_mean = double(slots) * double(bytes[1] + bytes[2]);
         report.add(row, sigma, group.num_sms());
     }
-    const std::vector<Mode> modes = {{"owner", PlannerKind::kOwner, B, true},
-                                     {"balanced_b" + std::to_string(B), PlannerKind::kBalanced, B, false},
-                                     {"balanced_bepn", PlannerKind::kBalanced, -1, false}};
     for (int s : calls) {
-        for (const Mode& m : modes) {
+        for (const Mode& m : modes_of(o)) {
             if (m.owner && s > o.owner_tokens) continue;  // the owner layout is sized for decode
-            Config cfg = sh.config();
-            if (m.owner) cfg.num_tokens = o.owner_tokens;
-            const Layout l = make_layout(cfg, m.planner, ViewShape{.num_slots = m.num_slots});
-            bench::KernelStepSpec spec;
-            spec.layout = l;
-            spec.planner = m.planner;
-            spec.tokens.assign(size_t(R), s);
-            spec.expert_bytes = bytes;
-            spec.pool_slots = epn;  // every rank's pools hold epn slots; the pull fills the first B
+            const bench::KernelStepSpec spec = mode_spec(o, c, m, s);
+            const Layout& l = spec.layout;
             bench::KernelStep dev(spec, group);
             for (int q = 0; q < int(bytes.size()); ++q)
                 for (int r = 0; r < R; ++r)
@@ -375,7 +407,7 @@ void run_case(const Options& o, const bench::Case& c, double sigma, const std::v
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
     Options o;
     bench::Flags flags("serving_bench", "Serving and decode steps on R virtual ranks of one GPU (issues 43, 47)");
@@ -391,6 +423,7 @@ int main(int argc, char** argv) {
               1, 64);
     flags.add("--num-sms", &o.num_sms, "every rank's SM budget: blocks per launch at most (0: twice SMs / R)", 0, 2048);
     flags.add_switch("--quick", &o.quick, "tiny shapes (E=64, H=512, F=256, S=256, s 1,16,64,256): a smoke test");
+    flags.add_memory(&o.memory_gib);
     flags.parse(argc, argv);
     // One case per preset and shape: S = 4096 and K = 8 unless given, the preset's first skew unless given.
     std::vector<bench::Case> cases;
@@ -423,11 +456,14 @@ int main(int argc, char** argv) {
             if (s < 1 || s > cfg.num_tokens)
                 flags.fail("--tokens-per-call " + std::to_string(s) + ": needs 1 <= s <= S (" + c.shape.label() + ")");
     }
+    // The estimate against --memory-gib before anything else (so also without a GPU), or the device's free memory.
+    if (o.memory_gib > 0) bench::require_device_fit("serving_bench", serving_memory(o, cases), o.memory_gib);
     int num_devices = 0;
     if (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0) {
         std::printf("SKIP: no CUDA device\n");
         return 0;
     }
+    if (o.memory_gib <= 0) bench::require_device_fit("serving_bench", serving_memory(o, cases), 0);
     bench::SigmaTable sigmas(/*bisection_ranks=*/8);
     sigmas.prepare(cases, {42});
     Report report(o.csv, o.batch);
@@ -442,4 +478,8 @@ int main(int argc, char** argv) {
     }
     std::printf("CSV: %s\n", o.csv.c_str());
     return 0;
+}
+
+int main(int argc, char** argv) {
+    return bench::run_main("serving_bench", [&] { return run(argc, argv); });
 }

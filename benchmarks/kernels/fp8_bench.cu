@@ -7,9 +7,12 @@
 // to the symmetric region (no copy-out), as in ops_bench.
 //
 //   fp8_bench [--preset moonep,deepep] [shape and skew flags] [--iters 20] [--warmup 3] [--csv fp8_bench.csv]
+//             [--memory-gib G]
 //
 // Default: the MoonEP config at maxvio 1 (the preset's other targets with --maxvio) and the DeepEP config. Flags and
-// presets: benchmarks/common/flags.hpp.
+// presets: benchmarks/common/flags.hpp. Before it allocates anything it prints every case's estimate of device memory
+// (common/memory.hpp) and refuses, exit status 2 and one line, one that does not fit the GPU's free memory
+// (--memory-gib G: G GiB instead).
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -20,6 +23,7 @@
 
 #include "common/csv.hpp"
 #include "common/cuda_timing.cuh"
+#include "common/device_memory.cuh"
 #include "common/flags.hpp"
 #include "common/kernel_step.cuh"
 #include "common/routing_cases.hpp"
@@ -81,13 +85,34 @@ Bytes bytes_of(const std::vector<PlanCounts>& counts, double row_bytes, double s
     return b;
 }
 
+// A case's step buffers: no expert pools.
+bench::KernelStepSpec case_spec(const bench::Case& c) {
+    bench::KernelStepSpec spec;
+    spec.layout = make_layout(c.shape.config());
+    spec.tokens.assign(size_t(spec.layout.num_ranks), spec.layout.num_tokens);
+    return spec;
+}
+
+// Every case's device memory: the step's buffers and each rank's pre-quantised rows and their scales.
+std::vector<bench::MemoryEstimate> fp8_memory(const std::vector<bench::Case>& cases) {
+    std::vector<bench::MemoryEstimate> all;
+    for (const bench::Case& c : cases) {
+        const bench::KernelStepSpec spec = case_spec(c);
+        const Layout& l = spec.layout;
+        bench::MemoryEstimate e = bench::kernel_step_memory(spec);
+        e.what = "preset " + c.preset + " (" + c.shape.label() + ")";
+        e.add("fp8 rows", int64_t(l.num_tokens) * l.hidden, l.num_ranks);
+        e.add("fp8 scales", int64_t(l.num_tokens) * (l.hidden / kFp8BlockSize) * 4, l.num_ranks);
+        all.push_back(e);
+    }
+    return all;
+}
+
 void run_case(const bench::Case& c, double sigma, int iters, int warmup, bench::CsvWriter& csv) {
-    const Layout l = make_layout(c.shape.config());
+    const bench::KernelStepSpec spec = case_spec(c);
+    const Layout& l = spec.layout;
     const int R = l.num_ranks, S = l.num_tokens, H = l.hidden, nb = H / kFp8BlockSize;
     testing::LocalDeviceGroup group(R, false, 30.0);
-    bench::KernelStepSpec spec;
-    spec.layout = l;
-    spec.tokens.assign(size_t(R), S);
     bench::KernelStep dev(spec, group);  // rows into the symmetric region
     const std::vector<double> pop = routing::popularity(l.num_experts, sigma, 42);
     std::vector<int32_t> all_counts(size_t(R) * l.num_experts, 0);
@@ -198,16 +223,18 @@ void run_case(const bench::Case& c, double sigma, int iters, int warmup, bench::
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
     std::string csv_path = "fp8_bench.csv";
     int iters = 20, warmup = 3;
+    double memory_gib = 0;
     bench::Flags flags("fp8_bench",
                        "FP8 dispatch (bf16 rows quantised in the kernel, pre-quantised rows) against bf16 "
                        "dispatch on R virtual ranks of one GPU");
     flags.add_sweep({"moonep", "deepep"});
     flags.add_timing(&iters, &warmup);
     flags.add_csv(&csv_path);
+    flags.add_memory(&memory_gib);
     flags.parse(argc, argv);
     std::vector<bench::Case> cases = flags.cases();
     if (!flags.given("--maxvio") && !flags.given("--sigma")) {  // MoonEP at maxvio 1 unless asked otherwise
@@ -220,11 +247,14 @@ int main(int argc, char** argv) {
         if (cfg.hidden % kFp8BlockSize != 0)
             flags.fail("--hidden " + std::to_string(cfg.hidden) + ": FP8 rows need a multiple of 128");
     }
+    // The estimate against --memory-gib before anything else (so also without a GPU), or the device's free memory.
+    if (memory_gib > 0) bench::require_device_fit("fp8_bench", fp8_memory(cases), memory_gib);
     int num_devices = 0;
     if (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0) {
         std::printf("SKIP: no CUDA device\n");
         return 0;
     }
+    if (memory_gib <= 0) bench::require_device_fit("fp8_bench", fp8_memory(cases), 0);
     bench::SigmaTable sigmas(/*bisection_ranks=*/8);
     sigmas.prepare(cases, {42});
     bench::CsvWriter csv(
@@ -239,4 +269,8 @@ int main(int argc, char** argv) {
         "rank, its launch time included; graph: every rank replayed as one CUDA graph; agg_GB/s: graph-timed)\n");
     for (const bench::Case& c : cases) run_case(c, sigmas.sigma(c, 42), iters, warmup, csv);
     return 0;
+}
+
+int main(int argc, char** argv) {
+    return bench::run_main("fp8_bench", [&] { return run(argc, argv); });
 }

@@ -1,5 +1,5 @@
-// flatep-plan-quality: the host half of the planner-quality benchmark (driven by benchmarks/plan_quality.py), and the
-// host check of every shape a GPU benchmark sweeps (issue 22). For every case of the sweep
+// flatep-plan-quality: the host half of the planner-quality benchmark (driven by benchmarks/planner/plan_quality.py),
+// and the host check of every shape a GPU benchmark sweeps (issue 22). For every case of the sweep
 // (benchmarks/common/flags.hpp:
 // --preset and the shape lists, --maxvio targets) and several seeds it generates the count matrices with the routing
 // generator, writes each one as a flatep-plan / plan_optimum.py request (JSON) when asked, and plans it with the

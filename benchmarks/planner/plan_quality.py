@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Planner quality: greedy vs FlatEP (balanced) vs the MILP optimum (tools/plan_optimum.py).
 
-    /usr/bin/python3 benchmarks/plan_quality.py --build build-quality [--out benchmarks/results] [--seeds 3]
+    /usr/bin/python3 benchmarks/planner/plan_quality.py --build build-quality [--out benchmarks/results] [--seeds 3]
         [--time-limit 20] [--replicas-time-limit 10] [--jobs 2] [--cache DIR]
 
 For each config (R=8 E=384 S=8192 K=8; R=8 E=64 S=4096 K=2; R=16 E=256 S=4096 K=8; R=64 E=256 S=4096 K=8) x maxvio
@@ -26,7 +26,7 @@ CONFIGS = [(8, 384, 8192, 8), (8, 64, 4096, 2), (16, 256, 4096, 8), (64, 256, 40
 MAXVIO = [0.2, 1, 5, 10, 20]
 FACTORS = [1, 1.05, 1.1, 1.25]
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def run_optimum(request, cache_dir, time_limit, replicas_time_limit):
@@ -49,7 +49,7 @@ def run_optimum(request, cache_dir, time_limit, replicas_time_limit):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", default=os.path.join(ROOT, "build-quality"), help="CMake build dir with the binaries")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.path.join(HERE, "..", "results"))
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=11, help="host planner timing repeats (median)")
     ap.add_argument("--time-limit", type=float, default=20.0, help="solver seconds for min P")
@@ -105,8 +105,8 @@ def main():
                              host_time_us="", p_bound=o["bound"],
                              replicas_bound=o["replicas_bound"] if o["replicas_bound"] is not None else "",
                              solver_s=round(sum(o["seconds"].values()), 2)))
-    command = ("/usr/bin/python3 benchmarks/plan_quality.py --build <build> --seeds {} --repeats {} --time-limit {:g} "
-               "--replicas-time-limit {:g} --optimum-max-ranks {} --jobs {}").format(
+    command = ("/usr/bin/python3 benchmarks/planner/plan_quality.py --build <build> --seeds {} --repeats {} "
+               "--time-limit {:g} --replicas-time-limit {:g} --optimum-max-ranks {} --jobs {}").format(
                    args.seeds, args.repeats, args.time_limit, args.replicas_time_limit, args.optimum_max_ranks,
                    args.jobs)
     fields = ["R", "E", "S", "K", "capacity_factor", "maxvio_target", "maxvio_real", "seed", "planner", "status",

@@ -5,23 +5,24 @@ buffers of several capacities NvS, over an [E+B] view of `--view` groups. The ow
 plus padding (8672 at DeepEP's decode shape) where the balanced one holds about S*K (1984): what the extra capacity
 costs the FFN, phase by phase (first grouped GEMM, activation, second grouped GEMM, zeroing past the end), on one GPU.
 
-    python3 benchmarks/owner_ffn_probe.py                     # DeepEP's decode shape, F=1536, NvS 1061/1984/8672
-    python3 benchmarks/owner_ffn_probe.py --capacity 1061 1984 8672 --ffn 1536 --reps 50
+    python3 benchmarks/serving/owner_ffn_probe.py                # DeepEP's decode shape, F=1536, NvS 1061/1984/8672
+    python3 benchmarks/serving/owner_ffn_probe.py --capacity 1061 1984 8672 --ffn 1536 --reps 50
 """
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 
 from flatep import ffn  # noqa: E402
 
-sys.path.insert(0, HERE)
-import moe_fp8  # noqa: E402  (its CUDA-event timer)
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
+import bench_timing  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -41,8 +42,8 @@ def parse_args(argv=None):
 
 
 def timed(fn, reps, warmup):
-    """Median of `reps` CUDA-event timings of fn() in microseconds, after `warmup` calls (moe_fp8's timer)."""
-    return moe_fp8.timed(fn, reps, warmup) * 1e3
+    """Median of `reps` CUDA-event timings of fn() in microseconds, after `warmup` calls."""
+    return statistics.median(bench_timing.time_calls(fn, reps, warmup)) * 1e3
 
 
 def main(argv=None):

@@ -14,7 +14,7 @@
 // pool kernels timed alone. CSV out.
 //
 //   ops_bench [--preset moonep,deepep] [shape and skew flags] [--tokens-per-call s,..] [--iters 20] [--warmup 3]
-//             [--ffn 1024] [--num-sms 0] [--csv ops_bench.csv]
+//             [--ffn 1024] [--num-sms 0] [--csv ops_bench.csv] [--memory-gib G]
 //   ops_bench --planner-only [--planner-profile] [--seeds 3] [--preset ..] [shape and skew flags] [--csv ..]
 //
 // Shape and skew flags, presets (moonep, deepep, moonep-sweep, k3): benchmarks/common/flags.hpp, e.g.
@@ -23,6 +23,8 @@
 // tokens each rank passes (default S; one case per value). --num-sms: every rank's SM budget, the most thread blocks
 // one of its launches uses (LocalDeviceGroup; 0: twice SMs / R, so 32 blocks for 8 ranks on an H200's 132 SMs). Routing
 // sigmas of --maxvio targets are bisected on min(R, 8) ranks (--sigma-cache keeps them between runs).
+// Before it allocates anything it prints each case's estimate of device memory (common/memory.hpp) and refuses, exit
+// status 2 and one line, a case that does not fit the GPU's free memory (--memory-gib G: G GiB instead).
 // --planner-only: only the planner kernels on host-generated counts of every case (no data plane, no cross-rank
 // barrier, so it also runs under a kernel profiler; --seeds routings per case, seeds 42..), graph-timed, with the
 // plan's P and replicas, the greedy's, the host planner's time, and whether the GPU plan equals the host planner's
@@ -43,6 +45,7 @@
 
 #include "common/csv.hpp"
 #include "common/cuda_timing.cuh"
+#include "common/device_memory.cuh"
 #include "common/flags.hpp"
 #include "common/kernel_step.cuh"
 #include "common/routing_cases.hpp"
@@ -72,9 +75,11 @@ __global__ void __launch_bounds__(512) rank_copy_kernel(const uint4* src, uint4*
     }
 }
 
+constexpr int64_t kRankCopyProbeBytes = int64_t(256) << 20;  // rank_copy_gbps' two buffers
+
 // GB/s (read + write) of rank_copy_kernel with `blocks` blocks over 256 MiB, graph-timed; the other ranks idle.
 double rank_copy_gbps(int blocks, cudaStream_t stream) {
-    const size_t bytes = size_t(256) << 20;
+    const size_t bytes = size_t(kRankCopyProbeBytes);
     void *a = nullptr, *b = nullptr;
     FLATEP_CUDA_CHECK(cudaMalloc(&a, bytes));
     FLATEP_CUDA_CHECK(cudaMalloc(&b, bytes));
@@ -477,6 +482,7 @@ struct Options {
     int num_sms = 0;  // every rank's SM budget, blocks per launch (LocalDeviceGroup's num_sms); 0: twice SMs / R
     bool planner_only = false, planner_profile = false;
     std::string csv = "ops_bench.csv", sigma_cache;
+    double memory_gib = 0;  // --memory-gib: 0, the device's free memory
 };
 
 // The plan's global part (everything before the per-rank entry arrays): where a GPU plan must equal the host's.
@@ -585,18 +591,43 @@ int planner_bench(const Options& o, bench::SigmaTable& sigmas) {
 }
 
 // The data plane of one case at s tokens per call: every op timed, bytes from the plans, one CSV row per op.
+// The device buffers of a case at s tokens per call: one bf16 projection of H x H' per expert, epn slots, grads.
+bench::KernelStepSpec case_spec(const bench::Case& c, int s) {
+    bench::KernelStepSpec spec;
+    spec.layout = make_layout(c.shape.config());
+    spec.tokens.assign(size_t(spec.layout.num_ranks), s);
+    spec.expert_bytes = {int64_t(spec.layout.hidden) * c.shape.ffn * 2};
+    spec.pool_slots = spec.layout.experts_per_rank;
+    spec.grads = true;
+    return spec;
+}
+
+// copy_bandwidth_gbps' two buffers (its default size; alone, before the cases).
+constexpr int64_t kCopyProbeBytes = int64_t(4) << 30;
+
+// The data plane's device memory, per case (--planner-only's plans and workspaces are a few MiB: not checked).
+std::vector<bench::MemoryEstimate> data_plane_memory(const std::vector<bench::Case>& cases) {
+    std::vector<bench::MemoryEstimate> all;
+    bench::MemoryEstimate copy;
+    copy.what = "the copy bandwidth probe";
+    copy.add("copy buffers", kCopyProbeBytes, 2);
+    all.push_back(copy);
+    for (const bench::Case& c : cases) {
+        bench::MemoryEstimate e = bench::kernel_step_memory(case_spec(c, c.shape.tokens));  // s: no size depends on it
+        e.what = "preset " + c.preset + " (" + c.shape.label() + ", ffn " + std::to_string(c.shape.ffn) + ")";
+        e.add("rank copy probe", kRankCopyProbeBytes, 2);
+        all.push_back(e);
+    }
+    return all;
+}
+
 void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma, double copy_gbps,
                      bench::CsvWriter& csv) {
-    const Layout l = make_layout(c.shape.config());
+    const bench::KernelStepSpec spec = case_spec(c, s);
+    const Layout& l = spec.layout;
     const int R = l.num_ranks;
     const int64_t expert_elems = int64_t(l.hidden) * c.shape.ffn;
     testing::LocalDeviceGroup group(R, false, 30.0, o.num_sms);
-    bench::KernelStepSpec spec;
-    spec.layout = l;
-    spec.tokens.assign(size_t(R), s);
-    spec.expert_bytes = {expert_elems * 2};
-    spec.pool_slots = l.experts_per_rank;
-    spec.grads = true;
     bench::KernelStep dev(spec, group);
     const double rank_gbps =
         rank_copy_gbps(group.num_sms() > 0 ? group.num_sms() : 2 * kernels::device_sm_count(), group.stream(0));
@@ -782,7 +813,7 @@ void data_plane_case(const Options& o, const bench::Case& c, int s, double sigma
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
     setenv("CUDA_MODULE_LOADING", "EAGER", 1);  // see kernels::preload_all_kernels
     Options o;
@@ -796,6 +827,7 @@ int main(int argc, char** argv) {
     flags.add("--seeds", &o.seeds, "--planner-only: routings per case (seeds 42..)", 1, 1000);
     flags.add("--num-sms", &o.num_sms, "every rank's SM budget: blocks per launch at most (0: twice SMs / R)", 0, 2048);
     flags.add("--sigma-cache", &o.sigma_cache, "CSV of routing sigmas found before: read, and appended to");
+    flags.add_memory(&o.memory_gib);
     flags.parse(argc, argv);
     o.cases = flags.cases();
     for (const bench::Case& c : o.cases) {
@@ -806,11 +838,16 @@ int main(int argc, char** argv) {
                 flags.fail("--tokens-per-call " + std::to_string(s) + ": needs 1 <= s <= S (" + c.shape.label() + ")");
     }
     if (o.planner_profile && !o.planner_only) flags.fail("--planner-profile needs --planner-only");
+    // The data plane's estimate against --memory-gib before anything else (so also without a GPU), or the device's
+    // free memory once there is one.
+    if (!o.planner_only && o.memory_gib > 0)
+        bench::require_device_fit("ops_bench", data_plane_memory(o.cases), o.memory_gib);
     int num_devices = 0;
     if (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0) {
         std::printf("SKIP: no CUDA device\n");
         return 0;
     }
+    if (!o.planner_only && o.memory_gib <= 0) bench::require_device_fit("ops_bench", data_plane_memory(o.cases), 0);
     bench::SigmaTable sigmas(/*bisection_ranks=*/8, o.sigma_cache);
     std::vector<uint64_t> seeds;
     for (int i = 0; i < (o.planner_only ? o.seeds : 1); ++i) seeds.push_back(42 + uint64_t(i));
@@ -861,4 +898,8 @@ int main(int argc, char** argv) {
         for (int s : calls) data_plane_case(o, c, s, sigma, copy_gbps, csv);
     }
     return 0;
+}
+
+int main(int argc, char** argv) {
+    return bench::run_main("ops_bench", [&] { return run(argc, argv); });
 }

@@ -13,9 +13,10 @@ CPU backend nn.MoE's loop over groups, flatep.ffn.grouped_ffn) and the weighted 
 Every mode plans for its own s: the layer's Buffer is the one for (planner, s) (MoE.use_planner(planner, s)), so a
 decode step's receive rows are sized for decode, as a server would run it.
 
-    python3 benchmarks/serving_step.py --preset deepep --ffn 1536 --iters 10 --csv serving_step_deepep.csv
-    python3 benchmarks/serving_step.py --preset k3 --iters 10 --csv serving_step_k3.csv
-    PYTHONPATH=python:build/python /usr/bin/python3 benchmarks/serving_step.py --quick --device cpu --csv /tmp/q.csv
+    python3 benchmarks/serving/serving_step.py --preset deepep --ffn 1536 --iters 10 --csv serving_step_deepep.csv
+    python3 benchmarks/serving/serving_step.py --preset k3 --iters 10 --csv serving_step_k3.csv
+    PYTHONPATH=python:build/python /usr/bin/python3 benchmarks/serving/serving_step.py --quick --device cpu \
+        --csv /tmp/q.csv
 
 Presets: deepep (R=8, S=4096, E=256, H=7168, K=8, F=2048, uniform routing), k3 (R=8, S=4096, E=896, H=7168, K=8,
 F=512, routing skew maxvio 1 as serving_bench's k3: sigma by bisection, seed 42); --ffn overrides F, --quick is a tiny
@@ -59,11 +60,13 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))  # source checkout: python/ (the extension: PYTHONPATH)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))  # source checkout: python/ (the extension: PYTHONPATH)
+sys.path.insert(0, os.path.join(HERE, "..", "common"))  # bench_timing
 
 from flatep import virtual  # noqa: E402  (first: it sets CUDA's loading mode before CUDA starts)
 import torch  # noqa: E402
 
+import bench_timing  # noqa: E402
 import flatep  # noqa: E402
 from flatep import testing  # noqa: E402
 from flatep.nn import DEFAULT_ALIGN  # noqa: E402
@@ -305,10 +308,7 @@ class Graphs:
             self.graphs.append(g)
         torch.cuda.synchronize()
         self.gate = torch.cuda.Stream()
-        props = torch.cuda.get_device_properties(0)
-        self.gate_cycles = int(step.a.gate_ms * 1e-3 * getattr(props, "clock_rate", 1_980_000) * 1e3)
-        self.start = torch.cuda.Event(enable_timing=True)
-        self.ends = [torch.cuda.Event(enable_timing=True) for _ in self.graphs]
+        self.gate_cycles = bench_timing.gate_cycles(0, step.a.gate_ms * 1e-3)
 
     def replay(self):
         for r, g in enumerate(self.graphs):
@@ -320,19 +320,9 @@ class Graphs:
     def timed(self):
         """(microseconds from the common start to the last rank's end, host enqueue microseconds)."""
         torch.cuda.synchronize()
-        with torch.cuda.stream(self.gate):
-            torch.cuda._sleep(self.gate_cycles)
-            self.start.record(self.gate)
-        t0 = time.perf_counter()
-        for r, g in enumerate(self.graphs):
-            stream = self.step.streams[r]
-            stream.wait_event(self.start)
-            with torch.cuda.stream(stream):
-                g.replay()
-            self.ends[r].record(stream)
-        enqueue = (time.perf_counter() - t0) * 1e6
-        torch.cuda.synchronize()
-        return max(self.start.elapsed_time(e) for e in self.ends) * 1e3, enqueue
+        t = bench_timing.ranks_together(self.step.streams, lambda r: self.graphs[r].replay(), self.gate_cycles,
+                                        gate_stream=self.gate)
+        return t.max_ms * 1e3, t.enqueue_ms * 1e3
 
 
 def measure_cuda(step, name):

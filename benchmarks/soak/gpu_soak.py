@@ -1,8 +1,8 @@
 """GPU soak through the public API, in the environment a user has (no CUDA_MODULE_LOADING, no other special
 variables): many steps of plan + dispatch + combine with a fresh skewed routing each step, then the checks.
 
-    python3 benchmarks/gpu_soak.py --mode virtual --ranks 4 --steps 3000      # R virtual ranks, ONE host thread
-    python3 benchmarks/gpu_soak.py --mode processes --ranks 2 --steps 1000    # R processes sharing GPU 0 (ipc)
+    python3 benchmarks/soak/gpu_soak.py --mode virtual --ranks 4 --steps 3000      # R virtual ranks, ONE host thread
+    python3 benchmarks/soak/gpu_soak.py --mode processes --ranks 2 --steps 1000    # R processes sharing GPU 0 (ipc)
 
 virtual: R flatep.virtual ranks on one GPU, one stream each, and one thread that enqueues every rank's ops in turn
 (the way a benchmark or a single-controller test drives them: no rank waits for the host between its ops). This is
@@ -32,7 +32,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 
 import flatep  # noqa: E402
 from flatep import testing, virtual  # noqa: E402

@@ -3,7 +3,7 @@
 time of both in the same run, their ratio, and the FP8 layer's relative errors against the bf16 layer (same weights,
 same input, same routing).
 
-    python3 benchmarks/moe_fp8.py --csv $OUT/moe_fp8.csv          # S=8192 H=7168 F=2048 epn=48 K=8, SwiGLU
+    python3 benchmarks/layer/moe_fp8.py --csv $OUT/moe_fp8.csv          # S=8192 H=7168 F=2048 epn=48 K=8, SwiGLU
 
 One rank (a one-rank world: every expert local, so dispatch and combine are the rank's own copies and the step is the
 layer's own work: router, plan, dispatch, prefetch, grouped GEMMs, combine and their backward). One layer, switched
@@ -23,8 +23,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
 
+import bench_timing  # noqa: E402
 import flatep  # noqa: E402
 from flatep import testing  # noqa: E402
 from flatep.nn import dequantize_rows  # noqa: E402
@@ -50,17 +52,7 @@ def rel_l2(a, b):
 
 
 def timed(fn, iters, warmup=1):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    return statistics.median(bench_timing.time_calls(fn, iters, warmup))
 
 
 def rowwise_quant(t):

@@ -2,10 +2,10 @@
 """One MoE layer forward + backward: FlatEP against the standard expert-parallel baseline, same run, same routing.
 
     # GPU, 8 ranks on 8 GPUs (NCCL all-to-all for the baseline), the MoonEP and DeepEP configs:
-    python3 benchmarks/moe_layer.py --config moonep --device cuda
-    python3 benchmarks/moe_layer.py --config deepep --device cuda
+    python3 benchmarks/layer/moe_layer.py --config moonep --device cuda
+    python3 benchmarks/layer/moe_layer.py --config deepep --device cuda
     # CPU smoke run through gloo (minutes-scale sizes only; its numbers are not results):
-    /usr/bin/python3 benchmarks/moe_layer.py --ranks 2 --tokens 64 --hidden 64 --ffn 32 --experts 8 --topk 2 \\
+    /usr/bin/python3 benchmarks/layer/moe_layer.py --ranks 2 --tokens 64 --hidden 64 --ffn 32 --experts 8 --topk 2 \\
         --iters 2 --warmup 1 --out /tmp/moe_layer
 
 Both implementations run the same layer: router (fp32 softmax over x @ Wr^T, the generator's top-K experts, weights
@@ -35,13 +35,12 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))  # source checkout: python/ (the extension: PYTHONPATH)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))  # source checkout: python/ (the extension: PYTHONPATH)
 
 import flatep  # noqa: E402
 from flatep import testing  # noqa: E402
@@ -52,6 +51,8 @@ from flatep.baseline import (  # noqa: E402, F401 - the baseline's helpers (one 
 from flatep.nn import DEFAULT_ALIGN, grouped_ffn, route  # noqa: E402
 
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
+import bench_timing  # noqa: E402
 import layer_probe  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -86,7 +87,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     p.add_argument("--tolerance", type=float, default=2e-2, help="equality check: max relative L2 error")
-    p.add_argument("--out", default=os.path.join(HERE, "results"), help="directory of the CSV and PNGs")
+    p.add_argument("--out", default=os.path.join(HERE, "..", "results"), help="directory of the CSV and PNGs")
     p.add_argument("--tag", default=None, help="device tag in the file names (default: from the device name)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--wgrad-mode", choices=["accumulate", "overwrite"], default="accumulate",
@@ -104,7 +105,7 @@ def parse_args(argv=None):
             setattr(args, key, preset.get(key, value))
     if args.experts % args.ranks:
         p.error(f"--experts {args.experts} must be a multiple of --ranks {args.ranks}")
-    args.command = " ".join(["benchmarks/moe_layer.py"] + (sys.argv[1:] if argv is None else list(argv)))
+    args.command = " ".join(["benchmarks/layer/moe_layer.py"] + (sys.argv[1:] if argv is None else list(argv)))
     return args
 
 
@@ -125,11 +126,7 @@ class Timer:
         self._opened = {}
 
     def _stamp(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
+        return bench_timing.stamp(self.cuda)
 
     def sync(self):
         if self.cuda:
@@ -160,7 +157,7 @@ class Timer:
         out = {}
         for name, a, b in self.marks:
             assert b is not None, f"phase {name} never ended"
-            ms = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+            ms = bench_timing.elapsed_ms(a, b)
             out[name] = out.get(name, 0.0) + ms
         self.enabled, self.marks = False, []
         return out

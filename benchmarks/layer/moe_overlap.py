@@ -4,9 +4,9 @@ sum of its parts, measured in the same run, with a figure and a CSV.
 
     # H200, MoonEP's per-rank sizes (S=8192, epn=48, H=7168, K=8, F=2048) and a shared expert of F_s=2048 on 2
     # virtual ranks (~25 GB each); about a minute of device time:
-    python3 benchmarks/moe_overlap.py --device cuda --out benchmarks/results/moe_overlap_h200
+    python3 benchmarks/layer/moe_overlap.py --device cuda --out benchmarks/results/moe_overlap_h200
     # CPU smoke run (its numbers are not results):
-    /usr/bin/python3 benchmarks/moe_overlap.py --device cpu --ranks 2 --tokens 64 --hidden 64 --ffn 32 \\
+    /usr/bin/python3 benchmarks/layer/moe_overlap.py --device cpu --ranks 2 --tokens 64 --hidden 64 --ffn 32 \\
         --shared-ffn 48 --experts-per-rank 4 --topk 2 --iters 2 --warmup 1 --out /tmp/moe_overlap
 
 Two modes, each forward only (torch.no_grad), every rank's layer with a shared expert:
@@ -16,8 +16,8 @@ Two modes, each forward only (torch.no_grad), every rank's layer with a shared e
   the expert GEMMs of the first, and the combine of the first during the second's shared expert and GEMMs.
 
 Per mode and iteration, all ranks at once (each on its own stream; a GATE_S spin on every stream first so that the
-host enqueues every rank's work before any starts, as in benchmarks/moe_layer_virtual.py; the communication kernels
-on --num-sms blocks per launch, the GEMMs on the rest of the GPU):
+host enqueues every rank's work before any starts, as in benchmarks/layer/moe_layer_virtual.py; the communication
+kernels on --num-sms blocks per launch, the GEMMs on the rest of the GPU):
 * overlapped: the layer with overlap=True, from the gate's end to the end of the rank's compute stream;
 * serial layer: the same with overlap=False (every op on the compute stream, one after the other);
 * parts: each part on its own, the exact calls the layer makes (flatep.nn.route; Buffer.plan / dispatch / combine;
@@ -43,8 +43,10 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
 
+import bench_timing  # noqa: E402
 import flatep  # noqa: E402
 from flatep import testing, virtual  # noqa: E402
 from flatep.nn import add_shared, grouped_ffn, route, shared_expert_ffn  # noqa: E402
@@ -62,28 +64,16 @@ class Timer:
         self.R, self.device, self.cuda = R, device, device.type == "cuda"
         self.streams = [torch.cuda.Stream(device) for _ in range(R)] if self.cuda else [None] * R
         if self.cuda:
-            khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 1_980_000)
-            self.gate_cycles = int(GATE_S * khz * 1e3)
+            self.gate_cycles = bench_timing.gate_cycles(device, GATE_S)
 
     def run(self, fn):
         if not self.cuda:  # CPU backend: ops block until every rank arrives, so the ranks run on threads
-            t0 = time.perf_counter()
-            out = virtual.run_threads(self.R, fn)
-            return (time.perf_counter() - t0) * 1e3, out
+            return bench_timing.wall_ms(lambda: virtual.run_threads(self.R, fn))
         torch.cuda.synchronize(self.device)
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.R)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.R)]
-        for r in range(self.R):
-            with torch.cuda.stream(self.streams[r]):
-                torch.cuda._sleep(self.gate_cycles)
-                starts[r].record()
-        out = []
-        for r in range(self.R):  # one thread enqueues every rank's work, each on its own stream
-            with torch.cuda.stream(self.streams[r]):
-                out.append(fn(r))
-                ends[r].record()
-        torch.cuda.synchronize(self.device)
-        return max(s.elapsed_time(e) for s, e in zip(starts, ends)), out
+        # one thread enqueues every rank's work, each on its own stream
+        t = bench_timing.ranks_together(self.streams, fn, self.gate_cycles,
+                                        sync=lambda: torch.cuda.synchronize(self.device))
+        return t.max_ms, t.out
 
 
 def main():
