@@ -242,12 +242,12 @@ step_train_cuda() {
     "$PY" examples/train_moe.py --device cuda --ranks 4 --steps 8 --tokens 64 --experts 16 --capacity-factor 1.25
 }
 
-define soak 300 "benchmarks/gpu_soak.py as a user runs it (FLATEP_TIMEOUT_S, CUDA_MODULE_LOADING unset): 3000 steps \
+define soak 300 "benchmarks/soak/gpu_soak.py as a user runs it (FLATEP_TIMEOUT_S, CUDA_MODULE_LOADING unset): 3000 steps \
 on 4 virtual ranks, 1000 on 2 processes; replays bitwise, S*K rows a step, flat memory (soak.csv)"
 step_soak() {
-    env -u FLATEP_TIMEOUT_S -u CUDA_MODULE_LOADING "$PY" benchmarks/gpu_soak.py --mode virtual --ranks 4 \
+    env -u FLATEP_TIMEOUT_S -u CUDA_MODULE_LOADING "$PY" benchmarks/soak/gpu_soak.py --mode virtual --ranks 4 \
         --steps 3000 --csv "$STEP_OUT/soak.csv" || return 1
-    env -u FLATEP_TIMEOUT_S -u CUDA_MODULE_LOADING "$PY" benchmarks/gpu_soak.py --mode processes --ranks 2 \
+    env -u FLATEP_TIMEOUT_S -u CUDA_MODULE_LOADING "$PY" benchmarks/soak/gpu_soak.py --mode processes --ranks 2 \
         --steps 1000 --csv "$STEP_OUT/soak.csv"
 }
 
@@ -332,14 +332,14 @@ step_serving_bench_k3_b4() {
     "$BUILD"/benchmarks/serving_bench --preset k3 --batch 4 --csv "$STEP_OUT/serving_bench_k3_batch4.csv"
 }
 
-define serving_step_deepep 150 "benchmarks/serving_step.py --preset deepep --ffn 1536: nn.MoE serving step with the \
+define serving_step_deepep 150 "benchmarks/serving/serving_step.py --preset deepep --ffn 1536: nn.MoE serving step with the \
 expert GEMM, per-rank CUDA graphs (F=1536: B=epn, the training layout, does not fit 8 ranks at F=2048)"
 step_serving_step_deepep() {
-    "$PY" benchmarks/serving_step.py --preset deepep --ffn 1536 --iters 10 --csv "$STEP_OUT/serving_step_deepep.csv"
+    "$PY" benchmarks/serving/serving_step.py --preset deepep --ffn 1536 --iters 10 --csv "$STEP_OUT/serving_step_deepep.csv"
 }
 
-define serving_step_k3 150 "benchmarks/serving_step.py --preset k3 (F=512)"
-step_serving_step_k3() { "$PY" benchmarks/serving_step.py --preset k3 --iters 10 --csv "$STEP_OUT/serving_step_k3.csv"; }
+define serving_step_k3 150 "benchmarks/serving/serving_step.py --preset k3 (F=512)"
+step_serving_step_k3() { "$PY" benchmarks/serving/serving_step.py --preset k3 --iters 10 --csv "$STEP_OUT/serving_step_k3.csv"; }
 
 define ops_k3 60 "ops_bench --preset k3 --ffn 512 --maxvio 1,20 --iters 15: every op at Kimi K3's shape (CSV)"
 step_ops_k3() {
@@ -348,62 +348,62 @@ step_ops_k3() {
 }
 
 decode() {
-    "$PY" benchmarks/serving_step.py --preset "$1" --decode-sweep 1,16,128,512 --iters 10 --csv "$RESULTS/decode_$1.csv"
+    "$PY" benchmarks/serving/serving_step.py --preset "$1" --decode-sweep 1,16,128,512 --iters 10 --csv "$RESULTS/decode_$1.csv"
 }
-define decode_deepep 150 "benchmarks/serving_step.py --preset deepep --decode-sweep: owner against balanced B=4"
+define decode_deepep 150 "benchmarks/serving/serving_step.py --preset deepep --decode-sweep: owner against balanced B=4"
 step_decode_deepep() { decode deepep; }
 define decode_k3model 150 "the same at Kimi K3's model shape (H=3584, K=16, E=896)"
 step_decode_k3model() { decode k3model; }
 define decode_k3 150 "the same at the k3 preset (H=7168, K=8, E=896, F=512)"
 step_decode_k3() { decode k3; }
 
-define probe 90 "benchmarks/host_block_probe.py: which host calls wait for another stream's running kernel"
-step_probe() { "$PY" benchmarks/host_block_probe.py; }
+define probe 90 "benchmarks/probes/host_block_probe.py: which host calls wait for another stream's running kernel"
+step_probe() { "$PY" benchmarks/probes/host_block_probe.py; }
 
 define side_stream 90 "test_streams.py's side-stream test alone, the first CUDA test of its process"
 step_side_stream() {
     "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/python/test_streams.py -k side_stream_with_events
 }
 
-define eplb_real 300 "benchmarks/eplb_compare.py --time on the training run's routing (layer 3, 150 steps)"
+define eplb_real 300 "benchmarks/serving/eplb_compare.py --time on the training run's routing (layer 3, 150 steps)"
 step_eplb_real() {
-    "$PY" benchmarks/eplb_compare.py --trace benchmarks/results/train_e2e_h100/trace_flatep.npz --layer 3 --steps 150 \
+    "$PY" benchmarks/serving/eplb_compare.py --trace benchmarks/results/train_e2e_h100/trace_flatep.npz --layer 3 --steps 150 \
         --time --out "$RESULTS/eplb_real"
 }
 
 # -- end-to-end training --
 
-define e2e_smoke 100 "benchmarks/train_e2e.py --preset tiny on the GPU, 4 virtual ranks, 10 steps"
+define e2e_smoke 100 "benchmarks/training/train_e2e.py --preset tiny on the GPU, 4 virtual ranks, 10 steps"
 step_e2e_smoke() {
-    "$PY" benchmarks/train_e2e.py --preset tiny --device cuda --ranks 4 --experts 16 --steps 10 --no-plot \
+    "$PY" benchmarks/training/train_e2e.py --preset tiny --device cuda --ranks 4 --experts 16 --steps 10 --no-plot \
         --out "$RESULTS/e2e_smoke"
 }
 
-define e2e 480 "benchmarks/train_e2e.py --preset h200: FlatEP against the all-to-all baseline, 8 virtual ranks, 300 steps"
-step_e2e() { "$PY" benchmarks/train_e2e.py --preset h200 --out "$RESULTS/e2e"; }
+define e2e 480 "benchmarks/training/train_e2e.py --preset h200: FlatEP against the all-to-all baseline, 8 virtual ranks, 300 steps"
+step_e2e() { "$PY" benchmarks/training/train_e2e.py --preset h200 --out "$RESULTS/e2e"; }
 
-define e2e_processes 420 "benchmarks/train_e2e.py --preset h200 --processes: one process per rank on the GPU, 40 steps"
+define e2e_processes 420 "benchmarks/training/train_e2e.py --preset h200 --processes: one process per rank on the GPU, 40 steps"
 step_e2e_processes() {
-    "$PY" benchmarks/train_e2e.py --preset h200 --processes --ranks 4 --steps 40 --memory-every 5 \
+    "$PY" benchmarks/training/train_e2e.py --preset h200 --processes --ranks 4 --steps 40 --memory-every 5 \
         --out "$RESULTS/e2e_processes"
 }
 
 # -- the MoE layer against the all-to-all baseline --
 
 layer_run() { CUDA_MODULE_LOADING=EAGER "$PY" "$@" --out "$STEP_OUT"; }
-define layer_virtual_moonep 300 "benchmarks/moe_layer_virtual.py --gpus 2 --config moonep: R=8 virtual ranks on two \
+define layer_virtual_moonep 300 "benchmarks/layer/moe_layer_virtual.py --gpus 2 --config moonep: R=8 virtual ranks on two \
 GPUs, maxvio 0.2 1 10 20 (CSV, PNG)"
 step_layer_virtual_moonep() {
-    layer_run benchmarks/moe_layer_virtual.py --gpus 2 --config moonep --maxvio 0.2 1 10 20 --iters 5 --warmup 2
+    layer_run benchmarks/layer/moe_layer_virtual.py --gpus 2 --config moonep --maxvio 0.2 1 10 20 --iters 5 --warmup 2
 }
-define layer_virtual_deepep 200 "benchmarks/moe_layer_virtual.py --gpus 2 --config deepep"
-step_layer_virtual_deepep() { layer_run benchmarks/moe_layer_virtual.py --gpus 2 --config deepep --iters 5 --warmup 2; }
-define layer_r2_moonep 200 "benchmarks/moe_layer.py --ranks 2 --config moonep --experts 96: one process per GPU"
+define layer_virtual_deepep 200 "benchmarks/layer/moe_layer_virtual.py --gpus 2 --config deepep"
+step_layer_virtual_deepep() { layer_run benchmarks/layer/moe_layer_virtual.py --gpus 2 --config deepep --iters 5 --warmup 2; }
+define layer_r2_moonep 200 "benchmarks/layer/moe_layer.py --ranks 2 --config moonep --experts 96: one process per GPU"
 step_layer_r2_moonep() {
-    layer_run benchmarks/moe_layer.py --ranks 2 --config moonep --experts 96 --maxvio 0.2 1 5 9 --iters 10 --warmup 3
+    layer_run benchmarks/layer/moe_layer.py --ranks 2 --config moonep --experts 96 --maxvio 0.2 1 5 9 --iters 10 --warmup 3
 }
-define layer_r2_deepep 150 "benchmarks/moe_layer.py --ranks 2 --config deepep --experts 64"
-step_layer_r2_deepep() { layer_run benchmarks/moe_layer.py --ranks 2 --config deepep --experts 64 --iters 10 --warmup 3; }
+define layer_r2_deepep 150 "benchmarks/layer/moe_layer.py --ranks 2 --config deepep --experts 64"
+step_layer_r2_deepep() { layer_run benchmarks/layer/moe_layer.py --ranks 2 --config deepep --experts 64 --iters 10 --warmup 3; }
 
 # -- the MoE layer phase by phase on one GPU --
 
@@ -422,9 +422,9 @@ step_layer_pytest() {
     "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/python/test_gpu_combine_backward.py tests/python/test_grouped.py
 }
 
-define gemm_align 150 "benchmarks/grouped_mm_align.py: torch._grouped_mm over FlatEP's groups at align 16..128, the \
+define gemm_align 150 "benchmarks/probes/grouped_mm_align.py: torch._grouped_mm over FlatEP's groups at align 16..128, the \
 [E+B] serving view against the compact one; prints the align to choose (CSV)"
-step_gemm_align() { "$PY" benchmarks/grouped_mm_align.py --out "$STEP_OUT" --tag h200; }
+step_gemm_align() { "$PY" benchmarks/probes/grouped_mm_align.py --out "$STEP_OUT" --tag h200; }
 
 # The align gemm_align chose in this run (its log), 128 without one.
 chosen_align() {
@@ -432,9 +432,9 @@ chosen_align() {
     a=$(grep -oP '^chosen align \K[0-9]+' "$LOGS/gemm_align.log" 2>/dev/null || true)
     echo "${a:-128}"
 }
-layer_virtual() { "$PY" benchmarks/moe_layer_virtual.py --gpus 1 --config moonep --out "$STEP_OUT" --no-plot "$@"; }
+layer_virtual() { "$PY" benchmarks/layer/moe_layer_virtual.py --gpus 1 --config moonep --out "$STEP_OUT" --no-plot "$@"; }
 
-define layer_f512 170 "benchmarks/moe_layer_virtual.py --gpus 1 --ffn 512: R=8 virtual ranks on one GPU, maxvio 0.2 1 \
+define layer_f512 170 "benchmarks/layer/moe_layer_virtual.py --gpus 1 --ffn 512: R=8 virtual ranks on one GPU, maxvio 0.2 1 \
 10 20, every phase and memory per rank, a profiled baseline step at maxvio 20; FlatEP at gemm_align's align (CSV)"
 step_layer_f512() {
     local align
@@ -452,7 +452,7 @@ step_layer_f512_before() {
         --profile-baseline "$STEP_OUT/profile" --tag h200-virtual-before48
 }
 
-define layer_f2048 150 "benchmarks/moe_layer_virtual.py --ffn 2048 --ranks 4 --experts 192: MoonEP's per-rank shape \
+define layer_f2048 150 "benchmarks/layer/moe_layer_virtual.py --ffn 2048 --ranks 4 --experts 192: MoonEP's per-rank shape \
 with 4 virtual ranks (8 do not fit one GPU), maxvio 0.2 1 10 20 (CSV)"
 step_layer_f2048() {
     layer_virtual --ffn 2048 --ranks 4 --experts 192 --maxvio 0.2 1 10 20 --iters 4 --warmup 2 \
