@@ -119,6 +119,17 @@ def test_rank_loads_split_each_expert_evenly_over_its_copies():
     assert eplb.expected_max_load(loads, slots) == pytest.approx(66 / 54)
 
 
+def test_ties_in_rank_load_go_to_the_lower_rank():
+    """Equal loads tie the ranks at every step of pack (module docstring: each copy to the rank of least load, ties to
+    the lower rank, among those that leave the later copies placeable), worked by hand."""
+    # R=3, epn=1, B=1: each expert gets one extra copy of load 1/2; every rank starts at 1/2. Copy of e0: rank 0 is
+    # its home, rank 1 next. Copy of e1: rank 0 (1/2) would leave e2 only rank 2, its home: rank 2. Copy of e2: rank 0.
+    assert eplb.place([1, 1, 1], 3, 1) == [[2], [0], [1]]
+    # R=4, epn=2, B=1: copies of e0..e3 (1/2 each); ranks start at 1, 1, 2, 2. e0: rank 1 (rank 0 is home). e1: rank
+    # 0 is home, rank 1 full, rank 2 (2) before rank 3 (2). e2: rank 0. e3: rank 3.
+    assert eplb.place([1] * 8, 4, 1) == [[2], [0], [1], [3]]
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: eplb.place([1, 2, 3], 2, 1), "place: the 3 experts must split evenly over num_ranks=2"),
     (lambda: eplb.place([1, 2, 3, 4], 2, 3), "place: num_slots must be in [0, epn=2], got 3"),

@@ -1,9 +1,10 @@
 // The synthetic routing generator (src/routing) at its edges: the arguments it refuses (one kInvalidArgument line
 // naming the value), ids outside [0, E) that the histogram skips, ties between experts (broken by expert id), an
-// empty step (maxvio 0, and a target the bisection cannot reach), and weights that underflow to zero (the
-// remainder is spread one row at a time).
+// empty step (maxvio 0, and a target the bisection cannot reach), weights that underflow to zero (the remainder is
+// spread one row at a time), and the direction of popularity (a more popular expert keeps every token it had).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -100,6 +101,36 @@ TEST(RoutingGuards, SpreadCountsHandsOutOneRowAtATimeWhenEveryWeightUnderflows) 
     EXPECT_EQ(spread_counts(1, 2, 3, 1, sigma, seed), (std::vector<int32_t>{2, 1}));
     // A row is capped at S: with K = 2 of 2 experts every expert gets all S tokens.
     EXPECT_EQ(spread_counts(2, 2, 3, 2, sigma, seed), (std::vector<int32_t>{3, 3, 3, 3}));
+}
+
+TEST(RoutingGuards, AMorePopularExpertKeepsEveryTokenThatChoseItAndGainsSome) {
+    // sample_topk races keys -log(u) / popularity[e], u fixed by (seed, rank, token, expert) whatever the popularity:
+    // raising one expert's popularity shrinks only its own key, so every token that chose it still does; over 512
+    // tokens (E = 6, K = 2) some token that did not choose it now does.
+    const int E = 6, K = 2, S = 512;
+    int lost = 0, not_gained = 0;
+    for (uint64_t seed = 1; seed <= 4; ++seed) {
+        const std::vector<double> pop = popularity(E, 1.0, seed);
+        std::vector<int32_t> before(size_t(S) * K), after(size_t(S) * K);
+        sample_topk(pop, S, K, seed, 1, before.data());
+        for (int e = 0; e < E; ++e) {
+            std::vector<double> hotter = pop;
+            hotter[size_t(e)] *= 4.0;
+            sample_topk(hotter, S, K, seed, 1, after.data());
+            int had = 0, has = 0;
+            for (int t = 0; t < S; ++t) {
+                const auto chose = [&](const std::vector<int32_t>& idx) {
+                    return std::count(idx.begin() + int64_t(t) * K, idx.begin() + int64_t(t + 1) * K, e) > 0;
+                };
+                had += chose(before);
+                has += chose(after);
+                lost += chose(before) && !chose(after);
+            }
+            not_gained += has <= had;
+        }
+    }
+    EXPECT_EQ(lost, 0) << "tokens that dropped an expert when it became more popular";
+    EXPECT_EQ(not_gained, 0) << "experts that gained no token when they became more popular";
 }
 
 }  // namespace
