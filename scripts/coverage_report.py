@@ -27,6 +27,7 @@ uncovered branch is not listed.
 import argparse
 import collections
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -182,17 +183,69 @@ def cpp_tally(lines, name):
     return t
 
 
-def python_tally(report, root):
-    """coverage.py JSON: statements, and branch arcs counted at the line they leave."""
-    t = Tally("Python python/flatep (coverage.py)")
+def file_sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def stamp(source, out, root):
+    """A coverage.py JSON report of another machine (the device run), each file's executed lines and branches with the
+    sha256 of the source they were measured on: merged later only where the source is still the same."""
+    with open(source) as f:
+        report = json.load(f)
+    files = {}
+    for name, f in report["files"].items():
+        path = os.path.relpath(os.path.abspath(name), root)
+        files[path] = {"sha256": file_sha256(path), "executed_lines": f["executed_lines"],
+                       "executed_branches": f.get("executed_branches", [])}
+    meta = {k: report.get("meta", {}).get(k) for k in ("version", "timestamp")}
+    with open(out, "w") as f:
+        json.dump({"meta": meta, "files": files}, f, indent=0, sort_keys=True)
+    print(f"coverage_report: {out}: {len(files)} files stamped")
+    return 0
+
+
+def merge_stamped(paths):
+    """The union of stamped device reports (their lines and branches taken), per file and source sha256; a file
+    measured on two different sources keeps the newer report's."""
+    files, stamps = {}, []
+    for path in paths:
+        with open(path) as f:
+            report = json.load(f)
+        stamps.append(str(report["meta"].get("timestamp")))
+        for name, f in report["files"].items():
+            old = files.get(name)
+            if old is None or old["sha256"] != f["sha256"]:
+                files[name] = {"sha256": f["sha256"], "executed_lines": set(f["executed_lines"]),
+                               "executed_branches": {tuple(b) for b in f["executed_branches"]}}
+            else:
+                old["executed_lines"] |= set(f["executed_lines"])
+                old["executed_branches"] |= {tuple(b) for b in f["executed_branches"]}
+    return {"meta": {"timestamp": ", ".join(sorted(stamps))}, "files": files}
+
+
+def python_tally(report, root, device=None):
+    """coverage.py JSON: statements, and branch arcs counted at the line they leave. device: a stamped report of the
+    device run (stamp()); a file whose source is unchanged counts its lines and branches taken there as covered."""
+    t = Tally("Python python/flatep (coverage.py)" + (", CPU suite and the device run" if device else ""))
+    t.stale = []
     for name, f in report["files"].items():
         path = os.path.relpath(os.path.abspath(name), root)
         s = f["summary"]
+        missing_lines = set(f.get("missing_lines", []))
+        missing = [tuple(b) for b in f.get("missing_branches", [])]
+        other = (device or {}).get(path)
+        if other is not None and other["sha256"] != file_sha256(path):
+            t.stale.append(path)
+        elif other is not None:
+            taken = {tuple(b) for b in other["executed_branches"]}
+            missing_lines -= set(other["executed_lines"])
+            missing = [b for b in missing if b not in taken]
         t.lines += s["num_statements"]
-        t.lines_hit += s["covered_lines"]
+        t.lines_hit += s["num_statements"] - len(missing_lines)
         t.branches += s.get("num_branches", 0)
-        t.branches_hit += s.get("covered_branches", 0)
-        by_line = collections.Counter(src for src, _ in f.get("missing_branches", []))
+        t.branches_hit += s.get("num_branches", 0) - len(missing)
+        by_line = collections.Counter(src for src, _ in missing)
         for number, missed in sorted(by_line.items()):
             t.per_file[path] += missed
             t.uncovered.append((path, number, line_text(path, number), missed))
@@ -201,20 +254,37 @@ def python_tally(report, root):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cpp", required=True, help="gcovr's JSON")
-    parser.add_argument("--build-dir", required=True, help="the build directory of the .gcda files")
-    parser.add_argument("--python", required=True)
-    parser.add_argument("--exclusions", required=True)
+    parser.add_argument("--stamp", help="stamp this coverage.py JSON (of the device run) into --out, and stop")
+    parser.add_argument("--out", help="with --stamp: the stamped report")
+    parser.add_argument("--cpp", help="gcovr's JSON")
+    parser.add_argument("--build-dir", help="the build directory of the .gcda files")
+    parser.add_argument("--python")
+    parser.add_argument("--python-device", action="append", default=[], help="a stamped report of a device run "
+                        "(scripts/device.sh with DEVICE_COVERAGE=1) to merge for the files whose source is unchanged "
+                        "(repeatable)")
+    parser.add_argument("--exclusions")
     parser.add_argument("--missed", action="store_true", help="print every uncovered branch")
     parser.add_argument("--top", type=int, default=12, help="files listed by uncovered branches")
     args = parser.parse_args()
     root = os.getcwd()
+    if args.stamp:
+        if not args.out:
+            parser.error("--stamp needs --out")
+        return stamp(args.stamp, args.out, root)
+    for name in ("cpp", "build_dir", "python", "exclusions"):
+        if getattr(args, name) is None:
+            parser.error(f"--{name.replace('_', '-')} is required")
     exclusions = load_exclusions(args.exclusions)
     with open(args.cpp) as f:
         by_gcovr = cpp_tally(gcovr_lines(json.load(f), root), "C++ src/, gcovr's count")
     cpp = cpp_tally(gcov_lines(args.build_dir, root), "C++ src/ (gcov, template instantiations merged)")
     with open(args.python) as f:
-        py = python_tally(json.load(f), root)
+        cpu_report = json.load(f)
+    py = python_tally(cpu_report, root)
+    py_all = None
+    if args.python_device:
+        device = merge_stamped(args.python_device)
+        py_all = python_tally(cpu_report, root, device["files"])
     used, unlisted = set(), []
     for t in (cpp, py):
         for path, number, text, missed in t.uncovered:
@@ -228,6 +298,11 @@ def main():
         print("coverage: " + t.summary())
         for path, missed in t.per_file.most_common(args.top):
             print(f"    {missed:4d} uncovered branches  {path}")
+    if py_all is not None:
+        py_all.listed = sum(m for p, _, text, m in py_all.uncovered if (p, text) in exclusions)
+        print("coverage: " + py_all.summary() + f" (device run of {device['meta'].get('timestamp')}; "
+              f"{len(py_all.stale)} file(s) changed since, counted from the CPU suite alone"
+              + (f": {', '.join(py_all.stale)}" if py_all.stale else "") + ")")
     if args.missed:
         print("every uncovered branch (exclusions file format; the count is of branch outcomes):")
         for t in (cpp, py):

@@ -21,7 +21,8 @@
 #
 # Environment: OUT (default /tmp/out), DEVICE_DEADLINE_S, DEVICE_STOP_ON_FAIL=1 (the steps after a failed one are not
 # run), DEVICE_CLEAN=1 (build_suite deletes build-cuda first), PYTHON (python3), BUILD (build-cuda), JOBS (16),
-# FLATEP_TIMEOUT_S (default here 60), STEP_GRAPH_REPEAT (3), BENCH_ARGS (more ep_bench_multi flags).
+# FLATEP_TIMEOUT_S (default here 60), STEP_GRAPH_REPEAT (3), BENCH_ARGS (more ep_bench_multi flags),
+# DEVICE_COVERAGE=1 (coverage.py over python/flatep in every Python step: results/coverage/python_cuda.json).
 # NCCL_NVLS_ENABLE=0 always (NVLink multicast stays off on shared machines). CUDA_MODULE_LOADING is left as the caller
 # has it, but for the layer and multi_gpu steps, which load every kernel at context creation (EAGER), as they did.
 # shellcheck disable=SC2317  # the steps are called indirectly (bash -c "step_NAME")
@@ -656,6 +657,17 @@ export FLATEP_BUILD_DIR=$BUILD
 export PYTHONPATH="$ROOT/python:$ROOT/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export ROOT PY BUILD JOBS RESULTS LOGS GPU_BIN
+if [[ ${DEVICE_COVERAGE:-0} == 1 ]]; then
+    # coverage.py in every Python process of the steps (as scripts/coverage_ci.sh does on the CPU); at the end its
+    # branch report, each file stamped with its sha256, is results/coverage/python_cuda.json: coverage_report.py
+    # --python-device merges it into the CPU report for the files whose text is still the same.
+    COV=$WORK/coverage
+    mkdir -p "$COV/data" "$COV/site"
+    printf '[run]\nbranch = True\nparallel = True\nsigterm = True\nsource = %s/python/flatep\ndata_file = %s\n%s\n' \
+        "$ROOT" "$COV/data/.coverage" "concurrency = thread,multiprocessing" >"$COV/coveragerc"
+    printf 'import coverage\ncoverage.process_startup()\n' >"$COV/site/sitecustomize.py"
+    export COVERAGE_PROCESS_START=$COV/coveragerc PYTHONPATH="$COV/site:$PYTHONPATH"
+fi
 SUMMARY=$LOGS/summary.txt
 FAILED=0
 {
@@ -713,6 +725,15 @@ for step in "${steps[@]}"; do
     fi
 done
 echo "device.sh: $((SECONDS - START)) s" | tee -a "$SUMMARY"
+if [[ -n ${COV:-} ]]; then
+    unset COVERAGE_PROCESS_START
+    mkdir -p "$RESULTS/coverage"
+    { "$PY" -m coverage combine --rcfile="$COV/coveragerc" "$COV/data" &&
+        "$PY" -m coverage json --rcfile="$COV/coveragerc" -o "$COV/python.json" &&
+        "$PY" scripts/coverage_report.py --stamp "$COV/python.json" --out "$RESULTS/coverage/python_cuda.json"; } \
+        >"$LOGS/coverage.log" 2>&1
+    echo "coverage: $(tail -n 1 "$LOGS/coverage.log")" | tee -a "$SUMMARY"
+fi
 while IFS= read -r trace; do
     rel=${trace#"$RESULTS"/}
     cp "$trace" "$OUT/${rel//\//_}"

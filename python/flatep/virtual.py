@@ -343,6 +343,7 @@ class _RankThread:
     def __init__(self, index):
         self.index = index
         self.device = None  # a CUDA torch.device bound at the next call, or None
+        self.stream = None  # the rank's CUDA stream on its bound device, current on its thread
         self._bound = None
         self.meetings = weakref.WeakSet()  # the _Meetings of the worlds this thread is a rank of
         self._calls = queue.SimpleQueue()
@@ -361,6 +362,11 @@ class _RankThread:
                     torch.cuda.set_device(self.device)  # torch's current device (it skips CUDA when it is already)
                     _C.make_device_current(self.device.index)  # and the GPU's context, bound to this thread
                     _make_blas_handles(self.device)
+                    # The rank's own stream, current on its thread: torch's default stream is CUDA's legacy stream,
+                    # one queue for every thread, where a rank's collective kernel waiting for a peer would hold the
+                    # peer's kernel back behind it (a hang until the timeout). run_threads orders it with the caller.
+                    self.stream = torch.cuda.Stream(self.device)
+                    torch.cuda.set_stream(self.stream)
                     self._bound = self.device
                 done.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -421,12 +427,14 @@ def run_threads(num_ranks, fn):
     for t in threads:  # a failure of an earlier call broke its worlds' meetings: nobody waits in them now
         for meeting in list(t.meetings):
             meeting.reset()
-    futures = [t.submit(functools.partial(fn, r)) for r, t in enumerate(threads)]
+    futures = [t.submit(functools.partial(_ordered, fn, r, _caller_event(t.device))) for r, t in enumerate(threads)]
     results, errors = [None] * num_ranks, [None] * num_ranks
     for r, future in enumerate(futures):
         error = future.exception()
         if error is None:
-            results[r] = future.result()
+            results[r], done = future.result()
+            if done is not None:  # the caller's stream goes on after rank r's work, without a host sync
+                torch.cuda.current_stream(threads[r].device).wait_event(done)
         else:
             errors[r] = error
     failed = [r for r in range(num_ranks) if errors[r] is not None]
@@ -440,6 +448,29 @@ def run_threads(num_ranks, fn):
                 first.add_note(f"virtual rank {r}: {type(errors[r]).__name__}: {text[0] if text else ''}")
         raise first
     return results
+
+
+def _caller_event(device):
+    """An event on the calling thread's current stream of `device` (a CUDA rank's), recorded now; None on the CPU."""
+    if device is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _ordered(fn, r, start):
+    """fn(r) on rank r's thread, its stream first waiting for what the caller enqueued before run_threads (start);
+    (result, an event recorded on the rank's stream after fn, or None on the CPU) so that the caller's stream waits
+    for it. Tensors passed in and results handed back are then ready in stream order, as in single-stream code."""
+    if start is None:
+        return fn(r), None
+    device = _local.rank_thread.device
+    torch.cuda.current_stream(device).wait_event(start)
+    result = fn(r)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    return result, done
 
 
 _capture_lock = threading.Lock()
