@@ -78,6 +78,12 @@ fi
 # CMakeLists.txt): gcovr sees them there, and coverage_report.py counts them under src/.
 gcovr --root . --object-directory "$dir" --filter 'src/' --filter "$dir/layers/" --exclude-throw-branches \
     --exclude-unreachable-branches -j "$jobs" --json "$data/cpp.json" >/dev/null
+# The GPU steps' coverage of python/flatep, recorded on the device (scripts/device.sh with DEVICE_COVERAGE=1), is
+# merged into a second Python figure for the files whose source is still the one measured.
+device_args=()
+for f in benchmarks/results/coverage_device/*.json; do
+    [[ -f $f ]] && device_args+=(--python-device "$f")
+done
 /usr/bin/python3 scripts/coverage_report.py --cpp "$data/cpp.json" --build-dir "$dir" --python "$data/python.json" \
-    --exclusions scripts/coverage_exclusions.txt "${report_args[@]}"
+    --exclusions scripts/coverage_exclusions.txt "${device_args[@]}" "${report_args[@]}"
 echo "coverage_ci: $((SECONDS - start)) s in all"

@@ -300,7 +300,7 @@ def main():
             print(f"    {missed:4d} uncovered branches  {path}")
     if py_all is not None:
         py_all.listed = sum(m for p, _, text, m in py_all.uncovered if (p, text) in exclusions)
-        print("coverage: " + py_all.summary() + f" (device run of {device['meta'].get('timestamp')}; "
+        print("coverage: " + py_all.summary() + f" (device runs of {device['meta']['timestamp']}; "
               f"{len(py_all.stale)} file(s) changed since, counted from the CPU suite alone"
               + (f": {', '.join(py_all.stale)}" if py_all.stale else "") + ")")
     if args.missed:

@@ -414,7 +414,11 @@ def run_threads(num_ranks, fn):
 
     Rank r's thread is the same on every call, for the life of the process (what a rank made current or created on
     it, a stream, cuBLAS's handle, a warm-up, stays there for its next step and its graph capture), and it has its
-    rank's CUDA device current (the device of rank r of the latest virtual_ranks of that size). Calls of run_threads
+    rank's CUDA device current (the device of rank r of the latest virtual_ranks of that size) and a CUDA stream of its
+    own as torch's current stream there (never the default stream, which CUDA shares between threads: one rank's
+    collective kernel would hold its peers' back). On CUDA, rank r's stream first waits for the work the caller had
+    enqueued on its current stream, and the caller's current stream then waits for rank r's (events, no host
+    synchronisation): tensors passed in and results handed back are ready in stream order. Calls of run_threads
     may come from any thread, one at a time; fn must not call run_threads itself (that would wait for its own
     thread: a RuntimeError says so)."""
     check_int("run_threads", "num_ranks", num_ranks, f"in [1, {_MAX_RANKS}]", low=1, high=_MAX_RANKS)
