@@ -15,8 +15,8 @@ def test_replicate_without_a_slot_limit():
     assert eplb.replicate([4, 2, 1, 1], 2, 2) == [2, 2, 1, 1]
     # Ties go to the lower id: loads [3, 3, 3, 3], three copies go to e0, e1, e2.
     assert eplb.replicate([3, 3, 3, 3], 2, 3) == [2, 2, 2, 1]
-    # E=3 on R=2 ranks (no home ranks, so no slot packing even with num_slots): e0 (6) twice? no, at most R=2
-    # copies: e0, then e1 (5) over e0's 6/2 = 3.
+    # E=3 on R=2 ranks (no home ranks, so no slot packing even with num_slots): e0 (6), then e1 (5) over e0's
+    # 6/2 = 3.
     assert eplb.replicate([6, 5, 1], 2, 2, num_slots=1) == [2, 2, 1]
 
 
