@@ -1,0 +1,68 @@
+// What a host (CPU backend) Buffer and the FFN row ops refuse that the Python front never asks for: a host Plan's
+// device arrays, plan_storage given to a host Buffer, and rows > 0 with null row pointers. One kInvalidArgument line
+// each, exact; the objects stay usable after.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+
+#include "flatep/buffer.hpp"
+#include "flatep/error.hpp"
+#include "flatep/ffn.hpp"
+#include "transport/local_host.hpp"
+#include "unit/host/rank_threads.hpp"
+
+namespace flatep {
+namespace {
+
+using testing::make_config;
+using testing::Outcome;
+using testing::outcome_of;
+using transport::LocalHostWorld;
+
+constexpr int kInvalid = int(ErrorCategory::kInvalidArgument);
+
+TEST(HostRefusals, AHostPlanHasNoDeviceArraysAndAHostBufferNoPlanStorage) {
+    LocalHostWorld world(1, 10.0);
+    Buffer buffer(make_config(1, 2, 2, 1, 8, 1), world.transport(0));
+    const int32_t idx[2] = {1, 0};
+    int32_t storage[64] = {};
+    const Outcome stored = outcome_of([&] { buffer.plan(idx, 4, 2, storage); });
+    EXPECT_EQ(stored.message, "plan: plan_storage is for device Buffers; this one is on the host");
+    EXPECT_EQ(stored.category, kInvalid);
+    const Plan plan = buffer.plan(idx, 4, 2);  // the refusal left the Buffer usable
+    EXPECT_FALSE(plan.on_device());
+    for (const int rank : {0, 5}) {  // the memory is checked before the rank
+        const Outcome cu = outcome_of([&] { plan.device_cu_seqlens(rank); });
+        EXPECT_EQ(cu.message, "device_cu_seqlens: the plan is in host memory (CPU backend)");
+        EXPECT_EQ(cu.category, kInvalid);
+        const Outcome slots = outcome_of([&] { plan.device_slot_expert(rank); });
+        EXPECT_EQ(slots.message, "device_slot_expert: the plan is in host memory (CPU backend)");
+        EXPECT_EQ(slots.category, kInvalid);
+    }
+    EXPECT_EQ(plan.cu_seqlens(0)[1], 2);  // e1's token, then e0's: one row each
+}
+
+TEST(HostRefusals, FfnRowOpsNeedTheirRowsWhenRowsArePositive) {
+    static const int32_t end = 3;
+    uint16_t h[16] = {}, a[16] = {};
+    for (auto [hp, ap] : {std::pair<const uint16_t*, uint16_t*>{nullptr, a}, {h, nullptr}, {nullptr, nullptr}}) {
+        const Outcome o =
+            outcome_of([&] { activate_rows(hp, ap, 2, 4, FfnActivation::kSwiglu, &end, PastEnd::kZero); });
+        EXPECT_EQ(o.message, "activate_rows: h and a must be set when rows > 0");
+        EXPECT_EQ(o.category, kInvalid);
+    }
+    const Outcome y = outcome_of([] { zero_rows_from_end(nullptr, 2, 4, &end); });
+    EXPECT_EQ(y.message, "zero_rows_from_end: y must be set when rows > 0");
+    EXPECT_EQ(y.category, kInvalid);
+#if !defined(FLATEP_WITH_CUDA)
+    // Set: the checks pass and the launch says this build has none.
+    const std::string no_cuda = ": this FlatEP build has no CUDA support (nvcc was not found at build time)";
+    EXPECT_EQ(outcome_of([&] { activate_rows(h, a, 2, 4, FfnActivation::kSwiglu, &end, PastEnd::kZero); }).message,
+              "activate_rows" + no_cuda);
+    EXPECT_EQ(outcome_of([&] { zero_rows_from_end(a, 2, 4, &end); }).message, "zero_rows_from_end" + no_cuda);
+#endif
+}
+
+}  // namespace
+}  // namespace flatep
