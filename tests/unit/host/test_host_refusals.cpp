@@ -4,10 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "flatep/buffer.hpp"
 #include "flatep/error.hpp"
+#include "flatep/expert_pools.hpp"
 #include "flatep/ffn.hpp"
 #include "transport/local_host.hpp"
 #include "unit/host/rank_threads.hpp"
@@ -62,6 +65,31 @@ TEST(HostRefusals, FfnRowOpsNeedTheirRowsWhenRowsArePositive) {
               "activate_rows" + no_cuda);
     EXPECT_EQ(outcome_of([&] { zero_rows_from_end(a, 2, 4, &end); }).message, "zero_rows_from_end" + no_cuda);
 #endif
+}
+
+// Serving pools of R=2, epn=1, B=0 and one projection of [1][56] bf16 (112 bytes an expert) on 4096-byte pages. Rank
+// r's chunk maps at its row's page, its data at the row's offset in that page, and every rank's own allocation is
+// sized for the largest such offset. Stride 36: rank 1's row at 4032 (page 0, offset 4032) needs two pages, and rank
+// 1's chunk would start at page 0 inside rank 0's: no fit. Stride 37 (the smallest): row at 4144, offset 48, one page
+// each, no overlap. Stride 73 (larger): row at 8176, offset 4080, so each allocation takes two pages while rank 1's
+// chunk starts one page after rank 0's: refused.
+TEST(HostRefusals, AServingStrideAboveTheSmallestThatDoesNotFit) {
+    LocalHostWorld world(2, 10.0);
+    if (world.transport(0)->granularity() != 4096) GTEST_SKIP() << "the worked numbers are for 4096-byte pages";
+    std::vector<std::string> messages(2), strides(2);
+    const std::vector<std::string> errors = testing::run_ranks(2, [&](int r) {
+        const std::shared_ptr<Transport> t = world.transport(r);
+        strides[r] = std::to_string(ExpertPools(t, 1, {{1, 56}}, 0).view_stride());
+        messages[r] = outcome_of([&] { ExpertPools p(t, 1, {{1, 56}}, 0, 73); }).message;
+    });
+    EXPECT_EQ(testing::failures(errors), "");
+    for (int r = 0; r < 2; ++r) {
+        EXPECT_EQ(strides[r], "37") << r;
+        EXPECT_EQ(messages[r],
+                  "ExpertPools: view_stride 73 does not fit projection 0 (112 bytes an expert) on this transport's "
+                  "4096-byte granularity")
+            << r;
+    }
 }
 
 }  // namespace
