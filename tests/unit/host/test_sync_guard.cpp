@@ -4,8 +4,11 @@
 // default text of an unknown status code, and the guard's choice of what to raise and when to poison. Exact texts.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <string>
+#include <thread>
 
 #include "flatep/error.hpp"
 #include "runtime/collective_guard.hpp"
@@ -120,6 +123,33 @@ TEST(SyncHost, BarrierOfOneRankAndOfARankThatFailedBefore) {
               "combine: rank 0 failed an earlier cross-rank wait; build a new Buffer / ExpertPools on every rank");
     EXPECT_EQ(epoch[kEpochCounter], 2u);
     EXPECT_EQ(flags[0], flag_word(2, kOpDispatch, 2));
+}
+
+// The peer is one barrier behind at the first read (not yet), then aborts at this barrier while this rank waits: the
+// wait fails at the read that sees it, long before its timeout, with the peer-aborted text and record.
+TEST(SyncHost, WaitFailsWhenThePeerAbortsDuringIt) {
+    int32_t status[4] = {0, 0, 0, 0};
+    SyncArgs s{};
+    s.status = status;
+    s.rank = 1;
+    s.num_ranks = 2;
+    s.timeout_s = 60;
+    s.step = 4;
+    const uint64_t mine = flag_word(3, kOpDispatch, 4);
+    uint64_t peer_word = flag_word(2, kOpDispatch, 4);
+    std::thread peer([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        std::atomic_ref<uint64_t>(peer_word).store(mine | kFlagAbortBit, std::memory_order_release);
+    });
+    const double start = host::now_s();
+    const auto [category, text] = thrown([&] { host::wait_flag_at_least(s, kOpDispatch, 0, &peer_word, mine, start); });
+    peer.join();
+    EXPECT_LT(host::now_s() - start, 30.0);
+    EXPECT_EQ(category, ErrorCategory::kRuntime);
+    EXPECT_EQ(text, "dispatch: rank 1 gives up: peer 0 failed an earlier wait (its own error says why)");
+    EXPECT_EQ(status[kStatusCode], kStatusPeerAborted);
+    EXPECT_EQ(status[kStatusValue], 3);
+    EXPECT_EQ(status[kStatusPeer], 0);
 }
 
 TEST(CollectiveGuard, DeviceFailurePoisonsOnce) {
