@@ -226,8 +226,10 @@ class Collectives:
         staged_in, _ = self._staged(input.contiguous())
         staged_out, back = self._staged(output)
         if self.backend == "gloo" and staged_in.dtype == BF16:  # gloo has no bf16: move the bytes
-            dist.all_to_all_single(staged_out.view(torch.uint8), staged_in.view(torch.uint8), output_split_sizes,
-                                   input_split_sizes, group=self.group)
+            # Each element's two bytes along a new last dimension: the split sizes still count rows (dim 0), a 1-D
+            # tensor's included (its uint8 view alone would have twice the rows).
+            raw_out, raw_in = (t.unsqueeze(-1).view(torch.uint8) for t in (staged_out, staged_in))
+            dist.all_to_all_single(raw_out, raw_in, output_split_sizes, input_split_sizes, group=self.group)
         else:
             dist.all_to_all_single(staged_out, staged_in, output_split_sizes, input_split_sizes, group=self.group)
         if back:
