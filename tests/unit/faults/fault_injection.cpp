@@ -67,6 +67,24 @@ int socket(int domain, int type, int protocol) {
     return fn(domain, type, protocol);
 }
 
+int socketpair(int domain, int type, int protocol, int fds[2]) {
+    static auto fn = fi::real<int (*)(int, int, int, int*)>("socketpair");
+    if (Fault* f = fi::due(Call::kSocketpair); f != nullptr && f->error != 0) return fi::fail(f->error);
+    return fn(domain, type, protocol, fds);
+}
+
+pid_t fork() {
+    static auto fn = fi::real<pid_t (*)()>("fork");
+    if (Fault* f = fi::due(Call::kFork); f != nullptr && f->error != 0) return fi::fail(f->error);
+    return fn();
+}
+
+int ftruncate(int fd, off_t length) {
+    static auto fn = fi::real<int (*)(int, off_t)>("ftruncate");
+    if (Fault* f = fi::due(Call::kFtruncate); f != nullptr && f->error != 0) return fi::fail(f->error);
+    return fn(fd, length);
+}
+
 int bind(int fd, const sockaddr* addr, socklen_t length) {
     static auto fn = fi::real<int (*)(int, const sockaddr*, socklen_t)>("bind");
     if (Fault* f = fi::due(Call::kBind); f != nullptr && f->error != 0) return fi::fail(f->error);

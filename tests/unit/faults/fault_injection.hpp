@@ -10,6 +10,7 @@ namespace flatep::testing::faults {
 
 enum class Call {
     kSocket,
+    kSocketpair,
     kBind,
     kListen,
     kConnect,
@@ -21,7 +22,9 @@ enum class Call {
     kRecv,
     kSendmsg,
     kRecvmsg,
-    kClose
+    kClose,
+    kFork,
+    kFtruncate
 };
 
 struct Fault {
