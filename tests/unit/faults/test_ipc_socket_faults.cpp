@@ -314,19 +314,19 @@ TEST(ExchangeFaults, APeerClosingMidFrameLeftAndASilentOneTimesOut) {
         EXPECT_EQ(o.message, "all_gather #1: rank 1 left the job (connection closed) without arriving");
         EXPECT_EQ(o.category, kTimeout);
     }
-    // Peer 1 left, peer 2 is in another collective, peer 3 says nothing: one message names all three.
-    auto [a1, b1] = socket_pair();
-    auto [a2, b2] = socket_pair();
-    auto [a3, b3] = socket_pair();
-    b1.reset();
-    write_frame(b2.get(), kFrameMagic, 9, "");
-    std::vector<ipc::Message> out(4);
-    const Outcome o = outcome_of([&] {
-        ipc::exchange({-1, a1.get(), a2.get(), a3.get()}, 0, out, 7, 0.05, "all_gather #1", rank_name);
-    });
+    // Peer 1 left, peers 2 and 4 are in other collectives, peers 3 and 5 say nothing: one message names them all.
+    std::vector<std::pair<ipc::Fd, ipc::Fd>> pairs;
+    for (int p = 0; p < 6; ++p) pairs.push_back(socket_pair());
+    pairs[1].second.reset();
+    write_frame(pairs[2].second.get(), kFrameMagic, 9, "");
+    write_frame(pairs[4].second.get(), kFrameMagic, 8, "");
+    std::vector<int> sockets = {-1};
+    for (int p = 1; p < 6; ++p) sockets.push_back(pairs[size_t(p)].first.get());
+    std::vector<ipc::Message> out(6);
+    const Outcome o = outcome_of([&] { ipc::exchange(sockets, 0, out, 7, 0.05, "all_gather #1", rank_name); });
     EXPECT_EQ(o.message,
-              "all_gather #1: rank 3 did not arrive within 0.05 s; rank 1 left the job (connection closed) without "
-              "arriving; rank 2 is in collective #9 (this rank is in #7)");
+              "all_gather #1: rank 3, rank 5 did not arrive within 0.05 s; rank 1 left the job (connection closed) "
+              "without arriving; rank 2 is in collective #9, rank 4 is in collective #8 (this rank is in #7)");
     EXPECT_EQ(o.category, kTimeout);
 }
 
@@ -359,8 +359,29 @@ TEST(ExchangeFaults, ADescriptorAfterTheFirstChunkOrTooManyDescriptorsAreMalform
         EXPECT_EQ(o.message, "all_gather #1: rank 1 sent a malformed message (this rank is in #7)");
         EXPECT_EQ(o.category, kMismatch);
     }
+    {  // the descriptor comes with the payload, not with the header
+        auto [a, b] = socket_pair();
+        const FrameHeader h{kFrameMagic, 7, 4};
+        write_bytes(b.get(), &h, sizeof(h));
+        send_with_fds(b.get(), "abcd", 4, {extra[0]});
+        const Outcome o = outcome_of([&] { exchange_with(a.get(), "x"); });
+        EXPECT_EQ(o.message, "all_gather #1: rank 1 sent a malformed message (this rank is in #7)");
+        EXPECT_EQ(o.category, kMismatch);
+    }
     ::close(extra[0]);
     ::close(extra[1]);
+}
+
+TEST(ExchangeFaults, ControlMessagesOtherThanDescriptorsAreSkipped) {
+    // With SO_PASSCRED every message comes with the sender's credentials (SCM_CREDENTIALS): not a descriptor.
+    auto [a, b] = socket_pair();
+    const int on = 1;
+    ASSERT_EQ(::setsockopt(a.get(), SOL_SOCKET, SO_PASSCRED, &on, sizeof(on)), 0);
+    write_frame(b.get(), kFrameMagic, 7, "from rank 1");
+    const std::vector<ipc::Message> in = exchange_with(a.get(), "from rank 0");
+    EXPECT_EQ(in[1].payload, "from rank 1");
+    EXPECT_EQ(in[1].fd, -1);
+    EXPECT_EQ(read_frame(b.get(), 7), "from rank 0");
 }
 
 // ----- build_mesh ----------------------------------------------------------------------------------------------
@@ -465,11 +486,13 @@ TEST(MeshFaults, TheConnectingSideRetriesInterruptionsAndNamesFailures) {
         const ipc::MeshSpec spec = mesh_spec(unique_name(), 1, 2);
         const Hello reply = hello_of(spec, 0);
         FakeListener fake(spec, &reply);
-        Armed armed({Fault{Call::kSend, 0, 1, EINTR}, Fault{Call::kRecv, 0, 1, EAGAIN}, Fault{Call::kPoll, 0, 1, EINTR},
-                     Fault{Call::kConnect, 0, 1, EINTR}});
+        Armed armed({Fault{Call::kSend, 0, 1, EINTR}, Fault{Call::kSend, 0, 1, EAGAIN},
+                     Fault{Call::kRecv, 0, 1, EAGAIN}, Fault{Call::kPoll, 0, 1, EINTR},
+                     Fault{Call::kConnect, 0, 1, EINTR}, Fault{Call::kConnect, 0, 1, ENOENT},
+                     Fault{Call::kConnect, 0, 1, EAGAIN}});
         const Outcome o = join_as_rank_1(spec);
         EXPECT_EQ(o.message, "(no error)");
-        for (size_t i = 0; i < 4; ++i) EXPECT_EQ(armed.hits(i), 1) << i;
+        for (size_t i = 0; i < 7; ++i) EXPECT_EQ(armed.hits(i), 1) << i;
     }
     {  // a failed poll while waiting for the reply: the connection counts as closed
         const ipc::MeshSpec spec = mesh_spec(unique_name(), 1, 2);
@@ -494,6 +517,33 @@ TEST(MeshFaults, TheConnectingSideRetriesInterruptionsAndNamesFailures) {
         Armed armed({Fault{Call::kConnect, 0, 1, EACCES}});
         const Outcome o = join_as_rank_1(spec);
         EXPECT_EQ(o.message, "mesh: connect('@" + ipc::mesh_socket_name(spec, 0) + "') failed: " + errno_text(EACCES));
+        EXPECT_EQ(o.category, kRuntime);
+    }
+    {  // no socket for the connection
+        const ipc::MeshSpec spec = mesh_spec(unique_name(), 1, 2);
+        ipc::Fd mine = ipc::listen_abstract(ipc::mesh_socket_name(spec, 1), 4);
+        Armed armed({Fault{Call::kSocket, 0, 1, ENFILE}});
+        const Outcome o = outcome_of([&] { ipc::build_mesh(spec, mine.get(), nullptr); });
+        EXPECT_EQ(o.message, "socket(AF_UNIX) failed: " + errno_text(ENFILE));
+        EXPECT_EQ(o.category, kRuntime);
+        EXPECT_EQ(armed.hits(), 1);
+    }
+    {  // nobody listens
+        const ipc::MeshSpec spec = mesh_spec(unique_name(), 1, 2, 0.05);
+        const Outcome o = join_as_rank_1(spec);
+        EXPECT_EQ(o.message, "mesh: rank 0 did not listen on '@" + ipc::mesh_socket_name(spec, 0) + "' within 0.05 s");
+        EXPECT_EQ(o.category, kTimeout);
+    }
+    {  // the listener is not the expected process
+        ipc::MeshSpec spec = mesh_spec(unique_name(), 1, 2);
+        const pid_t other = getpid() + 100000;
+        spec.expected_pids = {other, getpid()};
+        FakeListener fake(spec, nullptr, true);
+        const Outcome o = join_as_rank_1(spec);
+        EXPECT_EQ(o.message, "mesh: '@" + ipc::mesh_socket_name(spec, 0) + "' is held by pid " +
+                                 std::to_string(getpid()) + " uid " + std::to_string(getuid()) + ", not rank 0 (pid " +
+                                 std::to_string(other) + ") of uid " + std::to_string(getuid()) +
+                                 "; refusing to join it");
         EXPECT_EQ(o.category, kRuntime);
     }
     {  // the listener's uid is not ours
@@ -587,6 +637,15 @@ TEST(MeshFaults, TheAcceptingSideChecksUidAndExpectedPids) {
             r.log,
             refusal(spec, "uid " + std::to_string(getuid() + 5) + " is not this job's uid " + std::to_string(getuid()),
                     getuid() + 5));
+    }
+    {  // without a counter the refusal is only logged
+        const ipc::MeshSpec spec = mesh_spec(unique_name(), 0, 2, 0.05);
+        const ipc::Fd listener = ipc::listen_abstract(ipc::mesh_socket_name(spec, 0), 4);
+        ipc::Fd fake = connect_and_write(spec, nullptr, 0, true);
+        ::testing::internal::CaptureStderr();
+        const Outcome o = outcome_of([&] { ipc::build_mesh(spec, listener.get(), nullptr); });
+        EXPECT_EQ(::testing::internal::GetCapturedStderr(), refusal(spec, "no hello"));
+        EXPECT_EQ(o.category, kTimeout);
     }
     {  // expected pids: a pid not among them; a wrong rank for this pid; a rank whose pid is another's
         ipc::MeshSpec spec = mesh_spec(unique_name(), 0, 4, 0.2);

@@ -101,6 +101,12 @@ TEST(HostMemoryFaults, UnmapAndCloseFailuresAreLoggedNotThrown) {
                        " bytes) failed: " + errno_text(EINVAL) + "\n[flatep warning] close(fd " +
                        std::to_string(1 << 20) + ") failed: " + errno_text(EBADF) + "\n");
     host_memory::unmap(range, 2 * page);
+    // No-ops: nothing to unmap or close, nothing logged.
+    ::testing::internal::CaptureStderr();
+    host_memory::unmap(nullptr, page);
+    host_memory::unmap(range, 0);
+    host_memory::close_fd(-1);
+    EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
 }
 
 TEST(HostIpcMemoryFaults, APeerFdThatIsBadOrTooShortOrAViewWithoutMemfdIsRefused) {
