@@ -280,6 +280,44 @@ TEST(ExchangeFaults, AFailedSendStillReturnsWhatThePeerDelivered) {
     EXPECT_EQ(armed.hits(), 1);
 }
 
+TEST(ExchangeFaults, AHangUpAfterOneDirectionFinishedEndsOnlyTheOther) {
+    {  // the peer's frame came, then it hung up before taking ours: this rank still returns what it got
+        auto [a, b] = socket_pair();
+        write_frame(b.get(), kFrameMagic, 7, "from rank 1");
+        b.reset();
+        Armed armed({Fault{Call::kSendmsg, 0, 1, EAGAIN}});
+        const std::vector<ipc::Message> in = exchange_with(a.get(), "x");
+        EXPECT_EQ(in[1].payload, "from rank 1");
+        EXPECT_EQ(armed.hits(), 1);
+    }
+    {  // the send failed first, then the peer hung up without a frame: it left
+        auto [a, b] = socket_pair();
+        b.reset();
+        Armed armed({Fault{Call::kSendmsg, 0, 1, EPIPE}, Fault{Call::kRecvmsg, 0, 1, EAGAIN}});
+        const Outcome o = outcome_of([&] { exchange_with(a.get(), "x"); });
+        EXPECT_EQ(o.message, "all_gather #1: rank 1 left the job (connection closed) without arriving");
+        EXPECT_EQ(o.category, kTimeout);
+        EXPECT_EQ(armed.hits(0), 1);
+        EXPECT_EQ(armed.hits(1), 1);
+    }
+    {  // this rank's frame went out, then the peer hung up before sending one
+        auto [a, b] = socket_pair();
+        Armed armed({Fault{Call::kRecvmsg, 0, 1, EAGAIN}});
+        std::thread closer;
+        const Outcome o = outcome_of([&] {
+            // The hang-up comes after the first poll round: the frame is read by the fake first, then it closes.
+            closer = std::thread([&b = b] {
+                read_frame(b.get(), 7);
+                b.reset();
+            });
+            exchange_with(a.get(), "x");
+        });
+        closer.join();
+        EXPECT_EQ(o.message, "all_gather #1: rank 1 left the job (connection closed) without arriving");
+        EXPECT_EQ(armed.hits(), 1);
+    }
+}
+
 TEST(ExchangeFaults, MalformedFramesAreAMismatchNamingThePeer) {
     struct Row {
         uint32_t magic;
