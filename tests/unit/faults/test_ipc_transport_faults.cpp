@@ -78,6 +78,7 @@ TEST(IpcTransportFaults, BadAllocateRepliesAreRefusedAndTheTransportGoesOn) {
     const std::vector<Answer> answers = {
         {"abc", good_fd},
         {message(3 * page, 3 * page), good_fd},
+        {message(2 * page, 3 * page), good_fd},
         {message(2 * page, 2 * page), -1},
         {message(2 * page, 2 * page), short_fd},
         {message(2 * page, 2 * page), good_fd},
@@ -124,7 +125,11 @@ TEST(IpcTransportFaults, BadAllocateRepliesAreRefusedAndTheTransportGoesOn) {
                  std::to_string(3 * page) + "), rank 0 allocates " + std::to_string(2 * page) + " (mapped " +
                  std::to_string(2 * page) + ")",
              int(ErrorCategory::kMismatch)},
-            {"ipc allocate #3: " + peer + " sent no descriptor", int(ErrorCategory::kRuntime)},
+            {"ipc allocate #3: " + peer + " allocates " + std::to_string(2 * page) + " bytes (mapped " +
+                 std::to_string(3 * page) + "), rank 0 allocates " + std::to_string(2 * page) + " (mapped " +
+                 std::to_string(2 * page) + ")",
+             int(ErrorCategory::kMismatch)},
+            {"ipc allocate #4: " + peer + " sent no descriptor", int(ErrorCategory::kRuntime)},
             {"ipc: a peer's memfd holds " + std::to_string(page) + " bytes, expected " + std::to_string(2 * page),
              int(ErrorCategory::kRuntime)},
         };
@@ -133,24 +138,30 @@ TEST(IpcTransportFaults, BadAllocateRepliesAreRefusedAndTheTransportGoesOn) {
             EXPECT_EQ(o.message, want);
             EXPECT_EQ(o.category, category) << want;
         }
-        // The fifth answer is right: rank 1's memory is mapped here.
+        // The sixth answer is right: rank 1's memory is mapped here.
         SymmetricRegion region = t.allocate(2 * page);
-        EXPECT_EQ(region.id, 5);
+        EXPECT_EQ(region.id, 6);
         ASSERT_NE(region.peers[1], nullptr);
         ASSERT_NE(region.local, nullptr);
         done.get_future().get();
         fake.join();
 
-        // A region of another id, and an empty one: the first is refused with a warning, the second ignored.
-        SymmetricRegion stranger = region;
+        // A region of another id, one with the live id but another address, one with no id but an address: each
+        // is refused with a warning; an empty one is ignored.
+        SymmetricRegion stranger = region, moved = region, no_id = region, empty;
         stranger.id = 99;
+        moved.local += page;
+        no_id.id = -1;
         ::testing::internal::CaptureStderr();
         t.release(stranger);
-        SymmetricRegion empty;
+        t.release(moved);
+        t.release(no_id);
         t.release(empty);
-        EXPECT_EQ(::testing::internal::GetCapturedStderr(),
-                  "[flatep warning] ipc release: region id 99 is not a live region of this transport (rank 0); "
-                  "ignored\n");
+        auto warning = [](int id) {
+            return "[flatep warning] ipc release: region id " + std::to_string(id) +
+                   " is not a live region of this transport (rank 0); ignored\n";
+        };
+        EXPECT_EQ(::testing::internal::GetCapturedStderr(), warning(99) + warning(6) + warning(-1));
         EXPECT_EQ(stranger.id, 99);
         // The live region is freed by the transport's destructor.
     }
