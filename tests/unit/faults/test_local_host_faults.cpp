@@ -24,12 +24,18 @@ TEST(LocalHostFaults, ReleasingACopyOfAReleasedRegionLeavesTheNextRegionAlone) {
     ASSERT_NE(next.local, nullptr);
     EXPECT_EQ(next.local_fd, copy.local_fd);  // the lowest free descriptor: the one the first region had
 
-    SymmetricRegion stale = copy;
+    // The stale copy, and a handle with the live id at another address: both refused.
+    SymmetricRegion stale = copy, moved = next;
+    moved.local += 1;
     ::testing::internal::CaptureStderr();
     t->release(stale);
+    t->release(moved);
     const std::string log = ::testing::internal::GetCapturedStderr();
-    EXPECT_EQ(log, "[flatep warning] local transport rank 0: region id " + std::to_string(copy.id) +
-                       " is not a live region of this transport; ignored\n");
+    auto warning = [](int id) {
+        return "[flatep warning] local transport rank 0: region id " + std::to_string(id) +
+               " is not a live region of this transport; ignored\n";
+    };
+    EXPECT_EQ(log, warning(copy.id) + warning(next.id));
     EXPECT_GE(::fcntl(next.local_fd, F_GETFD), 0);  // still open
     std::memset(next.local, 5, next.bytes);         // still mapped
     EXPECT_EQ(next.peers[0][99], 5);
