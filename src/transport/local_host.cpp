@@ -182,10 +182,15 @@ class LocalHostTransport : public Transport {
     void release(SymmetricRegion& region) noexcept override {
         if (region.local == nullptr && region.local_fd < 0) return;
         const auto it = region_fds_.find(region.id);
-        if (it != region_fds_.end()) {
-            close_all(it->second);
-            region_fds_.erase(it);
+        // A stale copy of a released region (or another transport's) would unmap and close what a later
+        // allocation got at the same address and descriptor number.
+        if (it == region_fds_.end() || it->second[rank_].ptr != region.local) {
+            FLATEP_LOG_WARN("local transport rank ", rank_, ": region id ", region.id,
+                            " is not a live region of this transport; ignored");
+            return;
         }
+        close_all(it->second);
+        region_fds_.erase(it);
         unmap_all(region);
         host_memory::close_fd(region.local_fd);
         region = SymmetricRegion{};
