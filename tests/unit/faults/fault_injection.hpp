@@ -4,6 +4,8 @@
 // Every fault counts the calls it changed, so a test can check that its fault was reached.
 #pragma once
 #include <cstddef>
+#include <cstring>
+#include <string>
 #include <vector>
 
 namespace flatep::testing::faults {
@@ -51,5 +53,11 @@ class Armed {
     std::vector<Fault> faults_;
     std::vector<Fault>* previous_;
 };
+
+// The text the library's errors give for a failed call with this errno (strerror and the number), as the tests
+// expect it: written out here, not taken from the library.
+inline std::string errno_text(int error) {
+    return std::string(std::strerror(error)) + " (errno " + std::to_string(error) + ")";
+}
 
 }  // namespace flatep::testing::faults

@@ -31,6 +31,7 @@ using testing::Outcome;
 using testing::outcome_of;
 using testing::faults::Armed;
 using testing::faults::Call;
+using testing::faults::errno_text;
 using testing::faults::Fault;
 
 constexpr int kRuntime = int(ErrorCategory::kRuntime);
@@ -57,10 +58,6 @@ struct Hello {
 std::string unique_name() {
     static std::atomic<int> counter{0};
     return "faults-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
-}
-
-std::string errno_text(int error) {
-    return std::string(std::strerror(error)) + " (errno " + std::to_string(error) + ")";
 }
 
 std::string rank_name(int peer) { return "rank " + std::to_string(peer); }

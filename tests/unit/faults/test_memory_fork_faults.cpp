@@ -33,14 +33,11 @@ using testing::Outcome;
 using testing::outcome_of;
 using testing::faults::Armed;
 using testing::faults::Call;
+using testing::faults::errno_text;
 using testing::faults::Fault;
 
 constexpr int kRuntime = int(ErrorCategory::kRuntime);
 constexpr int kMismatch = int(ErrorCategory::kMismatch);
-
-std::string errno_text(int error) {
-    return std::string(std::strerror(error)) + " (errno " + std::to_string(error) + ")";
-}
 
 std::string pointer_text(const void* p) {
     std::ostringstream s;

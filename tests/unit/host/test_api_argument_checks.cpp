@@ -17,6 +17,7 @@
 #include "flatep/expert_pools.hpp"
 #include "layout/layout.hpp"
 #include "transport/local_host.hpp"
+#include "unit/host/bootstrap_transport.hpp"
 #include "unit/host/rank_threads.hpp"
 
 namespace flatep {
@@ -105,39 +106,13 @@ class ReversingBootstrap final : public Bootstrap {
     Bootstrap& inner_;
 };
 
-// A transport that is another one in all but its bootstrap.
-class ReversingTransport final : public Transport {
-  public:
-    explicit ReversingTransport(std::shared_ptr<Transport> inner)
-        : inner_(std::move(inner)), bootstrap_(inner_->bootstrap()) {}
-    int rank() const override { return inner_->rank(); }
-    int num_ranks() const override { return inner_->num_ranks(); }
-    MemoryKind memory_kind() const override { return inner_->memory_kind(); }
-    const char* name() const override { return "reversing"; }
-    SymmetricRegion allocate(size_t bytes) override { return inner_->allocate(bytes); }
-    void release(SymmetricRegion& region) noexcept override { inner_->release(region); }
-    Bootstrap& bootstrap() override { return bootstrap_; }
-    int device() const override { return inner_->device(); }
-    std::unique_ptr<DeviceBinding> bind_device() override { return inner_->bind_device(); }
-    size_t granularity() const override { return inner_->granularity(); }
-    LocalMemory allocate_local(size_t bytes) override { return inner_->allocate_local(bytes); }
-    void release_local(LocalMemory& memory) noexcept override { inner_->release_local(memory); }
-    MappedView map_view(size_t bytes, const std::vector<ViewPiece>& pieces) override {
-        return inner_->map_view(bytes, pieces);
-    }
-    void unmap_view(MappedView& view) noexcept override { inner_->unmap_view(view); }
-
-  private:
-    std::shared_ptr<Transport> inner_;
-    ReversingBootstrap bootstrap_;
-};
-
 TEST(ApiArgs, ABootstrapThatMixesUpTheRanksIsAConfigMismatch) {
     const int R = 2;
     LocalHostWorld world(R, 10.0);
     std::vector<Outcome> got(R);
     const std::vector<std::string> errors = run_ranks(R, [&](int rank) {
-        auto reversing = std::make_shared<ReversingTransport>(world.transport(rank));
+        auto reversing =
+            std::make_shared<testing::BootstrapTransport<ReversingBootstrap>>(world.transport(rank), "reversing");
         got[rank] = outcome_of([&] { Buffer b(make_config(R, 4, 2, 1, 8, 1, 1.0, rank), reversing); });
     });
     EXPECT_EQ(failures(errors), "");

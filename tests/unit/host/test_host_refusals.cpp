@@ -14,6 +14,7 @@
 #include "flatep/ffn.hpp"
 #include "flatep/transport.hpp"
 #include "transport/local_host.hpp"
+#include "unit/host/bootstrap_transport.hpp"
 #include "unit/host/rank_threads.hpp"
 
 namespace flatep {
@@ -114,38 +115,12 @@ class TruncatingBootstrap final : public Bootstrap {
     Bootstrap& inner_;
 };
 
-class TruncatingTransport final : public Transport {
-  public:
-    explicit TruncatingTransport(std::shared_ptr<Transport> inner)
-        : inner_(std::move(inner)), bootstrap_(inner_->bootstrap()) {}
-    int rank() const override { return inner_->rank(); }
-    int num_ranks() const override { return inner_->num_ranks(); }
-    MemoryKind memory_kind() const override { return inner_->memory_kind(); }
-    const char* name() const override { return "truncating"; }
-    SymmetricRegion allocate(size_t bytes) override { return inner_->allocate(bytes); }
-    void release(SymmetricRegion& region) noexcept override { inner_->release(region); }
-    Bootstrap& bootstrap() override { return bootstrap_; }
-    int device() const override { return inner_->device(); }
-    std::unique_ptr<DeviceBinding> bind_device() override { return inner_->bind_device(); }
-    size_t granularity() const override { return inner_->granularity(); }
-    LocalMemory allocate_local(size_t bytes) override { return inner_->allocate_local(bytes); }
-    void release_local(LocalMemory& memory) noexcept override { inner_->release_local(memory); }
-    MappedView map_view(size_t bytes, const std::vector<ViewPiece>& pieces) override {
-        return inner_->map_view(bytes, pieces);
-    }
-    void unmap_view(MappedView& view) noexcept override { inner_->unmap_view(view); }
-    size_t sent() const { return bootstrap_.sent_; }
-
-  private:
-    std::shared_ptr<Transport> inner_;  // before bootstrap_, which is made from it
-    TruncatingBootstrap bootstrap_;
-};
-
 TEST(HostRefusals, AConfigBlobOfTheWrongSizeIsRefused) {
     LocalHostWorld world(1, 10.0);
-    auto truncating = std::make_shared<TruncatingTransport>(world.transport(0));
+    auto truncating =
+        std::make_shared<testing::BootstrapTransport<TruncatingBootstrap>>(world.transport(0), "truncating");
     const Outcome o = outcome_of([&] { Buffer b(make_config(1, 2, 2, 1, 8, 1), truncating); });
-    const size_t n = truncating->sent();
+    const size_t n = truncating->custom_bootstrap().sent_;
     ASSERT_GT(n, 1u);
     EXPECT_EQ(o.message,
               "Buffer: rank 0 sent a config of " + std::to_string(n - 1) + " bytes, expected " + std::to_string(n));

@@ -4,69 +4,18 @@
 // are exchanges between two barriers. The results must equal the one-lane derivation's and the planner's own plan.
 #include <gtest/gtest.h>
 
-#include <atomic>
-#include <barrier>
 #include <thread>
 #include <vector>
 
 #include "planner/derive.hpp"
 #include "planner/static_placement.hpp"
 #include "planner_test_util.hpp"
+#include "unit/planner/thread_lanes.hpp"
 
 namespace flatep {
 namespace {
 
 using Ints = std::vector<int32_t>;
-
-// W lanes, one thread each; only what derive_experts calls.
-template <int W>
-struct Lanes {
-    static constexpr int kWidth = W;
-    static constexpr int kItems = 1;
-    struct Shared {
-        std::barrier<> bar{W};
-        int64_t v[W];
-    };
-    int lane;
-    Shared* sh;
-
-    template <class F>
-    auto exchange(int64_t v, F&& f) const {
-        sh->v[lane] = v;
-        sh->bar.arrive_and_wait();
-        const auto r = f(static_cast<const int64_t*>(sh->v));
-        sh->bar.arrive_and_wait();
-        return r;
-    }
-    unsigned match(int key) const {
-        return exchange(key, [&](const int64_t* a) {
-            unsigned m = 0;
-            for (int i = 0; i < W; ++i) m |= unsigned(a[i] == key) << i;
-            return m;
-        });
-    }
-    unsigned sum_in(unsigned mask, unsigned v) const {
-        return exchange(v, [&](const int64_t* a) {
-            unsigned s = 0;
-            for (int i = 0; i < W; ++i) s += (mask >> i) & 1u ? unsigned(a[i]) : 0u;
-            return s;
-        });
-    }
-    void sum2(int64_t& a, int64_t& b) const {
-        auto total = [](const int64_t* x) {
-            int64_t s = 0;
-            for (int i = 0; i < W; ++i) s += x[i];
-            return s;
-        };
-        a = exchange(a, total);
-        b = exchange(b, total);
-    }
-    bool leads(unsigned mask) const { return lane == __builtin_ctz(mask); }
-    void add(int32_t* p, int32_t v) const { std::atomic_ref<int32_t>(*p).fetch_add(v); }
-    void add(unsigned long long* p, unsigned long long v) const {
-        std::atomic_ref<unsigned long long>(*p).fetch_add(v);
-    }
-};
 
 struct Derived {
     Ints keep, spill_start, take_start;
@@ -88,11 +37,11 @@ Derived derive_on_lanes(const Layout& l, const planner::HostPlan& planned, plann
             planner::derive_experts(planner::OneLane{}, l, fresh.view, planned.view.tpe_all, planned.view.alloc, c,
                                     out.sums, placed);
     } else {
-        typename Lanes<W>::Shared shared;
+        testing::LaneShared<W> shared;
         std::vector<std::thread> threads;
         for (int lane = 0; lane < W; ++lane) {
             threads.emplace_back([&, lane] {
-                const Lanes<W> g{lane, &shared};
+                const testing::ThreadLanes<W, 1> g{lane, &shared};
                 for (int c = 0; c < chunks; ++c)
                     planner::derive_experts(g, l, fresh.view, planned.view.tpe_all, planned.view.alloc, c, out.sums,
                                             placed);
