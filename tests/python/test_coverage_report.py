@@ -73,3 +73,44 @@ def test_a_later_run_on_another_source_replaces_the_earlier(tmp_path, monkeypatc
     merged = load().merge_stamped([old, new])["files"]["pkg/a.py"]
     assert merged["executed_branches"] == {(2, 4)}
     assert merged["executed_lines"] == {1, 2}
+
+
+WITH_SOURCE = "def g(m, n):\n    with m:\n        y = 1\n    for i in n:\n        y += i\n    return y\n"
+
+
+def test_arcs_the_device_does_not_count_as_branches_are_taken_by_their_lines(tmp_path, monkeypatch):
+    # Debian's coverage.py 6 counts the `with` on line 2 as a branch (2->3 into the block, 2->4 out of it) and the
+    # loop on line 4 (4->5, 4->6) and a generator's exit (4->-4, standing for any arc to an exit); a newer coverage.py
+    # on the device counts only the loop. The CPU suite took none of them.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text(WITH_SOURCE)
+    cr = load()
+    report = {"files": {"pkg/a.py": {
+        "summary": {"num_statements": 6, "covered_lines": 1, "num_branches": 5, "covered_branches": 0},
+        "missing_lines": [2, 3, 4, 5, 6], "missing_branches": [[2, 3], [2, 4], [4, 5], [4, 6], [4, -4]]}}}
+
+    def tally(lines, branches):
+        run = device_run(tmp_path, "run", lines, branches, "T")
+        return cr.python_tally(report, str(tmp_path), cr.merge_stamped([run])["files"])
+
+    # Lines 2, 3, 4 and 6 ran and the loop was left at once (4->6): line 2 is no branch there, its arcs count by
+    # their lines (2->3 and 2->4 both); 4->5 was not taken (line 5 never ran) and 4 is a branch there, so neither
+    # 4->5 nor the exit counts.
+    t = tally([1, 2, 3, 4, 6], [[4, 6]])
+    assert (t.branches_hit, t.by_lines) == (3, 2)
+    assert t.uncovered == [("pkg/a.py", 4, "for i in n:", 2)]
+    assert "2 of them arcs the device's coverage.py does not count as branches" in t.summary()
+    # The same lines, but line 4 a branch nowhere: 4->5 still does not count (line 5 never ran), nor the exit (an
+    # arc to an exit never counts by lines).
+    t = tally([1, 2, 3, 4, 6], [])
+    assert (t.branches_hit, t.by_lines) == (3, 3)
+    assert t.uncovered == [("pkg/a.py", 4, "for i in n:", 2)]
+    # Line 2 ran but line 3 did not (the block raised before it): 2->3 is not taken; 2->4 is.
+    t = tally([1, 2, 4, 6], [[4, 6]])
+    assert (t.branches_hit, t.by_lines) == (2, 1)
+    assert ("pkg/a.py", 2, "with m:", 1) in t.uncovered
+    # A device that counts line 2 as a branch (an arc from it taken) is taken at its word: 2->4 not listed is missed.
+    t = tally([1, 2, 3, 4, 6], [[2, 3], [4, 6]])
+    assert (t.branches_hit, t.by_lines) == (2, 0)
+    assert ("pkg/a.py", 2, "with m:", 1) in t.uncovered
