@@ -114,6 +114,32 @@ def test_group_helpers_describe_the_plan():
         assert bool((rows[real] >= 0).all())
 
 
+@pytest.mark.parametrize("R,num_slots", [(2, 1), (3, 0), (4, 2)])
+def test_group_expert_ids_name_every_row_of_the_serving_view(R, num_slots):
+    """Serving (B < epn): group_expert_ids names each of the R*Q + B view rows by the expert whose weights it holds,
+    empty groups included: expert e at its row pools.view_row(e), -1 on every pad row between a rank's experts and the
+    next rank's (Q > epn: 1 KiB experts on 4 KiB pages; R = 3 fills its pages, no pad row), then the B slots'
+    plan.slot_expert. Every expert once, so an id is never one a row does not hold."""
+    H = 32
+    epn = E // R
+    ranks = virtual.virtual_ranks(R, "cpu", timeout_s=30)
+    serving = virtual.run_threads(R, lambda r: ServingExperts(ranks[r], epn, [(16, H)], num_slots))
+    buffers = virtual.run_threads(R, lambda r: flatep.Buffer(ranks[r], S, H, E, K, align=8,
+                                                             pools=serving[r].pools))
+    idx = routing(R)
+    plans = virtual.run_threads(R, lambda r: buffers[r].plan(idx[r]))
+    pools, Q = serving[0].pools, serving[0].view_stride
+    assert (Q > epn) == (R != 3), Q
+    own = [-1] * (R * Q)
+    for e in range(E):
+        own[pools.view_row(e)] = e
+    assert sorted(own)[R * Q - E:] == list(range(E))
+    for r, plan in enumerate(plans):
+        ids = group_expert_ids(plan)
+        assert ids.tolist() == own + plan.slot_expert[:num_slots].tolist(), r
+        assert ids.numel() == serving[r].view_rows == group_sizes(plan).numel()
+
+
 # ---------------------------------------------------------------- Megatron-Core
 
 

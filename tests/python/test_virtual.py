@@ -283,6 +283,41 @@ def test_a_rank_that_never_arrives_is_named_within_the_timeout():
     assert time.monotonic() - start < 5
 
 
+def test_a_call_after_failed_calls_names_only_its_own_failures():
+    """A world reused after failed calls (run_threads resets its meeting first): what a later call's collective reports
+    comes from that call alone. Rank 1 fails a call, then rank 0 fails the next one: rank 1's PeerFailed names rank 0
+    only; then rank 1 just stays away: rank 0's is a PeerTimeout (not a PeerFailed) naming it; then both are there."""
+    R = 2
+    ranks = virtual.virtual_ranks(R, "cpu", timeout_s=0.5)
+    seen = {}
+
+    def step(bad, fail):
+        def run(r):
+            if r == bad:
+                if fail:
+                    raise KeyError(f"rank {r} broke")
+                return None
+            try:
+                ranks[r].barrier()
+            except virtual.PeerTimeout as e:
+                seen[r] = (type(e), str(e))
+                raise
+        return run
+
+    for bad in (1, 0):
+        seen.clear()
+        with pytest.raises(KeyError):
+            virtual.run_threads(R, step(bad, fail=True))
+        other = 1 - bad
+        assert seen == {other: (virtual.PeerFailed,
+                                f"virtual rank {other}: barrier: rank {bad} (KeyError: 'rank {bad} broke') failed")}
+    seen.clear()
+    with pytest.raises(virtual.PeerTimeout):
+        virtual.run_threads(R, step(1, fail=False))
+    assert seen == {0: (virtual.PeerTimeout, "virtual rank 0: barrier (posting): rank 1 did not arrive within 0.5 s")}
+    assert [t.tolist() for t in virtual.run_threads(R, lambda r: ranks[r].all_reduce(torch.ones(1)))] == [[2.0]] * 2
+
+
 def test_collective_ops_of_rank_threads_meet_on_the_host_first():
     """flatep._bootstrap.arrive (every collective op calls it): on a CUDA device, an op on a virtual rank's own thread
     waits on the host until every rank reached its op, so no rank's kernel can wait on the device for a peer whose

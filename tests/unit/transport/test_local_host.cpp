@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flatep/error.hpp"
@@ -117,6 +118,46 @@ TEST(LocalHost, AllocateWithDifferentSizesIsAMismatchOnEveryRank) {
     EXPECT_EQ(messages[0], "allocate: rank 0 asked for 4096 bytes but rank 1 asked for 8192");
     EXPECT_EQ(messages[1], "allocate: rank 1 asked for 8192 bytes but rank 0 asked for 4096");
     EXPECT_EQ(messages[2], "allocate: rank 2 asked for 4096 bytes but rank 1 asked for 8192");
+}
+
+// The agreement is on the bytes asked, not on the pages they round up to: two sizes on one page (what a region's
+// mapped_bytes would not tell apart) are a mismatch like any other, on every rank, and the transports allocate
+// normally afterwards (the refused round leaves no region behind). Pairs on one page, at a page's end and across
+// pages.
+TEST(LocalHost, AllocateAgreesOnTheBytesAskedNotOnTheirPages) {
+    const size_t page = host_memory::page_size();
+    const std::vector<std::pair<size_t, size_t>> pairs = {
+        {100, 200}, {1, page}, {page - 1, page}, {page + 1, 2 * page}, {page, page + 1}, {page + 8, page + 16}};
+    const int R = 2;
+    LocalHostWorld world(R, 10.0);
+    for (const auto& [a, b] : pairs) {
+        ASSERT_NE(a, b);
+        std::vector<std::string> messages(R);
+        std::vector<int> categories(R, -1);
+        const auto errors = run_ranks(R, [&](int rank) {
+            auto t = world.transport(rank);
+            const size_t mine = rank == 0 ? a : b;
+            try {
+                SymmetricRegion region = t->allocate(mine);
+                t->release(region);
+            } catch (const Error& e) {
+                categories[rank] = int(e.category());
+                messages[rank] = e.message();
+            }
+            // The same size on both ranks afterwards: allocated, and every peer's region is there.
+            SymmetricRegion region = t->allocate(a);
+            EXPECT_EQ(region.bytes, a);
+            for (int p = 0; p < R; ++p) EXPECT_NE(region.peers[p], nullptr);
+            t->bootstrap().all_gather("");
+            t->release(region);
+        });
+        ASSERT_EQ(failures(errors), "");
+        for (int r = 0; r < R; ++r) EXPECT_EQ(categories[r], int(ErrorCategory::kMismatch)) << a << " vs " << b;
+        EXPECT_EQ(messages[0], "allocate: rank 0 asked for " + std::to_string(a) + " bytes but rank 1 asked for " +
+                                   std::to_string(b));
+        EXPECT_EQ(messages[1], "allocate: rank 1 asked for " + std::to_string(b) + " bytes but rank 0 asked for " +
+                                   std::to_string(a));
+    }
 }
 
 TEST(LocalHost, AllGatherTimesOutNamingTheMissingPeer) {
