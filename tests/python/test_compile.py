@@ -18,6 +18,8 @@
 Reproduce: python3 -m pytest -q tests/python/test_compile.py (add -m cuda on a GPU for the device part only)
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -379,6 +381,15 @@ def _check_ffn_backward(activation, device, cu, rows, bitwise):
     for name, a_, b_ in zip(("grad_x", "grad_w1", "grad_w2"), got, want):
         assert a_.dtype == b_.dtype, f"{activation}: {name} is {a_.dtype}, autograd's {b_.dtype}"
         _close(a_, b_, f"{activation}: {name}", bitwise)
+    # Fewer gradients asked (a frozen projection, an input that needs none): the others are the same bits, the ones
+    # not asked are None.
+    for wants in itertools.product((False, True), repeat=3):
+        part = flatep.nn.ffn_backward(grad_y, x, h, a, w1, w2, cu, activation, *wants)
+        for name, wanted, p, full in zip(("grad_x", "grad_w1", "grad_w2"), wants, part, got):
+            if wanted:
+                assert torch.equal(_bits(p), _bits(full)), f"{activation}: {name} with wants {wants} differs"
+            else:
+                assert p is None, f"{activation}: {name} not asked (wants {wants}) but returned"
     y2, h2, a2 = flatep.nn.ffn_forward(x, w1, w2, cu, activation, False)  # forward only: nothing kept
     assert torch.equal(_bits(y2), _bits(y)) and h2.numel() == 0 and a2.numel() == 0
 
