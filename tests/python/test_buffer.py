@@ -205,6 +205,19 @@ def test_routing_generator():
     assert torch.equal(per_rank.int(), counts)
 
 
+def test_maxvio_of_expert_ids_counts_the_experts_no_token_chose():
+    # maxvio(ids, num_experts=E) is maxvio of the ids' [E] counts, every expert counted: one no token chose is a zero
+    # in the mean whatever its id, the highest ids included (counted here without bincount).
+    g = torch.Generator().manual_seed(5)
+    for num_experts in (4, 9, 16):
+        for highest in (1, num_experts // 2, num_experts):
+            ids = torch.randint(0, highest, (7, 3), generator=g)
+            counts = torch.stack([(ids == e).sum() for e in range(num_experts)])
+            assert flatep.testing.maxvio(ids, num_experts=num_experts) == flatep.testing.maxvio(counts)
+    # Experts 0 and 1 chosen twice each, 2 and 3 never: max 2 over a mean of 1.
+    assert flatep.testing.maxvio(torch.tensor([[0, 1], [1, 0]]), num_experts=4) == pytest.approx(1.0)
+
+
 def test_moe_single_rank_matches_dense():
     """Within one bf16 ulp of the largest magnitude, as test_serving.py: the CPU GEMM may round a row differently with
     the number of rows it is computed with (the layer's padded groups, the reference's exact ones), which flips one

@@ -215,6 +215,11 @@ def test_static_serving_layer_matches_dense_and_moves_the_weights_once():
     assert err < TOL and moved == placed_bytes(new)
     err, _, moved = infer(moes, 18, dense_seed=9)
     assert err < TOL and moved == [0] * R
+    # New weights through load_state_dict (the other layer's, seed 5): moved again, and the outputs follow them.
+    states = [others[r].state_dict() for r in range(R)]
+    virtual.run_threads(R, lambda r: moes[r].load_state_dict(states[r]))
+    err, _, moved = infer(moes, 21, dense_seed=5)
+    assert err < TOL and moved == placed_bytes(new)
 
 
 def test_static_training_layout_matches_dense_forward_and_backward():
