@@ -85,13 +85,13 @@ class Tally:
             return f"{100.0 * a / b:.1f}%" if b else "-"
 
         accounted = self.branches_hit + self.listed
-        generated = (f" ({self.generated} more on lines without a branch in the source, compiler-generated, left "
-                     "out)" if self.generated else "")
+        notes = (f" ({self.generated} more on lines without a branch in the source, compiler-generated, left "
+                 "out)" if self.generated else "")
         if self.by_lines:
-            generated += (f" ({self.by_lines} of them arcs the device's coverage.py does not count as branches, "
-                          "taken by their two lines)")
+            notes += (f" ({self.by_lines} of them arcs the device's coverage.py does not count as branches, taken by "
+                      "their two lines)")
         return (f"{self.name}: lines {self.lines_hit}/{self.lines} ({pct(self.lines_hit, self.lines)}), branches "
-                f"{self.branches_hit}/{self.branches} ({pct(self.branches_hit, self.branches)}){generated}; with the "
+                f"{self.branches_hit}/{self.branches} ({pct(self.branches_hit, self.branches)}){notes}; with the "
                 f"{self.listed} listed in the exclusions: {pct(accounted, self.branches)}")
 
 
@@ -228,16 +228,16 @@ def merge_stamped(paths):
     return {"meta": {"timestamp": ", ".join(sorted(stamps))}, "files": files}
 
 
-def _taken_by_lines(arc, taken, ran):
+def _taken_by_lines(arc, sources, ran):
     """Whether the device run took `arc` (a, b), a branch arc of the CPU's report, where the device's coverage.py does
     not count line a as a branch at all: coverage.py 6 (Debian's) counts arcs 7 does not, such as a `with`
     statement's exit and a decorated def's. Then the arc counts as taken when the device ran line a and line b, the
     line the arc goes to: in structured code b is reached from a that way only. A branch line the device ran took one
-    of its arcs there, so a line no taken arc starts from is not a branch to that coverage.py (a line that raised
-    before its jump is the exception). An arc to the exit of a code object (b < 0) never counts this way: a generator
-    left early and one run to its end both ran line a."""
+    of its arcs there, so a line no taken arc starts from (not in `sources`) is not a branch to that coverage.py (a
+    line that raised before its jump is the exception). An arc to the exit of a code object (b < 0) never counts this
+    way: a generator left early and one run to its end both ran line a."""
     a, b = arc
-    return b > 0 and a in ran and b in ran and not any(src == a for src, _ in taken)
+    return b > 0 and a in ran and b in ran and a not in sources
 
 
 def python_tally(report, root, device=None):
@@ -256,10 +256,17 @@ def python_tally(report, root, device=None):
         elif other is not None:
             taken = {tuple(b) for b in other["executed_branches"]}
             ran = set(other["executed_lines"])
+            sources = {a for a, _ in taken}
             missing_lines -= ran
-            by_lines = [b for b in missing if b not in taken and _taken_by_lines(b, taken, ran)]
-            t.by_lines += len(by_lines)
-            missing = [b for b in missing if b not in taken and b not in by_lines]
+            still = []
+            for arc in missing:
+                if arc in taken:
+                    continue
+                if _taken_by_lines(arc, sources, ran):
+                    t.by_lines += 1
+                else:
+                    still.append(arc)
+            missing = still
         t.lines += s["num_statements"]
         t.lines_hit += s["num_statements"] - len(missing_lines)
         t.branches += s.get("num_branches", 0)
