@@ -30,9 +30,10 @@ def arrive(group, op):
     a peer whose thread is still in work before the op. That work may block the host until the GPU's running kernels
     end (measured on an H100 by benchmarks/probes/host_block_probe.py: making a thread's cuBLAS handle, a GEMM
     kernel's first load), and with a rank's collective kernel waiting for that very thread the first step would hang until the
-    timeout (issue 59). Ops on other threads (one thread enqueueing every rank's op; autograd's backward thread) do
-    not wait: one thread enqueues every rank's part there; nor do ops being captured into a CUDA graph, which run
-    nothing (flatep.virtual.graph captures the ranks one at a time)."""
+    timeout (issue 59). A rank thread runs its backward itself (flatep.virtual binds it so), so the backward's ops
+    meet too. Ops on other threads (one thread enqueueing every rank's op; autograd's backward thread, when a
+    non-rank thread calls backward) do not wait: one thread enqueues every rank's part there; nor do ops being
+    captured into a CUDA graph, which run nothing (flatep.virtual.graph captures the ranks one at a time)."""
     meeting = getattr(group, "_meeting", None)
     if meeting is None or group.device.type != "cuda" or getattr(rank_threads, "rank_thread", None) is None:
         return

@@ -13,7 +13,8 @@ all_to_all_single, all_gather, broadcast, all_gather_object, barrier: data-paral
 baseline). Constructors and collectives run on the R ranks at once: ``run_threads(R, fn)`` runs fn(r) on rank r's
 thread. That thread is the same on every call for the life of the process and has the rank's CUDA device current,
 so whatever a rank did on it before (a stream made current with torch.cuda.set_stream, cuBLAS's handle, a warm-up)
-is there at its next step and when it captures a CUDA graph. On a CUDA device the ops never block the host, so one
+is there at its next step and when it captures a CUDA graph; a backward it calls runs on it too, not on torch's one
+autograd thread of the device. On a CUDA device the ops never block the host, so one
 thread may also enqueue every rank's op, each on its own stream. Two settings of CUDA, read when CUDA starts, make
 that safe, and importing this module before CUDA starts sets both unless they are set:
 
@@ -367,6 +368,7 @@ class _RankThread:
                     # peer's kernel back behind it (a hang until the timeout). run_threads orders it with the caller.
                     self.stream = torch.cuda.Stream(self.device)
                     torch.cuda.set_stream(self.stream)
+                    _own_backward()
                     self._bound = self.device
                 done.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -392,6 +394,17 @@ def _make_blas_handles(device):
         a = torch.ones(2, 2, device=device, dtype=torch.bfloat16, requires_grad=True)
         (a @ a).float().sum().backward()  # runs on the device's autograd thread: its handle too
         torch.cuda.synchronize(device)  # nothing of FlatEP's can run yet: the world is being made
+
+
+def _own_backward():
+    """The rank's backward runs on its own thread (a thread-local switch of torch's), as its forward does. By default torch
+    runs a CUDA graph's backward on one autograd thread per device, and that one thread would enqueue every rank's
+    backward with no host meeting: a GEMM of a kind it has not run before waits there until the GPU's running kernels
+    end (benchmarks/probes/host_block_probe.py), among them a rank's collective kernel waiting for a peer whose
+    backward that thread has yet to enqueue, and the first step hung until the timeout (test_moe_overlap's GPU case,
+    H100). On the rank's own thread the backward's FlatEP ops meet their peers on the host first (arrive), as the
+    forward's do. (A CUDA build of FlatEP needs torch 2.x, which has the switch.)"""
+    torch.autograd.set_multithreading_enabled(False)
 
 
 _autograd_warm = set()

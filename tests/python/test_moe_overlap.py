@@ -14,8 +14,10 @@ CPU backend (virtual ranks; no streams, every op synchronous, run in the schedul
 * the arguments' checks.
 GPU (marker cuda; skipped without one): the same comparisons on virtual ranks of one GPU, overlapped (comm_stream)
 against serial (current stream), bitwise, in a process of its own with CUDA_MODULE_LOADING=EAGER (see
-step_graph_cases.run_virtual for why: backward runs on torch's one autograd thread per device), each rank's forward
-from a thread of its own, with no warm-up of the layer's kernels (FlatEP's ops meet on the host first).
+step_graph_cases.run_virtual for why), each rank's forward and backward on a thread of its own, with no warm-up of
+the layer's kernels (FlatEP's ops meet on the host first). It caught the backward of every rank run on torch's one
+autograd thread of the device: its first GEMM of a kind waited for a rank's collective kernel, which waited for a
+peer that thread had yet to enqueue (a hang until the timeout; flatep.virtual now runs a rank's backward on it).
 
 Reproduce: PYTHONPATH=python:build/python /usr/bin/python3 -m pytest -q tests/python/test_moe_overlap.py
 """
