@@ -255,6 +255,22 @@ step_soak() {
 define pytest_cpu 300 "python3 -m pytest tests/python -m 'not cuda': the CPU tests under this torch"
 step_pytest_cpu() { "$PY" -m pytest tests/python -q -rs -m "not cuda" -p no:cacheprovider; }
 
+# pytest_cpu_half 1|2: test files sorted by name, split before test_moe_*.py (about half the CPU tests each side).
+pytest_cpu_half() {
+    local LC_ALL=C f first=() second=()
+    for f in tests/python/test_*.py; do
+        if [[ $(basename "$f") < test_moe ]]; then first+=("$f"); else second+=("$f"); fi
+    done
+    if (($1 == 1)); then set -- "${first[@]}"; else set -- "${second[@]}"; fi
+    "$PY" -m pytest "$@" -q -rs -m "not cuda" -p no:cacheprovider
+}
+
+define pytest_cpu1 420 "pytest_cpu's first half: the test files before test_moe_*.py"
+step_pytest_cpu1() { pytest_cpu_half 1; }
+
+define pytest_cpu2 420 "pytest_cpu's second half: test_moe_*.py and the files after it"
+step_pytest_cpu2() { pytest_cpu_half 2; }
+
 define step_graph_repeat 600 "the in-processes whole-step graph test STEP_GRAPH_REPEAT times (3) under \
 CUDA_DEVICE_MAX_CONNECTIONS 32 and 8, from pytest and from a plain python3 parent; the first run's graphs and forks"
 step_step_graph_repeat() {
