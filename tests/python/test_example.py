@@ -44,6 +44,34 @@ def test_train_moe_example_runs_and_matches_reference(device):
     assert lines[-1].endswith(": OK"), proc.stdout
 
 
+def test_train_moe_example_launched_as_torchrun_does_matches_its_spawned_run():
+    """`torchrun --nproc-per-node 2 examples/train_moe.py` (its docstring): one process per rank, each started with
+    torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), joins that group instead of
+    spawning, and prints exactly what the spawned run prints (rank 0), the other rank nothing. Debian's torchrun
+    itself does not start here (torch 1.13's elastic launcher fails on its redirects), so the test sets the variables."""
+    import socket
+
+    paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
+    args = [sys.executable, os.path.join(ROOT, "examples", "train_moe.py"), "--steps", "3", "--experts", "8",
+            "--tokens", "32"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    spawned = subprocess.run(args + ["--ranks", "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert spawned.returncode == 0, spawned.stdout + spawned.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(args, env=dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r}: {out}{err}"
+    assert outs[0][0] == spawned.stdout and outs[0][0].rstrip().endswith(": OK")
+    assert outs[1][0] == ""
+
+
 @pytest.mark.parametrize(
     "device",
     [

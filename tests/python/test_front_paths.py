@@ -96,6 +96,24 @@ def test_bootstrap_names_every_missing_peer_of_a_subgroup_by_its_group_rank(monk
     assert posted == [11, 11, 12, 13, 13, 14, 14]
 
 
+@pytest.mark.parametrize("kind", ["timed out", "left"])
+def test_bootstrap_names_one_kind_of_missing_peer_alone(monkeypatch, kind):
+    """Peers that all stalled, or all left: one clause, the other kind not mentioned (no empty "rank  ... " clause)."""
+    if kind == "timed out":
+        outcomes = {1: True, 2: RuntimeError("Timed out waiting 500ms for recv operation"), 3: False}
+        want = "rank 2, rank 3 did not arrive within 0.5 s"
+    else:
+        outcomes = {1: RuntimeError("Connection closed by peer"), 2: True, 3: ("post", RuntimeError("reset"))}
+        want = "rank 1, rank 3 left the job (connection closed) without arriving"
+    group, _ = _fake_gloo_group(monkeypatch, 4, outcomes)
+    boot = distributed.TorchBootstrap(group, timeout_s=0.5)
+    with pytest.raises(PeerTimeout) as info:
+        boot.all_gather(b"x")
+    assert str(info.value) == f"torch.distributed bootstrap all_gather #0 on rank 0: {want}"
+    with pytest.raises(PeerTimeout, match=r"^torch.distributed bootstrap all_gather #1 on rank 0: "):
+        boot.all_gather(b"x")  # the next call counts on
+
+
 def test_bootstrap_over_a_subgroup_gathers_once_every_peer_arrived(monkeypatch):
     group, posted = _fake_gloo_group(monkeypatch, 3, {1: True, 2: True})
     boot = distributed.TorchBootstrap(group, timeout_s=1.0)

@@ -68,3 +68,22 @@ def test_grouped_mm_autograd_matches_loop():
         ref, got = (ref[:64], got[:64]) if name == "x" else (ref, got)
         err = (got - ref).abs().max().item() / ref.abs().max().item()
         assert err <= 2**-5, f"{name}: relative error {err}"
+
+
+def test_the_serving_kernels_rule_is_whether_autograd_records():
+    """On the GPU grouped_ffn takes the bounded serving kernels (activate_rows, zero_rows_from_end: no autograd
+    formula) only when autograd records nothing; its rule (flatep.ffn._records_grad, computed on the host) must be
+    torch's own: whether an op on the three tensors gives a result that requires grad, in every grad mode and for
+    every set of tensors requiring grad (a wrong rule takes the kernels under training: no gradient, or the torch ops
+    under serving: work bounded by the capacity)."""
+    import itertools
+
+    from flatep import ffn
+
+    for flags in itertools.product((False, True), repeat=3):
+        ts = [torch.ones(2, 2, requires_grad=f) for f in flags]
+        for mode in (torch.enable_grad, torch.no_grad, torch.inference_mode):
+            with mode():
+                recorded = (ts[0] + ts[1] + ts[2]).requires_grad
+                assert ffn._records_grad(*ts) is recorded, (flags, mode.__name__)
+                assert recorded == (any(flags) and mode is torch.enable_grad)
