@@ -186,3 +186,19 @@ def test_virtual_collectives_go_to_the_virtual_rank():
     got = virtual.run_threads(2, step)
     assert got[0] == ([3.0, 10.0], [[0, 5], [1, 6]], ["rank0", "rank1"], [14.0], [0.0, 1.0])
     assert got[1] == ([3.0, 10.0], [[0, 5], [1, 6]], ["rank0", "rank1"], [14.0], [10.0, 11.0])
+
+
+@pytest.mark.parametrize("R, epn", [(1, 3), (2, 2), (3, 1), (4, 2), (5, 3), (2, 5), (7, 2)])
+def test_by_local_expert_groups_arriving_rows_by_local_expert_then_source(R, epn):
+    """Rows arrive ordered by [source rank][local expert]; the order by_local_expert returns lists them by [local
+    expert][source rank], each block in arrival order, and offs are the inclusive ends of the local experts' groups,
+    for more ranks than local experts too (R > epn), fewer, and equal, with empty blocks."""
+    g = torch.Generator().manual_seed(10 * R + epn)
+    counts = torch.randint(0, 4, (R, epn), generator=g)
+    counts[0, 0] = 0
+    arrival = [(s, e) for s in range(R) for e in range(epn) for _ in range(int(counts[s, e]))]
+    want = sorted(range(len(arrival)), key=lambda i: (arrival[i][1], arrival[i][0], i))
+    for total in (None, len(arrival)):
+        order, offs = baseline.by_local_expert(counts, total=total)
+        assert order.tolist() == want
+        assert offs.dtype == torch.int32 and offs.tolist() == torch.cumsum(counts.sum(0), 0).tolist()
