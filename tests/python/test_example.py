@@ -48,7 +48,7 @@ def test_train_moe_example_launched_as_torchrun_does_matches_its_spawned_run():
     """`torchrun --nproc-per-node 2 examples/train_moe.py` (its docstring): one process per rank, each started with
     torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), joins that group instead of
     spawning, and prints exactly what the spawned run prints (rank 0), the other rank nothing. Debian's torchrun
-    itself does not start here (torch 1.13's elastic launcher fails on its redirects), so the test sets the variables."""
+    itself does not start here (torch 1.13's elastic launcher fails on its redirects): the test sets the variables."""
     import socket
 
     paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
