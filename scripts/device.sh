@@ -214,13 +214,25 @@ pytest_cuda_files() {
         -p no:cacheprovider --durations=15 --ignore=tests/python/test_gpu_virtual.py
 }
 
-# pytest_cuda_half 1|2: test files sorted by name, split after test_gpu_zero_copy.py.
-pytest_cuda_half() {
-    local LC_ALL=C f first=() second=()
+# test_files_half 1|2 NAME: the test files of tests/python sorted by name (C locale), one a line: those whose name
+# sorts before NAME (1), or the others (2).
+test_files_half() {
+    local LC_ALL=C f
     for f in tests/python/test_*.py; do
-        if [[ $(basename "$f") < test_gpu_zz ]]; then first+=("$f"); else second+=("$f"); fi
+        if [[ $(basename "$f") < $2 ]]; then
+            (($1 == 1)) && echo "$f"
+        else
+            (($1 == 2)) && echo "$f"
+        fi
     done
-    if (($1 == 1)); then pytest_cuda_files "${first[@]}"; else pytest_cuda_files "${second[@]}"; fi
+    return 0
+}
+
+# pytest_cuda_half 1|2: pytest_cuda_files of test_files_half, split after test_gpu_zero_copy.py.
+pytest_cuda_half() {
+    local files
+    mapfile -t files < <(test_files_half "$1" test_gpu_zz)
+    pytest_cuda_files "${files[@]}"
 }
 
 define pytest_cuda 500 "python3 -m pytest tests/python -m cuda (but test_gpu_virtual.py): the Python tests on cuda:0"
@@ -255,14 +267,11 @@ step_soak() {
 define pytest_cpu 300 "python3 -m pytest tests/python -m 'not cuda': the CPU tests under this torch"
 step_pytest_cpu() { "$PY" -m pytest tests/python -q -rs -m "not cuda" -p no:cacheprovider; }
 
-# pytest_cpu_half 1|2: test files sorted by name, split before test_moe_*.py (about half the CPU tests each side).
+# pytest_cpu_half 1|2: the CPU tests of test_files_half, split before test_moe_*.py (about half of them each side).
 pytest_cpu_half() {
-    local LC_ALL=C f first=() second=()
-    for f in tests/python/test_*.py; do
-        if [[ $(basename "$f") < test_moe ]]; then first+=("$f"); else second+=("$f"); fi
-    done
-    if (($1 == 1)); then set -- "${first[@]}"; else set -- "${second[@]}"; fi
-    "$PY" -m pytest "$@" -q -rs -m "not cuda" -p no:cacheprovider
+    local files
+    mapfile -t files < <(test_files_half "$1" test_moe)
+    "$PY" -m pytest "${files[@]}" -q -rs -m "not cuda" -p no:cacheprovider
 }
 
 define pytest_cpu1 420 "pytest_cpu's first half: the test files before test_moe_*.py"
