@@ -7,6 +7,7 @@ measurements to a JSON file that the pytest functions check.
 
 import contextlib
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,13 @@ def cuda_unavailable_reason():
     if not torch.cuda.is_available():
         return f"no usable CUDA device (torch {torch.__version__}: torch.cuda.is_available() is False)"
     return None
+
+
+def flatep_env(**extra):
+    """os.environ for a child python3 (an example, a benchmark) that imports flatep from where this process does (the
+    source package and the compiled extension, ahead of any PYTHONPATH), with `extra` variables set."""
+    paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), **extra)
 
 
 def rank_device(name):

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 
-import flatep
 import mp_cases
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -29,8 +28,7 @@ CUDA_SKIP = mp_cases.cuda_unavailable_reason()
 )
 def test_train_moe_example_runs_and_matches_reference(device):
     # The directories this process imports flatep from (the source package and the compiled extension).
-    paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env = mp_cases.flatep_env()
     steps = 4
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "train_moe.py"), "--steps", str(steps), "--ranks", "2",
@@ -51,10 +49,9 @@ def test_train_moe_example_launched_as_torchrun_does_matches_its_spawned_run():
     itself does not start here (torch 1.13's elastic launcher fails on its redirects): the test sets the variables."""
     import socket
 
-    paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
     args = [sys.executable, os.path.join(ROOT, "examples", "train_moe.py"), "--steps", "3", "--experts", "8",
             "--tokens", "32"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env = mp_cases.flatep_env()
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     spawned = subprocess.run(args + ["--ranks", "2"], env=env, capture_output=True, text=True, timeout=300)
@@ -85,8 +82,7 @@ def test_serve_moe_example_prefill_and_decode_match_reference(device):
     """examples/serve_moe.py: a balanced prefill step with B = 1 slot, then owner-planner decode steps over the same
     weights, ragged ranks with an empty one, each step within tolerance of the dense reference; the prefill's rows are
     equal on every rank (balanced whatever B), decode rows are each rank's own (no replicas)."""
-    paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env = mp_cases.flatep_env()
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "serve_moe.py"), "--device", device, "--decode-steps", "3"],
         env=env, capture_output=True, text=True, timeout=300,

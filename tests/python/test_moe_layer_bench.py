@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-import flatep
+import mp_cases
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 LAYER = os.path.join(ROOT, "benchmarks", "layer")  # the layer benchmarks
@@ -23,8 +23,7 @@ FLATEP_PHASES = BASELINE_PHASES | {"prefetch", "reduce_grad"}
 
 
 def run(tmp_path, *extra):
-    paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env = mp_cases.flatep_env()
     cmd = [sys.executable, os.path.join(LAYER, "moe_layer.py"), *TINY, "--out", str(tmp_path), *extra]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
@@ -70,8 +69,7 @@ def test_moe_layer_bench_equality_check_fails_loudly(tmp_path):
 def test_moe_layer_virtual_tiny_cpu(tmp_path):
     """benchmarks/layer/moe_layer_virtual.py: R=4 virtual ranks in one process, same CSV layout, the equality check
     passes; 'layer' is the sum over phases of the slowest rank."""
-    paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env = mp_cases.flatep_env()
     args = list(TINY)
     args[args.index("--ranks") + 1] = "4"
     args[args.index("--experts") + 1] = "16"
@@ -102,8 +100,7 @@ def test_moe_layer_virtual_before48_switches_cpu(tmp_path):
     """The A/B switches that replay the issue-48 run's choices (the baseline's weighted-sum backward by autograd,
     FlatEP's local ops under the SM budget and its combine backward rows copied out, gradients overwritten) compute
     the same layer: the equality check passes at both skews."""
-    paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env = mp_cases.flatep_env()
     cmd = [sys.executable, os.path.join(LAYER, "moe_layer_virtual.py"), *TINY, "--out", str(tmp_path),
            "--no-plot", "--maxvio", "0.2", "20", "--baseline-unpermute", "autograd", "--flatep-local-ops", "capped",
            "--flatep-combine-bwd", "copy", "--wgrad-mode", "overwrite"]
@@ -113,8 +110,7 @@ def test_moe_layer_virtual_before48_switches_cpu(tmp_path):
 
 
 def test_moe_layer_virtual_check_catches_a_mismatch(tmp_path):
-    paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env = mp_cases.flatep_env()
     cmd = [sys.executable, os.path.join(LAYER, "moe_layer_virtual.py"), *TINY, "--out", str(tmp_path),
            "--no-plot", "--maxvio", "1", "--inject-mismatch"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -159,8 +155,7 @@ def test_moe_layer_virtual_profile_baseline_cpu(tmp_path):
     import gzip
     import json
 
-    paths = [os.path.dirname(p) for p in flatep.__path__] + [os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env = mp_cases.flatep_env()
     prof = tmp_path / "prof"
     cmd = [sys.executable, os.path.join(LAYER, "moe_layer_virtual.py"), *TINY, "--out", str(tmp_path),
            "--no-plot", "--maxvio", "1", "20", "--profile-baseline", str(prof), "--profile-maxvio", "1"]
